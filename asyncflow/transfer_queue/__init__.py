@@ -1,0 +1,21 @@
+"""TransferQueue: the streaming, columnar store that moves every sample between RL stages.
+
+A controller keeps metadata (rows, produced columns, consumption per task); storage
+units keep bytes; clients put and get columns, variable-length ones without padding.
+See DESIGN.md, section "TransferQueue".
+"""
+from .client import AsyncTransferQueueClient, TransferQueueClient
+from .columns import FieldSchema, FixedColumn, JaggedColumn, ObjectColumn
+from .errors import (BadPutError, CapacityError, RemoteError, RowsClearedError, SchemaMismatchError,
+                     TransferQueueError, TransferQueueTimeout, UnknownPartitionError, UnknownTaskError)
+from .meta import BatchMeta
+from .samplers import register_sampler
+from .service import TransferQueueConfig, TransferQueueService, serve_storage_unit
+
+__all__ = [
+    "AsyncTransferQueueClient", "TransferQueueClient", "TransferQueueService", "TransferQueueConfig",
+    "serve_storage_unit", "BatchMeta", "FieldSchema", "FixedColumn", "JaggedColumn", "ObjectColumn",
+    "register_sampler", "TransferQueueError", "UnknownPartitionError", "UnknownTaskError",
+    "SchemaMismatchError", "BadPutError", "RowsClearedError", "CapacityError", "TransferQueueTimeout",
+    "RemoteError",
+]

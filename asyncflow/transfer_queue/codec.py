@@ -1,0 +1,124 @@
+"""Zero-copy wire codec: a JSON header frame plus one raw frame per tensor.
+
+Any structure of JSON values and tensors is encoded as ``[header, buf0, buf1, ...]``.
+Tensors never go through pickle: their bytes travel as separate ZMQ frames sent with
+``copy=False`` and are rebuilt on receipt with ``torch.frombuffer`` over the frame's
+memory, so a payload is copied by the kernel only. Nothing here unpickles, so a
+message from the network can at worst fail to decode; it cannot execute code.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import torch
+
+_TENSOR_KEY = "__t"
+
+# Only these dtypes may come off the wire: a header cannot name an arbitrary attribute.
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+        torch.float16, torch.bfloat16, torch.float32, torch.float64,
+        torch.complex64, torch.complex128,
+    )
+}
+
+
+class CodecError(ValueError):
+    """A message could not be encoded or decoded."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise CodecError(f"dtype {dtype} cannot be sent; supported: {sorted(_DTYPES)}")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CodecError(f"unknown dtype {name!r} in message; supported: {sorted(_DTYPES)}") from None
+
+
+def _tensor_frame(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    # A uint8 view gives numpy a dtype it knows (bfloat16 has none) at no copy.
+    flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def encode(obj: Any) -> list:
+    """Encode ``obj`` into frames: ``[header_bytes, *tensor_buffers]``."""
+    buffers: list = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            buffers.append(_tensor_frame(x))
+            return {_TENSOR_KEY: len(buffers) - 1, "d": dtype_name(x.dtype), "s": list(x.shape)}
+        if isinstance(x, dict):
+            if _TENSOR_KEY in x:
+                raise CodecError(f"dict key {_TENSOR_KEY!r} is reserved by the wire codec")
+            return {str(k): walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [walk(v) for v in x]
+        return x
+
+    try:
+        header = json.dumps(walk(obj), separators=(",", ":"), allow_nan=True).encode()
+    except TypeError as e:
+        raise CodecError(f"cannot encode message: {e}; only JSON values and tensors travel") from e
+    return [header, *buffers]
+
+
+def decode(frames: Sequence[Any]) -> Any:
+    """Inverse of :func:`encode`. Frames may be ``bytes`` or ``zmq.Frame`` objects.
+
+    Tensors returned share memory with the frames (zero copy): clone before writing.
+    """
+    if not frames:
+        raise CodecError("empty message")
+    head = frames[0]
+    raw = head.bytes if hasattr(head, "bytes") else bytes(head)
+    try:
+        tree = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CodecError(f"bad header frame: {e}") from e
+    bufs = frames[1:]
+
+    def tensor(spec: dict) -> torch.Tensor:
+        i = spec[_TENSOR_KEY]
+        if not isinstance(i, int) or not 0 <= i < len(bufs):
+            raise CodecError(f"tensor frame {i!r} missing: message has {len(bufs)} data frames")
+        dtype = dtype_from_name(spec["d"])
+        shape = [int(s) for s in spec["s"]]
+        frame = bufs[i]
+        # bytes are read-only and torch warns on them; zmq frames are writable.
+        mem = frame.buffer if hasattr(frame, "buffer") else memoryview(bytearray(frame))
+        numel = 1
+        for s in shape:
+            numel *= s
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if mem.nbytes != numel * itemsize:
+            raise CodecError(f"tensor frame {i} has {mem.nbytes} bytes, header says {shape} of {spec['d']}")
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(mem, dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, dict):
+            if _TENSOR_KEY in x:
+                return tensor(x)
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(tree)

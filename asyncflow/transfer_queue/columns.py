@@ -1,0 +1,291 @@
+"""Columns as the TransferQueue stores and moves them.
+
+Three kinds:
+- ``fixed``: one tensor ``[rows, *shape]`` (scalars per row, fixed-size vectors).
+- ``jagged``: variable-length rows (token ids, per-token log-probs) as one flat
+  ``values`` buffer ``[total, *shape]`` plus ``offsets`` ``[rows + 1]``; never padded.
+- ``object``: a list of JSON-representable Python values (strings such as
+  ground-truth answers, dicts of metadata). They travel as JSON, never as pickle.
+
+A column's *schema* (kind, dtype, per-element shape) is fixed on first write; later
+writes to the same column of a partition must match it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .codec import CodecError, dtype_name
+
+
+@dataclass(frozen=True)
+class FieldSchema:
+    kind: str  # "fixed" | "jagged" | "object"
+    dtype: str | None  # None for object columns
+    shape: tuple[int, ...]  # per-row shape (fixed) or per-token shape (jagged)
+
+    def describe(self) -> str:
+        if self.kind == "object":
+            return "object"
+        return f"{self.kind} {self.dtype}{list(self.shape)}"
+
+    def to_wire(self) -> list:
+        return [self.kind, self.dtype, list(self.shape)]
+
+    @staticmethod
+    def from_wire(w: Sequence) -> "FieldSchema":
+        return FieldSchema(w[0], w[1], tuple(w[2]))
+
+
+class Column:
+    kind: str
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def take(self, idx: Sequence[int]) -> "Column":
+        """Rows ``idx`` in that order."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+@dataclass
+class FixedColumn(Column):
+    data: torch.Tensor
+    kind = "fixed"
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def schema(self) -> FieldSchema:
+        return FieldSchema("fixed", dtype_name(self.data.dtype), tuple(self.data.shape[1:]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def take(self, idx: Sequence[int]) -> "FixedColumn":
+        run = _as_run(idx)
+        if run is not None:
+            return FixedColumn(self.data[run[0]:run[1]])
+        return FixedColumn(self.data[torch.as_tensor(idx, dtype=torch.long)])
+
+    def row_lengths(self) -> None:
+        return None
+
+
+@dataclass
+class JaggedColumn(Column):
+    values: torch.Tensor  # [total, *shape]
+    offsets: torch.Tensor  # [rows + 1], int64, offsets[0] == 0
+    kind = "jagged"
+
+    def __len__(self) -> int:
+        return self.offsets.shape[0] - 1
+
+    @property
+    def schema(self) -> FieldSchema:
+        return FieldSchema("jagged", dtype_name(self.values.dtype), tuple(self.values.shape[1:]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size() + self.offsets.numel() * 8
+
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def row(self, i: int) -> torch.Tensor:
+        return self.values[int(self.offsets[i]):int(self.offsets[i + 1])]
+
+    def take(self, idx: Sequence[int]) -> "JaggedColumn":
+        run = _as_run(idx)
+        if run is not None:  # contiguous rows: a view, no copy
+            a, b = run
+            lo, hi = int(self.offsets[a]), int(self.offsets[b])
+            return JaggedColumn(self.values[lo:hi], self.offsets[a:b + 1] - lo)
+        ix = torch.as_tensor(idx, dtype=torch.long)
+        starts = self.offsets[ix]
+        lens = self.offsets[ix + 1] - starts
+        new_off = torch.zeros(len(ix) + 1, dtype=torch.long)
+        torch.cumsum(lens, 0, out=new_off[1:])
+        total = int(new_off[-1])
+        # One flat gather index: each row's source start shifted onto its new position.
+        flat = torch.repeat_interleave(starts - new_off[:-1], lens, output_size=total)
+        flat += torch.arange(total)
+        return JaggedColumn(self.values[flat], new_off)
+
+
+@dataclass
+class ObjectColumn(Column):
+    items: list
+    kind = "object"
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def schema(self) -> FieldSchema:
+        return FieldSchema("object", None, ())
+
+    @property
+    def nbytes(self) -> int:
+        return 64 * len(self.items)  # rough: only used for capacity accounting
+
+    def take(self, idx: Sequence[int]) -> "ObjectColumn":
+        items = self.items
+        return ObjectColumn([items[i] for i in idx])
+
+
+def _as_run(idx: Sequence[int]) -> tuple[int, int] | None:
+    """(start, stop) when ``idx`` is a contiguous ascending range."""
+    if isinstance(idx, range) and idx.step == 1:
+        return (idx.start, idx.stop)
+    n = len(idx)
+    if n == 0:
+        return (0, 0)
+    a = idx[0]
+    if idx[n - 1] - a == n - 1 and (n < 3 or all(idx[i] + 1 == idx[i + 1] for i in range(n - 1))):
+        return (a, a + n)
+    return None
+
+
+def concat(cols: Sequence[Column]) -> Column:
+    """Rows of ``cols`` one after another; all of one kind and dtype."""
+    if len(cols) == 1:
+        return cols[0]
+    first = cols[0]
+    if isinstance(first, FixedColumn):
+        return FixedColumn(torch.cat([c.data for c in cols]))
+    if isinstance(first, JaggedColumn):
+        values = torch.cat([c.values for c in cols])
+        offs = [first.offsets]
+        base = int(first.offsets[-1])
+        for c in cols[1:]:
+            offs.append(c.offsets[1:] + base)
+            base += int(c.offsets[-1])
+        return JaggedColumn(values, torch.cat(offs))
+    return ObjectColumn([x for c in cols for x in c.items])
+
+
+# ---- wire form: nested JSON + tensors for codec.encode ------------------------------
+
+def column_to_wire(col: Column) -> dict:
+    if isinstance(col, FixedColumn):
+        return {"k": "fixed", "data": col.data}
+    if isinstance(col, JaggedColumn):
+        return {"k": "jagged", "values": col.values, "offsets": col.offsets}
+    return {"k": "object", "items": col.items}
+
+
+def column_from_wire(w: Mapping[str, Any]) -> Column:
+    kind = w.get("k") if isinstance(w, Mapping) else None
+    try:
+        if kind == "fixed":
+            return FixedColumn(w["data"])
+        if kind == "jagged":
+            col = JaggedColumn(w["values"], w["offsets"])
+            if col.offsets.dtype != torch.int64 or col.offsets.dim() != 1:
+                raise CodecError("jagged offsets must be a 1-D int64 tensor")
+            return col
+        if kind == "object":
+            return ObjectColumn(list(w["items"]))
+    except KeyError as e:
+        raise CodecError(f"column of kind {kind!r} lacks {e}") from None
+    raise CodecError(f"unknown column kind {kind!r}")
+
+
+# ---- user data -> columns -----------------------------------------------------------
+
+def _is_tensordict(x: Any) -> bool:
+    return type(x).__module__.startswith("tensordict")
+
+
+def _from_nested(nt: torch.Tensor, name: str) -> JaggedColumn:
+    if getattr(nt, "layout", None) != torch.jagged:
+        rows = nt.unbind()
+        return _from_row_list(list(rows), name)
+    if getattr(nt, "_lengths", None) is not None:  # holes in the buffer: gather rows
+        return _from_row_list(list(nt.unbind()), name)
+    offsets = nt.offsets().to(torch.long)
+    values = nt.values()
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    if lo or hi != values.shape[0]:
+        values = values[lo:hi]
+        offsets = offsets - lo
+    return JaggedColumn(values, offsets)
+
+
+def _from_row_list(rows: list, name: str) -> JaggedColumn:
+    if not rows:
+        raise ValueError(f"column {name!r}: an empty list of rows has no dtype; send at least one row")
+    dtypes = {r.dtype for r in rows}
+    if len(dtypes) > 1:
+        raise ValueError(f"column {name!r}: rows have mixed dtypes {sorted(map(str, dtypes))}")
+    tails = {tuple(r.shape[1:]) for r in rows}
+    if len(tails) > 1 or any(r.dim() == 0 for r in rows):
+        raise ValueError(f"column {name!r}: variable-length rows must be tensors of shape [len, *same]; "
+                         f"got shapes {sorted({tuple(r.shape) for r in rows})[:4]}")
+    lens = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
+    torch.cumsum(lens, 0, out=offsets[1:])
+    return JaggedColumn(torch.cat([r.detach().cpu() for r in rows]), offsets)
+
+
+def to_column(name: str, value: Any) -> Column:
+    if isinstance(value, Column):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            return _from_nested(value, name)
+        if value.dim() == 0:
+            raise ValueError(f"column {name!r} is a 0-d tensor; a column needs one entry per row")
+        return FixedColumn(value.detach().cpu())
+    if _is_tensordict(value) and hasattr(value, "tolist"):  # NonTensorStack / NonTensorData
+        return ObjectColumn(list(value.tolist()))
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, torch.Tensor) for v in value):
+            return _from_row_list(list(value), name)
+        if any(isinstance(v, torch.Tensor) for v in value):
+            raise ValueError(f"column {name!r} mixes tensors and other values")
+        return ObjectColumn(list(value))
+    raise ValueError(f"column {name!r}: cannot store a {type(value).__name__}; use a tensor, a nested "
+                     "(jagged) tensor, a list of 1-D tensors, or a list of JSON values")
+
+
+def to_columns(data: Any) -> tuple[dict[str, Column], int]:
+    """Normalise a TensorDict or a mapping of columns; check every column has one row count."""
+    if _is_tensordict(data):
+        names = list(data.keys())
+        items = {k: data.get(k) for k in names}
+    elif isinstance(data, Mapping):
+        items = dict(data)
+    else:
+        raise TypeError(f"put expects a TensorDict or a dict of columns, got {type(data).__name__}")
+    if not items:
+        raise ValueError("put of no columns: the data has no fields")
+    cols = {str(k): to_column(str(k), v) for k, v in items.items()}
+    counts = {k: len(c) for k, c in cols.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"columns have different row counts: {counts}; every column needs one entry per row")
+    return cols, next(iter(counts.values()))
+
+
+def to_tensordict(cols: Mapping[str, Column], n_rows: int):
+    """Columns -> TensorDict with ``batch_size=[n_rows]``; jagged columns become nested tensors."""
+    from tensordict import NonTensorStack, TensorDict  # slow import: only when asked for
+
+    out = {}
+    for k, c in cols.items():
+        if isinstance(c, FixedColumn):
+            out[k] = c.data
+        elif isinstance(c, JaggedColumn):
+            out[k] = torch.nested.nested_tensor_from_jagged(c.values, c.offsets)
+        else:
+            out[k] = NonTensorStack.from_list(c.items) if c.items else NonTensorStack(batch_size=[0])
+    return TensorDict(out, batch_size=[n_rows])

@@ -1,0 +1,412 @@
+"""The TransferQueue controller: metadata only, never data bytes.
+
+Per partition it knows which rows exist, which columns each row has (a bitmask per
+row), each column's schema, and, per consumer task, which rows the task consumed.
+Readiness is kept incrementally: a *subscription* (task, column set) holds the rows
+that have all its columns and that the task has not consumed, in the order they
+became ready. A write updates only the subscriptions that read the written columns,
+for the written rows; a request looks only at its subscription. Waiting requests
+sleep on an event that writes set: no polling.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .columns import FieldSchema
+from .errors import (BadPutError, RowsClearedError, SchemaMismatchError, TransferQueueTimeout,
+                     UnknownPartitionError, UnknownTaskError)
+from .meta import BatchMeta, unit_of
+from .samplers import Sampler, build_sampler
+
+
+@dataclass
+class _Subscription:
+    task: str
+    columns: tuple[str, ...]
+    mask: int
+    ready: dict[int, None] = field(default_factory=dict)  # insertion-ordered set
+
+
+@dataclass
+class _DPShare:
+    """Batches handed to one data-parallel group: every member gets the same ones."""
+    size: int
+    base: int = 0  # sequence number of batches[0]
+    batches: list = field(default_factory=list)  # [meta_wire, set of ranks that took it]
+    next_seq: dict[int, int] = field(default_factory=dict)
+
+
+class _Partition:
+    def __init__(self, name: str):
+        self.name = name
+        self.schema: dict[str, FieldSchema] = {}
+        self.bit: dict[str, int] = {}
+        self.rows: dict[int, int] = {}  # row -> mask of produced columns
+        self.groups: dict[int, int] = {}
+        self.tokens: dict[int, int] = {}
+        self.consumed: dict[str, set[int]] = {}
+        self.subs: dict[str, dict[tuple[str, ...], _Subscription]] = {}
+        self.subs_by_column: dict[str, list[_Subscription]] = {}
+        self.dp_shares: dict[tuple[str, str], _DPShare] = {}
+        self.closed = False
+        self.cleared = False
+        self.changed = asyncio.Event()
+        self.created = time.time()
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def mask_of(self, columns: Sequence[str]) -> int | None:
+        m = 0
+        for c in columns:
+            b = self.bit.get(c)
+            if b is None:
+                return None
+            m |= 1 << b
+        return m
+
+
+class Controller:
+    """Metadata service. Methods prefixed ``rpc_`` are what clients call (locally or over ZMQ)."""
+
+    def __init__(self, default_timeout: float = 300.0):
+        self.partitions: dict[str, _Partition] = {}
+        self.cleared: set[str] = set()
+        self.tasks: set[str] = set()
+        self.units: dict[int, Any] = {}  # unit index -> endpoint (RpcClient or LocalEndpoint)
+        self.unit_addresses: dict[int, str] = {}
+        self.default_timeout = default_timeout
+        self._samplers: dict[str, Sampler] = {}
+        self.stats = {"get_meta": 0, "notify": 0, "rows_ready": 0}
+
+    # ---- lookup ---------------------------------------------------------------------
+
+    def _partition(self, name: str) -> _Partition:
+        p = self.partitions.get(name)
+        if p is not None:
+            return p
+        if name in self.cleared:
+            raise RowsClearedError(f"partition {name!r} was cleared; create it again to reuse the name")
+        known = sorted(self.partitions)
+        raise UnknownPartitionError(
+            f"unknown partition {name!r}; create it first with create_partition "
+            f"(known: {known[:10]}{' ...' if len(known) > 10 else ''})")
+
+    def _sampler(self, spec: Any) -> Sampler:
+        key = json.dumps(spec, sort_keys=True)
+        s = self._samplers.get(key)
+        if s is None:
+            s = self._samplers[key] = build_sampler(spec)
+        return s
+
+    # ---- storage units ---------------------------------------------------------------
+
+    def attach_unit(self, index: int, endpoint: Any, address: str) -> None:
+        self.units[index] = endpoint
+        self.unit_addresses[index] = address
+
+    async def rpc_register_unit(self, index: int, address: str) -> dict:
+        from .transport import RpcClient  # a unit in another process: reach it over ZMQ
+
+        if index in self.units and self.unit_addresses.get(index) != address:
+            raise ValueError(f"storage unit {index} is already registered at {self.unit_addresses[index]}")
+        if index not in self.units:
+            self.attach_unit(index, RpcClient(address, self._zmq_ctx()), address)
+        return await self.rpc_info()
+
+    def _zmq_ctx(self):
+        import zmq.asyncio
+        return zmq.asyncio.Context.instance()
+
+    async def rpc_info(self) -> dict:
+        return {"units": {str(i): a for i, a in sorted(self.unit_addresses.items())}}
+
+    # ---- partitions -------------------------------------------------------------------
+
+    async def rpc_create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
+        if not isinstance(partition, str) or not partition:
+            raise ValueError(f"partition name must be a non-empty string, got {partition!r}")
+        if partition not in self.partitions:
+            self.partitions[partition] = _Partition(partition)
+            self.cleared.discard(partition)
+        self.tasks.update(tasks)
+
+    async def rpc_close_partition(self, partition: str) -> None:
+        """End of stream: no new rows will come (columns of existing rows still may)."""
+        p = self._partition(partition)
+        p.closed = True
+        p.wake()
+
+    async def rpc_clear(self, partition: str) -> int:
+        """Forget the partition and free its bytes in every unit. Returns rows freed."""
+        p = self._partition(partition)
+        n = len(p.rows)
+        del self.partitions[partition]
+        self.cleared.add(partition)
+        p.cleared = True
+        p.wake()
+        await asyncio.gather(*(u.call("drop_partition", partition=partition) for u in self.units.values()))
+        return n
+
+    async def rpc_clear_rows(self, partition: str, rows: Sequence[int]) -> int:
+        p = self._partition(partition)
+        gone = [r for r in rows if r in p.rows]
+        for r in gone:
+            del p.rows[r]
+            p.groups.pop(r, None)
+            p.tokens.pop(r, None)
+        for consumed in p.consumed.values():
+            consumed.difference_update(gone)
+        for per_task in p.subs.values():
+            for sub in per_task.values():
+                for r in gone:
+                    sub.ready.pop(r, None)
+        by_unit: dict[int, list[int]] = {}
+        for r in gone:
+            by_unit.setdefault(unit_of(r), []).append(r)
+        await asyncio.gather(*(self.units[u].call("drop_rows", partition=partition, rows=rs)
+                               for u, rs in by_unit.items() if u in self.units))
+        p.wake()  # fewer pending rows may end a stream
+        return len(gone)
+
+    async def rpc_reset_consumption(self, partition: str, task: str) -> None:
+        p = self._partition(partition)
+        if task not in self.tasks:
+            raise UnknownTaskError(f"unknown task {task!r}; known tasks: {sorted(self.tasks)}")
+        p.consumed.pop(task, None)
+        for sub in p.subs.pop(task, {}).values():
+            for c in sub.columns:
+                p.subs_by_column[c].remove(sub)
+        p.dp_shares = {k: v for k, v in p.dp_shares.items() if k[0] != task}
+        p.wake()
+
+    async def rpc_status(self, partition: str | None = None) -> dict:
+        if partition is None:
+            return {"partitions": sorted(self.partitions), "tasks": sorted(self.tasks),
+                    "units": len(self.units), "stats": dict(self.stats)}
+        p = self._partition(partition)
+        return {
+            "partition": partition,
+            "rows": len(p.rows),
+            "closed": p.closed,
+            "columns": {c: s.to_wire() for c, s in p.schema.items()},
+            "column_rows": {c: sum(1 for m in p.rows.values() if m >> b & 1) for c, b in p.bit.items()},
+            "consumed": {t: len(s) for t, s in p.consumed.items()},
+            "ready": {f"{s.task}:{','.join(s.columns)}": len(s.ready)
+                      for per in p.subs.values() for s in per.values()},
+        }
+
+    # ---- writes (called by storage units after they stored the bytes) ------------------
+
+    async def rpc_notify(self, partition: str, rows: Sequence[int], columns: dict, new_rows: bool,
+                         tokens: Sequence[int] | None = None, groups: Sequence[int] | None = None) -> None:
+        """Record that ``rows`` now have ``columns`` ({name: schema}). Validates everything
+        before changing anything, so a rejected write leaves no trace."""
+        p = self._partition(partition)
+        schemas = {c: FieldSchema.from_wire(w) for c, w in columns.items()}
+        for c, s in schemas.items():
+            old = p.schema.get(c)
+            if old is not None and old != s:
+                raise SchemaMismatchError(
+                    f"partition {partition!r}, column {c!r}: holds {old.describe()} but this put sends "
+                    f"{s.describe()}; convert the data or use another column name")
+        if groups is not None and len(groups) != len(rows):
+            raise BadPutError(f"partition {partition!r}: {len(groups)} group ids for {len(rows)} rows")
+        if new_rows:
+            if p.closed:
+                raise BadPutError(f"partition {partition!r} is closed (end of stream): no new rows can be added")
+            dup = [r for r in rows if r in p.rows]
+            if dup:
+                raise BadPutError(f"partition {partition!r}: rows {dup[:5]} already exist")
+        else:
+            if groups is not None:
+                raise BadPutError("group ids are given when rows are created, not when columns are added")
+            missing = [r for r in rows if r not in p.rows]
+            if missing:
+                raise RowsClearedError(f"partition {partition!r}: rows {missing[:5]} do not exist "
+                                       f"(cleared, or never created)")
+            for c in schemas:
+                b = p.bit.get(c)
+                if b is not None:
+                    again = [r for r in rows if p.rows[r] >> b & 1]
+                    if again:
+                        raise BadPutError(f"partition {partition!r}: rows {again[:5]} already have column "
+                                          f"{c!r}; columns are written once per row")
+        # --- nothing was changed above; apply -------------------------------------------
+        add = 0
+        for c, s in schemas.items():
+            if c not in p.bit:
+                p.bit[c] = len(p.bit)
+                p.schema[c] = s
+            add |= 1 << p.bit[c]
+        touched: dict[int, _Subscription] = {}
+        for c in schemas:
+            for sub in p.subs_by_column.get(c, ()):
+                touched[id(sub)] = sub
+        rows_map = p.rows
+        if new_rows:
+            for r in rows:
+                rows_map[r] = add
+            if groups is not None:
+                p.groups.update(zip(rows, groups))
+            if tokens is not None:
+                p.tokens.update(zip(rows, tokens))
+            for sub in touched.values():
+                if add & sub.mask == sub.mask:
+                    consumed = p.consumed.get(sub.task, ())
+                    for r in rows:
+                        if r not in consumed:
+                            sub.ready[r] = None
+        else:
+            olds = [rows_map[r] for r in rows]
+            for r, old in zip(rows, olds):
+                rows_map[r] = old | add
+            if tokens is not None:
+                for r, t in zip(rows, tokens):
+                    p.tokens[r] = p.tokens.get(r, 0) + t
+            for sub in touched.values():
+                m = sub.mask
+                consumed = p.consumed.get(sub.task, ())
+                for r, old in zip(rows, olds):
+                    if old & m != m and (old | add) & m == m and r not in consumed:
+                        sub.ready[r] = None
+        self.stats["notify"] += 1
+        p.wake()
+
+    # ---- reads -------------------------------------------------------------------------
+
+    def _subscription(self, p: _Partition, task: str, columns: tuple[str, ...]) -> _Subscription:
+        per_task = p.subs.setdefault(task, {})
+        sub = per_task.get(columns)
+        if sub is not None:
+            return sub
+        for c in columns:  # a column nobody wrote yet still gets a bit, so the mask is stable
+            if c not in p.bit:
+                p.bit[c] = len(p.bit)
+        mask = p.mask_of(columns)
+        sub = _Subscription(task, columns, mask)
+        consumed = p.consumed.get(task, ())
+        # The one scan of the partition, when a (task, columns) pair is first asked for.
+        for r, m in p.rows.items():
+            if m & mask == mask and r not in consumed:
+                sub.ready[r] = None
+        per_task[columns] = sub
+        for c in columns:
+            p.subs_by_column.setdefault(c, []).append(sub)
+        return sub
+
+    def _consume(self, p: _Partition, task: str, rows: list[int]) -> None:
+        p.consumed.setdefault(task, set()).update(rows)
+        for sub in p.subs.get(task, {}).values():
+            ready = sub.ready
+            for r in rows:
+                ready.pop(r, None)
+
+    def _meta(self, p: _Partition, rows: list[int], columns: Sequence[str], dp_parts: list[int]) -> BatchMeta:
+        groups = [p.groups.get(r, -1) for r in rows] if p.groups else []
+        return BatchMeta(p.name, rows, list(columns), groups, [p.tokens.get(r, 0) for r in rows],
+                         False, dp_parts)
+
+    def _missing_report(self, p: _Partition, task: str, columns: tuple[str, ...]) -> str:
+        consumed = p.consumed.get(task, ())
+        lacking: dict[str, int] = {c: 0 for c in columns}
+        for r, m in p.rows.items():
+            if r in consumed:
+                continue
+            for c in columns:
+                b = p.bit.get(c)
+                if b is None or not m >> b & 1:
+                    lacking[c] += 1
+        return ", ".join(f"{c}: {n} rows lack it" for c, n in lacking.items() if n) or "none"
+
+    async def rpc_get_meta(self, partition: str, task: str, columns: Sequence[str], batch_size: int,
+                           sampler: Any = "sequential", allow_partial: bool = False,
+                           timeout: float | None = None, dp_group: str | None = None,
+                           dp_rank: int = 0, dp_size: int = 1) -> dict:
+        if not isinstance(task, str) or not task:
+            raise ValueError(f"task must be a non-empty string, got {task!r}")
+        if not columns or not all(isinstance(c, str) for c in columns):
+            raise ValueError(f"get_meta needs a non-empty list of column names, got {columns!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        p = self._partition(partition)
+        self.tasks.add(task)
+        self.stats["get_meta"] += 1
+        cols = tuple(sorted(set(columns)))
+        if dp_group is None:
+            meta = await self._next_batch(p, task, cols, batch_size, sampler, allow_partial, timeout)
+            meta.columns = list(columns)
+            return meta.to_wire()
+        # Data-parallel representative: the first member to ask samples; the others get the same.
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} outside a group of size {dp_size}")
+        share = p.dp_shares.setdefault((task, dp_group), _DPShare(dp_size))
+        if share.size != dp_size:
+            raise ValueError(f"dp group {dp_group!r} of task {task!r} has size {share.size}, not {dp_size}")
+        seq = share.next_seq.get(dp_rank, share.base)
+        while seq - share.base >= len(share.batches):
+            if seq - share.base == len(share.batches):
+                meta = await self._next_batch(p, task, cols, batch_size, sampler, allow_partial, timeout)
+                meta.columns = list(columns)
+                if seq - share.base == len(share.batches):  # nobody else sampled while we waited
+                    share.batches.append([meta.to_wire(), set()])
+                else:  # another member sampled first: hand our rows back
+                    self._unconsume(p, task, meta.rows)
+            else:
+                raise RuntimeError("dp share sequence out of order")
+        wire, took = share.batches[seq - share.base]
+        took.add(dp_rank)
+        share.next_seq[dp_rank] = seq + 1
+        while share.batches and len(share.batches[0][1]) == share.size:
+            share.batches.pop(0)
+            share.base += 1
+        return wire
+
+    def _unconsume(self, p: _Partition, task: str, rows: list[int]) -> None:
+        p.consumed.get(task, set()).difference_update(rows)
+        for sub in p.subs.get(task, {}).values():
+            for r in rows:
+                m = p.rows.get(r)
+                if m is not None and m & sub.mask == sub.mask:
+                    sub.ready[r] = None
+        p.wake()
+
+    async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,
+                          sampler_spec: Any, allow_partial: bool, timeout: float | None) -> BatchMeta:
+        sampler = self._sampler(sampler_spec)
+        sub = self._subscription(p, task, cols)
+        timeout = self.default_timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            if p.cleared:
+                raise RowsClearedError(f"partition {p.name!r} was cleared while task {task!r} waited for rows")
+            pending = len(p.rows) - len(p.consumed.get(task, ()))
+            # End of stream: no new rows, and every row this task has yet to see is ready.
+            ended = p.closed and pending == len(sub.ready)
+            got = sampler.sample(sub.ready, batch_size, p, drain=allow_partial or ended)
+            if got is not None and got.rows:
+                self._consume(p, task, got.rows)
+                self.stats["rows_ready"] += len(got.rows)
+                return self._meta(p, got.rows, cols, got.dp_parts)
+            if ended:
+                m = self._meta(p, [], cols, [])
+                m.end_of_stream = True
+                return m
+            if allow_partial:
+                return self._meta(p, [], cols, [])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferQueueTimeout(
+                    f"get_meta timed out after {timeout:.1f}s: partition {p.name!r}, task {task!r} wants "
+                    f"{batch_size} rows with columns {list(cols)}; {len(sub.ready)} ready, {pending} not yet "
+                    f"consumed; missing columns: {self._missing_report(p, task, cols)}"
+                    f"{'' if p.closed else '; the partition is still open (close_partition ends the stream)'}")
+            try:
+                await asyncio.wait_for(p.changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,54 @@
+"""Errors of the TransferQueue. Each names what was asked and what was wrong.
+
+Errors raised inside a controller or storage unit travel back to the caller by name
+and are raised there as the same class, so callers can catch them precisely.
+"""
+from __future__ import annotations
+
+
+class TransferQueueError(RuntimeError):
+    """Base class of every TransferQueue error."""
+
+
+class UnknownPartitionError(TransferQueueError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownTaskError(TransferQueueError, KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class SchemaMismatchError(TransferQueueError, TypeError):
+    """A column's kind, dtype or per-row shape differs from what the partition holds."""
+
+
+class BadPutError(TransferQueueError, ValueError):
+    """A put that cannot be stored as given (row counts, rows that do not exist, rewrites)."""
+
+
+class RowsClearedError(TransferQueueError, LookupError):
+    """A read of rows (or a partition) that were already cleared."""
+
+
+class CapacityError(TransferQueueError):
+    """A storage unit stayed full for longer than the put's timeout, or a put can never fit."""
+
+
+class TransferQueueTimeout(TransferQueueError, TimeoutError):
+    """A wait (for rows, or for a reply) ran past its timeout."""
+
+
+class RemoteError(TransferQueueError):
+    """An unexpected exception inside a remote service; carries the remote traceback."""
+
+
+ERROR_TYPES: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        TransferQueueError, UnknownPartitionError, UnknownTaskError, SchemaMismatchError,
+        BadPutError, RowsClearedError, CapacityError, TransferQueueTimeout, RemoteError,
+        ValueError, TypeError, KeyError,
+    )
+}

@@ -1,0 +1,102 @@
+"""BatchMeta: which rows of which partition, and which columns, a batch is made of.
+
+It is what the driver hands to workers and what get_meta returns: metadata only,
+small enough to travel in a control message. The bytes stay in the storage units
+until a worker calls ``get_data(meta)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+# A row's global index holds the storage unit that stores it in its high bits, so a
+# client routes a read without asking the controller.
+UNIT_SHIFT = 40
+MAX_UNITS = 1 << 16
+
+
+def unit_of(row: int) -> int:
+    return row >> UNIT_SHIFT
+
+
+def make_row_id(unit: int, local: int) -> int:
+    return (unit << UNIT_SHIFT) | local
+
+
+@dataclass
+class BatchMeta:
+    partition: str
+    rows: list[int]  # global row indexes, in batch order
+    columns: list[str]
+    groups: list[int] = field(default_factory=list)  # group id per row (GRPO: one per prompt)
+    tokens: list[int] = field(default_factory=list)  # tokens per row (sum over jagged columns)
+    end_of_stream: bool = False  # no rows left for this task in this partition
+    dp_parts: list[int] = field(default_factory=list)  # rows per data-parallel part, when split
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    def select(self, idx: Sequence[int], columns: Sequence[str] | None = None) -> "BatchMeta":
+        return replace(
+            self,
+            rows=[self.rows[i] for i in idx],
+            groups=[self.groups[i] for i in idx] if self.groups else [],
+            tokens=[self.tokens[i] for i in idx] if self.tokens else [],
+            columns=list(columns) if columns is not None else list(self.columns),
+            end_of_stream=False,
+            dp_parts=[],
+        )
+
+    def with_columns(self, columns: Sequence[str]) -> "BatchMeta":
+        return replace(self, columns=list(columns))
+
+    def chunk(self, n: int) -> list["BatchMeta"]:
+        """Split into ``n`` parts: the sampler's data-parallel split when it made one,
+        else contiguous parts of near-equal row count."""
+        if n < 1:
+            raise ValueError(f"cannot split a batch into {n} parts")
+        if self.dp_parts and len(self.dp_parts) == n:
+            sizes = self.dp_parts
+        else:
+            q, r = divmod(len(self.rows), n)
+            sizes = [q + (1 if i < r else 0) for i in range(n)]
+        out, start = [], 0
+        for s in sizes:
+            out.append(self.select(range(start, start + s)))
+            start += s
+        return out
+
+    @staticmethod
+    def concat(metas: Sequence["BatchMeta"]) -> "BatchMeta":
+        if not metas:
+            raise ValueError("concat of no BatchMeta")
+        parts = {m.partition for m in metas}
+        if len(parts) != 1:
+            raise ValueError(f"cannot concat batches of different partitions {sorted(parts)}")
+        first = metas[0]
+        return BatchMeta(
+            partition=first.partition,
+            rows=[r for m in metas for r in m.rows],
+            columns=list(first.columns),
+            groups=[g for m in metas for g in m.groups] if all(m.groups for m in metas) else [],
+            tokens=[t for m in metas for t in m.tokens] if all(m.tokens for m in metas) else [],
+        )
+
+    def to_wire(self) -> dict:
+        return {
+            "partition": self.partition, "rows": self.rows, "columns": self.columns,
+            "groups": self.groups, "tokens": self.tokens,
+            "end_of_stream": self.end_of_stream, "dp_parts": self.dp_parts,
+        }
+
+    @staticmethod
+    def from_wire(w: dict) -> "BatchMeta":
+        return BatchMeta(
+            partition=w["partition"], rows=list(w["rows"]), columns=list(w["columns"]),
+            groups=list(w.get("groups") or []), tokens=list(w.get("tokens") or []),
+            end_of_stream=bool(w.get("end_of_stream", False)), dp_parts=list(w.get("dp_parts") or []),
+        )

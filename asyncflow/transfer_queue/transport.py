@@ -1,0 +1,166 @@
+"""Request/reply over ZMQ with asyncio: persistent sockets, many calls in flight.
+
+A service object exposes coroutine methods named ``rpc_<name>``; ``RpcServer`` serves
+them on a ROUTER socket, one asyncio task per request so a call that waits (get_meta)
+never blocks the others. ``RpcClient`` keeps one DEALER socket per endpoint and
+matches replies to calls by id. Messages are ``codec`` frames: a JSON header plus raw
+tensor buffers, never pickle. ``LocalEndpoint`` calls a service in the same event loop
+directly, with the same signature, for the in-process default.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import traceback
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from . import codec
+from .errors import ERROR_TYPES, RemoteError, TransferQueueTimeout
+
+log = logging.getLogger(__name__)
+
+
+def _raise_remote(endpoint: str, method: str, err: dict) -> None:
+    cls = ERROR_TYPES.get(err.get("type", ""), RemoteError)
+    msg = err.get("msg", "")
+    if cls is RemoteError:
+        msg = f"{err.get('type')} in {method} at {endpoint}: {msg}\n--- remote traceback ---\n{err.get('tb', '')}"
+    raise cls(msg)
+
+
+class RpcServer:
+    """Serves ``rpc_*`` coroutines of ``service`` on a bound ROUTER socket."""
+
+    def __init__(self, service: Any, address: str, ctx: zmq.asyncio.Context, name: str):
+        self.service = service
+        self.name = name
+        self._ctx = ctx
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if address.endswith(":0"):  # pick a free port, bound to the given interface only
+            port = self._sock.bind_to_random_port(address.rsplit(":", 1)[0])
+            address = f"{address.rsplit(':', 1)[0]}:{port}"
+        else:
+            self._sock.bind(address)
+        self.address = address
+        self._task: asyncio.Task | None = None
+        self._inflight: set[asyncio.Task] = set()
+        self.bad_messages = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._serve(), name=f"rpc-server-{self.name}")
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            if len(frames) < 2:
+                self.bad_messages += 1
+                continue
+            t = asyncio.get_running_loop().create_task(self._handle(frames[0].bytes, frames[1:]))
+            self._inflight.add(t)
+            t.add_done_callback(self._inflight.discard)
+
+    async def _handle(self, ident: bytes, frames: list) -> None:
+        try:
+            msg = codec.decode(frames)
+            rid, method, args = msg["id"], msg["m"], msg.get("a") or {}
+        except Exception as e:  # undecodable: count and drop; nothing is executed
+            self.bad_messages += 1
+            log.warning("%s: dropped a malformed message: %s", self.name, e)
+            return
+        fn = getattr(self.service, f"rpc_{method}", None) if isinstance(method, str) else None
+        try:
+            if fn is None:
+                raise ValueError(f"{self.name} has no method {method!r}")
+            reply = {"id": rid, "r": await fn(**args)}
+        except Exception as e:
+            reply = {"id": rid, "e": {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}}
+        try:
+            out = codec.encode(reply)
+        except codec.CodecError as e:
+            out = codec.encode({"id": rid, "e": {"type": "RemoteError", "msg": str(e), "tb": ""}})
+        await self._sock.send_multipart([ident, *out], copy=False)
+
+    async def close(self) -> None:
+        for t in [self._task, *self._inflight]:
+            if t is not None:
+                t.cancel()
+        self._sock.close(linger=0)
+
+
+class RpcClient:
+    """One persistent DEALER connection to one server; calls are multiplexed by id."""
+
+    def __init__(self, address: str, ctx: zmq.asyncio.Context, timeout: float = 60.0):
+        self.address = address
+        self.timeout = timeout
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._ids = itertools.count()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def call(self, method: str, _timeout: float | None = None, **args: Any) -> Any:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        timeout = self.timeout if _timeout is None else _timeout
+        try:
+            await self._sock.send_multipart(codec.encode({"id": rid, "m": method, "a": args}), copy=False)
+            msg = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise TransferQueueTimeout(
+                f"no reply to {method} from {self.address} within {timeout:.1f}s: is the service alive?"
+            ) from None
+        finally:
+            self._pending.pop(rid, None)
+        if "e" in msg:
+            _raise_remote(self.address, method, msg["e"])
+        return msg.get("r")
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                msg = codec.decode(frames)
+                fut = self._pending.get(msg["id"])
+            except Exception as e:
+                log.warning("client of %s: dropped a malformed reply: %s", self.address, e)
+                continue
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        for fut in self._pending.values():
+            fut.cancel()
+        self._sock.close(linger=0)
+
+
+class LocalEndpoint:
+    """Same call signature as RpcClient, for a service living in this event loop."""
+
+    def __init__(self, service: Any, name: str = "local"):
+        self.service = service
+        self.address = name
+
+    async def call(self, method: str, _timeout: float | None = None, **args: Any) -> Any:
+        fn = getattr(self.service, f"rpc_{method}")
+        if _timeout is None:
+            return await fn(**args)
+        try:
+            return await asyncio.wait_for(fn(**args), _timeout)
+        except asyncio.TimeoutError:
+            raise TransferQueueTimeout(f"{method} on {self.address} took longer than {_timeout:.1f}s") from None
+
+    async def close(self) -> None:
+        pass
