@@ -1,8 +1,9 @@
-"""Clients of the TransferQueue: an async one, and a sync wrapper for worker code.
+"""Clients of the TransferQueue: an async one for the driver, a blocking one for workers.
 
-The client talks to the controller for metadata and straight to the storage units
-for bytes, over persistent connections. Reads are routed by row id (the unit is in
-the id's high bits), so fetching data never asks the controller.
+A client talks to the controller for metadata and straight to the storage units for
+bytes, over persistent connections. Reads are routed by row id (the unit is in the
+id's high bits), so fetching data never asks the controller. Both clients share the
+request planning and reply assembly below; they differ only in how they wait.
 """
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import threading
 from typing import Any, Coroutine, Sequence, TypeVar
 
 import torch
+import zmq
 import zmq.asyncio
 
 from .columns import Column, column_from_wire, column_to_wire, concat, to_columns, to_tensordict
 from .errors import BadPutError, TransferQueueError
 from .meta import BatchMeta, unit_of
-from .transport import RpcClient
+from .transport import BlockingRpcClient, RpcClient
 
 T = TypeVar("T")
 
@@ -25,47 +27,123 @@ T = TypeVar("T")
 _REPLY_MARGIN_S = 10.0
 
 
+# ---- planning shared by both clients ------------------------------------------------------
+
+def _positions_by_unit(rows: Sequence[int]) -> dict[int, list[int]]:
+    if rows and unit_of(min(rows)) == unit_of(max(rows)):  # one unit: skip the per-row walk
+        return {unit_of(rows[0]): list(range(len(rows)))}
+    out: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        out.setdefault(unit_of(r), []).append(i)
+    return out
+
+
+def _plan_put(data: Any, partition: str, meta: BatchMeta | None,
+              groups: Sequence[int] | None) -> tuple[list[str], list[tuple[int | None, dict]]]:
+    """Validate a put and split it into unit requests: ``(unit or None for new rows, args)``."""
+    cols, n = to_columns(data)
+    names = list(cols)
+    if meta is None:
+        if groups is not None:
+            groups = [int(g) for g in groups]
+            if len(groups) != n:
+                raise BadPutError(f"put into {partition!r}: {len(groups)} group ids for {n} rows")
+        wire = {k: column_to_wire(c) for k, c in cols.items()}
+        return names, [(None, {"partition": partition, "columns": wire, "groups": groups})]
+    if groups is not None:
+        raise BadPutError("groups are set when rows are created; this put adds columns to existing rows")
+    if meta.partition != partition:
+        raise BadPutError(f"meta is of partition {meta.partition!r}, put targets {partition!r}")
+    if len(meta) != n:
+        raise BadPutError(f"put into {partition!r}: data has {n} rows, meta names {len(meta)}")
+    by_unit = _positions_by_unit(meta.rows)
+    calls = []
+    for u, pos in by_unit.items():
+        part = cols if len(by_unit) == 1 else {k: c.take(pos) for k, c in cols.items()}
+        calls.append((u, {"partition": partition, "rows": [meta.rows[i] for i in pos],
+                          "columns": {k: column_to_wire(c) for k, c in part.items()}}))
+    return names, calls
+
+
+def _plan_get(meta: BatchMeta, columns: Sequence[str] | None) -> tuple[list[str], dict[int, list[int]]]:
+    names = list(meta.columns if columns is None else columns)
+    if not meta.rows:
+        raise BadPutError(f"get_data of an empty batch of partition {meta.partition!r}")
+    if not names:
+        raise BadPutError(f"get_data of no columns from partition {meta.partition!r}")
+    return names, _positions_by_unit(meta.rows)
+
+
+def _assemble(names: list[str], by_unit: dict[int, list[int]], replies: list[dict]) -> dict[str, Column]:
+    """Unit replies -> columns in the meta's row order."""
+    if len(replies) == 1:
+        return {k: column_from_wire(replies[0][k]) for k in names}
+    order = [i for pos in by_unit.values() for i in pos]
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    inv = inverse.tolist()
+    return {k: concat([column_from_wire(r[k]) for r in replies]).take(inv) for k in names}
+
+
+def _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, timeout,
+                   dp_group, dp_rank, dp_size) -> dict:
+    return {"partition": partition, "task": task, "columns": list(columns), "batch_size": batch_size,
+            "sampler": sampler, "allow_partial": allow_partial, "timeout": timeout,
+            "dp_group": dp_group, "dp_rank": dp_rank, "dp_size": dp_size}
+
+
+class _Units:
+    """Which storage units exist, and which one takes the next put of new rows."""
+
+    def __init__(self, preferred: int | None):
+        self.preferred = preferred
+        self.addresses: dict[int, str] = {}
+        self._rr = itertools.count()
+
+    def update(self, info: dict) -> list[int]:
+        new = [int(k) for k in info["units"] if int(k) not in self.addresses]
+        self.addresses.update({int(k): a for k, a in info["units"].items()})
+        return new
+
+    def pick(self) -> int:
+        if not self.addresses:
+            raise TransferQueueError("the controller has no storage unit registered yet")
+        if self.preferred is not None:
+            if self.preferred not in self.addresses:
+                raise TransferQueueError(f"preferred storage unit {self.preferred} is not registered "
+                                         f"(known: {sorted(self.addresses)})")
+            return self.preferred
+        units = sorted(self.addresses)
+        return units[next(self._rr) % len(units)]
+
+
+# ---- async client (driver, event-loop code) -----------------------------------------------
+
 class AsyncTransferQueueClient:
     def __init__(self, controller_address: str, *, timeout: float = 60.0, wait_timeout: float = 300.0,
                  preferred_unit: int | None = None, ctx: zmq.asyncio.Context | None = None):
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self.timeout = timeout
         self.wait_timeout = wait_timeout
-        self.preferred_unit = preferred_unit
         self.controller = RpcClient(controller_address, self._ctx, timeout)
-        self._units: dict[int, RpcClient] = {}
-        self._unit_addresses: dict[int, str] = {}
-        self._rr = itertools.count()
-
-    # ---- connection -----------------------------------------------------------------------
+        self._units = _Units(preferred_unit)
+        self._endpoints: dict[int, RpcClient] = {}
 
     async def _refresh_units(self) -> None:
-        info = await self.controller.call("info")
-        for k, addr in info["units"].items():
-            i = int(k)
-            if i not in self._units:
-                self._units[i] = RpcClient(addr, self._ctx, self.timeout)
-                self._unit_addresses[i] = addr
+        for i in self._units.update(await self.controller.call("info")):
+            self._endpoints[i] = RpcClient(self._units.addresses[i], self._ctx, self.timeout)
 
-    async def _unit(self, index: int) -> RpcClient:
-        if index not in self._units:
+    async def _unit(self, index: int | None) -> RpcClient:
+        if index is None:
+            if not self._endpoints:
+                await self._refresh_units()
+            index = self._units.pick()
+        if index not in self._endpoints:
             await self._refresh_units()
-            if index not in self._units:
+            if index not in self._endpoints:
                 raise TransferQueueError(f"storage unit {index} is not registered with the controller "
-                                         f"(known: {sorted(self._units)})")
-        return self._units[index]
-
-    async def _pick_unit(self) -> int:
-        if not self._units:
-            await self._refresh_units()
-            if not self._units:
-                raise TransferQueueError("the controller has no storage unit registered yet")
-        if self.preferred_unit is not None:
-            return self.preferred_unit
-        units = sorted(self._units)
-        return units[next(self._rr) % len(units)]
-
-    # ---- partitions ---------------------------------------------------------------------
+                                         f"(known: {sorted(self._endpoints)})")
+        return self._endpoints[index]
 
     async def create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
         await self.controller.call("create_partition", partition=partition, tasks=list(tasks))
@@ -88,44 +166,21 @@ class AsyncTransferQueueClient:
 
     async def unit_stats(self) -> list[dict]:
         await self._refresh_units()
-        return list(await asyncio.gather(*(u.call("stats") for u in self._units.values())))
-
-    # ---- data ---------------------------------------------------------------------------
+        return list(await asyncio.gather(*(u.call("stats") for u in self._endpoints.values())))
 
     async def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
                   groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta:
-        """Write ``data`` (a TensorDict or a dict of columns). Without ``meta``, the rows are new;
-        with ``meta``, the columns are added to the rows it names (in its row order)."""
-        cols, n = to_columns(data)
-        wire = {k: column_to_wire(c) for k, c in cols.items()}
+        """Write ``data`` (a TensorDict or a dict of columns). Without ``meta`` the rows are new;
+        with ``meta`` the columns are added to the rows it names, in its row order."""
+        names, calls = _plan_put(data, partition, meta, groups)
         wait = self.wait_timeout if timeout is None else timeout
+        eps = [await self._unit(u) for u, _ in calls]
+        res = await asyncio.gather(*(ep.call("put", _timeout=wait + _REPLY_MARGIN_S, timeout=wait, **args)
+                                     for ep, (_, args) in zip(eps, calls)))
         if meta is None:
-            if groups is not None:
-                groups = [int(g) for g in groups]
-                if len(groups) != n:
-                    raise BadPutError(f"put into {partition!r}: {len(groups)} group ids for {n} rows")
-            unit = await self._pick_unit()
-            res = await (await self._unit(unit)).call(
-                "put", _timeout=wait + _REPLY_MARGIN_S, partition=partition, columns=wire,
-                groups=groups, timeout=wait)
-            return BatchMeta(partition, res["rows"], list(cols), list(groups or []), res["tokens"])
-        if groups is not None:
-            raise BadPutError("groups are set when rows are created; this put adds columns to existing rows")
-        if meta.partition != partition:
-            raise BadPutError(f"meta is of partition {meta.partition!r}, put targets {partition!r}")
-        if len(meta) != n:
-            raise BadPutError(f"put into {partition!r}: data has {n} rows, meta names {len(meta)}")
-        by_unit = _positions_by_unit(meta.rows)
-        if len(by_unit) == 1:
-            calls = [((await self._unit(next(iter(by_unit)))), meta.rows, wire)]
-        else:
-            calls = []
-            for u, pos in by_unit.items():
-                part = {k: column_to_wire(c.take(pos)) for k, c in cols.items()}
-                calls.append((await self._unit(u), [meta.rows[i] for i in pos], part))
-        await asyncio.gather(*(ep.call("put", _timeout=wait + _REPLY_MARGIN_S, partition=partition,
-                                       columns=w, rows=rows, timeout=wait) for ep, rows, w in calls))
-        return meta.with_columns(list(cols))
+            return BatchMeta(partition, res[0]["rows"], names, list(calls[0][1]["groups"] or []),
+                             res[0]["tokens"])
+        return meta.with_columns(names)
 
     async def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                        sampler: Any = "sequential", *, allow_partial: bool = False,
@@ -135,53 +190,140 @@ class AsyncTransferQueueClient:
         consumed. Waits up to ``timeout`` for ``batch_size`` rows (``allow_partial``: return what
         is ready). An empty meta with ``end_of_stream`` means the closed partition is drained."""
         wait = self.wait_timeout if timeout is None else timeout
-        w = await self.controller.call(
-            "get_meta", _timeout=wait + _REPLY_MARGIN_S, partition=partition, task=task,
-            columns=list(columns), batch_size=batch_size, sampler=sampler, allow_partial=allow_partial,
-            timeout=wait, dp_group=dp_group, dp_rank=dp_rank, dp_size=dp_size)
-        return BatchMeta.from_wire(w)
+        args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
+                              dp_group, dp_rank, dp_size)
+        return BatchMeta.from_wire(await self.controller.call("get_meta", _timeout=wait + _REPLY_MARGIN_S,
+                                                              **args))
 
     async def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]:
         """The requested columns of the meta's rows, in the meta's row order."""
-        names = list(meta.columns if columns is None else columns)
-        if not meta.rows:
-            raise BadPutError(f"get_data of an empty batch of partition {meta.partition!r}")
-        by_unit = _positions_by_unit(meta.rows)
-        units = list(by_unit)
-        endpoints = [await self._unit(u) for u in units]
+        names, by_unit = _plan_get(meta, columns)
+        eps = [await self._unit(u) for u in by_unit]
         replies = await asyncio.gather(*(
-            ep.call("get", partition=meta.partition, rows=[meta.rows[i] for i in by_unit[u]], columns=names)
-            for u, ep in zip(units, endpoints)))
-        if len(units) == 1:
-            return {k: column_from_wire(replies[0][k]) for k in names}
-        order = [i for u in units for i in by_unit[u]]
-        inverse = torch.empty(len(order), dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(len(order))
-        inv = inverse.tolist()
-        return {k: concat([column_from_wire(r[k]) for r in replies]).take(inv) for k in names}
+            ep.call("get", partition=meta.partition, rows=[meta.rows[i] for i in pos], columns=names)
+            for ep, pos in zip(eps, by_unit.values())))
+        return _assemble(names, by_unit, list(replies))
 
     async def get_data(self, meta: BatchMeta, columns: Sequence[str] | None = None):
         """A TensorDict of the meta's rows (in its order) with only the requested columns.
         Tensors may share memory with the received message: clone before writing in place."""
-        cols = await self.get_columns(meta, columns)
-        return to_tensordict(cols, len(meta))
+        return to_tensordict(await self.get_columns(meta, columns), len(meta))
 
     async def close(self) -> None:
         await self.controller.close()
-        for u in self._units.values():
+        for u in self._endpoints.values():
             await u.close()
-        self._units.clear()
+        self._endpoints.clear()
 
 
-def _positions_by_unit(rows: Sequence[int]) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        out.setdefault(unit_of(r), []).append(i)
-    return out
+# ---- blocking client (worker code) --------------------------------------------------------
+
+class TransferQueueClient:
+    """The same API as :class:`AsyncTransferQueueClient`, blocking, for worker code.
+
+    Safe to share between threads (each thread gets its own sockets); every call has a
+    timeout, so nothing blocks forever.
+    """
+
+    def __init__(self, controller_address: str, *, timeout: float = 60.0, wait_timeout: float = 300.0,
+                 preferred_unit: int | None = None, ctx: zmq.Context | None = None):
+        self._ctx = ctx or zmq.Context.instance()
+        self.timeout = timeout
+        self.wait_timeout = wait_timeout
+        self.controller = BlockingRpcClient(controller_address, self._ctx, timeout)
+        self._units = _Units(preferred_unit)
+        self._endpoints: dict[int, BlockingRpcClient] = {}
+        self._lock = threading.Lock()
+
+    def _refresh_units(self) -> None:
+        info = self.controller.call("info")
+        with self._lock:
+            for i in self._units.update(info):
+                self._endpoints[i] = BlockingRpcClient(self._units.addresses[i], self._ctx, self.timeout)
+
+    def _unit(self, index: int | None) -> BlockingRpcClient:
+        if index is None:
+            if not self._endpoints:
+                self._refresh_units()
+            index = self._units.pick()
+        if index not in self._endpoints:
+            self._refresh_units()
+            if index not in self._endpoints:
+                raise TransferQueueError(f"storage unit {index} is not registered with the controller "
+                                         f"(known: {sorted(self._endpoints)})")
+        return self._endpoints[index]
+
+    def create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
+        self.controller.call("create_partition", partition=partition, tasks=list(tasks))
+
+    def close_partition(self, partition: str) -> None:
+        self.controller.call("close_partition", partition=partition)
+
+    def clear(self, partition: str) -> int:
+        return self.controller.call("clear", partition=partition)
+
+    def clear_rows(self, meta: BatchMeta) -> int:
+        return self.controller.call("clear_rows", partition=meta.partition, rows=meta.rows)
+
+    def reset_consumption(self, partition: str, task: str) -> None:
+        self.controller.call("reset_consumption", partition=partition, task=task)
+
+    def status(self, partition: str | None = None) -> dict:
+        return self.controller.call("status", partition=partition)
+
+    def unit_stats(self) -> list[dict]:
+        self._refresh_units()
+        return [u.call("stats") for u in list(self._endpoints.values())]
+
+    def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
+            groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta:
+        names, calls = _plan_put(data, partition, meta, groups)
+        wait = self.wait_timeout if timeout is None else timeout
+        sent = []
+        for u, args in calls:
+            ep = self._unit(u)
+            sent.append((ep, ep.send("put", timeout=wait, **args)))
+        res = [ep.recv(ticket, wait + _REPLY_MARGIN_S) for ep, ticket in sent]
+        if meta is None:
+            return BatchMeta(partition, res[0]["rows"], names, list(calls[0][1]["groups"] or []),
+                             res[0]["tokens"])
+        return meta.with_columns(names)
+
+    def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
+                 sampler: Any = "sequential", *, allow_partial: bool = False, timeout: float | None = None,
+                 dp_group: str | None = None, dp_rank: int = 0, dp_size: int = 1) -> BatchMeta:
+        wait = self.wait_timeout if timeout is None else timeout
+        args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
+                              dp_group, dp_rank, dp_size)
+        return BatchMeta.from_wire(self.controller.call("get_meta", _timeout=wait + _REPLY_MARGIN_S, **args))
+
+    def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]:
+        names, by_unit = _plan_get(meta, columns)
+        sent = []
+        for u, pos in by_unit.items():
+            ep = self._unit(u)
+            sent.append((ep, ep.send("get", partition=meta.partition, rows=[meta.rows[i] for i in pos],
+                                     columns=names)))
+        return _assemble(names, by_unit, [ep.recv(t) for ep, t in sent])
+
+    def get_data(self, meta: BatchMeta, columns: Sequence[str] | None = None):
+        return to_tensordict(self.get_columns(meta, columns), len(meta))
+
+    def close(self) -> None:
+        self.controller.close()
+        for u in self._endpoints.values():
+            u.close()
+        self._endpoints.clear()
+
+    def __enter__(self) -> "TransferQueueClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class EventLoopThread:
-    """An asyncio loop on a daemon thread, for sync code that needs async services."""
+    """An asyncio loop on a daemon thread, for sync code that hosts async services."""
 
     def __init__(self, name: str = "asyncflow-loop"):
         self.loop = asyncio.new_event_loop()
@@ -195,65 +337,3 @@ class EventLoopThread:
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-
-
-class TransferQueueClient:
-    """Blocking facade over :class:`AsyncTransferQueueClient` for worker code.
-
-    It runs its own event loop on a background thread; every call has the async
-    client's timeouts, so nothing blocks forever.
-    """
-
-    def __init__(self, controller_address: str, **kwargs: Any):
-        self._loop = EventLoopThread("tq-client")
-        self._client = self._loop.run(self._make(controller_address, kwargs))
-
-    @staticmethod
-    async def _make(address: str, kwargs: dict) -> AsyncTransferQueueClient:
-        return AsyncTransferQueueClient(address, ctx=zmq.asyncio.Context(), **kwargs)
-
-    def put(self, data: Any, partition: str, meta: BatchMeta | None = None, **kw: Any) -> BatchMeta:
-        return self._loop.run(self._client.put(data, partition, meta, **kw))
-
-    def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
-                 sampler: Any = "sequential", **kw: Any) -> BatchMeta:
-        return self._loop.run(self._client.get_meta(columns, batch_size, task, partition, sampler, **kw))
-
-    def get_data(self, meta: BatchMeta, columns: Sequence[str] | None = None):
-        return self._loop.run(self._client.get_data(meta, columns))
-
-    def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]:
-        return self._loop.run(self._client.get_columns(meta, columns))
-
-    def create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
-        self._loop.run(self._client.create_partition(partition, tasks))
-
-    def close_partition(self, partition: str) -> None:
-        self._loop.run(self._client.close_partition(partition))
-
-    def clear(self, partition: str) -> int:
-        return self._loop.run(self._client.clear(partition))
-
-    def clear_rows(self, meta: BatchMeta) -> int:
-        return self._loop.run(self._client.clear_rows(meta))
-
-    def reset_consumption(self, partition: str, task: str) -> None:
-        self._loop.run(self._client.reset_consumption(partition, task))
-
-    def status(self, partition: str | None = None) -> dict:
-        return self._loop.run(self._client.status(partition))
-
-    def unit_stats(self) -> list[dict]:
-        return self._loop.run(self._client.unit_stats())
-
-    def close(self) -> None:
-        try:
-            self._loop.run(self._client.close(), timeout=10)
-        finally:
-            self._loop.stop()
-
-    def __enter__(self) -> "TransferQueueClient":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 _TENSOR_KEY = "__t"
+_TENSOR_MARK = b'"__t":'
 
 # Only these dtypes may come off the wire: a header cannot name an arbitrary attribute.
 _DTYPES: dict[str, torch.dtype] = {
@@ -59,22 +60,23 @@ def encode(obj: Any) -> list:
     """Encode ``obj`` into frames: ``[header_bytes, *tensor_buffers]``."""
     buffers: list = []
 
-    def walk(x: Any) -> Any:
+    def tensor_ref(x: Any) -> Any:  # json calls this for what it cannot encode itself
         if isinstance(x, torch.Tensor):
             buffers.append(_tensor_frame(x))
             return {_TENSOR_KEY: len(buffers) - 1, "d": dtype_name(x.dtype), "s": list(x.shape)}
-        if isinstance(x, dict):
-            if _TENSOR_KEY in x:
-                raise CodecError(f"dict key {_TENSOR_KEY!r} is reserved by the wire codec")
-            return {str(k): walk(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [walk(v) for v in x]
-        return x
+        if isinstance(x, tuple):
+            return list(x)
+        raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
 
     try:
-        header = json.dumps(walk(obj), separators=(",", ":"), allow_nan=True).encode()
-    except TypeError as e:
+        # The C encoder walks lists of row ids at native speed; tensors come back through tensor_ref.
+        header = json.dumps(obj, separators=(",", ":"), default=tensor_ref).encode()
+    except (TypeError, ValueError) as e:
         raise CodecError(f"cannot encode message: {e}; only JSON values and tensors travel") from e
+    # Each tensor reference writes the key once; any other use would be misread on receipt.
+    # (A string containing it is escaped by JSON and cannot match.)
+    if header.count(_TENSOR_MARK) != len(buffers):
+        raise CodecError(f"dict key {_TENSOR_KEY!r} is reserved by the wire codec; rename that key")
     return [header, *buffers]
 
 
@@ -87,10 +89,6 @@ def decode(frames: Sequence[Any]) -> Any:
         raise CodecError("empty message")
     head = frames[0]
     raw = head.bytes if hasattr(head, "bytes") else bytes(head)
-    try:
-        tree = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CodecError(f"bad header frame: {e}") from e
     bufs = frames[1:]
 
     def tensor(spec: dict) -> torch.Tensor:
@@ -112,13 +110,14 @@ def decode(frames: Sequence[Any]) -> Any:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(mem, dtype=torch.uint8).view(dtype).reshape(shape)
 
-    def walk(x: Any) -> Any:
-        if isinstance(x, dict):
-            if _TENSOR_KEY in x:
-                return tensor(x)
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        return x
+    def hook(d: dict) -> Any:
+        return tensor(d) if _TENSOR_KEY in d else d
 
-    return walk(tree)
+    try:
+        return json.loads(raw, object_hook=hook)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CodecError(f"bad header frame: {e}") from e
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, CodecError):
+            raise
+        raise CodecError(f"bad tensor reference in header: {e!r}") from e

@@ -242,6 +242,7 @@ class Controller:
         for c, s in schemas.items():
             if c not in p.bit:
                 p.bit[c] = len(p.bit)
+            if c not in p.schema:  # a reader may have given the column its bit before any write
                 p.schema[c] = s
             add |= 1 << p.bit[c]
         touched: dict[int, _Subscription] = {}
@@ -351,10 +352,15 @@ class Controller:
         seq = share.next_seq.get(dp_rank, share.base)
         while seq - share.base >= len(share.batches):
             if seq - share.base == len(share.batches):
-                meta = await self._next_batch(p, task, cols, batch_size, sampler, allow_partial, timeout)
+                # Stop waiting as soon as another member samples this batch for the group.
+                meta = await self._next_batch(p, task, cols, batch_size, sampler, allow_partial, timeout,
+                                              done=lambda: seq - share.base < len(share.batches))
+                if meta is None:
+                    continue
                 meta.columns = list(columns)
                 if seq - share.base == len(share.batches):  # nobody else sampled while we waited
                     share.batches.append([meta.to_wire(), set()])
+                    p.wake()  # members waiting for this batch take it now
                 else:  # another member sampled first: hand our rows back
                     self._unconsume(p, task, meta.rows)
             else:
@@ -377,14 +383,19 @@ class Controller:
         p.wake()
 
     async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,
-                          sampler_spec: Any, allow_partial: bool, timeout: float | None) -> BatchMeta:
+                          sampler_spec: Any, allow_partial: bool, timeout: float | None,
+                          done: Any = None) -> BatchMeta | None:
+        """The next batch for ``task``; None once ``done()`` is true (a DP peer sampled it)."""
         sampler = self._sampler(sampler_spec)
-        sub = self._subscription(p, task, cols)
         timeout = self.default_timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
         while True:
             if p.cleared:
                 raise RowsClearedError(f"partition {p.name!r} was cleared while task {task!r} waited for rows")
+            if done is not None and done():
+                return None
+            # Looked up on every wake: reset_consumption replaces the task's subscriptions.
+            sub = self._subscription(p, task, cols)
             pending = len(p.rows) - len(p.consumed.get(task, ()))
             # End of stream: no new rows, and every row this task has yet to see is ready.
             ended = p.closed and pending == len(sub.ready)

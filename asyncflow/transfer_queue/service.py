@@ -70,6 +70,9 @@ class TransferQueueService:
         for s in self._servers:
             await s.close()
         self._servers.clear()
+        if self.controller is not None:  # connections to units in other processes
+            for ep in self.controller.units.values():
+                await ep.close()
 
     def stop_in_thread(self) -> None:
         if self._thread is not None:

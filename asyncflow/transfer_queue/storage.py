@@ -15,9 +15,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
+
 from .columns import Column, JaggedColumn, column_from_wire, column_to_wire, concat
 from .errors import BadPutError, CapacityError, RowsClearedError, UnknownPartitionError
 from .meta import make_row_id, unit_of
+
+_POS_BITS = 32  # a row's location in a unit: batch id in the high bits, position in the low
+_POS_MASK = (1 << _POS_BITS) - 1
 
 
 @dataclass
@@ -29,7 +34,7 @@ class _Batch:
 
 class _PartitionStore:
     def __init__(self) -> None:
-        self.where: dict[str, dict[int, tuple[int, int]]] = {}  # column -> row -> (batch id, pos)
+        self.where: dict[str, dict[int, int]] = {}  # column -> row -> batch id << 32 | position
         self.rows: set[int] = set()
         self.batch_rows: dict[int, list[int]] = {}  # batch id -> its rows, to free it
 
@@ -46,7 +51,7 @@ class StorageUnit:
         self.dropped: set[str] = set()
         self.batches: dict[int, _Batch] = {}
         self._batch_ids = itertools.count()
-        self._local_ids = itertools.count()
+        self._next_local = 0
         self.used_rows = 0
         self.used_bytes = 0
         self._freed = asyncio.Event()
@@ -92,10 +97,9 @@ class StorageUnit:
         nbytes = sum(c.nbytes for c in cols.values())
         self.batches[bid] = _Batch(cols, nbytes, len(rows) * len(cols))
         ps.batch_rows[bid] = rows
+        base = bid << _POS_BITS
         for name in cols:
-            where = ps.where.setdefault(name, {})
-            for i, r in enumerate(rows):
-                where[r] = (bid, i)
+            ps.where.setdefault(name, {}).update(zip(rows, range(base, base + len(rows))))
         self.used_bytes += nbytes
         return bid
 
@@ -131,7 +135,9 @@ class StorageUnit:
         nbytes = sum(c.nbytes for c in cols.values())
         if new_rows:
             await self._wait_for_room(partition, n, nbytes, timeout)
-            row_ids = [make_row_id(self.index, next(self._local_ids)) for _ in range(n)]
+            first = make_row_id(self.index, self._next_local)
+            self._next_local += n
+            row_ids = list(range(first, first + n))
         else:
             row_ids = [int(r) for r in rows]
             ps = self.parts.get(partition)
@@ -149,14 +155,13 @@ class StorageUnit:
                     raise BadPutError(f"partition {partition!r}: rows {again[:5]} already have column "
                                       f"{name!r}; columns are written once per row")
         # No await between the checks above and storing: the unit's view cannot change.
+        fresh, was_dropped = partition not in self.parts, partition in self.dropped
         bid = self._store(partition, row_ids, cols)
         if new_rows:
             self.parts[partition].rows.update(row_ids)
             self.used_rows += n
-        tokens = [0] * n
-        for c in cols.values():
-            if isinstance(c, JaggedColumn):
-                tokens = [t + int(x) for t, x in zip(tokens, c.lengths().tolist())]
+        lens = [c.lengths() for c in cols.values() if isinstance(c, JaggedColumn)]
+        tokens = torch.stack(lens).sum(0).tolist() if lens else [0] * n
         try:
             await self.controller.call(
                 "notify", partition=partition, rows=row_ids, new_rows=new_rows,
@@ -164,6 +169,11 @@ class StorageUnit:
                 groups=list(groups) if groups is not None else None)
         except BaseException:
             self._unstore(partition, bid, new_rows)  # the controller refused: leave no trace
+            ps = self.parts.get(partition)
+            if fresh and ps is not None and not ps.rows and not ps.batch_rows:
+                del self.parts[partition]
+            if was_dropped and partition not in self.parts:
+                self.dropped.add(partition)  # reads keep saying the partition was cleared
             raise
         return {"rows": row_ids, "tokens": tokens}
 
@@ -183,25 +193,28 @@ class StorageUnit:
             if where is None:
                 raise BadPutError(f"partition {partition!r} has no column {name!r} in unit {self.index}")
             try:
-                locs = [where[r] for r in rows]
+                codes = [where[r] for r in rows]
             except KeyError as e:
                 r = e.args[0]
                 why = "was cleared" if r not in ps.rows else f"has no column {name!r} yet"
                 raise RowsClearedError(f"partition {partition!r}: row {r} {why}") from None
-            out[name] = column_to_wire(self._gather(name, locs))
+            out[name] = column_to_wire(self._gather(name, codes))
         return out
 
-    def _gather(self, name: str, locs: list[tuple[int, int]]) -> Column:
-        """Rows at ``locs`` in order: runs of consecutive positions in one batch are views."""
-        pieces: list[Column] = []
-        i, n = 0, len(locs)
-        while i < n:
-            bid, pos = locs[i]
-            j = i + 1
-            while j < n and locs[j][0] == bid and locs[j][1] == pos + (j - i):
-                j += 1
-            pieces.append(self.batches[bid].columns[name].take(range(pos, pos + j - i)))
-            i = j
+    def _gather(self, name: str, codes: list[int]) -> Column:
+        """Rows at ``codes`` in order: runs of consecutive positions in one batch are views."""
+        n = len(codes)
+        if codes[-1] - codes[0] == n - 1 and codes == list(range(codes[0], codes[0] + n)):
+            runs = [(0, n)]  # the common case: a batch read back as it was written
+        else:
+            c = torch.tensor(codes)
+            breaks = (torch.nonzero(c.diff() != 1).flatten() + 1).tolist()
+            bounds = [0, *breaks, n]
+            runs = list(zip(bounds[:-1], bounds[1:]))
+        pieces = []
+        for a, b in runs:
+            bid, pos = codes[a] >> _POS_BITS, codes[a] & _POS_MASK
+            pieces.append(self.batches[bid].columns[name].take(range(pos, pos + b - a)))
         return concat(pieces)
 
     # ---- frees --------------------------------------------------------------------------
@@ -209,16 +222,17 @@ class StorageUnit:
     def _drop(self, ps: _PartitionStore, rows: Sequence[int]) -> None:
         for name, where in ps.where.items():
             for r in rows:
-                loc = where.pop(r, None)
-                if loc is None:
+                code = where.pop(r, None)
+                if code is None:
                     continue
-                b = self.batches.get(loc[0])
+                bid = code >> _POS_BITS
+                b = self.batches.get(bid)
                 if b is None:
                     continue
                 b.live -= 1
                 if b.live == 0:
-                    self.batches.pop(loc[0])
-                    ps.batch_rows.pop(loc[0], None)
+                    self.batches.pop(bid)
+                    ps.batch_rows.pop(bid, None)
                     self.used_bytes -= b.nbytes
         gone = ps.rows.intersection(rows)
         ps.rows.difference_update(gone)

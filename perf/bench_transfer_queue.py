@@ -1,0 +1,354 @@
+"""TransferQueue throughput and get_meta latency, measured side by side in one run.
+
+Three processes: producer -> storage -> consumer. The same payload (1024 rows: prompts
+of ~256 tokens, responses with a long-tailed length up to 2048, three scalar columns)
+moves over the same hops three ways:
+
+  raw     zero-copy ZMQ frames of the same buffers, no framework at all (the floor)
+  pickle  the naive store: the TensorDict is pickled to the storage process, which unpickles
+          it (a store must see columns and rows to serve them), pickles the requested
+          columns on a get, and the consumer unpickles them
+  tq      TransferQueue put, then get_meta + get_data (controller + unit in the storage process)
+
+Then get_meta latency with 10k and 1M rows in the partition, and with 16 concurrent
+clients. The last line is one JSON object.
+
+    python perf/bench_transfer_queue.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import pickle
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROWS = 1024
+COLUMNS = ["prompts", "responses", "reward", "version", "seq_len"]
+
+
+def make_payload(seed: int = 0) -> dict:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(192, 321, (ROWS,), generator=g)
+    # Long tail: most responses short, a few near the 2048 limit (lognormal, clipped).
+    resp_len = torch.exp(torch.randn(ROWS, generator=g) * 0.9 + 5.6).clamp(8, 2048).long()
+    resp_len[torch.randperm(ROWS, generator=g)[:16]] = 2048
+    prompts = [torch.randint(0, 32000, (int(n),), generator=g) for n in prompt_len]
+    responses = [torch.randint(0, 32000, (int(n),), generator=g) for n in resp_len]
+    return {
+        "prompts": torch.nested.nested_tensor(prompts, layout=torch.jagged),
+        "responses": torch.nested.nested_tensor(responses, layout=torch.jagged),
+        "reward": torch.rand(ROWS, generator=g),
+        "version": torch.full((ROWS,), 3, dtype=torch.long),
+        "seq_len": prompt_len + resp_len,
+    }
+
+
+def payload_buffers(p: dict) -> list:
+    """The bytes any design must move: values + offsets of jagged columns, scalar columns."""
+    out = []
+    for k in COLUMNS:
+        t = p[k]
+        if t.is_nested:
+            out += [t.values(), t.offsets()]
+        else:
+            out.append(t)
+    return out
+
+
+def payload_bytes(p: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in payload_buffers(p))
+
+
+def checksum(td_or_dict) -> float:
+    s = 0.0
+    for k in COLUMNS:
+        t = td_or_dict[k]
+        s += float((t.values() if t.is_nested else t).double().sum())
+    return s
+
+
+# ---- the storage process ------------------------------------------------------------------
+
+def storage_main(mode: str, conn) -> None:
+    import zmq
+    import zmq.asyncio
+
+    if mode == "tq":
+        from asyncflow.transfer_queue import TransferQueueService
+
+        async def run_tq():
+            svc = await TransferQueueService().start()
+            conn.send(svc.controller_address)
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
+            await svc.stop()
+
+        asyncio.run(run_tq())
+        return
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    conn.send(f"tcp://127.0.0.1:{port}")
+    stored: dict = {}
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        ident, op = frames[0], frames[1].bytes
+        if op == b"stop":
+            sock.send_multipart([ident, b"ok"])
+            break
+        if op == b"put" and mode == "raw":  # keep the frames as they arrived: zero copy
+            stored["x"] = frames[2:]
+            sock.send_multipart([ident, b"ok"])
+        elif op == b"put":
+            stored["x"] = pickle.loads(frames[2].buffer)
+            sock.send_multipart([ident, b"ok"])
+        elif mode == "raw":
+            sock.send_multipart([ident, b"data", *stored.pop("x")], copy=False)
+        else:
+            td = stored.pop("x").select(*COLUMNS)
+            sock.send_multipart([ident, b"data", pickle.dumps(td, protocol=5)], copy=False)
+    sock.close(0)
+    ctx.term()
+
+
+# ---- producer / consumer processes -----------------------------------------------------
+
+def producer_main(mode: str, address: str, conn) -> None:
+    import zmq
+    import torch  # noqa: F401
+
+    p = make_payload()
+    if mode == "tq":
+        from asyncflow.transfer_queue import TransferQueueClient
+        client = TransferQueueClient(address)
+        td = _tensordict(p)
+        conn.send(("ready", payload_bytes(p), checksum(p)))
+        while (msg := conn.recv()) != "stop":
+            client.create_partition(msg)
+            t0 = time.perf_counter()
+            client.put(td, msg)
+            conn.send(time.perf_counter() - t0)
+        client.close()
+        return
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.connect(address)
+    if mode == "raw":
+        bufs = [memoryview(t.contiguous().view(torch.uint8).numpy()) for t in
+                [b.reshape(-1) for b in payload_buffers(p)]]
+    else:
+        td = _tensordict(p)
+    conn.send(("ready", payload_bytes(p), checksum(p)))
+    while (msg := conn.recv()) != "stop":
+        t0 = time.perf_counter()
+        if mode == "raw":
+            sock.send_multipart([b"put", *bufs], copy=False)
+        else:
+            sock.send_multipart([b"put", pickle.dumps(td, protocol=5)], copy=False)
+        sock.recv_multipart()
+        conn.send(time.perf_counter() - t0)
+    if mode != "tq":
+        sock.send_multipart([b"stop"])
+        sock.recv_multipart()
+
+
+def _tensordict(p: dict):
+    from tensordict import TensorDict
+    return TensorDict(p, batch_size=[ROWS])
+
+
+def consumer_main(mode: str, address: str, conn) -> None:
+    import zmq
+    import torch
+
+    ref = make_payload()
+    shapes = [(b.dtype, b.shape) for b in payload_buffers(ref)]
+    want = checksum(ref)
+    if mode == "tq":
+        from asyncflow.transfer_queue import TransferQueueClient
+        client = TransferQueueClient(address)
+        import tensordict  # noqa: F401  (import cost is not transfer cost)
+    else:
+        sock = zmq.Context().socket(zmq.DEALER)
+        sock.connect(address)
+    conn.send("ready")
+    ok = True
+    while (msg := conn.recv()) != "stop":
+        t0 = time.perf_counter()
+        if mode == "tq":
+            meta = client.get_meta(COLUMNS, ROWS, "bench", msg)
+            got = client.get_data(meta)
+        elif mode == "raw":
+            sock.send_multipart([b"get"])
+            frames = sock.recv_multipart(copy=False)[1:]
+            got = [torch.frombuffer(f.buffer, dtype=torch.uint8).view(dt).reshape(sh)
+                   for f, (dt, sh) in zip(frames, shapes)]
+        else:
+            sock.send_multipart([b"get"])
+            got = pickle.loads(sock.recv_multipart(copy=False)[1].buffer)
+        dt = time.perf_counter() - t0
+        if mode == "raw":
+            s = sum(float(t.double().sum()) for i, t in enumerate(got) if i not in (1, 3))  # skip offsets
+        else:
+            s = checksum(got)
+        ok = ok and abs(s - want) < 1e-6 * max(1.0, abs(want))
+        conn.send(dt)
+        if mode == "tq":
+            client.clear(msg)
+    conn.send(ok)
+    if mode == "tq":
+        client.close()
+
+
+def transfer(mode: str, iters: int) -> dict:
+    ctx = mp.get_context("spawn")
+    s_conn, s_child = ctx.Pipe()
+    storage = ctx.Process(target=storage_main, args=(mode, s_child), daemon=True)
+    storage.start()
+    address = _recv(s_conn, 60, "storage process")
+    p_conn, p_child = ctx.Pipe()
+    c_conn, c_child = ctx.Pipe()
+    procs = [ctx.Process(target=producer_main, args=(mode, address, p_child), daemon=True),
+             ctx.Process(target=consumer_main, args=(mode, address, c_child), daemon=True)]
+    for pr in procs:
+        pr.start()
+    try:
+        _, nbytes, _ = _recv(p_conn, 120, "producer")
+        _recv(c_conn, 120, "consumer")
+        times, puts, gets = [], [], []
+        for i in range(iters + 1):  # the first round warms sockets and allocators
+            part = f"bench_{i}"
+            p_conn.send(part)
+            tp = _recv(p_conn, 60, "producer put")
+            c_conn.send(part)
+            tc = _recv(c_conn, 60, "consumer get")
+            if i:
+                times.append(tp + tc)
+                puts.append(tp)
+                gets.append(tc)
+        p_conn.send("stop")
+        c_conn.send("stop")
+        ok = _recv(c_conn, 60, "consumer checksum")
+        if mode == "tq":
+            s_conn.send("stop")
+        for pr in [*procs, storage]:
+            pr.join(30)
+    finally:
+        for pr in [*procs, storage]:
+            if pr.is_alive():
+                pr.kill()
+    med = statistics.median(times)
+    return {"mode": mode, "bytes": nbytes, "median_s": med, "gbps": nbytes / med / 1e9, "intact": ok,
+            "put_ms": statistics.median(puts) * 1e3, "get_ms": statistics.median(gets) * 1e3}
+
+
+def _recv(conn, timeout: float, what: str):
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no answer from the {what} within {timeout}s")
+    return conn.recv()
+
+
+# ---- get_meta latency -------------------------------------------------------------------
+
+def latency_main(address: str, rows: int, clients: int, calls: int, conn) -> None:
+    import torch
+    from asyncflow.transfer_queue import AsyncTransferQueueClient
+
+    async def run():
+        cs = [AsyncTransferQueueClient(address) for _ in range(clients)]
+        part = f"lat_{rows}_{clients}"
+        await cs[0].create_partition(part)
+        chunk = 10_000
+        for start in range(0, rows, chunk):
+            n = min(chunk, rows - start)
+            await cs[0].put({"x": torch.arange(start, start + n)}, part)
+        for c in cs:  # warm-up: the first request of a task builds its ready set once
+            await c.get_meta(["x"], 1, "lat", part)
+        lat: list[float] = []
+
+        async def loop(c):
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                m = await c.get_meta(["x"], 16, "lat", part)
+                lat.append(time.perf_counter() - t0)
+                assert len(m) == 16
+
+        await asyncio.gather(*(loop(c) for c in cs))
+        await cs[0].clear(part)
+        for c in cs:
+            await c.close()
+        return lat
+
+    lat = sorted(asyncio.run(run()))
+    conn.send({"p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6})
+
+
+def latency(rows: int, clients: int, calls: int) -> dict:
+    ctx = mp.get_context("spawn")
+    s_conn, s_child = ctx.Pipe()
+    storage = ctx.Process(target=storage_main, args=("tq", s_child), daemon=True)
+    storage.start()
+    try:
+        address = _recv(s_conn, 60, "TQ service")
+        l_conn, l_child = ctx.Pipe()
+        pr = ctx.Process(target=latency_main, args=(address, rows, clients, calls, l_child), daemon=True)
+        pr.start()
+        res = _recv(l_conn, 600, f"get_meta latency run ({rows} rows)")
+        pr.join(30)
+        s_conn.send("stop")
+        storage.join(30)
+    finally:
+        for p in (storage,):
+            if p.is_alive():
+                p.kill()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer rounds; finishes in under a minute")
+    args = ap.parse_args()
+    iters = 5 if args.quick else 20
+    calls = 200 if args.quick else 1000
+    t0 = time.time()
+    res = {m: transfer(m, iters) for m in ("raw", "pickle", "tq")}
+    if os.environ.get("TQ_BENCH_TRANSFER_ONLY"):
+        print(res)
+        return
+    print(f"payload: {ROWS} rows, {res['raw']['bytes'] / 1e6:.1f} MB per transfer "
+          f"(producer -> storage -> consumer), median of {iters}")
+    print(f"{'method':8} {'GB/s':>7} {'ms':>8} {'put ms':>8} {'get ms':>8} {'intact':>7}")
+    for m, r in res.items():
+        print(f"{m:8} {r['gbps']:7.3f} {r['median_s'] * 1e3:8.2f} {r['put_ms']:8.2f} {r['get_ms']:8.2f} "
+              f"{str(r['intact']):>7}")
+    l10k = latency(10_000, 1, calls)
+    l1m = latency(1_000_000, 1, calls)
+    l16 = latency(10_000, 16, max(20, calls // 16))
+    print(f"get_meta (16 rows): 10k rows p50 {l10k['p50_us']:.0f} us, p99 {l10k['p99_us']:.0f} us; "
+          f"1M rows p50 {l1m['p50_us']:.0f} us, p99 {l1m['p99_us']:.0f} us; "
+          f"16 clients p50 {l16['p50_us']:.0f} us, p99 {l16['p99_us']:.0f} us")
+    out = {
+        "tq_gbps": round(res["tq"]["gbps"], 4),
+        "raw_gbps": round(res["raw"]["gbps"], 4),
+        "pickle_gbps": round(res["pickle"]["gbps"], 4),
+        "ratio_tq_vs_raw": round(res["tq"]["gbps"] / res["raw"]["gbps"], 3),
+        "ratio_tq_vs_pickle": round(res["tq"]["gbps"] / res["pickle"]["gbps"], 3),
+        "get_meta_p50_us_10k": round(l10k["p50_us"], 1),
+        "get_meta_p50_us_1m": round(l1m["p50_us"], 1),
+        "get_meta_p99_us_16_clients": round(l16["p99_us"], 1),
+        "payload_mb": round(res["raw"]["bytes"] / 1e6, 2),
+        "all_intact": all(r["intact"] for r in res.values()),
+        "wall_s": round(time.time() - t0, 1),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Fixtures for TransferQueue tests: a real service (controller + storage units in a
+private event-loop thread) and sync clients talking to it over ZMQ.
+
+Every wait in these tests has a short timeout so that a bug shows up as a failure,
+never as a hung suite.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import zmq.asyncio
+
+from asyncflow.transfer_queue import (AsyncTransferQueueClient, TransferQueueClient, TransferQueueConfig,
+                                      TransferQueueService)
+
+# Client-side limits used throughout: a reply must come within RPC_TIMEOUT; a get_meta or a
+# put waiting for room waits WAIT_TIMEOUT unless the test says otherwise.
+RPC_TIMEOUT = 20.0
+WAIT_TIMEOUT = 5.0
+
+
+@dataclass
+class TQ:
+    """A running service and a sync client connected to it."""
+    service: TransferQueueService
+    client: TransferQueueClient
+    _extra: list = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.service.controller_address
+
+    @property
+    def controller(self):
+        return self.service.controller
+
+    def new_client(self, **kw: Any) -> TransferQueueClient:
+        kw = {"timeout": RPC_TIMEOUT, "wait_timeout": WAIT_TIMEOUT, **kw}
+        c = TransferQueueClient(self.address, **kw)
+        self._extra.append(c)
+        return c
+
+    def on_loop(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` inside the service's event loop (the only thread that touches its state)."""
+        async def call():
+            return fn()
+        return self.service._thread.run(call(), timeout=RPC_TIMEOUT)
+
+    def async_client(self, **kw: Any) -> AsyncTransferQueueClient:
+        """An async client for use inside ``asyncio.run``; close it with ``await c.close()``."""
+        kw = {"timeout": RPC_TIMEOUT, "wait_timeout": WAIT_TIMEOUT, **kw}
+        return AsyncTransferQueueClient(self.address, ctx=zmq.asyncio.Context(), **kw)
+
+
+@pytest.fixture
+def tq_factory():
+    """``make(**TransferQueueConfig fields) -> TQ``; everything is stopped at teardown."""
+    made: list[TQ] = []
+
+    def make(**cfg: Any) -> TQ:
+        cfg = {"wait_timeout_s": WAIT_TIMEOUT, **cfg}
+        svc = TransferQueueService(TransferQueueConfig(**cfg)).start_in_thread()
+        client = TransferQueueClient(svc.controller_address, timeout=RPC_TIMEOUT, wait_timeout=WAIT_TIMEOUT)
+        t = TQ(svc, client)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        for c in [t.client, *t._extra]:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - teardown must reach every service
+                pass
+        t.service.stop_in_thread()
+
+
+@pytest.fixture
+def tq(tq_factory) -> TQ:
+    """A service with one in-process storage unit."""
+    return tq_factory()
+

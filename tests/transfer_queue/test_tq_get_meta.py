@@ -1,0 +1,268 @@
+"""get_meta: event-driven waits, partial batches, end of stream, timeouts that explain
+themselves, per-task consumption, replay, and a cost that does not scan the partition."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+import _tq_helpers as H
+from asyncflow.transfer_queue import RowsClearedError, TransferQueueTimeout
+
+WAKE_S = 0.5  # "promptly": a waiter must return well within this after the event
+
+
+def _keys(n, start=0):
+    return {"k": torch.arange(start, start + n)}
+
+
+async def _blocked(fut, for_s=0.3):
+    await asyncio.sleep(for_s)
+    assert not fut.done(), "get_meta returned before any row was ready"
+
+
+def test_blocked_get_meta_wakes_promptly_when_a_producer_puts(tq):
+    async def main():
+        consumer, producer = tq.async_client(), tq.async_client()
+        try:
+            await producer.create_partition("p")
+            ask = asyncio.ensure_future(consumer.get_meta(["k"], 4, "t", "p", timeout=5))
+            await _blocked(ask)
+            t0 = time.monotonic()
+            put = await producer.put(_keys(4), "p")
+            meta = await ask
+            assert time.monotonic() - t0 < WAKE_S
+            assert meta.rows == put.rows
+        finally:
+            await consumer.close()
+            await producer.close()
+    H.run_async(main())
+
+
+def test_blocked_get_meta_wakes_when_the_last_missing_column_is_added(tq):
+    async def main():
+        c = tq.async_client()
+        try:
+            await c.create_partition("p")
+            put = await c.put({"a": torch.arange(3)}, "p")
+            ask = asyncio.ensure_future(c.get_meta(["a", "b"], 3, "t", "p", timeout=5))
+            await _blocked(ask)
+            t0 = time.monotonic()
+            await c.put({"b": torch.ones(3)}, "p", put)
+            meta = await ask
+            assert time.monotonic() - t0 < WAKE_S
+            assert meta.rows == put.rows and meta.columns == ["a", "b"]
+        finally:
+            await c.close()
+    H.run_async(main())
+
+
+def test_blocked_sync_consumer_thread_wakes_when_another_thread_puts(tq):
+    c = tq.client
+    c.create_partition("p")
+    consumer = tq.new_client()
+    got, woke = [], []
+
+    def consume():
+        try:
+            got.append(consumer.get_meta(["k"], 2, "t", "p", timeout=5))
+            woke.append(time.monotonic())
+        except Exception as e:  # noqa: BLE001 - reported by the asserts below
+            got.append(e)
+
+    th = threading.Thread(target=consume, daemon=True)
+    th.start()
+    time.sleep(0.3)
+    assert not got
+    t0 = time.monotonic()
+    put = c.put(_keys(2), "p")
+    th.join(5)
+    assert not th.is_alive() and got and not isinstance(got[0], Exception), got
+    assert got[0].rows == put.rows
+    assert woke[0] - t0 < WAKE_S
+
+
+def test_allow_partial_returns_what_is_ready_without_waiting(tq):
+    c = tq.client
+    c.create_partition("p")
+    put = c.put(_keys(3), "p")
+    t0 = time.monotonic()
+    meta = c.get_meta(["k"], 8, "t", "p", allow_partial=True, timeout=5)
+    assert meta.rows == put.rows and not meta.end_of_stream
+    empty = c.get_meta(["k"], 8, "t", "p", allow_partial=True, timeout=5)
+    assert empty.rows == [] and not empty.end_of_stream
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_end_of_stream_drains_the_rest_then_reports_end(tq):
+    c = tq.client
+    c.create_partition("p")
+    put = c.put(_keys(10), "p")
+    c.close_partition("p")
+    sizes = []
+    while True:
+        m = c.get_meta(["k"], 4, "t", "p", timeout=2)
+        if m.end_of_stream:
+            assert m.rows == []
+            break
+        sizes.append(len(m))
+        assert len(sizes) < 10
+    assert sizes == [4, 4, 2]
+    assert c.get_meta(["k"], 4, "t", "p", timeout=2).end_of_stream  # stays ended
+    assert c.get_meta(["k"], 4, "other", "p", timeout=2).rows == put.rows[:4]  # other task: own stream
+
+
+def test_end_of_stream_waits_for_columns_still_missing_on_existing_rows(tq):
+    c = tq.client
+    c.create_partition("p")
+    put = c.put({"a": torch.arange(4)}, "p")
+    c.close_partition("p")
+    with pytest.raises(TransferQueueTimeout):  # rows exist that lack "b": the stream has not ended
+        c.get_meta(["a", "b"], 8, "t", "p", timeout=0.3)
+    c.put({"b": torch.zeros(4)}, "p", put)  # columns may still be added after close
+    m = c.get_meta(["a", "b"], 8, "t", "p", timeout=2)
+    assert m.rows == put.rows and not m.end_of_stream
+    assert c.get_meta(["a", "b"], 8, "t", "p", timeout=2).end_of_stream
+
+
+def test_waiting_consumer_gets_end_of_stream_promptly_on_close(tq):
+    async def main():
+        c = tq.async_client()
+        try:
+            await c.create_partition("p")
+            ask = asyncio.ensure_future(c.get_meta(["k"], 4, "t", "p", timeout=5))
+            await _blocked(ask)
+            t0 = time.monotonic()
+            await c.close_partition("p")
+            meta = await ask
+            assert meta.end_of_stream and meta.rows == []
+            assert time.monotonic() - t0 < WAKE_S
+        finally:
+            await c.close()
+    H.run_async(main())
+
+
+def test_waiting_consumer_fails_promptly_when_the_partition_is_cleared(tq):
+    async def main():
+        c = tq.async_client()
+        try:
+            await c.create_partition("p")
+            ask = asyncio.ensure_future(c.get_meta(["k"], 4, "t", "p", timeout=5))
+            await _blocked(ask)
+            t0 = time.monotonic()
+            await c.clear("p")
+            with pytest.raises(RowsClearedError, match="'p' was cleared"):
+                await ask
+            assert time.monotonic() - t0 < WAKE_S
+        finally:
+            await c.close()
+    H.run_async(main())
+
+
+def test_timeout_message_names_partition_task_missing_columns_and_ready_rows(tq):
+    c = tq.client
+    c.create_partition("rollout-7")
+    m = c.put({"prompts": torch.arange(5)}, "rollout-7")
+    c.put({"responses": torch.arange(2)}, "rollout-7", m.select([0, 1]))
+    t0 = time.monotonic()
+    with pytest.raises(TransferQueueTimeout) as e:
+        c.get_meta(["prompts", "responses"], 4, "reward-fn", "rollout-7", timeout=0.4)
+    assert time.monotonic() - t0 >= 0.35  # it waited its timeout, not less
+    msg = str(e.value)
+    for part in ("'rollout-7'", "'reward-fn'", "4 rows", "2 ready", "responses: 3 rows lack it"):
+        assert part in msg, f"{part!r} not in: {msg}"
+    assert "prompts:" not in msg  # a column every row has is not reported missing
+    assert "close_partition" in msg
+    # The timed-out request consumed nothing.
+    assert c.get_meta(["prompts", "responses"], 2, "reward-fn", "rollout-7", timeout=1).rows == m.rows[:2]
+
+
+def test_consumption_is_per_task(tq):
+    c = tq.client
+    c.create_partition("p")
+    put = c.put(_keys(6), "p")
+    for task in ("a", "b"):
+        got = c.get_meta(["k"], 4, task, "p", timeout=2).rows + c.get_meta(["k"], 2, task, "p", timeout=2).rows
+        assert got == put.rows
+        assert c.get_meta(["k"], 1, task, "p", allow_partial=True, timeout=1).rows == []
+    assert c.status("p")["consumed"] == {"a": 6, "b": 6}
+
+
+def test_reset_consumption_replays_rows_for_that_task_only(tq):
+    c = tq.client
+    c.create_partition("p", tasks=["a", "b"])
+    put = c.put(_keys(5), "p")
+    assert c.get_meta(["k"], 5, "a", "p", timeout=2).rows == put.rows
+    assert c.get_meta(["k"], 5, "b", "p", timeout=2).rows == put.rows
+    c.reset_consumption("p", "a")
+    assert c.get_meta(["k"], 5, "a", "p", timeout=2).rows == put.rows
+    assert c.get_meta(["k"], 5, "b", "p", allow_partial=True, timeout=1).rows == []
+    assert c.status("p")["consumed"] == {"a": 5, "b": 5}
+
+
+def test_consumer_waiting_across_reset_consumption_gets_each_row_once(tq):
+    """A get_meta that waits through a reset must use the task's state after the reset:
+    it neither misses new rows nor hands out a row another consumer took after the reset."""
+    async def main():
+        c = tq.async_client()
+        try:
+            await c.create_partition("p", tasks=["t"])
+            first = await c.put(_keys(2), "p")
+            waiter = asyncio.ensure_future(c.get_meta(["k"], 3, "t", "p", timeout=5))
+            await _blocked(waiter)  # 2 rows ready, it wants 3
+            await c.reset_consumption("p", "t")
+            other = await c.get_meta(["k"], 1, "t", "p", timeout=2)
+            second = await c.put(_keys(1, 2), "p")
+            await c.close_partition("p")
+            got = (await waiter).rows
+            rows = other.rows + got
+            assert sorted(rows) == sorted(first.rows + second.rows), (other.rows, got)
+        finally:
+            await c.close()
+    H.run_async(main())
+
+
+class _CountingRows(dict):
+    """The controller's row table, counting full scans (iteration over every row)."""
+    scans = 0
+
+    def __iter__(self):
+        type(self).scans += 1
+        return super().__iter__()
+
+    def items(self):
+        type(self).scans += 1
+        return super().items()
+
+    def keys(self):
+        type(self).scans += 1
+        return super().keys()
+
+    def values(self):
+        type(self).scans += 1
+        return super().values()
+
+
+def test_get_meta_of_a_few_rows_does_not_scan_a_large_partition(tq):
+    c = tq.client
+    c.create_partition("p")
+    n = 100_000
+    c.put({"k": torch.arange(n)}, "p")
+    assert c.get_meta(["k"], n, "t", "p", timeout=10).size == n
+    part = tq.on_loop(lambda: tq.controller.partitions["p"])
+
+    def instrument():
+        part.rows = _CountingRows(part.rows)
+    tq.on_loop(instrument)
+    _CountingRows.scans = 0
+    for i in range(3):
+        put = c.put(_keys(8, n + 8 * i), "p")
+        sub = tq.on_loop(lambda: part.subs["t"][("k",)])
+        assert tq.on_loop(lambda: len(sub.ready)) == 8  # only the new rows are pending
+        assert c.get_meta(["k"], 8, "t", "p", timeout=2).rows == put.rows
+        assert tq.on_loop(lambda: len(sub.ready)) == 0
+    assert _CountingRows.scans == 0, "a write or get_meta iterated over every row of the partition"
+    assert tq.on_loop(lambda: len(part.rows)) == n + 24
