@@ -78,9 +78,6 @@ def checksum(td_or_dict) -> float:
 # ---- the storage process ------------------------------------------------------------------
 
 def storage_main(mode: str, conn) -> None:
-    import zmq
-    import zmq.asyncio
-
     if mode == "tq":
         from asyncflow.transfer_queue import TransferQueueService
 
@@ -93,68 +90,88 @@ def storage_main(mode: str, conn) -> None:
         asyncio.run(run_tq())
         return
 
+    import collections
+
+    import zmq
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     conn.send(f"tcp://127.0.0.1:{port}")
-    stored: dict = {}
+    stored: collections.deque = collections.deque()  # payloads not yet fetched, oldest first
+    waiting: collections.deque = collections.deque()  # consumers that asked before data came
+
+    def serve(ident) -> None:
+        item = stored.popleft()
+        if mode == "raw":
+            sock.send_multipart([ident, b"data", *item], copy=False)
+        else:  # the naive store answers a get by pickling the requested columns
+            sock.send_multipart([ident, b"data", pickle.dumps(item.select(*COLUMNS), protocol=5)], copy=False)
+
     while True:
         frames = sock.recv_multipart(copy=False)
         ident, op = frames[0], frames[1].bytes
         if op == b"stop":
             sock.send_multipart([ident, b"ok"])
             break
-        if op == b"put" and mode == "raw":  # keep the frames as they arrived: zero copy
-            stored["x"] = frames[2:]
+        if op == b"put":
+            # raw keeps the frames as they arrived (zero copy); the naive store unpickles
+            stored.append(frames[2:] if mode == "raw" else pickle.loads(frames[2].buffer))
             sock.send_multipart([ident, b"ok"])
-        elif op == b"put":
-            stored["x"] = pickle.loads(frames[2].buffer)
-            sock.send_multipart([ident, b"ok"])
-        elif mode == "raw":
-            sock.send_multipart([ident, b"data", *stored.pop("x")], copy=False)
+            if waiting:
+                serve(waiting.popleft())
+        elif stored:
+            serve(ident)
         else:
-            td = stored.pop("x").select(*COLUMNS)
-            sock.send_multipart([ident, b"data", pickle.dumps(td, protocol=5)], copy=False)
+            waiting.append(ident)
     sock.close(0)
     ctx.term()
 
 
 # ---- producer / consumer processes -----------------------------------------------------
+# Each serves commands from the parent: ("seq", tag) moves one payload and reports its
+# time; ("stream", tag, k) moves k payloads back to back and reports start or end time.
 
 def producer_main(mode: str, address: str, conn) -> None:
-    import zmq
-    import torch  # noqa: F401
+    import torch
 
     p = make_payload()
     if mode == "tq":
         from asyncflow.transfer_queue import TransferQueueClient
         client = TransferQueueClient(address)
         td = _tensordict(p)
-        conn.send(("ready", payload_bytes(p), checksum(p)))
-        while (msg := conn.recv()) != "stop":
-            client.create_partition(msg)
-            t0 = time.perf_counter()
-            client.put(td, msg)
-            conn.send(time.perf_counter() - t0)
-        client.close()
-        return
-    sock = zmq.Context().socket(zmq.DEALER)
-    sock.connect(address)
-    if mode == "raw":
-        bufs = [memoryview(t.contiguous().view(torch.uint8).numpy()) for t in
-                [b.reshape(-1) for b in payload_buffers(p)]]
+
+        def put(tag: str) -> None:
+            client.put(td, tag)
     else:
-        td = _tensordict(p)
-    conn.send(("ready", payload_bytes(p), checksum(p)))
-    while (msg := conn.recv()) != "stop":
-        t0 = time.perf_counter()
+        import zmq
+        sock = zmq.Context().socket(zmq.DEALER)
+        sock.connect(address)
         if mode == "raw":
-            sock.send_multipart([b"put", *bufs], copy=False)
+            bufs = [memoryview(b.reshape(-1).contiguous().view(torch.uint8).numpy()) for b in payload_buffers(p)]
         else:
-            sock.send_multipart([b"put", pickle.dumps(td, protocol=5)], copy=False)
-        sock.recv_multipart()
-        conn.send(time.perf_counter() - t0)
-    if mode != "tq":
+            td = _tensordict(p)
+
+        def put(tag: str) -> None:
+            if mode == "raw":
+                sock.send_multipart([b"put", *bufs], copy=False)
+            else:
+                sock.send_multipart([b"put", pickle.dumps(td, protocol=5)], copy=False)
+            sock.recv_multipart()
+
+    conn.send(("ready", payload_bytes(p)))
+    while (msg := conn.recv())[0] != "stop":
+        kind, tag, k = msg
+        if mode == "tq":
+            client.create_partition(tag)
+        conn.send("go")
+        conn.recv()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            put(tag)
+        conn.send((t0, time.perf_counter()))
+    if mode == "tq":
+        client.close()
+    else:
         sock.send_multipart([b"stop"])
         sock.recv_multipart()
 
@@ -165,7 +182,6 @@ def _tensordict(p: dict):
 
 
 def consumer_main(mode: str, address: str, conn) -> None:
-    import zmq
     import torch
 
     ref = make_payload()
@@ -175,77 +191,98 @@ def consumer_main(mode: str, address: str, conn) -> None:
         from asyncflow.transfer_queue import TransferQueueClient
         client = TransferQueueClient(address)
         import tensordict  # noqa: F401  (import cost is not transfer cost)
+
+        def get(tag: str):
+            return client.get_data(client.get_meta(COLUMNS, ROWS, "bench", tag))
     else:
+        import zmq
         sock = zmq.Context().socket(zmq.DEALER)
         sock.connect(address)
-    conn.send("ready")
-    ok = True
-    while (msg := conn.recv()) != "stop":
-        t0 = time.perf_counter()
-        if mode == "tq":
-            meta = client.get_meta(COLUMNS, ROWS, "bench", msg)
-            got = client.get_data(meta)
-        elif mode == "raw":
+
+        def get(tag: str):
             sock.send_multipart([b"get"])
             frames = sock.recv_multipart(copy=False)[1:]
-            got = [torch.frombuffer(f.buffer, dtype=torch.uint8).view(dt).reshape(sh)
-                   for f, (dt, sh) in zip(frames, shapes)]
-        else:
-            sock.send_multipart([b"get"])
-            got = pickle.loads(sock.recv_multipart(copy=False)[1].buffer)
-        dt = time.perf_counter() - t0
-        if mode == "raw":
-            s = sum(float(t.double().sum()) for i, t in enumerate(got) if i not in (1, 3))  # skip offsets
-        else:
-            s = checksum(got)
-        ok = ok and abs(s - want) < 1e-6 * max(1.0, abs(want))
-        conn.send(dt)
+            if mode == "raw":
+                return {k: t for k, t in zip(
+                    ["prompts", "p_off", "responses", "r_off", "reward", "version", "seq_len"],
+                    [torch.frombuffer(f.buffer, dtype=dt).view(sh) for f, (dt, sh) in zip(frames, shapes)])}
+            return pickle.loads(frames[0].buffer)
+
+    conn.send("ready")
+    ok = True
+    while (msg := conn.recv())[0] != "stop":
+        kind, tag, k = msg
+        conn.send("go")
+        conn.recv()
+        t0 = time.perf_counter()
+        got = [get(tag) for _ in range(k)]
+        t1 = time.perf_counter()
+        ok = ok and all(abs(checksum(g) - want) < 1e-6 * max(1.0, abs(want)) for g in got)
         if mode == "tq":
-            client.clear(msg)
+            client.clear(tag)
+        conn.send((t0, t1))
     conn.send(ok)
     if mode == "tq":
         client.close()
 
 
-def transfer(mode: str, iters: int) -> dict:
+def transfer(mode: str, seq_rounds: int, stream_rounds: int, k: int) -> dict:
+    """Sequential rounds (one put, then its get: latency) and streaming rounds (k puts and
+    k gets running at the same time: sustained throughput) for one method."""
     ctx = mp.get_context("spawn")
     s_conn, s_child = ctx.Pipe()
     storage = ctx.Process(target=storage_main, args=(mode, s_child), daemon=True)
     storage.start()
-    address = _recv(s_conn, 60, "storage process")
-    p_conn, p_child = ctx.Pipe()
-    c_conn, c_child = ctx.Pipe()
-    procs = [ctx.Process(target=producer_main, args=(mode, address, p_child), daemon=True),
-             ctx.Process(target=consumer_main, args=(mode, address, c_child), daemon=True)]
-    for pr in procs:
-        pr.start()
+    procs = [storage]
     try:
-        _, nbytes, _ = _recv(p_conn, 120, "producer")
+        address = _recv(s_conn, 60, "storage process")
+        p_conn, p_child = ctx.Pipe()
+        c_conn, c_child = ctx.Pipe()
+        procs += [ctx.Process(target=producer_main, args=(mode, address, p_child), daemon=True),
+                  ctx.Process(target=consumer_main, args=(mode, address, c_child), daemon=True)]
+        for pr in procs[1:]:
+            pr.start()
+        _, nbytes = _recv(p_conn, 120, "producer")
         _recv(c_conn, 120, "consumer")
-        times, puts, gets = [], [], []
-        for i in range(iters + 1):  # the first round warms sockets and allocators
-            part = f"bench_{i}"
-            p_conn.send(part)
-            tp = _recv(p_conn, 60, "producer put")
-            c_conn.send(part)
-            tc = _recv(c_conn, 60, "consumer get")
-            if i:
-                times.append(tp + tc)
-                puts.append(tp)
-                gets.append(tc)
-        p_conn.send("stop")
-        c_conn.send("stop")
+
+        def run(kind: str, tag: str, n: int, overlap: bool) -> tuple:
+            p_conn.send((kind, tag, n))
+            c_conn.send((kind, tag, n))
+            _recv(p_conn, 60, "producer"), _recv(c_conn, 60, "consumer")
+            p_conn.send("go")
+            if overlap:
+                c_conn.send("go")
+            p0, p1 = _recv(p_conn, 120, "producer puts")
+            if not overlap:
+                c_conn.send("go")
+            c0, c1 = _recv(c_conn, 120, "consumer gets")
+            return p0, p1, c0, c1
+
+        run("seq", "warmup", 1, False)
+        seq, puts, gets = [], [], []
+        for i in range(seq_rounds):
+            p0, p1, c0, c1 = run("seq", f"seq_{i}", 1, False)
+            seq.append((p1 - p0) + (c1 - c0))
+            puts.append(p1 - p0)
+            gets.append(c1 - c0)
+        streams = []
+        for i in range(stream_rounds):
+            p0, p1, c0, c1 = run("stream", f"stream_{i}", k, True)
+            streams.append(k * nbytes / (max(p1, c1) - min(p0, c0)) / 1e9)
+        p_conn.send(("stop", "", 0))
+        c_conn.send(("stop", "", 0))
         ok = _recv(c_conn, 60, "consumer checksum")
         if mode == "tq":
             s_conn.send("stop")
-        for pr in [*procs, storage]:
+        for pr in procs:
             pr.join(30)
     finally:
-        for pr in [*procs, storage]:
+        for pr in procs:
             if pr.is_alive():
                 pr.kill()
-    med = statistics.median(times)
-    return {"mode": mode, "bytes": nbytes, "median_s": med, "gbps": nbytes / med / 1e9, "intact": ok,
+    return {"mode": mode, "bytes": nbytes, "intact": ok,
+            "gbps": statistics.median(streams),
+            "roundtrip_ms": statistics.median(seq) * 1e3,
             "put_ms": statistics.median(puts) * 1e3, "get_ms": statistics.median(gets) * 1e3}
 
 
@@ -315,18 +352,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds; finishes in under a minute")
     args = ap.parse_args()
-    iters = 5 if args.quick else 20
+    seq_rounds, stream_rounds, k = (5, 3, 8) if args.quick else (20, 7, 16)
     calls = 200 if args.quick else 1000
     t0 = time.time()
-    res = {m: transfer(m, iters) for m in ("raw", "pickle", "tq")}
-    if os.environ.get("TQ_BENCH_TRANSFER_ONLY"):
-        print(res)
-        return
-    print(f"payload: {ROWS} rows, {res['raw']['bytes'] / 1e6:.1f} MB per transfer "
-          f"(producer -> storage -> consumer), median of {iters}")
-    print(f"{'method':8} {'GB/s':>7} {'ms':>8} {'put ms':>8} {'get ms':>8} {'intact':>7}")
+    res = {m: transfer(m, seq_rounds, stream_rounds, k) for m in ("raw", "pickle", "tq")}
+    print(f"payload: {ROWS} rows, {res['raw']['bytes'] / 1e6:.1f} MB, producer -> storage -> consumer")
+    print(f"throughput: {k} payloads streamed with puts and gets running at once (median of {stream_rounds}); "
+          f"round trip: one put, then its get (median of {seq_rounds})")
+    print(f"{'method':8} {'GB/s':>7} {'round trip ms':>14} {'put ms':>8} {'get ms':>8} {'intact':>7}")
     for m, r in res.items():
-        print(f"{m:8} {r['gbps']:7.3f} {r['median_s'] * 1e3:8.2f} {r['put_ms']:8.2f} {r['get_ms']:8.2f} "
+        print(f"{m:8} {r['gbps']:7.3f} {r['roundtrip_ms']:14.2f} {r['put_ms']:8.2f} {r['get_ms']:8.2f} "
               f"{str(r['intact']):>7}")
     l10k = latency(10_000, 1, calls)
     l1m = latency(1_000_000, 1, calls)
@@ -340,6 +375,9 @@ def main() -> None:
         "pickle_gbps": round(res["pickle"]["gbps"], 4),
         "ratio_tq_vs_raw": round(res["tq"]["gbps"] / res["raw"]["gbps"], 3),
         "ratio_tq_vs_pickle": round(res["tq"]["gbps"] / res["pickle"]["gbps"], 3),
+        "roundtrip_ms": {m: round(r["roundtrip_ms"], 2) for m, r in res.items()},
+        "ratio_tq_vs_raw_roundtrip": round(res["raw"]["roundtrip_ms"] / res["tq"]["roundtrip_ms"], 3),
+        "ratio_tq_vs_pickle_roundtrip": round(res["pickle"]["roundtrip_ms"] / res["tq"]["roundtrip_ms"], 3),
         "get_meta_p50_us_10k": round(l10k["p50_us"], 1),
         "get_meta_p50_us_1m": round(l1m["p50_us"], 1),
         "get_meta_p99_us_16_clients": round(l16["p99_us"], 1),

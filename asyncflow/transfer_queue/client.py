@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from .columns import Column, column_from_wire, column_to_wire, concat, to_columns, to_tensordict
 from .errors import BadPutError, TransferQueueError
-from .meta import BatchMeta, unit_of
+from .meta import BatchMeta, ids_from_wire, ids_to_wire, unit_of
 from .transport import BlockingRpcClient, RpcClient
 
 T = TypeVar("T")
@@ -49,7 +49,8 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None,
             if len(groups) != n:
                 raise BadPutError(f"put into {partition!r}: {len(groups)} group ids for {n} rows")
         wire = {k: column_to_wire(c) for k, c in cols.items()}
-        return names, [(None, {"partition": partition, "columns": wire, "groups": groups})]
+        return names, [(None, {"partition": partition, "columns": wire,
+                               "groups": ids_to_wire(groups) if groups is not None else None})]
     if groups is not None:
         raise BadPutError("groups are set when rows are created; this put adds columns to existing rows")
     if meta.partition != partition:
@@ -60,7 +61,7 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None,
     calls = []
     for u, pos in by_unit.items():
         part = cols if len(by_unit) == 1 else {k: c.take(pos) for k, c in cols.items()}
-        calls.append((u, {"partition": partition, "rows": [meta.rows[i] for i in pos],
+        calls.append((u, {"partition": partition, "rows": ids_to_wire([meta.rows[i] for i in pos]),
                           "columns": {k: column_to_wire(c) for k, c in part.items()}}))
     return names, calls
 
@@ -83,6 +84,11 @@ def _assemble(names: list[str], by_unit: dict[int, list[int]], replies: list[dic
     inverse[torch.tensor(order)] = torch.arange(len(order))
     inv = inverse.tolist()
     return {k: concat([column_from_wire(r[k]) for r in replies]).take(inv) for k in names}
+
+
+def _new_rows_meta(partition: str, names: list[str], groups: Any, reply: dict) -> BatchMeta:
+    return BatchMeta(partition, ids_from_wire(reply["rows"]), names,
+                     ids_from_wire(groups) if groups is not None else [], ids_from_wire(reply["tokens"]))
 
 
 def _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, timeout,
@@ -156,7 +162,7 @@ class AsyncTransferQueueClient:
         return await self.controller.call("clear", partition=partition)
 
     async def clear_rows(self, meta: BatchMeta) -> int:
-        return await self.controller.call("clear_rows", partition=meta.partition, rows=meta.rows)
+        return await self.controller.call("clear_rows", partition=meta.partition, rows=ids_to_wire(meta.rows))
 
     async def reset_consumption(self, partition: str, task: str) -> None:
         await self.controller.call("reset_consumption", partition=partition, task=task)
@@ -178,8 +184,7 @@ class AsyncTransferQueueClient:
         res = await asyncio.gather(*(ep.call("put", _timeout=wait + _REPLY_MARGIN_S, timeout=wait, **args)
                                      for ep, (_, args) in zip(eps, calls)))
         if meta is None:
-            return BatchMeta(partition, res[0]["rows"], names, list(calls[0][1]["groups"] or []),
-                             res[0]["tokens"])
+            return _new_rows_meta(partition, names, calls[0][1]["groups"], res[0])
         return meta.with_columns(names)
 
     async def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
@@ -200,7 +205,7 @@ class AsyncTransferQueueClient:
         names, by_unit = _plan_get(meta, columns)
         eps = [await self._unit(u) for u in by_unit]
         replies = await asyncio.gather(*(
-            ep.call("get", partition=meta.partition, rows=[meta.rows[i] for i in pos], columns=names)
+            ep.call("get", partition=meta.partition, rows=ids_to_wire([meta.rows[i] for i in pos]), columns=names)
             for ep, pos in zip(eps, by_unit.values())))
         return _assemble(names, by_unit, list(replies))
 
@@ -263,7 +268,7 @@ class TransferQueueClient:
         return self.controller.call("clear", partition=partition)
 
     def clear_rows(self, meta: BatchMeta) -> int:
-        return self.controller.call("clear_rows", partition=meta.partition, rows=meta.rows)
+        return self.controller.call("clear_rows", partition=meta.partition, rows=ids_to_wire(meta.rows))
 
     def reset_consumption(self, partition: str, task: str) -> None:
         self.controller.call("reset_consumption", partition=partition, task=task)
@@ -285,8 +290,7 @@ class TransferQueueClient:
             sent.append((ep, ep.send("put", timeout=wait, **args)))
         res = [ep.recv(ticket, wait + _REPLY_MARGIN_S) for ep, ticket in sent]
         if meta is None:
-            return BatchMeta(partition, res[0]["rows"], names, list(calls[0][1]["groups"] or []),
-                             res[0]["tokens"])
+            return _new_rows_meta(partition, names, calls[0][1]["groups"], res[0])
         return meta.with_columns(names)
 
     def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
@@ -302,7 +306,7 @@ class TransferQueueClient:
         sent = []
         for u, pos in by_unit.items():
             ep = self._unit(u)
-            sent.append((ep, ep.send("get", partition=meta.partition, rows=[meta.rows[i] for i in pos],
+            sent.append((ep, ep.send("get", partition=meta.partition, rows=ids_to_wire([meta.rows[i] for i in pos]),
                                      columns=names)))
         return _assemble(names, by_unit, [ep.recv(t) for ep, t in sent])
 

@@ -27,6 +27,9 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_ITEMSIZE = {d: torch.empty(0, dtype=d).element_size() for d in _DTYPES.values()}
+
+
 class CodecError(ValueError):
     """A message could not be encoded or decoded."""
 
@@ -46,14 +49,13 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def _tensor_frame(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    # A uint8 view gives numpy a dtype it knows (bfloat16 has none) at no copy.
-    flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    return memoryview(flat.numpy())
+    if t.requires_grad or t.device.type != "cpu" or not t.is_contiguous():
+        t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16; the bytes are what travel
+        t = t.view(torch.int16)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.numpy()).cast("B")
 
 
 def encode(obj: Any) -> list:
@@ -62,8 +64,9 @@ def encode(obj: Any) -> list:
 
     def tensor_ref(x: Any) -> Any:  # json calls this for what it cannot encode itself
         if isinstance(x, torch.Tensor):
+            ref = {_TENSOR_KEY: len(buffers), "d": dtype_name(x.dtype), "s": list(x.shape)}
             buffers.append(_tensor_frame(x))
-            return {_TENSOR_KEY: len(buffers) - 1, "d": dtype_name(x.dtype), "s": list(x.shape)}
+            return ref
         if isinstance(x, tuple):
             return list(x)
         raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
@@ -96,19 +99,18 @@ def decode(frames: Sequence[Any]) -> Any:
         if not isinstance(i, int) or not 0 <= i < len(bufs):
             raise CodecError(f"tensor frame {i!r} missing: message has {len(bufs)} data frames")
         dtype = dtype_from_name(spec["d"])
-        shape = [int(s) for s in spec["s"]]
+        shape = spec["s"]
         frame = bufs[i]
         # bytes are read-only and torch warns on them; zmq frames are writable.
         mem = frame.buffer if hasattr(frame, "buffer") else memoryview(bytearray(frame))
         numel = 1
-        for s in shape:
-            numel *= s
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        if mem.nbytes != numel * itemsize:
+        for d in shape:
+            numel *= int(d)
+        if mem.nbytes != numel * _ITEMSIZE[dtype]:
             raise CodecError(f"tensor frame {i} has {mem.nbytes} bytes, header says {shape} of {spec['d']}")
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(mem, dtype=torch.uint8).view(dtype).reshape(shape)
+        return torch.frombuffer(mem, dtype=dtype).view(shape)
 
     def hook(d: dict) -> Any:
         return tensor(d) if _TENSOR_KEY in d else d

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .columns import FieldSchema
 from .errors import (BadPutError, RowsClearedError, SchemaMismatchError, TransferQueueTimeout,
                      UnknownPartitionError, UnknownTaskError)
-from .meta import BatchMeta, unit_of
+from .meta import BatchMeta, ids_from_wire, unit_of
 from .samplers import Sampler, build_sampler
 
 
@@ -153,8 +154,9 @@ class Controller:
         await asyncio.gather(*(u.call("drop_partition", partition=partition) for u in self.units.values()))
         return n
 
-    async def rpc_clear_rows(self, partition: str, rows: Sequence[int]) -> int:
+    async def rpc_clear_rows(self, partition: str, rows: Any) -> int:
         p = self._partition(partition)
+        rows = ids_from_wire(rows)
         gone = [r for r in rows if r in p.rows]
         for r in gone:
             del p.rows[r]
@@ -203,11 +205,14 @@ class Controller:
 
     # ---- writes (called by storage units after they stored the bytes) ------------------
 
-    async def rpc_notify(self, partition: str, rows: Sequence[int], columns: dict, new_rows: bool,
-                         tokens: Sequence[int] | None = None, groups: Sequence[int] | None = None) -> None:
+    async def rpc_notify(self, partition: str, rows: Any, columns: dict, new_rows: bool,
+                         tokens: Any = None, groups: Any = None) -> None:
         """Record that ``rows`` now have ``columns`` ({name: schema}). Validates everything
         before changing anything, so a rejected write leaves no trace."""
         p = self._partition(partition)
+        rows = ids_from_wire(rows)
+        tokens = ids_from_wire(tokens) if tokens is not None else None
+        groups = ids_from_wire(groups) if groups is not None else None
         schemas = {c: FieldSchema.from_wire(w) for c, w in columns.items()}
         for c, s in schemas.items():
             old = p.schema.get(c)
@@ -220,8 +225,8 @@ class Controller:
         if new_rows:
             if p.closed:
                 raise BadPutError(f"partition {partition!r} is closed (end of stream): no new rows can be added")
-            dup = [r for r in rows if r in p.rows]
-            if dup:
+            if any(map(p.rows.__contains__, rows)):
+                dup = [r for r in rows if r in p.rows]
                 raise BadPutError(f"partition {partition!r}: rows {dup[:5]} already exist")
         else:
             if groups is not None:
@@ -250,19 +255,16 @@ class Controller:
             for sub in p.subs_by_column.get(c, ()):
                 touched[id(sub)] = sub
         rows_map = p.rows
-        if new_rows:
-            for r in rows:
-                rows_map[r] = add
+        if new_rows:  # bulk dict operations: C loops, not Python ones
+            rows_map.update(dict.fromkeys(rows, add))
             if groups is not None:
                 p.groups.update(zip(rows, groups))
             if tokens is not None:
                 p.tokens.update(zip(rows, tokens))
+            fresh = dict.fromkeys(rows)  # new rows: no task has consumed them
             for sub in touched.values():
                 if add & sub.mask == sub.mask:
-                    consumed = p.consumed.get(sub.task, ())
-                    for r in rows:
-                        if r not in consumed:
-                            sub.ready[r] = None
+                    sub.ready.update(fresh)
         else:
             olds = [rows_map[r] for r in rows]
             for r, old in zip(rows, olds):
@@ -305,12 +307,15 @@ class Controller:
         p.consumed.setdefault(task, set()).update(rows)
         for sub in p.subs.get(task, {}).values():
             ready = sub.ready
+            if len(ready) == len(rows) and ready.keys() == set(rows):
+                ready.clear()  # the batch took every ready row (the common streaming case)
+                continue
             for r in rows:
                 ready.pop(r, None)
 
     def _meta(self, p: _Partition, rows: list[int], columns: Sequence[str], dp_parts: list[int]) -> BatchMeta:
         groups = [p.groups.get(r, -1) for r in rows] if p.groups else []
-        return BatchMeta(p.name, rows, list(columns), groups, [p.tokens.get(r, 0) for r in rows],
+        return BatchMeta(p.name, rows, list(columns), groups, list(map(p.tokens.get, rows, repeat(0))),
                          False, dp_parts)
 
     def _missing_report(self, p: _Partition, task: str, columns: tuple[str, ...]) -> str:

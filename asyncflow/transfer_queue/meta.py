@@ -7,11 +7,12 @@ until a worker calls ``get_data(meta)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 # A row's global index holds the storage unit that stores it in its high bits, so a
 # client routes a read without asking the controller.
 UNIT_SHIFT = 40
+LOCAL_MASK = (1 << UNIT_SHIFT) - 1
 MAX_UNITS = 1 << 16
 
 
@@ -21,6 +22,23 @@ def unit_of(row: int) -> int:
 
 def make_row_id(unit: int, local: int) -> int:
     return (unit << UNIT_SHIFT) | local
+
+
+def ids_to_wire(ids: Sequence[int]) -> Any:
+    """Lists of ints travel as one int64 tensor frame: far cheaper than JSON numbers."""
+    import torch
+    return torch.as_tensor(ids, dtype=torch.long) if len(ids) else []
+
+
+def ids_from_wire(x: Any, tensor: bool = False) -> Any:
+    """A list of ints (or, with ``tensor``, whatever is cheapest: a tensor stays a tensor)."""
+    if hasattr(x, "tolist"):
+        return x if tensor else x.tolist()
+    if x is None:
+        return []
+    if not isinstance(x, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
+        raise ValueError(f"expected a list of integer ids, got {type(x).__name__}")
+    return list(x)
 
 
 @dataclass
@@ -88,15 +106,15 @@ class BatchMeta:
 
     def to_wire(self) -> dict:
         return {
-            "partition": self.partition, "rows": self.rows, "columns": self.columns,
-            "groups": self.groups, "tokens": self.tokens,
+            "partition": self.partition, "rows": ids_to_wire(self.rows), "columns": self.columns,
+            "groups": ids_to_wire(self.groups), "tokens": ids_to_wire(self.tokens),
             "end_of_stream": self.end_of_stream, "dp_parts": self.dp_parts,
         }
 
     @staticmethod
     def from_wire(w: dict) -> "BatchMeta":
         return BatchMeta(
-            partition=w["partition"], rows=list(w["rows"]), columns=list(w["columns"]),
-            groups=list(w.get("groups") or []), tokens=list(w.get("tokens") or []),
+            partition=w["partition"], rows=ids_from_wire(w["rows"]), columns=list(w["columns"]),
+            groups=ids_from_wire(w.get("groups")), tokens=ids_from_wire(w.get("tokens")),
             end_of_stream=bool(w.get("end_of_stream", False)), dp_parts=list(w.get("dp_parts") or []),
         )

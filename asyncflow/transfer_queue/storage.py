@@ -1,11 +1,13 @@
 """A storage unit: holds the bytes of the rows routed to it, column by column.
 
 Each put is kept as one *batch* of columns exactly as it arrived (for a put from
-another process, the tensors still live in the received ZMQ frames: no copy).
-A row's column is found through ``(batch, position)``; reading rows that sit
-contiguously in one batch is a view, other reads gather once. A batch is freed when
-its last row is dropped. Row capacity and byte capacity bound the unit: a put of new
-rows waits (backpressure) until clears make room.
+another process the tensors still live in the received ZMQ frames: no copy). The
+unit gives new rows consecutive local ids, so a partition's row index is a tensor
+over its span of ids: per column, ``batch id << 32 | position`` or -1. Finding,
+checking and freeing rows are tensor operations, not per-row Python work. Reading
+rows that sit contiguously in one batch is a view; other reads gather once per
+batch. A batch is freed when its last row is dropped. Row and byte capacity bound
+the unit: a put of new rows waits (backpressure) until clears make room.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 from .columns import Column, JaggedColumn, column_from_wire, column_to_wire, concat
 from .errors import BadPutError, CapacityError, RowsClearedError, UnknownPartitionError
-from .meta import make_row_id, unit_of
+from .meta import LOCAL_MASK, ids_from_wire, make_row_id
 
 _POS_BITS = 32  # a row's location in a unit: batch id in the high bits, position in the low
 _POS_MASK = (1 << _POS_BITS) - 1
@@ -29,14 +31,51 @@ _POS_MASK = (1 << _POS_BITS) - 1
 class _Batch:
     columns: dict[str, Column]
     nbytes: int
-    live: int  # rows of this batch still referenced by any column index
+    live: int  # (row, column) cells of this batch still indexed
 
 
 class _PartitionStore:
-    def __init__(self) -> None:
-        self.where: dict[str, dict[int, int]] = {}  # column -> row -> batch id << 32 | position
-        self.rows: set[int] = set()
-        self.batch_rows: dict[int, list[int]] = {}  # batch id -> its rows, to free it
+    """Row index of one partition in one unit, over local ids ``base .. base + size``."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.exists = torch.zeros(0, dtype=torch.bool)
+        self.ever = torch.zeros(0, dtype=torch.bool)  # rows this partition had, cleared or not
+        self.codes: dict[str, torch.Tensor] = {}  # column -> int64 [size]; -1 where absent
+        self.batches: set[int] = set()
+        self.nrows = 0
+
+    @property
+    def size(self) -> int:
+        return self.exists.shape[0]
+
+    def grow(self, upto: int) -> None:
+        if upto <= self.size:
+            return
+        new = max(upto, 2 * self.size, 1024)  # amortised doubling
+        ex = torch.zeros(new, dtype=torch.bool)
+        ex[:self.size] = self.exists
+        ev = torch.zeros(new, dtype=torch.bool)
+        ev[:self.size] = self.ever
+        self.ever = ev
+        for name, c in self.codes.items():
+            nc = torch.full((new,), -1, dtype=torch.long)
+            nc[:self.size] = c
+            self.codes[name] = nc
+        self.exists = ex
+
+    def column(self, name: str) -> torch.Tensor:
+        c = self.codes.get(name)
+        if c is None:
+            c = self.codes[name] = torch.full((self.size,), -1, dtype=torch.long)
+        return c
+
+    def index_of(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """Positions of ``rows`` in the index, or None if any lies outside it."""
+        idx = (rows & LOCAL_MASK) - self.base
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.size):
+            return None
+        return idx
 
 
 class StorageUnit:
@@ -90,33 +129,18 @@ class StorageUnit:
 
     # ---- writes -------------------------------------------------------------------------
 
-    def _store(self, partition: str, rows: list[int], cols: dict[str, Column]) -> int:
-        ps = self.parts.setdefault(partition, _PartitionStore())
-        self.dropped.discard(partition)
-        bid = next(self._batch_ids)
-        nbytes = sum(c.nbytes for c in cols.values())
-        self.batches[bid] = _Batch(cols, nbytes, len(rows) * len(cols))
-        ps.batch_rows[bid] = rows
-        base = bid << _POS_BITS
-        for name in cols:
-            ps.where.setdefault(name, {}).update(zip(rows, range(base, base + len(rows))))
-        self.used_bytes += nbytes
-        return bid
+    def _missing_error(self, partition: str, ps: _PartitionStore | None, rows: torch.Tensor,
+                       idx: torch.Tensor | None) -> RowsClearedError:
+        if ps is not None and idx is not None:
+            gone = ~ps.exists[idx]
+            cleared = rows[gone & ps.ever[idx]]
+            if cleared.numel():
+                return RowsClearedError(f"partition {partition!r}: rows {cleared[:5].tolist()} were cleared")
+            rows = rows[gone]
+        return RowsClearedError(f"partition {partition!r}: rows {rows[:5].tolist()} were never stored in "
+                                f"unit {self.index}")
 
-    def _unstore(self, partition: str, bid: int, new_rows: bool) -> None:
-        ps = self.parts[partition]
-        batch = self.batches.pop(bid)
-        rows = ps.batch_rows.pop(bid)
-        for name in batch.columns:
-            where = ps.where[name]
-            for r in rows:
-                where.pop(r, None)
-        if new_rows:
-            ps.rows.difference_update(rows)
-            self.used_rows -= len(rows)
-        self.used_bytes -= batch.nbytes
-
-    async def rpc_put(self, partition: str, columns: dict, rows: Sequence[int] | None = None,
+    async def rpc_put(self, partition: str, columns: dict, rows: Any = None,
                       groups: Sequence[int] | None = None, timeout: float | None = None) -> dict:
         """Store columns for new rows (``rows`` None: this unit assigns ids) or add columns
         to existing rows of this unit. Returns the row ids and per-row token counts."""
@@ -128,132 +152,197 @@ class StorageUnit:
         if len(set(counts.values())) != 1:
             raise BadPutError(f"put into {partition!r}: columns have different row counts {counts}")
         new_rows = rows is None
-        if not new_rows and len(rows) != n:
-            raise BadPutError(f"put into {partition!r}: {n} rows of data for {len(rows)} row ids")
+        groups = ids_from_wire(groups) if groups is not None else None
         if groups is not None and len(groups) != n:
             raise BadPutError(f"put into {partition!r}: {len(groups)} group ids for {n} rows")
         nbytes = sum(c.nbytes for c in cols.values())
         if new_rows:
             await self._wait_for_room(partition, n, nbytes, timeout)
-            first = make_row_id(self.index, self._next_local)
+            first = self._next_local
             self._next_local += n
-            row_ids = list(range(first, first + n))
+            row_t = torch.arange(make_row_id(self.index, first), make_row_id(self.index, first) + n)
         else:
-            row_ids = [int(r) for r in rows]
+            row_t = torch.as_tensor(ids_from_wire(rows, tensor=True), dtype=torch.long)
+            if row_t.numel() != n:
+                raise BadPutError(f"put into {partition!r}: {n} rows of data for {row_t.numel()} row ids")
+            foreign = row_t[(row_t >> 40) != self.index]
+            if foreign.numel():
+                raise BadPutError(f"storage unit {self.index} got rows {foreign[:5].tolist()} that live on "
+                                  "other units")
             ps = self.parts.get(partition)
-            foreign = [r for r in row_ids if unit_of(r) != self.index]
-            if foreign:
-                raise BadPutError(f"storage unit {self.index} got rows {foreign[:5]} that live on other units")
-            missing = [r for r in row_ids if ps is None or r not in ps.rows]
-            if missing:
-                raise RowsClearedError(f"partition {partition!r}: rows {missing[:5]} are not stored in unit "
-                                       f"{self.index} (cleared, or never created)")
+            idx = ps.index_of(row_t) if ps is not None else None
+            if ps is None or idx is None or not bool(ps.exists[idx].all()):
+                raise self._missing_error(partition, ps, row_t, idx)
             for name in cols:
-                where = ps.where.get(name, {})
-                again = [r for r in row_ids if r in where]
-                if again:
-                    raise BadPutError(f"partition {partition!r}: rows {again[:5]} already have column "
-                                      f"{name!r}; columns are written once per row")
+                c = ps.codes.get(name)
+                if c is not None:
+                    again = row_t[c[idx] >= 0]
+                    if again.numel():
+                        raise BadPutError(f"partition {partition!r}: rows {again[:5].tolist()} already have "
+                                          f"column {name!r}; columns are written once per row")
+            if int(torch.unique(idx).numel()) != n:
+                raise BadPutError(f"put into {partition!r} names a row twice")
         # No await between the checks above and storing: the unit's view cannot change.
         fresh, was_dropped = partition not in self.parts, partition in self.dropped
-        bid = self._store(partition, row_ids, cols)
-        if new_rows:
-            self.parts[partition].rows.update(row_ids)
-            self.used_rows += n
+        bid = self._store(partition, row_t, cols, new_rows)
         lens = [c.lengths() for c in cols.values() if isinstance(c, JaggedColumn)]
-        tokens = torch.stack(lens).sum(0).tolist() if lens else [0] * n
+        tokens = torch.stack(lens).sum(0) if lens else torch.zeros(n, dtype=torch.long)
         try:
             await self.controller.call(
-                "notify", partition=partition, rows=row_ids, new_rows=new_rows,
+                "notify", partition=partition, rows=row_t, new_rows=new_rows,
                 columns={k: c.schema.to_wire() for k, c in cols.items()}, tokens=tokens,
-                groups=list(groups) if groups is not None else None)
+                groups=groups)
         except BaseException:
-            self._unstore(partition, bid, new_rows)  # the controller refused: leave no trace
-            ps = self.parts.get(partition)
-            if fresh and ps is not None and not ps.rows and not ps.batch_rows:
+            self._unstore(partition, bid, row_t, new_rows)  # the controller refused: leave no trace
+            if fresh and self.parts.get(partition) is not None and not self.parts[partition].nrows:
                 del self.parts[partition]
             if was_dropped and partition not in self.parts:
                 self.dropped.add(partition)  # reads keep saying the partition was cleared
             raise
-        return {"rows": row_ids, "tokens": tokens}
+        return {"rows": row_t, "tokens": tokens}
+
+    def _store(self, partition: str, rows: torch.Tensor, cols: dict[str, Column], new_rows: bool) -> int:
+        ps = self.parts.get(partition)
+        if ps is None:
+            ps = self.parts[partition] = _PartitionStore(int(rows[0]) & LOCAL_MASK if rows.numel() else 0)
+            self.dropped.discard(partition)
+        n = rows.numel()
+        bid = next(self._batch_ids)
+        nbytes = sum(c.nbytes for c in cols.values())
+        self.batches[bid] = _Batch(cols, nbytes, n * len(cols))
+        ps.batches.add(bid)
+        codes = torch.arange(bid << _POS_BITS, (bid << _POS_BITS) + n)
+        if new_rows:
+            a = (int(rows[0]) & LOCAL_MASK) - ps.base if n else 0
+            ps.grow(a + n)
+            ps.exists[a:a + n] = True
+            ps.ever[a:a + n] = True
+            for name in cols:
+                ps.column(name)[a:a + n] = codes
+            ps.nrows += n
+            self.used_rows += n
+        else:
+            idx = ps.index_of(rows)
+            for name in cols:
+                ps.column(name)[idx] = codes
+        self.used_bytes += nbytes
+        return bid
+
+    def _unstore(self, partition: str, bid: int, rows: torch.Tensor, new_rows: bool) -> None:
+        ps = self.parts[partition]
+        batch = self.batches.pop(bid)
+        ps.batches.discard(bid)
+        idx = ps.index_of(rows)
+        for name in batch.columns:
+            ps.codes[name][idx] = -1
+        if new_rows:
+            ps.exists[idx] = False
+            ps.ever[idx] = False
+            ps.nrows -= rows.numel()
+            self.used_rows -= rows.numel()
+        self.used_bytes -= batch.nbytes
 
     # ---- reads --------------------------------------------------------------------------
 
-    async def rpc_get(self, partition: str, rows: Sequence[int], columns: Sequence[str]) -> dict:
+    async def rpc_get(self, partition: str, rows: Any, columns: Sequence[str]) -> dict:
         ps = self.parts.get(partition)
         if ps is None:
             if partition in self.dropped:
                 raise RowsClearedError(f"partition {partition!r} was cleared; its rows cannot be read")
             raise UnknownPartitionError(f"storage unit {self.index} holds no partition {partition!r}")
-        if not rows:
+        row_t = torch.as_tensor(ids_from_wire(rows, tensor=True), dtype=torch.long)
+        if not row_t.numel():
             raise BadPutError(f"get of no rows from partition {partition!r}")
+        idx = ps.index_of(row_t)
+        if idx is None or not bool(ps.exists[idx].all()):
+            raise self._missing_error(partition, ps, row_t, idx)
+        missing = [n for n in columns if n not in ps.codes]
+        if missing:
+            raise BadPutError(f"partition {partition!r} has no column {missing[0]!r} in unit {self.index}")
+        # All columns' locations at once: one check for holes, one for contiguous runs.
+        codes = torch.stack([ps.codes[n][idx] for n in columns])
+        if bool((codes < 0).any()):
+            name = columns[int(torch.nonzero((codes < 0).any(1))[0])]
+            lacking = row_t[ps.codes[name][idx] < 0]
+            raise RowsClearedError(f"partition {partition!r}: rows {lacking[:5].tolist()} have no column "
+                                   f"{name!r} yet")
+        n = row_t.numel()
+        runs = (codes.diff(dim=1) == 1).all(1).tolist() if n > 1 else [True] * len(columns)
+        firsts = codes[:, 0].tolist()
         out = {}
-        for name in columns:
-            where = ps.where.get(name)
-            if where is None:
-                raise BadPutError(f"partition {partition!r} has no column {name!r} in unit {self.index}")
-            try:
-                codes = [where[r] for r in rows]
-            except KeyError as e:
-                r = e.args[0]
-                why = "was cleared" if r not in ps.rows else f"has no column {name!r} yet"
-                raise RowsClearedError(f"partition {partition!r}: row {r} {why}") from None
-            out[name] = column_to_wire(self._gather(name, codes))
+        for j, name in enumerate(columns):
+            if runs[j]:  # one batch read as it was written: a view
+                pos = firsts[j] & _POS_MASK
+                col = self.batches[firsts[j] >> _POS_BITS].columns[name].take(range(pos, pos + n))
+            else:
+                col = self._gather(name, codes[j])
+            out[name] = column_to_wire(col)
         return out
 
-    def _gather(self, name: str, codes: list[int]) -> Column:
-        """Rows at ``codes`` in order: runs of consecutive positions in one batch are views."""
-        n = len(codes)
-        if codes[-1] - codes[0] == n - 1 and codes == list(range(codes[0], codes[0] + n)):
-            runs = [(0, n)]  # the common case: a batch read back as it was written
-        else:
-            c = torch.tensor(codes)
-            breaks = (torch.nonzero(c.diff() != 1).flatten() + 1).tolist()
-            bounds = [0, *breaks, n]
-            runs = list(zip(bounds[:-1], bounds[1:]))
-        pieces = []
-        for a, b in runs:
-            bid, pos = codes[a] >> _POS_BITS, codes[a] & _POS_MASK
-            pieces.append(self.batches[bid].columns[name].take(range(pos, pos + b - a)))
-        return concat(pieces)
+    def _gather(self, name: str, codes: torch.Tensor) -> Column:
+        """Rows at ``codes`` in order: one gather per batch, then back in the requested order."""
+        n = codes.numel()
+        first = int(codes[0])
+        bids = codes >> _POS_BITS
+        pos = codes & _POS_MASK
+        if bool((bids == bids[0]).all()):
+            return self.batches[first >> _POS_BITS].columns[name].take(pos.tolist())
+        order = torch.argsort(bids, stable=True)
+        sb = bids[order]
+        uniq, counts = torch.unique_consecutive(sb, return_counts=True)
+        pieces, start = [], 0
+        for b, k in zip(uniq.tolist(), counts.tolist()):
+            sel = order[start:start + k]
+            pieces.append(self.batches[b].columns[name].take(pos[sel].tolist()))
+            start += k
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(n)
+        return concat(pieces).take(inverse.tolist())
 
     # ---- frees --------------------------------------------------------------------------
 
-    def _drop(self, ps: _PartitionStore, rows: Sequence[int]) -> None:
-        for name, where in ps.where.items():
-            for r in rows:
-                code = where.pop(r, None)
-                if code is None:
-                    continue
-                bid = code >> _POS_BITS
-                b = self.batches.get(bid)
-                if b is None:
-                    continue
-                b.live -= 1
-                if b.live == 0:
-                    self.batches.pop(bid)
-                    ps.batch_rows.pop(bid, None)
-                    self.used_bytes -= b.nbytes
-        gone = ps.rows.intersection(rows)
-        ps.rows.difference_update(gone)
-        self.used_rows -= len(gone)
+    def _free_cells(self, ps: _PartitionStore, codes: torch.Tensor) -> None:
+        """One (row, column) cell fewer in each batch named by ``codes``; free emptied batches."""
+        codes = codes[codes >= 0]
+        if not codes.numel():
+            return
+        uniq, counts = torch.unique(codes >> _POS_BITS, return_counts=True)
+        for b, k in zip(uniq.tolist(), counts.tolist()):
+            batch = self.batches.get(b)
+            if batch is None:
+                continue
+            batch.live -= k
+            if batch.live <= 0:
+                del self.batches[b]
+                ps.batches.discard(b)
+                self.used_bytes -= batch.nbytes
 
-    async def rpc_drop_rows(self, partition: str, rows: Sequence[int]) -> None:
+    async def rpc_drop_rows(self, partition: str, rows: Any) -> None:
         ps = self.parts.get(partition)
-        if ps is not None:
-            self._drop(ps, rows)
-            self._signal_freed()
+        if ps is None:
+            return
+        row_t = torch.as_tensor(ids_from_wire(rows, tensor=True), dtype=torch.long)
+        idx = (row_t & LOCAL_MASK) - ps.base
+        idx = idx[(idx >= 0) & (idx < ps.size)]
+        idx = idx[ps.exists[idx]]
+        for c in ps.codes.values():
+            self._free_cells(ps, c[idx])
+            c[idx] = -1
+        ps.exists[idx] = False
+        ps.nrows -= idx.numel()
+        self.used_rows -= idx.numel()
+        self._signal_freed()
 
     async def rpc_drop_partition(self, partition: str) -> None:
         ps = self.parts.pop(partition, None)
         self.dropped.add(partition)
         if ps is None:
             return
-        for bid in ps.batch_rows:
+        for bid in ps.batches:
             b = self.batches.pop(bid, None)
             if b is not None:
                 self.used_bytes -= b.nbytes
-        self.used_rows -= len(ps.rows)
+        self.used_rows -= ps.nrows
         self._signal_freed()
 
     async def rpc_stats(self) -> dict:
