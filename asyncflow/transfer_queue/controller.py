@@ -295,9 +295,10 @@ class Controller:
         sub = _Subscription(task, columns, mask)
         consumed = p.consumed.get(task, ())
         # The one scan of the partition, when a (task, columns) pair is first asked for.
-        for r, m in p.rows.items():
-            if m & mask == mask and r not in consumed:
-                sub.ready[r] = None
+        if consumed:
+            sub.ready = dict.fromkeys([r for r, m in p.rows.items() if m & mask == mask and r not in consumed])
+        else:
+            sub.ready = dict.fromkeys([r for r, m in p.rows.items() if m & mask == mask])
         per_task[columns] = sub
         for c in columns:
             p.subs_by_column.setdefault(c, []).append(sub)
