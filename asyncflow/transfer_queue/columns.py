@@ -250,8 +250,11 @@ def to_column(name: str, value: Any) -> Column:
         if value.dim() == 0:
             raise ValueError(f"column {name!r} is a 0-d tensor; a column needs one entry per row")
         return FixedColumn(value.detach().cpu())
-    if _is_tensordict(value) and hasattr(value, "tolist"):  # NonTensorStack / NonTensorData
-        return ObjectColumn(list(value.tolist()))
+    if _is_tensordict(value):
+        if type(value).__name__.startswith("NonTensor"):  # NonTensorStack / NonTensorData
+            return ObjectColumn(list(value.tolist()))
+        raise ValueError(f"column {name!r} is a nested TensorDict; store its fields as columns of their "
+                         f"own (e.g. td.flatten_keys('.'))")
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, torch.Tensor) for v in value):
             return _from_row_list(list(value), name)

@@ -21,6 +21,7 @@ from .columns import FieldSchema
 from .errors import (BadPutError, RowsClearedError, SchemaMismatchError, TransferQueueTimeout,
                      UnknownPartitionError, UnknownTaskError)
 from .meta import BatchMeta, ids_from_wire, unit_of
+from .recent import RecentSet
 from .samplers import Sampler, build_sampler
 
 
@@ -77,7 +78,7 @@ class Controller:
 
     def __init__(self, default_timeout: float = 300.0):
         self.partitions: dict[str, _Partition] = {}
-        self.cleared: set[str] = set()
+        self.cleared = RecentSet()
         self.tasks: set[str] = set()
         self.units: dict[int, Any] = {}  # unit index -> endpoint (RpcClient or LocalEndpoint)
         self.unit_addresses: dict[int, str] = {}
@@ -405,7 +406,7 @@ class Controller:
             pending = len(p.rows) - len(p.consumed.get(task, ()))
             # End of stream: no new rows, and every row this task has yet to see is ready.
             ended = p.closed and pending == len(sub.ready)
-            got = sampler.sample(sub.ready, batch_size, p, drain=allow_partial or ended)
+            got = sampler.sample(sub.ready, batch_size, p, partial=allow_partial, ended=ended)
             if got is not None and got.rows:
                 self._consume(p, task, got.rows)
                 self.stats["rows_ready"] += len(got.rows)

@@ -30,18 +30,20 @@ class Sample:
 
 
 class Sampler:
-    def sample(self, ready: Mapping[int, None], batch_size: int, info: RowInfo, drain: bool) -> Sample | None:
-        """Rows for one batch, or None. ``drain``: accept fewer rows (end of stream / partial)."""
+    def sample(self, ready: Mapping[int, None], batch_size: int, info: RowInfo, partial: bool = False,
+               ended: bool = False) -> Sample | None:
+        """Rows for one batch, or None. ``partial``: the caller accepts fewer rows now;
+        ``ended``: no more rows will come, so whatever is left may go."""
         raise NotImplementedError
 
 
 class SequentialSampler(Sampler):
     """Oldest ready rows first."""
 
-    def sample(self, ready, batch_size, info, drain):
+    def sample(self, ready, batch_size, info, partial=False, ended=False):
         if len(ready) >= batch_size:
             return Sample(list(islice(ready, batch_size)), [])
-        if drain and ready:
+        if (partial or ended) and ready:
             return Sample(list(ready), [])
         return None
 
@@ -57,12 +59,12 @@ class GroupSampler(Sampler):
             raise ValueError(f"grpo_group sampler: group_size must be >= 1, got {group_size}")
         self.group_size = int(group_size)
 
-    def sample(self, ready, batch_size, info, drain):
+    def sample(self, ready, batch_size, info, partial=False, ended=False):
         n = self.group_size
         if batch_size % n:
             raise ValueError(f"grpo_group sampler: batch_size {batch_size} is not a multiple of "
                              f"group_size {n}; ask for whole groups")
-        if len(ready) < batch_size and not drain:
+        if len(ready) < batch_size and not (partial or ended):
             return None
         need = batch_size // n
         groups = info.groups
@@ -80,7 +82,9 @@ class GroupSampler(Sampler):
                     break
         if len(done) == need:
             return Sample([r for g in done for r in buckets[g]], [])
-        if drain and ready:  # end of stream: whole groups first, then what is left
+        if partial and done and not ended:  # fewer rows now, but only whole groups
+            return Sample([r for g in done for r in buckets[g]], [])
+        if ended and ready:  # end of stream: whole groups first, then what is left
             whole = set(done)
             rows = [r for g in done for r in buckets[g]]
             rest = [r for g, b in buckets.items() if g not in whole for r in b]
@@ -99,11 +103,11 @@ class TokenBalancedSampler(Sampler):
         self.dp_size = int(dp_size)
         self.inner: Sampler = GroupSampler(group_size) if group_size else SequentialSampler()
 
-    def sample(self, ready, batch_size, info, drain):
+    def sample(self, ready, batch_size, info, partial=False, ended=False):
         if batch_size % self.dp_size:
             raise ValueError(f"token_balanced sampler: batch_size {batch_size} is not a multiple of "
                              f"dp_size {self.dp_size}")
-        got = self.inner.sample(ready, batch_size, info, drain)
+        got = self.inner.sample(ready, batch_size, info, partial, ended)
         if got is None:
             return None
         rows = got.rows

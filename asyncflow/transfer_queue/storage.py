@@ -22,6 +22,7 @@ import torch
 from .columns import Column, JaggedColumn, column_from_wire, column_to_wire, concat
 from .errors import BadPutError, CapacityError, RowsClearedError, UnknownPartitionError
 from .meta import LOCAL_MASK, ids_from_wire, make_row_id
+from .recent import RecentSet
 
 _POS_BITS = 32  # a row's location in a unit: batch id in the high bits, position in the low
 _POS_MASK = (1 << _POS_BITS) - 1
@@ -87,7 +88,7 @@ class StorageUnit:
         self.max_bytes = max_bytes
         self.put_timeout = put_timeout
         self.parts: dict[str, _PartitionStore] = {}
-        self.dropped: set[str] = set()
+        self.dropped = RecentSet()
         self.batches: dict[int, _Batch] = {}
         self._batch_ids = itertools.count()
         self._next_local = 0
@@ -193,7 +194,8 @@ class StorageUnit:
                 columns={k: c.schema.to_wire() for k, c in cols.items()}, tokens=tokens,
                 groups=groups)
         except BaseException:
-            self._unstore(partition, bid, row_t, new_rows)  # the controller refused: leave no trace
+            if bid in self.batches and partition in self.parts:  # the controller refused: leave no trace
+                self._unstore(partition, bid, row_t, new_rows)  # (a clear meanwhile already freed it)
             if fresh and self.parts.get(partition) is not None and not self.parts[partition].nrows:
                 del self.parts[partition]
             if was_dropped and partition not in self.parts:

@@ -184,3 +184,24 @@ def test_wire_form_round_trips_every_kind():
 def test_malformed_wire_column_raises_codec_error(wire):
     with pytest.raises(CodecError):
         column_from_wire(wire)
+
+
+def test_nested_tensordict_field_is_refused_with_a_hint():
+    from tensordict import TensorDict
+    td = TensorDict({"a": torch.zeros(2), "sub": TensorDict({"x": torch.ones(2)}, batch_size=[2])},
+                    batch_size=[2])
+    with pytest.raises(ValueError, match="nested TensorDict.*flatten_keys"):
+        to_columns(td)
+
+
+def test_recent_set_keeps_only_the_newest_names():
+    from asyncflow.transfer_queue.recent import RecentSet
+    s = RecentSet(maxlen=3)
+    for name in "abcd":
+        s.add(name)
+    assert "a" not in s and all(x in s for x in "bcd") and len(s) == 3
+    s.add("b")  # re-adding refreshes: "c" is now the oldest
+    s.add("e")
+    assert "c" not in s and "b" in s
+    s.discard("b")
+    assert "b" not in s

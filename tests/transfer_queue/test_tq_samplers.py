@@ -160,3 +160,14 @@ def test_dp_members_waiting_together_both_get_the_one_batch_that_arrives(tq):
         finally:
             await c.close()
     H.run_async(main(), 15)
+
+
+def test_grpo_group_partial_on_an_open_partition_returns_whole_groups_only(tq):
+    c = tq.client
+    c.create_partition("p")
+    c.put({"k": torch.arange(3)}, "p", groups=[0, 0, 1])  # group 0 whole, group 1 half
+    meta = c.get_meta(["k"], 4, "t", "p", {"name": "grpo_group", "group_size": 2}, allow_partial=True)
+    assert sorted(meta.groups) == [0, 0]
+    c.close_partition("p")  # at end of stream the incomplete group drains too
+    rest = c.get_meta(["k"], 4, "t", "p", {"name": "grpo_group", "group_size": 2}, timeout=2)
+    assert rest.groups == [1]
