@@ -1,0 +1,28 @@
+"""Single controller: one driver (asyncio) calls SPMD worker groups over ZMQ.
+
+See DESIGN.md, "Processes". Worker methods are plain Python marked with
+``@register(Dispatch.X)``; the driver gets a ``WorkerGroup`` whose methods are coroutines.
+"""
+from .dispatch import DISPATCH_MODES, Dispatch, DispatchMode, register, register_dispatch_mode
+from .driver import Driver, DriverConfig
+from .errors import LaunchError, WorkerCallTimeout, WorkerDiedError, WorkerError
+from .layout import GroupLayout
+from .placement import PlacementConfig
+from .runtime import RuntimeConfig
+from .worker import Worker
+from .worker_group import WorkerGroup
+
+
+
+def __getattr__(name: str):  # launch is imported lazily: `python -m ...launch` must not find it loaded
+    if name in ("RunConfig", "launch_local", "run_rank"):
+        from . import launch
+        return getattr(launch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "Dispatch", "DispatchMode", "DISPATCH_MODES", "register", "register_dispatch_mode", "Driver", "DriverConfig",
+    "WorkerGroup", "Worker", "GroupLayout", "PlacementConfig", "RunConfig", "RuntimeConfig", "launch_local",
+    "run_rank", "LaunchError", "WorkerError", "WorkerCallTimeout", "WorkerDiedError",
+]

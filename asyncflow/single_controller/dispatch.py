@@ -1,0 +1,155 @@
+"""Dispatch modes: how one driver call becomes per-rank calls, and how replies combine.
+
+A mode is a small record of functions held in a registry (verl's idea, without the
+wrapper layers): ``split`` (driver) turns the call's arguments into one ``(args, kwargs)``
+per rank of the group, or None for a rank that is not called; ``gather`` (driver) turns
+the per-rank results into the value the driver awaits; ``execute`` (worker) runs the
+method, by default simply ``fn(*args, **kwargs)``.
+
+Built in:
+- ONE_TO_ALL: every rank gets the same arguments; the result is the list of rank results.
+- ALL_TO_ALL: every argument is a list with one element per rank; rank i gets element i.
+- RANK_ZERO: only the group's first rank is called (the others stay free); its result is
+  returned. Use ONE_TO_ALL for a method that runs collectives.
+- DP_COMPUTE: the first argument is a BatchMeta, split with ``meta.chunk(dp_size)``; each
+  shard leader fetches its share from the TransferQueue and broadcasts it to its shard
+  over torch.distributed; the method gets the data (a TensorDict) and returns the new
+  columns (a dict or TensorDict, or None); the leader writes them back to the rows it was
+  given and only the BatchMeta returns to the driver (concatenated over shards).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..transfer_queue.meta import BatchMeta
+from .layout import GroupLayout
+
+Call = tuple[tuple, dict]
+_ATTR = "__asyncflow_dispatch__"
+
+
+class Dispatch:
+    ONE_TO_ALL = "one_to_all"
+    ALL_TO_ALL = "all_to_all"
+    RANK_ZERO = "rank_zero"
+    DP_COMPUTE = "dp_compute"
+
+
+def _run(worker: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    return fn(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class DispatchMode:
+    name: str
+    split: Callable[[GroupLayout, tuple, dict], list[Call | None]]
+    gather: Callable[[GroupLayout, list], Any]
+    execute: Callable[[Any, Callable, tuple, dict], Any] = _run
+
+
+DISPATCH_MODES: dict[str, DispatchMode] = {}
+
+
+def register_dispatch_mode(mode: DispatchMode) -> DispatchMode:
+    if mode.name in DISPATCH_MODES:
+        raise ValueError(f"dispatch mode {mode.name!r} is already registered")
+    DISPATCH_MODES[mode.name] = mode
+    return mode
+
+
+def get_dispatch_mode(name: str) -> DispatchMode:
+    try:
+        return DISPATCH_MODES[name]
+    except KeyError:
+        raise ValueError(f"unknown dispatch mode {name!r}; registered: {sorted(DISPATCH_MODES)}") from None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What ``@register`` records on a worker method."""
+    mode: str
+    timeout_s: float | None = None  # None: the driver's default call timeout
+
+
+def register(mode: str = Dispatch.ONE_TO_ALL, *, timeout_s: float | None = None) -> Callable:
+    """Mark a Worker method as callable from the driver with dispatch ``mode``."""
+    get_dispatch_mode(mode)  # fail at class definition, not at the first call
+
+    def mark(fn: Callable) -> Callable:
+        setattr(fn, _ATTR, MethodSpec(mode, timeout_s))
+        return fn
+    return mark
+
+
+def method_spec(fn: Any) -> MethodSpec | None:
+    return getattr(fn, _ATTR, None)
+
+
+# ---- the built-in modes --------------------------------------------------------------------
+
+def _one_to_all_split(layout: GroupLayout, args: tuple, kwargs: dict) -> list[Call | None]:
+    return [(args, kwargs)] * layout.size
+
+
+def _list_gather(layout: GroupLayout, results: list) -> list:
+    return results
+
+
+def _all_to_all_split(layout: GroupLayout, args: tuple, kwargs: dict) -> list[Call | None]:
+    n = layout.size
+    for name, v in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+        if not isinstance(v, (list, tuple)) or len(v) != n:
+            got = f"{type(v).__name__} of length {len(v)}" if isinstance(v, (list, tuple)) else type(v).__name__
+            raise ValueError(f"ALL_TO_ALL on role {layout.role!r}: {name} must be a list of {n} "
+                             f"(one per rank), got {got}")
+    return [(tuple(a[i] for a in args), {k: v[i] for k, v in kwargs.items()}) for i in range(n)]
+
+
+def _rank_zero_split(layout: GroupLayout, args: tuple, kwargs: dict) -> list[Call | None]:
+    return [(args, kwargs)] + [None] * (layout.size - 1)
+
+
+def _rank_zero_gather(layout: GroupLayout, results: list) -> Any:
+    return results[0]
+
+
+def _dp_split(layout: GroupLayout, args: tuple, kwargs: dict) -> list[Call | None]:
+    if not args or not isinstance(args[0], BatchMeta):
+        raise TypeError(f"DP_COMPUTE on role {layout.role!r}: the first argument must be a BatchMeta, "
+                        f"got {type(args[0]).__name__ if args else 'nothing'}")
+    parts = args[0].chunk(layout.dp_size)
+    return [((parts[layout.shard_of(i)], *args[1:]), kwargs) for i in range(layout.size)]
+
+
+def _dp_gather(layout: GroupLayout, results: list) -> Any:
+    leaders = [r for i, r in enumerate(results) if layout.is_leader(i)]
+    if all(isinstance(r, BatchMeta) for r in leaders):
+        filled = [m for m in leaders if len(m)] or leaders[:1]
+        return BatchMeta.concat(filled)
+    return leaders
+
+
+def _dp_execute(worker: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """Leader fetches, shard receives by broadcast, method computes, leader writes back."""
+    import torch.distributed as dist
+
+    meta: BatchMeta = args[0]
+    if not len(meta):  # every rank of the shard got the same empty share: nothing to compute
+        return meta
+    box = [worker.tq.get_data(meta) if worker.is_shard_leader else None]
+    if worker.shard_group is not None:
+        dist.broadcast_object_list(box, src=worker.shard_ranks[0], group=worker.shard_group,
+                                   device=worker.collective_device)
+    out = fn(box[0], *args[1:], **kwargs)
+    if not worker.is_shard_leader:
+        return None
+    if out is None:
+        return meta
+    return worker.tq.put(out, meta.partition, meta)
+
+
+register_dispatch_mode(DispatchMode(Dispatch.ONE_TO_ALL, _one_to_all_split, _list_gather))
+register_dispatch_mode(DispatchMode(Dispatch.ALL_TO_ALL, _all_to_all_split, _list_gather))
+register_dispatch_mode(DispatchMode(Dispatch.RANK_ZERO, _rank_zero_split, _rank_zero_gather))
+register_dispatch_mode(DispatchMode(Dispatch.DP_COMPUTE, _dp_split, _dp_gather, _dp_execute))

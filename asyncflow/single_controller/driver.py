@@ -1,0 +1,259 @@
+"""The driver's side of the control plane: one connection per worker rank, heartbeats,
+and the creation of worker groups.
+
+Each rank is reached through a ``transport.RpcClient`` (calls multiplexed on one DEALER
+socket) plus a second client used only for heartbeats, so a ping never queues behind a
+large message. A rank that misses ``heartbeat_misses`` pings in a row is declared dead:
+every call in flight to it fails at once with WorkerDiedError, and so does the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, TypeVar
+
+import zmq.asyncio
+
+from ..transfer_queue.errors import RemoteError, TransferQueueTimeout
+from ..transfer_queue.transport import RpcClient
+from .errors import WorkerCallTimeout, WorkerDiedError, WorkerError
+from .layout import GroupLayout
+from .placement import PlacementConfig
+from .runtime import class_path, split_address
+from .wire import from_wire, to_wire
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class DriverConfig:
+    call_timeout_s: float = 300.0  # default timeout of a worker method call
+    create_timeout_s: float = 300.0  # building a worker group (process groups + __init__)
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 2.0
+    heartbeat_misses: int = 2  # dead after this many missed pings in a row (~5 s by default)
+    attach_timeout_s: float = 60.0  # every worker must answer a first ping within this
+
+
+class RankEndpoint:
+    """One worker process as the driver sees it."""
+
+    def __init__(self, rank: int, address: str, ctx: zmq.asyncio.Context):
+        self.rank = rank
+        self.address, control = split_address(address)
+        self.roles: list[str] = []
+        self.info: dict = {}
+        self._rpc = RpcClient(self.address, ctx)  # calls, run in order by the worker's own thread
+        self._control = RpcClient(control, ctx)  # pings and the like, answered while a call runs
+        self.dead: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.dead.add_done_callback(lambda f: f.exception())  # retrieved: no "never retrieved" noise
+        self._inflight: set[asyncio.Task] = set()
+        self._killed: set[asyncio.Task] = set()
+
+    def where(self, role: str | None = None) -> str:
+        roles = role or ",".join(self.roles) or "no role yet"
+        host = f" pid {self.info['pid']} on {self.info['host']}" if self.info else ""
+        return f"rank {self.rank} ({roles}{host}, {self.address})"
+
+    async def request(self, op: str, what: str, role: str | None, timeout: float, /, *, control: bool = False,
+                      **args: Any) -> Any:
+        """One RPC to this rank, failing early if the rank is declared dead meanwhile."""
+        if self.dead.done():
+            raise self.dead.exception()
+        client = self._control if control else self._rpc
+        # The request runs in the caller's task (no extra task per call: this is the hot path);
+        # when the rank is declared dead, declare_dead() cancels the tasks listed here.
+        me = asyncio.current_task()
+        self._inflight.add(me)
+        try:
+            reply = await client.call(op, _timeout=timeout, **args)
+        except asyncio.CancelledError:
+            if me not in self._killed:
+                raise
+            self._killed.discard(me)
+            if hasattr(me, "uncancel"):  # 3.11+: this cancellation is consumed here
+                me.uncancel()
+            raise WorkerDiedError(f"{what} on {self.where(role)} cannot finish: {self.dead.exception()}",
+                                  rank=self.rank, role=role or "", method=what) from None
+        except TransferQueueTimeout:
+            raise WorkerCallTimeout(
+                f"{what} on {self.where(role)} got no reply within {timeout:.1f}s (the worker may still be "
+                "running it; later calls to this rank queue behind it)",
+                rank=self.rank, role=role or "", method=what) from None
+        except RemoteError as e:  # the server could not run or encode the call at all
+            raise WorkerError(f"{what} on {self.where(role)} failed in the control plane: {e}",
+                              rank=self.rank, role=role or "", method=what) from None
+        finally:
+            self._inflight.discard(me)
+        if "err" in reply:
+            err = reply["err"]
+            raise WorkerError(f"{what} failed on {self.where(role)}: {err['type']}: {err['msg']}\n"
+                              f"--- remote traceback (rank {self.rank}) ---\n{err['tb']}",
+                              rank=self.rank, role=role or "", method=what, remote_tb=err["tb"])
+        return from_wire(reply["ok"])
+
+    def declare_dead(self, err: WorkerDiedError) -> None:
+        """Fail every call in flight to this rank now, and every later one at once."""
+        self.dead.set_exception(err)
+        for task in list(self._inflight):
+            self._killed.add(task)
+            task.cancel()
+
+    async def ping(self, timeout: float) -> dict:
+        return await self._control.call("ping", _timeout=timeout)
+
+    async def close(self) -> None:
+        await self._rpc.close()
+        await self._control.close()
+
+
+class Driver:
+    """Talks to every worker rank; makes worker groups; notices dead workers.
+
+    ``async with Driver(addresses, ...) as driver:`` or ``await driver.start()`` /
+    ``await driver.shutdown()``. Use ``await driver.run(main(driver))`` to run the
+    algorithm so that a dead worker stops it even when no call is in flight.
+    """
+
+    def __init__(self, addresses: list[str], *, placement: PlacementConfig | None = None,
+                 config: DriverConfig | None = None, transfer_queue_address: str | None = None):
+        self.addresses = list(addresses)
+        self.placement = placement or PlacementConfig()
+        self.config = config or DriverConfig()
+        self.transfer_queue_address = transfer_queue_address
+        self.ranks: list[RankEndpoint] = []
+        self.failed: asyncio.Future | None = None
+        self._monitors: list[asyncio.Task] = []
+        self._heartbeats_stopped = False
+        self._create_lock: asyncio.Lock | None = None
+        self._ctx = zmq.asyncio.Context()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.addresses)
+
+    async def start(self) -> "Driver":
+        loop = asyncio.get_running_loop()
+        self.failed = loop.create_future()
+        self.failed.add_done_callback(lambda f: f.exception())
+        self._create_lock = asyncio.Lock()
+        self.ranks = [RankEndpoint(r, a, self._ctx) for r, a in enumerate(self.addresses)]
+        await self._attach()
+        if self.transfer_queue_address:
+            await self.set_transfer_queue(self.transfer_queue_address)
+        self._monitors = [loop.create_task(self._monitor(ep), name=f"heartbeat-{ep.rank}") for ep in self.ranks]
+        return self
+
+    async def _attach(self) -> None:
+        """First contact: every worker must answer a ping before the attach timeout."""
+        deadline = time.monotonic() + self.config.attach_timeout_s
+
+        async def first(ep: RankEndpoint) -> None:
+            while True:
+                try:
+                    ep.info = await ep.ping(min(2.0, max(0.1, deadline - time.monotonic())))
+                    return
+                except TransferQueueTimeout:
+                    if time.monotonic() > deadline:
+                        raise WorkerDiedError(f"{ep.where()} did not answer within "
+                                              f"{self.config.attach_timeout_s:.0f}s of attach",
+                                              rank=ep.rank) from None
+        await asyncio.gather(*(first(ep) for ep in self.ranks))
+
+    async def _monitor(self, ep: RankEndpoint) -> None:
+        cfg = self.config
+        misses, last_ok = 0, time.monotonic()
+        while not self._heartbeats_stopped:  # a flag as well as cancel(): 3.11's wait_for can swallow a cancel
+            try:
+                await ep.ping(cfg.heartbeat_timeout_s)
+                misses, last_ok = 0, time.monotonic()
+                await asyncio.sleep(cfg.heartbeat_interval_s)
+            except TransferQueueTimeout:  # the timeout already spent the interval: ping again now
+                misses += 1
+                if misses >= cfg.heartbeat_misses:
+                    err = WorkerDiedError(
+                        f"worker {ep.where()} stopped answering heartbeats {time.monotonic() - last_ok:.1f}s "
+                        "ago: its process died or hangs", rank=ep.rank, role=",".join(ep.roles))
+                    log.error("%s", err)
+                    ep.declare_dead(err)
+                    if not self.failed.done():
+                        self.failed.set_exception(err)
+                    return
+
+    def check(self) -> None:
+        """Raise the first fatal error (a dead worker), if any."""
+        if self.failed is not None and self.failed.done():
+            raise self.failed.exception()
+
+    async def run(self, main: Awaitable[T]) -> T:
+        """Await ``main``; if a worker dies first, cancel it and raise the WorkerDiedError."""
+        task = asyncio.ensure_future(main)
+        await asyncio.wait([task, self.failed], return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=5)
+            self.check()
+        return task.result()
+
+    async def set_transfer_queue(self, address: str) -> None:
+        self.transfer_queue_address = address
+        await asyncio.gather(*(ep.request("set_transfer_queue", "set_transfer_queue", None, 30.0, control=True,
+                                          address=address) for ep in self.ranks))
+
+    async def create_group(self, cls: type, role: str, *, ranks: list[int] | None = None,
+                           dp_size: int | None = None, **init_kwargs: Any) -> "WorkerGroup":
+        """Start a worker of ``cls`` as ``role`` on its ranks (from the placement unless given)."""
+        from .worker_group import WorkerGroup
+
+        self.check()
+        ranks = list(ranks) if ranks is not None else self.placement.ranks_for(role, self.world_size)
+        layout = GroupLayout(role, tuple(ranks), dp_size or self.placement.dp_size_for(role, len(ranks)))
+        path = class_path(cls)
+        wire_kwargs = to_wire(init_kwargs)
+        # new_group is collective over the whole world and must run in the same order on
+        # every rank: one creation at a time, sent to every rank.
+        async with self._create_lock:
+            await asyncio.gather(*(
+                ep.request("create_group", f"{role}.__init__", role, self.config.create_timeout_s,
+                           layout=layout.to_wire(), cls=path, init_kwargs=wire_kwargs, member=ep.rank in ranks)
+                for ep in self.ranks))
+        for r in ranks:
+            self.ranks[r].roles.append(role)
+        return WorkerGroup(self, layout, cls)
+
+    async def stop_heartbeats(self) -> None:
+        """Stop pinging the workers (they exit after ``driver_timeout_s`` unless shut down)."""
+        self._heartbeats_stopped = True
+        for t in self._monitors:
+            t.cancel()
+        if self._monitors:
+            await asyncio.wait(self._monitors, timeout=5)
+        self._monitors = []
+
+    async def shutdown(self) -> None:
+        """Stop heartbeats, tell every live worker to stop serving, close connections."""
+        await self.stop_heartbeats()
+        live = [ep for ep in self.ranks if not ep.dead.done()]
+        # After a failure, other workers may be deep in a long call: make them exit now,
+        # except the worker living in this very process (rank 0 under the launcher).
+        failed = self.failed is not None and self.failed.done()
+
+        async def stop(ep: RankEndpoint) -> None:
+            if failed and ep.info.get("pid") != os.getpid():
+                await ep.request("exit_now", "exit_now", None, 3.0, control=True)
+            else:
+                await ep.request("shutdown", "shutdown", None, 3.0)
+        await asyncio.gather(*(stop(ep) for ep in live), return_exceptions=True)
+        for ep in self.ranks:
+            await ep.close()
+        self._ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> "Driver":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown()

@@ -1,0 +1,188 @@
+"""Launch: every rank runs a worker; rank 0 also runs the driver.
+
+    torchrun --nproc-per-node 2 -m asyncflow.single_controller.launch --main pkg.mod:main
+    python -m asyncflow.single_controller.launch --nproc 2 --main pkg.mod:main   # self-launch
+
+``main`` is ``async def main(driver: Driver)``. Rank 0 runs it on an asyncio loop in its
+main thread; rank 0's own worker serves on another thread and is reached through the
+same RPC path as every other rank. Addresses travel through torchrun's TCPStore. The
+process exits non-zero when ``main`` raises or a worker dies.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import sys
+import threading
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+from .driver import Driver, DriverConfig
+from .errors import LaunchError
+from .placement import PlacementConfig
+from .rendezvous import connect_store, publish_address, rendezvous_host, wait_addresses
+from .runtime import RuntimeConfig, WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunConfig:
+    main: str = ""  # "package.module:function", an async function taking the Driver
+    platform: str = "auto"
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    driver: DriverConfig = field(default_factory=DriverConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    rendezvous_timeout_s: float = 120.0  # store connection, address exchange, init_process_group
+    transfer_queue: bool = True  # rank 0 hosts a TransferQueueService and tells the workers
+
+
+def import_function(path: str) -> Callable:
+    mod, _, name = path.partition(":")
+    if not mod or not name:
+        raise LaunchError(f"--main {path!r} must look like 'package.module:function'")
+    return getattr(importlib.import_module(mod), name)
+
+
+def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
+             *, use_agent_store: bool | None = None, with_driver: bool | None = None) -> int:
+    """Everything one rank does; returns the process exit code."""
+    import torch.distributed as dist
+
+    from ..platform import get_platform
+
+    platform = get_platform(cfg.platform)
+    platform.set_device(platform.device_for_local_rank(local_rank))
+    store = connect_store(master_addr, master_port, rank, world_size, cfg.rendezvous_timeout_s, use_agent_store)
+    dist.init_process_group(platform.backend, store=dist.PrefixStore("asyncflow/pg", store), rank=rank,
+                            world_size=world_size,
+                            timeout=timedelta(seconds=cfg.runtime.collective_timeout_s))
+    host = rendezvous_host(master_addr)
+    runtime = WorkerRuntime(rank, world_size, local_rank, platform, host, cfg.runtime)
+    publish_address(store, rank, runtime.address)
+    code = 0
+    try:
+        if with_driver if with_driver is not None else rank == 0:
+            serving = threading.Thread(target=runtime.serve, name="worker-rank0", daemon=True)
+            serving.start()
+            addresses = wait_addresses(store, world_size, cfg.rendezvous_timeout_s)
+            code = asyncio.run(run_driver(cfg, addresses, host))
+            serving.join(timeout=30)
+            if serving.is_alive():  # still inside a call: its socket must not be closed under it
+                return code or 1
+        else:
+            runtime.serve()
+    except BaseException:
+        runtime.close()
+        raise
+    runtime.close()
+    if code == 0:
+        dist.destroy_process_group()  # after a failure a peer may be gone: just exit
+    return code
+
+
+async def run_driver(cfg: RunConfig, addresses: list[str], host: str) -> int:
+    """Start the TransferQueue, attach to the workers, run ``main``; 0 on success, else 1."""
+    tq = None
+    if cfg.transfer_queue:
+        from ..transfer_queue import TransferQueueConfig, TransferQueueService
+        tq = TransferQueueService(TransferQueueConfig(host=host)).start_in_thread()
+    driver = Driver(addresses, placement=cfg.placement, config=cfg.driver,
+                    transfer_queue_address=tq.controller_address if tq else None)
+    try:
+        main = import_function(cfg.main)
+        await driver.start()
+        await driver.run(main(driver))
+        return 0
+    except Exception:  # noqa: BLE001 - the run's failure: print it whole, exit non-zero
+        print(f"asyncflow driver failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        await driver.shutdown()
+        if tq is not None:
+            tq.stop_in_thread()
+
+
+def run_from_env(cfg: RunConfig) -> int:
+    """The rank entry under torchrun (or elastic_launch): reads RANK, WORLD_SIZE, ... ."""
+    env = os.environ
+    try:
+        return run_rank(cfg, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                        env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+    except KeyError as e:
+        raise LaunchError(f"environment variable {e} is not set: start under torchrun, or use --nproc") from None
+
+
+def _elastic_entry(cfg: RunConfig) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    code = run_from_env(cfg)
+    if code:
+        raise SystemExit(code)
+    return code
+
+
+def launch_local(cfg: RunConfig, nproc: int, *, monitor_interval_s: float = 0.2) -> int:
+    """Start ``nproc`` local ranks through torch's elastic launcher; returns the exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"asyncflow-{uuid.uuid4().hex[:8]}",
+                      rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                      monitor_interval=monitor_interval_s, start_method="spawn")
+    # By its importable name, not __main__'s: spawned children unpickle it from there.
+    from asyncflow.single_controller.launch import _elastic_entry as entry
+    try:
+        elastic_launch(lc, entry)(cfg)
+        return 0
+    except ChildFailedError as e:
+        print(f"asyncflow run failed:\n{e.format_msg()}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _parse_ranks(items: list[str], flag: str) -> dict[str, Any]:
+    out = {}
+    for it in items:
+        role, sep, val = it.partition("=")
+        if not sep:
+            raise SystemExit(f"{flag} {it!r}: expected ROLE=VALUE")
+        out[role] = val
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, int | None]:
+    p = argparse.ArgumentParser(description="Run an AsyncFlow driver with one worker per rank.")
+    p.add_argument("--main", required=True, help="package.module:function, an async function taking the Driver")
+    p.add_argument("--nproc", type=int, default=None, help="self-launch this many local ranks (not under torchrun)")
+    p.add_argument("--platform", default="auto", help="auto | cpu | cuda | npu")
+    p.add_argument("--placement", default="colocated", choices=["colocated", "disaggregated"])
+    p.add_argument("--role", action="append", default=[], help="ROLE=0,1,... ranks of a role (repeatable)")
+    p.add_argument("--dp", action="append", default=[], help="ROLE=N data shards of a role (repeatable)")
+    p.add_argument("--call-timeout", type=float, default=DriverConfig.call_timeout_s)
+    p.add_argument("--no-transfer-queue", action="store_true")
+    a = p.parse_args(argv)
+    roles = {r: [int(x) for x in v.split(",") if x] for r, v in _parse_ranks(a.role, "--role").items()}
+    dp = {r: int(v) for r, v in _parse_ranks(a.dp, "--dp").items()}
+    cfg = RunConfig(main=a.main, platform=a.platform, placement=PlacementConfig(a.placement, roles, dp),
+                    driver=DriverConfig(call_timeout_s=a.call_timeout), transfer_queue=not a.no_transfer_queue)
+    return cfg, a.nproc
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    cfg, nproc = parse_args(argv)
+    import_function(cfg.main)  # a typo in --main fails here, before any process starts
+    if "RANK" in os.environ:
+        sys.exit(run_from_env(cfg))
+    if nproc is None:
+        raise SystemExit("not under torchrun (no RANK): pass --nproc N to start N local ranks")
+    sys.exit(launch_local(cfg, nproc))
+
+
+if __name__ == "__main__":
+    main()

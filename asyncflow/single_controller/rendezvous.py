@@ -1,0 +1,73 @@
+"""Finding each other: the TCPStore torchrun already runs, and the interface to bind.
+
+Every rank publishes its worker's ZMQ address under ``asyncflow/worker/<rank>``; the
+driver waits for all of them. No second coordination service.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from .errors import LaunchError
+
+KEY_PREFIX = "asyncflow/"
+
+
+def connect_store(host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                  use_agent_store: bool | None = None) -> dist.TCPStore:
+    """The run's TCPStore, as torch's env:// rendezvous finds it.
+
+    Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the agent hosts it and every rank
+    is a client; otherwise rank 0 hosts it at MASTER_ADDR:MASTER_PORT.
+    """
+    if use_agent_store is None:
+        use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=(rank == 0 and not use_agent_store),
+                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as e:
+        raise LaunchError(f"rank {rank}: cannot reach the TCPStore at {host}:{port} within {timeout_s:.0f}s: "
+                          f"{e}") from e
+
+
+def rendezvous_host(master_addr: str) -> str:
+    """The local interface that routes to ``master_addr`` (loopback for a local run).
+
+    Binding there, never to 0.0.0.0, keeps the worker off interfaces the run does not use.
+    """
+    try:
+        ip = socket.gethostbyname(master_addr)
+    except OSError as e:
+        raise LaunchError(f"cannot resolve MASTER_ADDR {master_addr!r}: {e}") from e
+    if ip.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # UDP connect sends nothing
+        s.connect((ip, 9))
+        return s.getsockname()[0]
+
+
+def publish_address(store: dist.Store, rank: int, address: str) -> None:
+    store.set(f"{KEY_PREFIX}worker/{rank}", address)
+
+
+def wait_addresses(store: dist.Store, world_size: int, timeout_s: float,
+                   check: Callable[[], None] | None = None) -> list[str]:
+    """Every rank's worker address, in rank order; names the missing ranks on timeout.
+    ``check`` is called while waiting and may raise (e.g. when a child process died)."""
+    keys = [f"{KEY_PREFIX}worker/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            return [store.get(k).decode() for k in keys]
+        if time.monotonic() > deadline:
+            raise LaunchError(f"worker ranks {missing} did not publish their address within {timeout_s:.0f}s "
+                              "(did they start? see their logs)")
+        if check is not None:
+            check()
+        time.sleep(0.05)

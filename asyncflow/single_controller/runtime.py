@@ -1,0 +1,260 @@
+"""The worker side of the control plane: one per rank.
+
+Two servers with one protocol (transport's): calls (create a group, run a method,
+shut down) arrive at a ``BlockingRpcServer`` served by ``serve()`` on the worker's own
+thread (the main thread on ranks > 0), one at a time and in arrival order. So torch
+compute is plain synchronous code, calls never overlap on a rank, and collectives run
+in the same order on every rank of a group (the driver sends a group call to all its
+ranks back to back). Control messages (heartbeat pings, the TransferQueue address,
+"exit now") go to a ``transport.RpcServer`` on a private event-loop thread, so they are
+answered while a method runs. A watchdog exits the process when the driver's pings stop.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from ..platform import Platform
+from ..transfer_queue.client import EventLoopThread
+from ..transfer_queue.transport import RpcServer
+from .blocking_server import BlockingRpcServer
+from .dispatch import get_dispatch_mode, method_spec
+from .layout import GroupLayout
+from .wire import from_wire, to_wire
+from .worker import Worker, WorkerContext
+
+log = logging.getLogger(__name__)
+
+
+def join_address(calls: str, control: str) -> str:
+    """One string per rank in the store: ``<calls address>|<control address>``."""
+    return f"{calls}|{control}"
+
+
+def split_address(address: str) -> tuple[str, str]:
+    calls, sep, control = address.partition("|")
+    if not sep:
+        raise ValueError(f"worker address {address!r} must be '<calls>|<control>'")
+    return calls, control
+
+
+@dataclass
+class RuntimeConfig:
+    collective_timeout_s: float = 300.0  # new_group and every collective of the groups it makes
+    driver_timeout_s: float = 10.0  # exit when the driver's pings stop for this long
+    attach_timeout_s: float = 300.0  # exit when no driver pinged at all within this long
+
+
+def import_class(path: str) -> type:
+    """``'package.module:Class'`` -> the class."""
+    mod, _, name = path.partition(":")
+    if not mod or not name:
+        raise ValueError(f"worker class path {path!r} must look like 'package.module:ClassName'")
+    obj: Any = importlib.import_module(mod)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def class_path(cls: type) -> str:
+    if "<locals>" in cls.__qualname__:
+        raise ValueError(f"worker class {cls.__qualname__} is defined inside a function: workers import "
+                         "it by name, define it at module level")
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+class _CallService:
+    """Served by ``serve()`` on the worker thread: the work, in order."""
+
+    def __init__(self, rt: "WorkerRuntime"):
+        self.rt = rt
+
+    def rpc_create_group(self, layout: dict, cls: str, init_kwargs: dict, member: bool) -> dict:
+        return self.rt._guarded(f"create_group({layout['role']})", self.rt._create, GroupLayout.from_wire(layout),
+                                cls, from_wire(init_kwargs), member)
+
+    def rpc_call(self, role: str, fn: str, args: list, kwargs: dict) -> dict:
+        # "fn", not "method": RpcClient.call's own first parameter is called method
+        return self.rt._guarded(f"{role}.{fn}", self.rt._call, role, fn, from_wire(args), from_wire(kwargs))
+
+    def rpc_shutdown(self) -> dict:
+        self.rt._closing = True
+        self.rt._calls.stopping = True
+        return {"ok": None}
+
+
+class _ControlService:
+    """Served on the event-loop thread: answered even while a method runs."""
+
+    def __init__(self, rt: "WorkerRuntime"):
+        self.rt = rt
+
+    async def rpc_ping(self) -> dict:
+        self.rt._last_ping = time.monotonic()
+        return {"rank": self.rt.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "busy": self.rt._busy, "roles": sorted(self.rt.workers)}
+
+    async def rpc_set_transfer_queue(self, address: str) -> dict:
+        self.rt._tq_address = address
+        return {"ok": None}
+
+    async def rpc_exit_now(self) -> dict:
+        """The run failed and a call here may run for a long time yet: exit a moment after
+        this reply has left (a normal exit could wait on a collective that never ends)."""
+        self.rt._closing = True
+        print(f"asyncflow worker rank {self.rt.rank} exits: the driver stopped the run after a failure "
+              f"(busy with {self.rt._busy or 'nothing'!r})", flush=True)
+        asyncio.get_running_loop().call_later(0.2, os._exit, 4)
+        return {"ok": None}
+
+
+class WorkerRuntime:
+    def __init__(self, rank: int, world_size: int, local_rank: int, platform: Platform, host: str,
+                 config: RuntimeConfig | None = None):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.platform = platform
+        self.config = config or RuntimeConfig()
+        self.workers: dict[str, Worker] = {}
+        self._active_role: str | None = None
+        self._busy = ""
+        self._tq_address: str | None = None
+        self._tq = None
+        self._last_ping: float | None = None
+        self._closing = False
+        self._started = time.monotonic()
+        self._zmq = zmq.Context()  # private: the worker's TransferQueueClient uses the global one
+        self._calls = BlockingRpcServer(_CallService(self), host, self._zmq, f"worker-{rank}")
+        self._loop = EventLoopThread(f"worker-control-{rank}")
+        self._control: RpcServer | None = None
+        self.address = join_address(self._calls.address, self._loop.run(self._start_control(host), timeout=30))
+        threading.Thread(target=self._watch_driver, name=f"driver-watchdog-{rank}", daemon=True).start()
+
+    async def _start_control(self, host: str) -> str:
+        self._control = RpcServer(_ControlService(self), f"tcp://{host}:0", zmq.asyncio.Context(),
+                                  f"worker-{self.rank}-control")
+        self._control.start()
+        return self._control.address
+
+    # ---- the call loop -------------------------------------------------------------------
+    def serve(self) -> None:
+        """Run calls in arrival order until the driver says shutdown."""
+        self._calls.serve_forever()
+
+    def _guarded(self, what: str, fn: Any, *args: Any) -> dict:
+        """Run one call; any failure goes back to the driver with its traceback."""
+        self._busy = what
+        try:
+            return {"ok": fn(*args)}
+        except Exception as e:
+            return {"err": {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}}
+        finally:
+            self._busy = ""
+
+    def _call(self, role: str, method: str, args: list, kwargs: dict) -> Any:
+        worker = self.workers.get(role)
+        if worker is None:
+            raise KeyError(f"rank {self.rank} runs no worker of role {role!r} (it has {sorted(self.workers)})")
+        fn = getattr(worker, method, None)
+        spec = method_spec(fn)
+        if spec is None:
+            raise AttributeError(f"{type(worker).__name__}.{method} is not a method marked with @register")
+        self._switch_to(role)
+        return to_wire(get_dispatch_mode(spec.mode).execute(worker, fn, tuple(args), kwargs))
+
+    def _switch_to(self, role: str) -> None:
+        """Colocated roles take turns on this rank: offload the last one, onload this one."""
+        if self._active_role == role:
+            return
+        if self._active_role is not None:
+            self.workers[self._active_role].offload()
+        self.workers[role].onload()
+        self._active_role = role
+
+    def _create(self, layout: GroupLayout, cls_path: str, init_kwargs: dict, member: bool) -> dict:
+        """Every rank of the world runs this (new_group is collective over the world), in
+        the same order; only members build the worker."""
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=self.config.collective_timeout_s)
+
+        made: dict[tuple, Any] = {}
+
+        def group(ranks: list[int]) -> Any:  # a single rank needs no communicator; the same ranks, one
+            key = tuple(ranks)
+            if len(key) > 1 and key not in made:
+                made[key] = dist.new_group(ranks, timeout=timeout, backend=self.platform.backend)
+            return made.get(key)
+
+        whole = group(list(layout.ranks))
+        shards = [group(layout.shard_ranks(s)) for s in range(layout.dp_size)]
+        peers = [group(layout.dp_peers(p)) for p in range(layout.shard_size)]
+        if not member:
+            return {"rank": self.rank}
+        if layout.role in self.workers:
+            raise ValueError(f"rank {self.rank} already runs a worker of role {layout.role!r}")
+        cls = import_class(cls_path)
+        if not (isinstance(cls, type) and issubclass(cls, Worker)):
+            raise TypeError(f"{cls_path} is not a subclass of asyncflow.single_controller.Worker")
+        index = layout.ranks.index(self.rank)
+        ctx = WorkerContext(self.rank, self.world_size, self.local_rank, layout, self.platform, whole,
+                            shards[layout.shard_of(index)], peers[index % layout.shard_size], self._tq_client)
+        worker = cls.__new__(cls)
+        worker._ctx = ctx  # set before __init__ so it can use rank, device and groups
+        worker.__init__(**init_kwargs)
+        self.workers[layout.role] = worker
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    def _tq_client(self) -> Any:
+        if self._tq is None:
+            if self._tq_address is None:
+                raise RuntimeError(f"rank {self.rank}: no TransferQueue address was given to this worker "
+                                   "(Driver(transfer_queue_address=...))")
+            from ..transfer_queue.client import TransferQueueClient
+            self._tq = TransferQueueClient(self._tq_address)
+        return self._tq
+
+    # ---- driver liveness -----------------------------------------------------------------
+    def _watch_driver(self) -> None:
+        cfg = self.config
+        while True:
+            time.sleep(0.5)
+            now, last = time.monotonic(), self._last_ping
+            if self._closing:
+                return
+            if last is None and now - self._started > cfg.attach_timeout_s:
+                why = f"no driver pinged within {cfg.attach_timeout_s:.0f}s of start"
+            elif last is not None and now - last > cfg.driver_timeout_s:
+                why = f"the driver's heartbeat stopped {now - last:.1f}s ago"
+            else:
+                continue
+            # os._exit: a normal exit would wait on a collective or a thread that may never end.
+            log.error("worker rank %d exits: %s (busy with %r)", self.rank, why, self._busy or "nothing")
+            print(f"asyncflow worker rank {self.rank} exits: {why}", flush=True)
+            os._exit(3)
+
+    def close(self) -> None:
+        self._calls.close()
+
+        async def stop() -> None:
+            if self._control is not None:
+                await self._control.close()
+        try:
+            self._loop.run(stop(), timeout=10)
+        finally:
+            self._loop.stop()
+        if self._tq is not None:
+            self._tq.close()
+        self._zmq.destroy(linger=0)
+

@@ -1,0 +1,114 @@
+"""The Worker base class: plain Python methods, marked for the driver with ``@register``.
+
+A subclass's ``__init__`` takes only its own keyword arguments; the runtime sets the
+context below (rank, group layout, process groups, TransferQueue client) *before*
+calling it, so ``__init__`` can already build models on ``self.device`` and use
+``self.process_group``. Colocated roles share a process; before a role runs a method
+after another role did, the runtime calls ``offload()`` on the previous one and
+``onload()`` on the next (e.g. move weights between host and device).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..platform import Platform
+from .layout import GroupLayout
+
+
+@dataclass
+class WorkerContext:
+    rank: int  # global rank
+    world_size: int
+    local_rank: int
+    layout: GroupLayout
+    platform: Platform
+    process_group: Any  # the whole worker group (None when it is a single rank)
+    shard_group: Any  # the ranks that share a data shard (None when alone)
+    dp_group: Any  # the ranks at this position of every shard (None when alone)
+    tq_factory: Callable[[], Any]  # returns this process's TransferQueueClient
+
+
+class Worker:
+    _ctx: WorkerContext
+
+    # ---- identity ------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ctx.world_size
+
+    @property
+    def role(self) -> str:
+        return self._ctx.layout.role
+
+    @property
+    def layout(self) -> GroupLayout:
+        return self._ctx.layout
+
+    @property
+    def group_rank(self) -> int:
+        return self._ctx.layout.ranks.index(self._ctx.rank)
+
+    @property
+    def group_size(self) -> int:
+        return self._ctx.layout.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self._ctx.layout.shard_of(self.group_rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self._ctx.layout.dp_size
+
+    @property
+    def shard_ranks(self) -> list[int]:
+        return self._ctx.layout.shard_ranks(self.dp_rank)
+
+    @property
+    def is_shard_leader(self) -> bool:
+        return self._ctx.layout.is_leader(self.group_rank)
+
+    # ---- devices and collectives ---------------------------------------------------------
+    @property
+    def platform(self) -> Platform:
+        return self._ctx.platform
+
+    @property
+    def device(self) -> torch.device:
+        return self._ctx.platform.device_for_local_rank(self._ctx.local_rank)
+
+    @property
+    def collective_device(self) -> torch.device | None:
+        """Where object collectives stage their bytes: None (host) on gloo."""
+        return self.device if self._ctx.platform.is_accelerator else None
+
+    @property
+    def process_group(self) -> Any:
+        return self._ctx.process_group
+
+    @property
+    def shard_group(self) -> Any:
+        return self._ctx.shard_group
+
+    @property
+    def dp_group(self) -> Any:
+        return self._ctx.dp_group
+
+    @property
+    def tq(self) -> Any:
+        """This process's TransferQueueClient (blocking); the driver must have set the address."""
+        return self._ctx.tq_factory()
+
+    # ---- colocation hooks ----------------------------------------------------------------
+    def onload(self) -> None:
+        """Called before this role runs a method after another role ran on this rank."""
+
+    def offload(self) -> None:
+        """Called when another role is about to run on this rank."""

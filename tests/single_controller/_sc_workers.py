@@ -1,0 +1,116 @@
+"""Worker classes and driver mains used by the single-controller tests. They live in a
+module of their own so that worker processes (spawned) import them by name."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from asyncflow.single_controller import Dispatch, Worker, register
+
+EVENTS: list[str] = []  # per process: colocation hooks and calls, in order
+
+
+class EchoWorker(Worker):
+    def __init__(self, tag: str = ""):
+        self.tag = tag
+        self.zero_calls = 0
+        self.last_seen: list[int] = []
+
+    @register(Dispatch.ONE_TO_ALL)
+    def whoami(self, x=None) -> dict:
+        return {"rank": self.rank, "group_rank": self.group_rank, "dp_rank": self.dp_rank, "x": x,
+                "pid": os.getpid(), "tag": self.tag, "role": self.role}
+
+    @register(Dispatch.ALL_TO_ALL)
+    def scale(self, x: torch.Tensor, factor: float) -> torch.Tensor:
+        return x * factor
+
+    @register(Dispatch.RANK_ZERO)
+    def count_zero(self) -> int:
+        self.zero_calls += 1
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def zero_calls_seen(self) -> int:
+        return self.zero_calls
+
+    @register(Dispatch.ONE_TO_ALL)
+    def all_reduce(self, v: float) -> float:
+        t = torch.tensor([v], dtype=torch.float64)
+        dist.all_reduce(t, group=self.process_group)
+        return float(t[0])
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self, seconds: float) -> list[float]:
+        start = time.time()
+        time.sleep(seconds)
+        return [start, time.time()]
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail(self, msg: str) -> None:
+        _deep_failure(msg)
+
+    @register(Dispatch.ONE_TO_ALL, timeout_s=0.5)
+    def slow_with_short_timeout(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @register(Dispatch.DP_COMPUTE)
+    def double(self, data, offset: int = 0, out: str = "y") -> dict:
+        x = data["x"]
+        self.last_seen = x.tolist()
+        return {out: x * 2 + offset, f"{out}_rank": torch.full_like(x, self.rank)}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def seen(self) -> list[int]:
+        return self.last_seen
+
+
+def _deep_failure(msg: str) -> None:
+    raise ValueError(f"worker failed on purpose: {msg}")
+
+
+class RoleA(Worker):
+    def onload(self) -> None:
+        EVENTS.append(f"onload:{self.role}")
+
+    def offload(self) -> None:
+        EVENTS.append(f"offload:{self.role}")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def work(self) -> list:
+        EVENTS.append(f"work:{self.role}")
+        return [os.getpid(), list(EVENTS)]
+
+
+class RoleB(RoleA):
+    pass
+
+
+# ---- driver mains for the launch tests -------------------------------------------------
+
+async def launch_demo_main(driver) -> None:
+    """Self-launch check: groups on every rank, a collective, a DP_COMPUTE through the TQ."""
+    from asyncflow.transfer_queue import AsyncTransferQueueClient
+
+    wg = await driver.create_group(EchoWorker, "echo", tag="launched")
+    who = await wg.whoami()
+    assert [w["rank"] for w in who] == list(range(driver.world_size)), who
+    assert len({w["pid"] for w in who}) == driver.world_size, who
+    total = await wg.all_reduce(1.0)
+    assert total == [float(driver.world_size)] * driver.world_size, total
+    tq = AsyncTransferQueueClient(driver.transfer_queue_address)
+    await tq.create_partition("p0")
+    meta = await tq.put({"x": torch.arange(6)}, "p0")
+    out = await wg.double(meta)
+    got = await tq.get_data(out, ["y"])
+    assert got["y"].tolist() == [0, 2, 4, 6, 8, 10], got
+    await tq.close()
+    print("LAUNCH-DEMO-OK", driver.world_size, driver.addresses, driver.transfer_queue_address, flush=True)
+
+
+async def launch_failing_main(driver) -> None:
+    wg = await driver.create_group(EchoWorker, "echo")
+    await wg.fail("from the launch test")

@@ -1,0 +1,155 @@
+"""Worker groups over a real 3-rank gloo cluster: every dispatch mode, DP_COMPUTE through
+a real TransferQueue, concurrent disaggregated groups, colocated role switching, remote
+errors and call timeouts. One cluster serves the whole module (start-up is the cost)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from asyncflow.single_controller import WorkerCallTimeout, WorkerError
+
+import _sc_workers as W
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def groups(cluster3):
+    """echo: all 3 ranks, 3 shards; tp: ranks [1, 2] as one shard of 2; gen: rank [0]."""
+    d = cluster3.driver
+
+    async def make():
+        echo = await d.create_group(W.EchoWorker, "echo", tag="t")
+        tp = await d.create_group(W.EchoWorker, "tp", ranks=[1, 2], dp_size=1)
+        gen = await d.create_group(W.EchoWorker, "gen", ranks=[0])
+        return echo, tp, gen
+    return cluster3.run(make())
+
+
+def test_one_to_all(cluster3, groups):
+    echo, tp, _ = groups
+    who = cluster3.run(echo.whoami(x={"k": [1, 2]}))
+    assert [w["rank"] for w in who] == [0, 1, 2]
+    assert all(w["x"] == {"k": [1, 2]} and w["tag"] == "t" and w["role"] == "echo" for w in who)
+    assert len({w["pid"] for w in who}) == 3
+    assert [w["dp_rank"] for w in cluster3.run(tp.whoami())] == [0, 0]
+
+
+def test_all_to_all(cluster3, groups):
+    echo = groups[0]
+    xs = [torch.arange(3) + i for i in range(3)]
+    out = cluster3.run(echo.scale(xs, factor=[1, 10, 100]))
+    assert [o.tolist() for o in out] == [[0, 1, 2], [10, 20, 30], [200, 300, 400]]
+    with pytest.raises(ValueError, match="must be a list of 3"):
+        cluster3.run(echo.scale(xs[:2], factor=[1, 2]))
+
+
+def test_rank_zero_runs_only_on_first_rank(cluster3, groups):
+    tp = groups[1]
+    assert cluster3.run(tp.count_zero()) == 1  # the group's first rank is global rank 1
+    assert cluster3.run(tp.zero_calls_seen()) == [1, 0]
+
+
+def test_collective_inside_a_group(cluster3, groups):
+    echo, tp, _ = groups
+    assert cluster3.run(echo.all_reduce(2.0)) == [6.0] * 3
+    assert cluster3.run(tp.all_reduce(1.5)) == [3.0] * 2
+
+
+def test_dp_compute_through_transfer_queue(cluster3, groups):
+    echo, tp, _ = groups
+
+    async def go():
+        tq = cluster3.tq_client()
+        await tq.create_partition("dp")
+        meta = await tq.put({"x": torch.arange(7)}, "dp")
+        out_echo = await echo.double(meta, offset=1)  # 3 shards of 1 rank: split 3/2/2
+        out_tp = await tp.double(meta, out="z")  # 1 shard of 2 ranks: leader fetches, broadcasts
+        y = await tq.get_data(out_echo, ["y", "y_rank"])
+        z = await tq.get_data(out_tp)
+        await tq.close()
+        return out_echo, out_tp, y, z
+    out_echo, out_tp, y, z = cluster3.run(go())
+    assert out_echo.rows == out_tp.rows and len(out_echo) == 7
+    assert out_echo.columns == ["y", "y_rank"] and out_tp.columns == ["z", "z_rank"]
+    assert y["y"].tolist() == [2 * i + 1 for i in range(7)]
+    assert y["y_rank"].tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert z["z"].tolist() == [2 * i for i in range(7)] and z["z_rank"].tolist() == [1] * 7  # leader wrote
+    # both ranks of the tp shard saw the whole batch: rank 2 got it by broadcast, not from the TQ
+    assert cluster3.run(tp.seen()) == [list(range(7))] * 2
+
+
+def test_disaggregated_groups_overlap(cluster3, groups):
+    _, tp, gen = groups  # gen on rank 0, tp on ranks 1-2: apart
+
+    async def go():
+        t0 = time.monotonic()
+        a, b = await asyncio.gather(gen.sleep(1.0), tp.sleep(1.0))
+        return time.monotonic() - t0, a, b
+    wall, a, b = cluster3.run(go())
+    assert wall < 1.8, f"two 1 s calls on disjoint ranks took {wall:.2f}s: they did not overlap"
+    (ga_start, ga_end), = a
+    assert all(s < ga_end and ga_start < e for s, e in b)  # the intervals intersect
+
+
+def test_remote_exception_names_rank_role_method(cluster3, groups):
+    with pytest.raises(WorkerError) as ei:
+        cluster3.run(groups[1].fail("boom"))
+    msg = str(ei.value)
+    assert "tp.fail failed on rank 1" in msg and "ValueError: worker failed on purpose: boom" in msg
+    assert "_deep_failure" in msg  # the remote traceback travelled
+    assert ei.value.rank == 1 and ei.value.role == "tp" and ei.value.method == "tp.fail"
+    assert cluster3.run(groups[1].whoami())  # the group still works after a method raised
+
+
+def test_call_timeout(cluster3, groups):
+    gen = groups[2]
+    t0 = time.monotonic()
+    with pytest.raises(WorkerCallTimeout, match=r"gen.slow_with_short_timeout on rank 0 .*within 0.5s"):
+        cluster3.run(gen.slow_with_short_timeout(1.5))  # the method's own timeout
+    with pytest.raises(WorkerCallTimeout, match=r"gen.sleep on rank 0"):
+        cluster3.run(gen.sleep(1.0, _timeout=0.3))  # a per-call override
+    assert time.monotonic() - t0 < 1.5
+    assert cluster3.run(gen.whoami())[0]["rank"] == 0  # later calls queue behind, then run
+
+
+def test_unknown_method_and_bad_argument(cluster3, groups):
+    with pytest.raises(AttributeError, match="no method 'nope'"):
+        groups[0].nope
+    with pytest.raises(TypeError, match="cannot be sent"):
+        cluster3.run(groups[0].whoami(x=object()))
+
+
+def test_colocated_roles_take_turns(cluster3):
+    d = cluster3.driver  # colocated placement: both roles on every rank
+
+    async def go():
+        actor = await d.create_group(W.RoleA, "actor")
+        rollout = await d.create_group(W.RoleB, "rollout")
+        assert actor.ranks == rollout.ranks == [0, 1, 2]
+        await actor.work()
+        await rollout.work()
+        return await actor.work(), await rollout.work()
+    a, r = cluster3.run(go())
+    assert [p for p, _ in a] == [p for p, _ in r]  # same processes
+    for _, events in r:
+        assert events == ["onload:actor", "work:actor", "offload:actor", "onload:rollout", "work:rollout",
+                          "offload:rollout", "onload:actor", "work:actor", "offload:actor", "onload:rollout",
+                          "work:rollout"]
+
+
+def test_concurrent_collectives_of_groups_sharing_ranks(cluster3, groups):
+    """echo (ranks 0-2) and tp (ranks 1-2) share ranks 1 and 2: their calls must reach both
+    ranks in the same order, or the all_reduces would wait on each other (deadlock)."""
+    echo, tp, _ = groups
+
+    async def go():
+        calls = []
+        for i in range(6):
+            calls += [echo.all_reduce(float(i), _timeout=10), tp.all_reduce(float(i), _timeout=10)]
+        return await asyncio.gather(*calls)
+    out = cluster3.run(go())
+    assert out == [v for i in range(6) for v in ([3.0 * i] * 3, [2.0 * i] * 2)]
