@@ -18,7 +18,7 @@ setup(
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["asyncflow", "asyncflow.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=read_requirements("requirements.txt"),
     extras_require={
         "gpu": ["vllm"],

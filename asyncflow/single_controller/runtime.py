@@ -29,7 +29,7 @@ import zmq.asyncio
 from ..platform import Platform
 from ..transfer_queue.client import EventLoopThread
 from ..transfer_queue.transport import RpcServer
-from .blocking_server import BlockingRpcServer
+from ..transfer_queue.transport import BlockingRpcServer
 from .dispatch import get_dispatch_mode, method_spec
 from .layout import GroupLayout
 from .wire import from_wire, to_wire
@@ -135,7 +135,7 @@ class WorkerRuntime:
         self._closing = False
         self._started = time.monotonic()
         self._zmq = zmq.Context()  # private: the worker's TransferQueueClient uses the global one
-        self._calls = BlockingRpcServer(_CallService(self), host, self._zmq, f"worker-{rank}")
+        self._calls = BlockingRpcServer(_CallService(self), f"tcp://{host}:0", self._zmq, f"worker-{rank}")
         self._loop = EventLoopThread(f"worker-control-{rank}")
         self._control: RpcServer | None = None
         self.address = join_address(self._calls.address, self._loop.run(self._start_control(host), timeout=30))

