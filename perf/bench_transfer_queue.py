@@ -226,64 +226,87 @@ def consumer_main(mode: str, address: str, conn) -> None:
         client.close()
 
 
-def transfer(mode: str, seq_rounds: int, stream_rounds: int, k: int) -> dict:
-    """Sequential rounds (one put, then its get: latency) and streaming rounds (k puts and
-    k gets running at the same time: sustained throughput) for one method."""
-    ctx = mp.get_context("spawn")
-    s_conn, s_child = ctx.Pipe()
-    storage = ctx.Process(target=storage_main, args=(mode, s_child), daemon=True)
-    storage.start()
-    procs = [storage]
-    try:
-        address = _recv(s_conn, 60, "storage process")
-        p_conn, p_child = ctx.Pipe()
-        c_conn, c_child = ctx.Pipe()
-        procs += [ctx.Process(target=producer_main, args=(mode, address, p_child), daemon=True),
-                  ctx.Process(target=consumer_main, args=(mode, address, c_child), daemon=True)]
-        for pr in procs[1:]:
+class Rig:
+    """One method's storage, producer and consumer processes, kept up across rounds."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        ctx = mp.get_context("spawn")
+        self.s_conn, s_child = ctx.Pipe()
+        self.procs = [ctx.Process(target=storage_main, args=(mode, s_child), daemon=True)]
+        self.procs[0].start()
+        address = _recv(self.s_conn, 60, f"{mode} storage process")
+        self.p_conn, p_child = ctx.Pipe()
+        self.c_conn, c_child = ctx.Pipe()
+        self.procs += [ctx.Process(target=producer_main, args=(mode, address, p_child), daemon=True),
+                       ctx.Process(target=consumer_main, args=(mode, address, c_child), daemon=True)]
+        for pr in self.procs[1:]:
             pr.start()
-        _, nbytes = _recv(p_conn, 120, "producer")
-        _recv(c_conn, 120, "consumer")
+        _, self.nbytes = _recv(self.p_conn, 120, f"{mode} producer")
+        _recv(self.c_conn, 120, f"{mode} consumer")
 
-        def run(kind: str, tag: str, n: int, overlap: bool) -> tuple:
-            p_conn.send((kind, tag, n))
-            c_conn.send((kind, tag, n))
-            _recv(p_conn, 60, "producer"), _recv(c_conn, 60, "consumer")
-            p_conn.send("go")
-            if overlap:
-                c_conn.send("go")
-            p0, p1 = _recv(p_conn, 120, "producer puts")
-            if not overlap:
-                c_conn.send("go")
-            c0, c1 = _recv(c_conn, 120, "consumer gets")
-            return p0, p1, c0, c1
+    def run(self, kind: str, tag: str, n: int, overlap: bool) -> tuple:
+        """n payloads; ``overlap``: gets run while puts do (streaming), else after them."""
+        self.p_conn.send((kind, tag, n))
+        self.c_conn.send((kind, tag, n))
+        _recv(self.p_conn, 60, "producer"), _recv(self.c_conn, 60, "consumer")
+        self.p_conn.send("go")
+        if overlap:
+            self.c_conn.send("go")
+        p0, p1 = _recv(self.p_conn, 120, f"{self.mode} producer puts")
+        if not overlap:
+            self.c_conn.send("go")
+        c0, c1 = _recv(self.c_conn, 120, f"{self.mode} consumer gets")
+        return p0, p1, c0, c1
 
-        run("seq", "warmup", 1, False)
-        seq, puts, gets = [], [], []
-        for i in range(seq_rounds):
-            p0, p1, c0, c1 = run("seq", f"seq_{i}", 1, False)
-            seq.append((p1 - p0) + (c1 - c0))
-            puts.append(p1 - p0)
-            gets.append(c1 - c0)
-        streams = []
-        for i in range(stream_rounds):
-            p0, p1, c0, c1 = run("stream", f"stream_{i}", k, True)
-            streams.append(k * nbytes / (max(p1, c1) - min(p0, c0)) / 1e9)
-        p_conn.send(("stop", "", 0))
-        c_conn.send(("stop", "", 0))
-        ok = _recv(c_conn, 60, "consumer checksum")
-        if mode == "tq":
-            s_conn.send("stop")
-        for pr in procs:
-            pr.join(30)
-    finally:
-        for pr in procs:
+    def close(self) -> bool:
+        self.p_conn.send(("stop", "", 0))
+        self.c_conn.send(("stop", "", 0))
+        try:
+            ok = _recv(self.c_conn, 60, "consumer checksum")
+            if self.mode == "tq":
+                self.s_conn.send("stop")
+            for pr in self.procs:
+                pr.join(30)
+        finally:
+            self.kill()
+        return ok
+
+    def kill(self) -> None:
+        for pr in self.procs:
             if pr.is_alive():
                 pr.kill()
-    return {"mode": mode, "bytes": nbytes, "intact": ok,
-            "gbps": statistics.median(streams),
-            "roundtrip_ms": statistics.median(seq) * 1e3,
-            "put_ms": statistics.median(puts) * 1e3, "get_ms": statistics.median(gets) * 1e3}
+
+
+def transfer(modes: list[str], seq_rounds: int, stream_rounds: int, k: int) -> dict:
+    """Sequential rounds (one put, then its get: latency) and streaming rounds (k puts and
+    k gets at the same time: sustained throughput). The methods take turns round by round,
+    so a slow spell of a shared machine hits all of them alike."""
+    rigs: dict[str, Rig] = {}
+    try:
+        for m in modes:
+            rigs[m] = Rig(m)
+        for m, rig in rigs.items():
+            rig.run("seq", "warmup", 1, False)
+        seq: dict = {m: ([], [], []) for m in modes}
+        streams: dict = {m: [] for m in modes}
+        for i in range(seq_rounds):
+            for m, rig in rigs.items():
+                p0, p1, c0, c1 = rig.run("seq", f"seq_{i}", 1, False)
+                for lst, v in zip(seq[m], ((p1 - p0) + (c1 - c0), p1 - p0, c1 - c0)):
+                    lst.append(v)
+        for i in range(stream_rounds):
+            for m, rig in rigs.items():
+                p0, p1, c0, c1 = rig.run("stream", f"stream_{i}", k, True)
+                streams[m].append(k * rig.nbytes / (max(p1, c1) - min(p0, c0)) / 1e9)
+        intact = {m: rig.close() for m, rig in rigs.items()}
+    finally:
+        for rig in rigs.values():
+            rig.kill()
+    med = statistics.median
+    return {m: {"mode": m, "bytes": rigs[m].nbytes, "intact": intact[m], "gbps": med(streams[m]),
+                "roundtrip_ms": med(seq[m][0]) * 1e3, "put_ms": med(seq[m][1]) * 1e3,
+                "get_ms": med(seq[m][2]) * 1e3} for m in modes}
 
 
 def _recv(conn, timeout: float, what: str):
@@ -309,9 +332,10 @@ def latency_main(address: str, rows: int, clients: int, calls: int, conn) -> Non
         for c in cs:  # warm-up: the first request of a task builds its ready set once
             await c.get_meta(["x"], 1, "lat", part)
         lat: list[float] = []
+        n_calls = min(calls, (rows - clients) // (16 * clients))  # never ask for more rows than exist
 
         async def loop(c):
-            for _ in range(calls):
+            for _ in range(n_calls):
                 t0 = time.perf_counter()
                 m = await c.get_meta(["x"], 16, "lat", part)
                 lat.append(time.perf_counter() - t0)
@@ -323,7 +347,12 @@ def latency_main(address: str, rows: int, clients: int, calls: int, conn) -> Non
             await c.close()
         return lat
 
-    lat = sorted(asyncio.run(run()))
+    try:
+        lat = sorted(asyncio.run(run()))
+    except Exception:  # the parent raises it: a dead child must not leave the parent waiting
+        import traceback
+        conn.send({"error": traceback.format_exc()})
+        return
     conn.send({"p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6})
 
 
@@ -337,7 +366,9 @@ def latency(rows: int, clients: int, calls: int) -> dict:
         l_conn, l_child = ctx.Pipe()
         pr = ctx.Process(target=latency_main, args=(address, rows, clients, calls, l_child), daemon=True)
         pr.start()
-        res = _recv(l_conn, 600, f"get_meta latency run ({rows} rows)")
+        res = _recv(l_conn, 300, f"get_meta latency run ({rows} rows)")
+        if "error" in res:
+            raise RuntimeError(f"get_meta latency run ({rows} rows, {clients} clients) failed:\n{res['error']}")
         pr.join(30)
         s_conn.send("stop")
         storage.join(30)
@@ -352,13 +383,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds; finishes in under a minute")
     args = ap.parse_args()
-    seq_rounds, stream_rounds, k = (5, 3, 8) if args.quick else (20, 7, 16)
+    seq_rounds, stream_rounds, k = (5, 3, 8) if args.quick else (20, 9, 16)
     calls = 200 if args.quick else 1000
     t0 = time.time()
-    res = {m: transfer(m, seq_rounds, stream_rounds, k) for m in ("raw", "pickle", "tq")}
+    res = transfer(["raw", "pickle", "tq"], seq_rounds, stream_rounds, k)
     print(f"payload: {ROWS} rows, {res['raw']['bytes'] / 1e6:.1f} MB, producer -> storage -> consumer")
     print(f"throughput: {k} payloads streamed with puts and gets running at once (median of {stream_rounds}); "
-          f"round trip: one put, then its get (median of {seq_rounds})")
+          f"round trip: one put, then its get (median of {seq_rounds}); methods take turns each round")
     print(f"{'method':8} {'GB/s':>7} {'round trip ms':>14} {'put ms':>8} {'get ms':>8} {'intact':>7}")
     for m, r in res.items():
         print(f"{m:8} {r['gbps']:7.3f} {r['roundtrip_ms']:14.2f} {r['put_ms']:8.2f} {r['get_ms']:8.2f} "
