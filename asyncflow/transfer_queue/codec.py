@@ -9,12 +9,26 @@ message from the network can at worst fail to decode; it cannot execute code.
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Any, Sequence
 
 import torch
 
 _TENSOR_KEY = "__t"
 _TENSOR_MARK = b'"__t":'
+# Tensor (by identity) -> the received zmq.Frame it was decoded from, whole. A side table,
+# not an attribute: the tensor must stay picklable. Entries leave with their tensor.
+_FRAMES: dict[int, tuple[weakref.ref, Any]] = {}
+
+
+def _remember_frame(t: torch.Tensor, frame: Any) -> None:
+    key = id(t)
+    _FRAMES[key] = (weakref.ref(t, lambda _, key=key: _FRAMES.pop(key, None)), frame)
+
+
+def _frame_of(t: torch.Tensor) -> Any:
+    entry = _FRAMES.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
 
 # Only these dtypes may come off the wire: a header cannot name an arbitrary attribute.
 _DTYPES: dict[str, torch.dtype] = {
@@ -65,7 +79,10 @@ def encode(obj: Any) -> list:
     def tensor_ref(x: Any) -> Any:  # json calls this for what it cannot encode itself
         if isinstance(x, torch.Tensor):
             ref = {_TENSOR_KEY: len(buffers), "d": dtype_name(x.dtype), "s": list(x.shape)}
-            buffers.append(_tensor_frame(x))
+            # A tensor decoded from a whole frame goes back out as that frame: ZMQ shares the
+            # message by reference count, with no new zero-copy bookkeeping.
+            frame = _frame_of(x)
+            buffers.append(frame if frame is not None else _tensor_frame(x))
             return ref
         if isinstance(x, tuple):
             return list(x)
@@ -110,7 +127,10 @@ def decode(frames: Sequence[Any]) -> Any:
             raise CodecError(f"tensor frame {i} has {mem.nbytes} bytes, header says {shape} of {spec['d']}")
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(mem, dtype=dtype).view(shape)
+        t = torch.frombuffer(mem, dtype=dtype).view(shape)
+        if hasattr(frame, "buffer"):  # a zmq.Frame: remember it (views made later are new objects)
+            _remember_frame(t, frame)
+        return t
 
     def hook(d: dict) -> Any:
         return tensor(d) if _TENSOR_KEY in d else d

@@ -128,3 +128,29 @@ def test_reserved_key_cannot_be_encoded():
         encode({"__t": 1})
     with pytest.raises(CodecError, match="reserved"):
         encode({"items": [{"meta": {"__t": 0, "d": "int8", "s": [1]}}]})
+
+
+def test_tensors_decoded_from_zmq_frames_stay_picklable_and_resend_their_frame():
+    """A storage unit resends a received frame as is; the tensor that remembers it must still
+    pickle (workers broadcast fetched batches with broadcast_object_list)."""
+    import pickle
+
+    import zmq
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        port = a.bind_to_random_port("tcp://127.0.0.1")
+        b.connect(f"tcp://127.0.0.1:{port}")
+        a.send_multipart(encode({"x": torch.arange(100_000)}), copy=False)
+        got = decode(b.recv_multipart(copy=False))["x"]
+        assert torch.equal(pickle.loads(pickle.dumps(got)), torch.arange(100_000))
+        frames = encode({"y": got})
+        assert isinstance(frames[1], zmq.Frame)  # the received frame itself goes back out
+        b.send_multipart(frames, copy=False)
+        assert torch.equal(decode(a.recv_multipart(copy=False))["y"], torch.arange(100_000))
+        assert not isinstance(encode({"z": got[1:]})[1], zmq.Frame)  # a view is encoded anew
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
