@@ -78,9 +78,6 @@ class FixedColumn(Column):
             return FixedColumn(self.data[run[0]:run[1]])
         return FixedColumn(self.data[torch.as_tensor(idx, dtype=torch.long)])
 
-    def row_lengths(self) -> None:
-        return None
-
 
 @dataclass
 class JaggedColumn(Column):

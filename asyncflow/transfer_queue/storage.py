@@ -21,7 +21,7 @@ import torch
 
 from .columns import Column, JaggedColumn, column_from_wire, column_to_wire, concat
 from .errors import BadPutError, CapacityError, RowsClearedError, UnknownPartitionError
-from .meta import LOCAL_MASK, ids_from_wire, make_row_id
+from .meta import LOCAL_MASK, MAX_UNITS, ids_from_wire, make_row_id
 from .recent import RecentSet
 
 _POS_BITS = 32  # a row's location in a unit: batch id in the high bits, position in the low
@@ -82,6 +82,8 @@ class _PartitionStore:
 class StorageUnit:
     def __init__(self, index: int, controller: Any, max_rows: int | None = None,
                  max_bytes: int | None = None, put_timeout: float = 300.0):
+        if not 0 <= index < MAX_UNITS:
+            raise ValueError(f"storage unit index {index} outside 0..{MAX_UNITS - 1}")
         self.index = index
         self.controller = controller  # endpoint with .call(...)
         self.max_rows = max_rows
