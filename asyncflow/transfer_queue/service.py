@@ -8,7 +8,6 @@ given interface only (loopback unless told otherwise), never to all interfaces.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 from dataclasses import dataclass
@@ -99,18 +98,3 @@ async def serve_storage_unit(controller_address: str, index: int, host: str = "1
     finally:
         await server.close()
         await controller.close()
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Run one TransferQueue storage unit process.")
-    p.add_argument("--controller", required=True, help="controller address, e.g. tcp://10.0.0.1:5555")
-    p.add_argument("--index", type=int, required=True, help="unit index, unique in the run")
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind")
-    p.add_argument("--max-rows", type=int, default=None)
-    p.add_argument("--max-bytes", type=int, default=None)
-    a = p.parse_args(argv)
-    asyncio.run(serve_storage_unit(a.controller, a.index, a.host, a.max_rows, a.max_bytes))
-
-
-if __name__ == "__main__":
-    main()
