@@ -4,8 +4,10 @@ A service object exposes coroutine methods named ``rpc_<name>``; ``RpcServer`` s
 them on a ROUTER socket, one asyncio task per request so a call that waits (get_meta)
 never blocks the others. ``RpcClient`` keeps one DEALER socket per endpoint and
 matches replies to calls by id. Messages are ``codec`` frames: a JSON header plus raw
-tensor buffers, never pickle. ``LocalEndpoint`` calls a service in the same event loop
-directly, with the same signature, for the in-process default.
+tensor buffers, never pickle. ``BlockingRpcServer`` and ``BlockingRpcClient`` speak the
+same protocol without an event loop, for synchronous worker code. ``LocalEndpoint``
+calls a service in the same event loop directly, with the same signature, for the
+in-process default.
 """
 from __future__ import annotations
 
