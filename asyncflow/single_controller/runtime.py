@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from ..platform import Platform
-from ..transfer_queue.client import EventLoopThread
+from ..transfer_queue.transport import EventLoopThread
 from ..transfer_queue.transport import RpcServer
 from ..transfer_queue.transport import BlockingRpcServer
 from .dispatch import get_dispatch_mode, method_spec

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from typing import Any, Coroutine, Sequence, TypeVar
+from typing import Any, Sequence
 
 import torch
 import zmq
@@ -20,8 +20,6 @@ from .columns import Column, column_from_wire, column_to_wire, concat, to_column
 from .errors import BadPutError, TransferQueueError
 from .meta import BatchMeta, ids_from_wire, ids_to_wire, unit_of
 from .transport import BlockingRpcClient, RpcClient
-
-T = TypeVar("T")
 
 # Added to a server-side wait so the reply (or its error) can arrive before the client gives up.
 _REPLY_MARGIN_S = 10.0
@@ -324,20 +322,3 @@ class TransferQueueClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class EventLoopThread:
-    """An asyncio loop on a daemon thread, for sync code that hosts async services."""
-
-    def __init__(self, name: str = "asyncflow-loop"):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)

@@ -15,10 +15,9 @@ from typing import Any
 
 import zmq.asyncio
 
-from .client import EventLoopThread
 from .controller import Controller
 from .storage import StorageUnit
-from .transport import LocalEndpoint, RpcClient, RpcServer
+from .transport import EventLoopThread, LocalEndpoint, RpcClient, RpcServer
 
 log = logging.getLogger(__name__)
 

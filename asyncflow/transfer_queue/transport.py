@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Coroutine, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -26,6 +26,8 @@ from . import codec
 from .errors import ERROR_TYPES, RemoteError, TransferQueueTimeout
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def _raise_remote(endpoint: str, method: str, err: dict) -> None:
@@ -322,3 +324,20 @@ class LocalEndpoint:
 
     async def close(self) -> None:
         pass
+
+
+class EventLoopThread:
+    """An asyncio loop on a daemon thread, for sync code that hosts async services."""
+
+    def __init__(self, name: str = "asyncflow-loop"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
