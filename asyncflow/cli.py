@@ -9,6 +9,7 @@ they exist.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from asyncflow import __version__
@@ -24,6 +25,45 @@ def _add_version(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_cmd_version)
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from asyncflow.metrics.report import JsonlError, build_report
+
+    try:
+        paths = build_report(args.output_dir)
+    except FileNotFoundError as err:  # no such run: a usage error, like argparse's exit 2
+        print(f"asyncflow report: error: {err}", file=sys.stderr)
+        return 2
+    except JsonlError as err:  # the run exists but a log line is corrupt
+        print(f"asyncflow report: error: {err}", file=sys.stderr)
+        return 1
+    print(f"report of {args.output_dir} written to {paths['timeline'].parent}:")
+    for name, path in paths.items():
+        print(f"  {name:<16} {path}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from asyncflow.launcher import train_main
+    return train_main([*([args.recipe] if args.recipe else []), *args.overrides])
+
+
+def _add_train(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train", help="run a recipe (default: GRPO, async, 2 CPU ranks, built-in tiny model and task)",
+        description="asyncflow train [RECIPE] [key=value ...]  e.g. asyncflow train grpo workflow.mode=sync")
+    parser.add_argument("recipe", nargs="?", default=None,
+                        help="a recipe name in recipes/ (grpo, ppo, dapo) or a recipe directory")
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value (see README: config reference)")
+    parser.set_defaults(func=_cmd_train)
+
+
+def _add_report(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report", help="redraw a run's report (PNG plots, Chrome trace) from its logged files")
+    parser.add_argument("output_dir", help="the run's output directory (holds metrics.jsonl)")
+    parser.set_defaults(func=_cmd_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncflow",
@@ -32,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-V", "--version", action="version", version=f"asyncflow {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_version(subparsers)
+    _add_train(subparsers)
+    _add_report(subparsers)
     return parser
 
 

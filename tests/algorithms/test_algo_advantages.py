@@ -1,0 +1,207 @@
+"""Advantage estimators: hand-computed values and properties."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncflow.algorithms import ADVANTAGES, AdvantageConfig, discounted_returns, outcome_to_token_rewards
+from asyncflow.algorithms.advantages import dr_grpo, gae, grpo, reinforce_pp, rloo
+from _alg_helpers import assert_close
+
+CFG = AdvantageConfig()
+
+
+def _outcome(scores: list[float], lengths: list[int], t: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = torch.arange(t).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    return outcome_to_token_rewards(torch.tensor(scores), mask), mask
+
+
+def test_outcome_to_token_rewards_puts_score_on_last_real_token() -> None:
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0], [1, 0, 1]])
+    out = outcome_to_token_rewards(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask)
+    # row 2 has no real token: its score is dropped; row 3's last real token is index 2
+    assert_close(out, torch.tensor([[0.0, 1, 0], [0, 0, 2], [0, 0, 0], [0, 0, 4]]))
+    assert outcome_to_token_rewards(torch.tensor([1, 0]), mask[:2]).is_floating_point()
+    with pytest.raises(ValueError, match=r"scores must have shape \(4,\)"):
+        outcome_to_token_rewards(torch.ones(3), mask)
+
+
+def test_grpo_by_hand() -> None:
+    # group 7: scores [1, 0] -> mean 0.5, population std 0.5 -> [+1, -1]
+    # group 3: scores [1, 2, 3] -> mean 2, population std sqrt(2/3) -> [-1.2247, 0, 1.2247]
+    # group 9: a single response -> 0
+    r, m = _outcome([1, 1, 0, 2, 3, 5], [2, 3, 4, 1, 2, 3])
+    gid = torch.tensor([7, 3, 7, 3, 3, 9])
+    adv, ret = grpo(r, m, group_ids=gid, cfg=AdvantageConfig(eps=1e-12))
+    s = math.sqrt(2 / 3)
+    per_seq = torch.tensor([1.0, -1 / s, -1.0, 0.0, 1 / s, 0.0])
+    assert_close(adv, per_seq.unsqueeze(1) * m)  # broadcast to real tokens only
+    # returns: gamma = 1 return-to-go of the outcome = the score on every real token
+    assert_close(ret, torch.tensor([1.0, 1, 0, 2, 3, 5]).unsqueeze(1) * m)
+
+
+def test_grpo_without_std_equals_dr_grpo_and_dr_grpo_ignores_norm_std() -> None:
+    r, m = _outcome([1, 1, 0, 2, 3, 5], [2, 3, 4, 1, 2, 3])
+    gid = torch.tensor([0, 1, 0, 1, 1, 2])
+    a1, _ = grpo(r, m, group_ids=gid, cfg=AdvantageConfig(norm_std=False))
+    a2, _ = dr_grpo(r, m, group_ids=gid, cfg=AdvantageConfig(norm_std=True))
+    assert_close(a1, a2)
+    # group 0: [1, 0] -> [0.5, -0.5]; group 1: [1, 2, 3] -> [-1, 0, 1]
+    assert_close(a2[:, 0], torch.tensor([0.5, -1, -0.5, 0, 1, 0]))
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("seed", range(3))
+def test_group_advantages_sum_to_zero_per_group(name: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    b, t = 24, 6
+    gid = torch.randint(0, 5, (b,), generator=gen) * 11  # sparse, unordered ids
+    lengths = torch.randint(1, t + 1, (b,), generator=gen)
+    mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
+    r = outcome_to_token_rewards(torch.randn(b, generator=gen), mask)
+    adv, _ = ADVANTAGES.get(name)(r, mask, group_ids=gid, cfg=CFG)
+    per_seq = adv[:, 0]
+    for g in gid.unique():
+        assert per_seq[gid == g].sum().abs().item() < 1e-5
+    assert (adv[~mask] == 0).all()
+    # the advantage is constant over each sequence's real tokens
+    assert_close(adv, per_seq.unsqueeze(1) * mask)
+
+
+def test_grpo_constant_group_gives_zero_not_nan() -> None:
+    r, m = _outcome([1, 1, 1], [1, 2, 3])
+    adv, _ = grpo(r, m, group_ids=torch.tensor([0, 0, 0]), cfg=CFG)
+    assert (adv == 0).all()
+
+
+def test_rloo_by_hand() -> None:
+    # group 0 scores [1, 0, 2]: 1 - (0+2)/2 = 0; 0 - (1+2)/2 = -1.5; 2 - (1+0)/2 = 1.5
+    # group 1 has one member: 0
+    r, m = _outcome([1, 0, 2, 4], [1, 2, 3, 4])
+    adv, _ = rloo(r, m, group_ids=torch.tensor([0, 0, 0, 1]), cfg=CFG)
+    assert_close(adv[:, 0], torch.tensor([0.0, -1.5, 1.5, 0.0]))
+
+
+def test_rloo_is_scaled_dr_grpo() -> None:
+    # score_i - mean_others = n/(n-1) * (score_i - mean_all)
+    gen = torch.Generator().manual_seed(0)
+    r, m = _outcome(torch.randn(8, generator=gen).tolist(), [4] * 8)
+    gid = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    a_rloo, _ = rloo(r, m, group_ids=gid, cfg=CFG)
+    a_dr, _ = dr_grpo(r, m, group_ids=gid, cfg=CFG)
+    assert_close(a_rloo, a_dr * 4 / 3)
+
+
+def test_discounted_returns_by_hand_with_gap_and_padding() -> None:
+    # gamma 0.5. row 0: rewards [0, 0, 1] -> [0.25, 0.5, 1]
+    # row 1: position 1 is masked (tool output): its reward 5 is ignored and it costs no discount
+    #        -> [0.5 * 1, 0, 1]; position 3 is padding.
+    r = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 5.0, 1.0, 9.0]])
+    m = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 0]])
+    assert_close(discounted_returns(r, m, 0.5),
+                               torch.tensor([[0.25, 0.5, 1.0, 0.0], [0.5, 0.0, 1.0, 0.0]]))
+
+
+def test_reinforce_pp_by_hand() -> None:
+    # gamma 0.5: row 0 rewards [0, 0, 1] -> returns [0.25, 0.5, 1]; row 1 rewards [0, 2, pad] -> [1, 2, 0]
+    r = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 7.0]])
+    m = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    expected_ret = torch.tensor([[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]])
+    adv, ret = reinforce_pp(r, m, cfg=AdvantageConfig(gamma=0.5, whiten=False))
+    assert_close(ret, expected_ret)
+    assert_close(adv, expected_ret)
+    # whitened over the 5 real tokens {0.25, 0.5, 1, 1, 2}: mean 0.95, deviations
+    # [-0.7, -0.45, 0.05, 0.05, 1.05], squares sum 1.8 -> population var 1.8 / 5 = 0.36
+    adv, _ = reinforce_pp(r, m, cfg=AdvantageConfig(gamma=0.5, eps=1e-12))
+    std = 0.6
+    expected = (expected_ret - 0.95) / std * m
+    assert_close(adv, expected)
+    assert adv[m.bool()].mean().abs().item() < 1e-6
+
+
+def test_gae_by_hand() -> None:
+    # r = [0, 0, 1], V = [0.5, 0.5, 0.5], gamma 0.9, lam 0.5, V after the last token = 0:
+    # t2: delta = 1 - 0.5 = 0.5;               A2 = 0.5
+    # t1: delta = 0 + 0.9*0.5 - 0.5 = -0.05;   A1 = -0.05 + 0.45*0.5   = 0.175
+    # t0: delta = -0.05;                       A0 = -0.05 + 0.45*0.175 = 0.02875
+    # returns = A + V
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.tensor([[0.5, 0.5, 0.5]])
+    m = torch.ones(1, 3)
+    adv, ret = gae(r, m, values=v, cfg=AdvantageConfig(gamma=0.9, lam=0.5, whiten=False))
+    assert_close(adv, torch.tensor([[0.02875, 0.175, 0.5]]))
+    assert_close(ret, torch.tensor([[0.52875, 0.675, 1.0]]))
+
+
+def test_gae_ignores_padding_values_and_skips_gaps() -> None:
+    # row 0: r [0, 1, pad], V [.5, .5, 99]: 99 is padding, V after the end is 0 -> A = [.5, .5, 0]
+    # row 1: position 1 masked (garbage V = 42) is skipped: same as the 2-token sequence [0, 1]
+    r = torch.tensor([[0.0, 1.0, 3.0], [0.0, 8.0, 1.0]])
+    v = torch.tensor([[0.5, 0.5, 99.0], [0.5, 42.0, 0.5]])
+    m = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    adv, ret = gae(r, m, values=v, cfg=AdvantageConfig(whiten=False))
+    assert_close(adv, torch.tensor([[0.5, 0.5, 0.0], [0.5, 0.0, 0.5]]))
+    assert_close(ret, torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]]))
+
+
+def test_gae_with_lam_1_is_return_minus_value_and_whitening() -> None:
+    gen = torch.Generator().manual_seed(1)
+    r = torch.randn(5, 7, generator=gen)
+    v = torch.randn(5, 7, generator=gen)
+    m = torch.arange(7).unsqueeze(0) < torch.tensor([[7], [3], [1], [5], [6]])
+    adv, ret = gae(r, m, values=v, cfg=AdvantageConfig(gamma=0.95, lam=1.0, whiten=False))
+    assert_close(adv, (discounted_returns(r, m, 0.95) - v) * m)
+    assert_close(ret, discounted_returns(r, m, 0.95))
+    adv_w, ret_w = gae(r, m, values=v, cfg=AdvantageConfig(gamma=0.95, lam=1.0))
+    assert_close(ret_w, ret)  # returns come from the unwhitened advantages
+    assert adv_w[m].mean().abs().item() < 1e-5
+    assert adv_w[m].pow(2).mean().item() == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"])
+def test_uniform_signature_padding_and_no_grad(name: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    m = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    r = outcome_to_token_rewards(torch.randn(4, generator=gen), m).requires_grad_(True)
+    v = torch.randn(4, 4, generator=gen, requires_grad=True)
+    gid = torch.tensor([0, 0, 1, 1])
+    adv, ret = ADVANTAGES.get(name)(r, m, group_ids=gid, values=v, cfg=CFG)
+    assert adv.shape == ret.shape == (4, 4)
+    assert not adv.requires_grad and not ret.requires_grad
+    assert (adv[m == 0] == 0).all() and (ret[m == 0] == 0).all()
+    # garbage in padding changes nothing
+    r2, v2 = r.detach().clone(), v.detach().clone()
+    r2[m == 0] = float("nan")
+    v2[m == 0] = float("inf")
+    adv2, ret2 = ADVANTAGES.get(name)(r2, m, group_ids=gid, values=v2, cfg=CFG)
+    assert_close(adv2, adv)
+    assert_close(ret2, ret)
+
+
+def test_errors_name_the_problem() -> None:
+    r, m = _outcome([1, 0], [2, 3])
+    for fn in (grpo, dr_grpo, rloo):
+        with pytest.raises(ValueError, match="needs group_ids"):
+            fn(r, m, cfg=CFG)
+    with pytest.raises(ValueError, match=r"group_ids must have shape \(2,\)"):
+        grpo(r, m, group_ids=torch.tensor([0, 0, 1]), cfg=CFG)
+    with pytest.raises(ValueError, match="group_ids must be an integer tensor"):
+        grpo(r, m, group_ids=torch.tensor([0.0, 1.0]), cfg=CFG)
+    with pytest.raises(ValueError, match="gae needs values"):
+        gae(r, m, cfg=CFG)
+    with pytest.raises(ValueError, match=r"values has shape \(2, 3\) but token_rewards has shape \(2, 4\)"):
+        gae(r, m, values=torch.zeros(2, 3), cfg=CFG)
+    with pytest.raises(ValueError, match=r"mask has shape \(2, 3\) but token_rewards has shape \(2, 4\)"):
+        reinforce_pp(r, m[:, :3], cfg=CFG)
+    with pytest.raises(ValueError, match="float tensor"):
+        reinforce_pp(r.long(), m, cfg=CFG)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; registered: dr_grpo, gae"):
+        ADVANTAGES.get("ppo")
+
+
+@pytest.mark.parametrize("kwargs", [{"gamma": 1.5}, {"lam": -0.1}, {"eps": 0.0}])
+def test_config_validation(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="AdvantageConfig"):
+        AdvantageConfig(**kwargs)
