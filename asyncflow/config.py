@@ -1,0 +1,230 @@
+"""The run's configuration: omegaconf structured dataclasses, a recipe yaml, key=value overrides.
+
+A wrong key or a value of the wrong type fails at start-up with the key's path and what
+was expected (``ConfigError``), before any process starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+MODES = ("sync", "stream", "async")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class TinyModelConfig:
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 512
+    max_positions: int = 128
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # a local Hugging Face directory; "" builds (once) and caches the built-in tiny model
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    attn_implementation: str = "eager"  # faster than sdpa at the tiny sizes (FACTS.md)
+
+
+@dataclass
+class DataConfig:
+    task: str = "addition"  # built-in task, or "file" for prompts from `path`
+    path: str = ""  # .jsonl or .parquet with a prompt and a ground-truth answer per row
+    eval_path: str = ""  # held-out prompts of the same format (file task)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    max_prompt_tokens: int = 512  # longer prompts are dropped (counted in the log), never truncated
+    chat_template: bool = False
+    system_prompt: str = ""
+    num_eval: int = 256
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "builtin"  # builtin (CPU default) | vllm (CUDA / Ascend through vllm-ascend)
+    n: int = 8  # responses per prompt (the GRPO group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 8
+    batch_prompts: int = 8  # prompts per rollout call in stream/async mode (sync: the whole step)
+    partial_rollout: bool = False  # async: interrupt a generation at a weight update and continue on new weights
+    gpu_memory_utilization: float = 0.5  # vllm only
+
+
+@dataclass
+class RewardConfig:
+    name: str = "number"  # a name in asyncflow.rewards.REWARDS
+    timeout_s: float = 10.0
+    on_error: str = "zero"  # zero | fail
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "grpo"  # a name in asyncflow.algorithms.ADVANTAGES
+    norm_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    policy_loss: str = "auto"  # auto: decoupled_ppo in async mode, ppo_clip otherwise
+    loss_agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip_c: float = 3.0
+    is_cap: float = 2.0
+    kl_coef: float = 0.0  # > 0 adds the reference stage
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    value_loss: str = "clipped"
+    value_clip: float = 0.2
+    dynamic_sampling: bool = True  # drop groups whose rewards are all equal, refill from new prompts
+    max_refill_factor: float = 3.0  # give up refilling after this many times the step's prompts
+
+
+@dataclass
+class OptimSettings:
+    lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    min_lr_ratio: float = 1.0  # 1.0: constant after warm-up
+    micro_batch_tokens: int = 8192
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up on the task's answers before RL (built-in task only)."""
+    enabled: bool = True
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    batch_size: int = 128
+    max_steps: int = 800
+    check_every: int = 25
+    target_accuracy: float = 0.2  # stop as soon as held-out greedy accuracy reaches this
+
+
+@dataclass
+class WorkflowConfig:
+    mode: str = "async"  # sync | stream | async
+    max_staleness: int = 1  # async: no row trains more than this many versions after its generation
+    call_timeout_s: float = 600.0
+
+
+@dataclass
+class PlacementSettings:
+    mode: str = "disaggregated"  # colocated | disaggregated
+    rollout_ranks: list[int] = field(default_factory=lambda: [1])  # disaggregated: rollout ranks
+    actor_ranks: list[int] = field(default_factory=lambda: [0])  # disaggregated: training ranks
+    # reference, critic and reward sit with the actor (reference, critic) and the rollout (reward)
+
+
+@dataclass
+class TrainerConfig:
+    nproc: int = 2
+    platform: str = "auto"
+    seed: int = 0
+    steps: int = 2000  # RL steps at most
+    time_budget_s: float = 300.0  # stop RL after this much time (0: no limit)
+    prompts_per_step: int = 32
+    eval_every: int = 25
+    save_every: int = 0  # 0: only the final checkpoint
+    resume: str = ""  # "" | auto | a checkpoint directory
+    out_dir: str = "outputs/run"
+    progress: bool = True
+    log_samples: bool = True  # samples.jsonl: prompt, seed, policy version, score and response of every trained row
+    threads: int = 0  # torch threads per rank (0: torch's default)
+
+
+@dataclass
+class RunSettings:
+    recipe: str = "grpo"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    critic_optim: OptimSettings = field(default_factory=lambda: OptimSettings(lr=1e-3))
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    placement: PlacementSettings = field(default_factory=PlacementSettings)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def _check(cfg: RunSettings) -> RunSettings:
+    w, r, t = cfg.workflow, cfg.rollout, cfg.trainer
+    problems = []
+    if w.mode not in MODES:
+        problems.append(f"workflow.mode: expected one of {MODES}, got {w.mode!r}")
+    if w.max_staleness < 0:
+        problems.append(f"workflow.max_staleness: must be >= 0, got {w.max_staleness}")
+    if cfg.placement.mode not in ("colocated", "disaggregated"):
+        problems.append(f"placement.mode: expected colocated or disaggregated, got {cfg.placement.mode!r}")
+    if r.n < 1:
+        problems.append(f"rollout.n: must be >= 1, got {r.n}")
+    if r.engine not in ("builtin", "vllm"):
+        problems.append(f"rollout.engine: expected builtin or vllm, got {r.engine!r}")
+    if t.prompts_per_step < 1 or r.batch_prompts < 1:
+        problems.append("trainer.prompts_per_step and rollout.batch_prompts must be >= 1")
+    if t.nproc < 1:
+        problems.append(f"trainer.nproc: must be >= 1, got {t.nproc}")
+    if cfg.reward.on_error not in ("zero", "fail"):
+        problems.append(f"reward.on_error: expected zero or fail, got {cfg.reward.on_error!r}")
+    if cfg.data.task not in ("addition", "file"):
+        problems.append(f"data.task: expected addition or file, got {cfg.data.task!r}")
+    if cfg.data.task == "file" and not cfg.data.path:
+        problems.append("data.path: data.task=file needs a .jsonl or .parquet path")
+    if cfg.placement.mode == "disaggregated":
+        both = set(cfg.placement.rollout_ranks) & set(cfg.placement.actor_ranks)
+        if both:
+            problems.append(f"placement: ranks {sorted(both)} are both actor_ranks and rollout_ranks; "
+                            "use placement.mode=colocated to share ranks")
+        for name in ("rollout_ranks", "actor_ranks"):
+            ranks = getattr(cfg.placement, name)
+            bad = [x for x in ranks if not 0 <= x < t.nproc]
+            if not ranks or bad:
+                problems.append(f"placement.{name}: {list(ranks)} must be non-empty ranks within "
+                                f"0..{t.nproc - 1} (trainer.nproc={t.nproc})")
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    return cfg
+
+
+def load_config(yaml_path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunSettings:
+    """Defaults <- recipe yaml <- ``key=value`` overrides; typed and checked."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    base = OmegaConf.structured(RunSettings)
+    layers = []
+    try:
+        if yaml_path is not None:
+            path = Path(yaml_path)
+            if not path.is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            layers.append(OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r}: expected key=value (e.g. trainer.steps=10)")
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(base, *layers)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or getattr(e, "key", None)
+        raise ConfigError(f"config key {key!r}: {str(e).splitlines()[0]}") from None
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, RunSettings)
+    return _check(cfg)
+
+
+def to_dict(cfg: RunSettings) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,343 @@
+"""The streaming executor: one asyncio task per stage, each looping get_meta -> call -> put.
+
+Rows of step ``t`` live in TransferQueue partition ``step<t>``. A feeder issues each
+step's prompts; every stage takes the step's rows as they become ready (``stream`` and
+``async``) or all at once (``sync``), calls its worker group, and the worker writes
+the new columns back. Overlap follows from the data alone. The mode decides only:
+
+- batch size: ``sync`` takes the whole step per call, the others ``stage.batch_rows``;
+- weights: rollout of step ``t`` needs policy version ``>= t - k`` with ``k = 0`` for
+  ``sync``/``stream`` (on-policy) and ``k = max_staleness`` for ``async``. Version ``v``
+  is the policy after ``v`` updates; update ``t`` turns version ``t`` into ``t + 1``, so
+  a row generated for step ``t`` is at most ``k`` versions old when it trains.
+
+Rollout instances are separate worker groups, each pulling rows on its own and taking
+new weights at its own generation boundary, so generation never stops everywhere.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from .ledger import Ledger
+from .stages import Stage
+
+log = logging.getLogger(__name__)
+
+
+def partition_name(step: int) -> str:
+    return f"step{step}"
+
+
+@dataclass
+class ExecutorConfig:
+    mode: str = "async"
+    max_staleness: int = 1
+    group_size: int = 8  # rows per prompt
+    prompts_per_step: int = 32
+    dynamic_sampling: bool = False
+    max_refill_factor: float = 3.0
+    wait_timeout_s: float = 600.0
+
+    @property
+    def lag(self) -> int:
+        return self.max_staleness if self.mode == "async" else 0
+
+
+@dataclass
+class StepReport:
+    step: int
+    metrics: dict[str, float]
+    timing: dict[str, float]
+    rows: int
+    started: float
+    finished: float
+
+
+@dataclass
+class _StageState:
+    taken: dict[int, int] = field(default_factory=dict)  # step -> rows taken so far
+    busy_s: float = 0.0
+
+
+class Executor:
+    """Runs a recipe's stages over steps ``0..`` until ``stop()`` or ``max_steps``."""
+
+    def __init__(self, cfg: ExecutorConfig, stages: list[Stage], groups: dict[str, Any],
+                 rollout_instances: list[Any], tq: Any, source: Callable[[int, int], Awaitable[dict]],
+                 *, timeline: Any = None, on_step: Callable[[StepReport], Awaitable[None]] | None = None,
+                 on_trained: Callable[[int, Any], Awaitable[None]] | None = None,
+                 start_version: int = 0, first_step: int = 0):
+        self.cfg = cfg
+        self.stages = stages
+        self.groups = groups
+        self.instances = rollout_instances
+        self.tq = tq
+        self.source = source  # (step, n_prompts) -> columns of n_prompts * group_size new rows
+        self.timeline = timeline
+        self.on_step = on_step
+        self.on_trained = on_trained  # (step, meta) after the update, before the rows are freed
+        self.ledger = Ledger()
+        self.state = {s.name: _StageState() for s in stages}
+        self.filter_index = next((i for i, s in enumerate(stages) if s.kind == "filter"), None)
+        self.actor_version = start_version
+        self.instance_version = [start_version] * len(rollout_instances)  # receive issued (weights staged)
+        self.first_step = first_step
+        self.last_step: int | None = None  # set when the feeder stops issuing steps
+        self._stop = False
+        self._sync_queue: asyncio.Queue[int] = asyncio.Queue()
+        self.step_timing: dict[int, dict[str, float]] = {}
+        self.role_busy: dict[str, float] = {}
+        self.step_started: dict[int, float] = {}
+        self.rows_issued = 0
+        self.prompts_issued = 0
+
+    # ---- control ---------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Issue no new steps; the steps already issued run to the end."""
+        self._stop = True
+
+    async def run(self, max_steps: int) -> None:
+        self.max_steps = max_steps
+        tasks = [asyncio.create_task(self._feeder(), name="feeder"),
+                 asyncio.create_task(self._weight_sync(), name="weight-sync")]
+        for i, s in enumerate(self.stages):
+            if s.kind == "rollout":
+                tasks += [asyncio.create_task(self._rollout_loop(s, k), name=f"{s.name}[{k}]")
+                          for k in range(len(self.instances))]
+            elif s.kind == "update":
+                tasks.append(asyncio.create_task(self._update_loop(s), name=s.name))
+            elif s.kind == "filter":
+                tasks.append(asyncio.create_task(self._filter_loop(s), name=s.name))
+            else:
+                tasks.append(asyncio.create_task(self._map_loop(s, i), name=s.name))
+        update_task = tasks[-1] if self.stages[-1].kind == "update" else None
+        try:
+            # The update stage ends the run; any task that fails ends it too, with that error.
+            pending = set(tasks)
+            while update_task is not None and not update_task.done():
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()
+            if update_task is not None:
+                update_task.result()
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _finished(self, t: int) -> bool:
+        return self.last_step is not None and t > self.last_step
+
+    async def _timed(self, stage: Stage, role: str, ranks: list[int], step: int, rows: int,
+                     call: Awaitable[Any]) -> Any:
+        start = time.monotonic()
+        t0 = self.timeline.now() if self.timeline is not None else 0.0
+        result = await call
+        dur = time.monotonic() - start
+        self.state.setdefault(stage.name, _StageState()).busy_s += dur
+        self.role_busy[role] = self.role_busy.get(role, 0.0) + dur
+        timing = self.step_timing.setdefault(step, {})
+        timing[stage.name] = timing.get(stage.name, 0.0) + dur
+        if self.timeline is not None:
+            for r in ranks:
+                self.timeline.record(f"rank{r} {role}", stage.name, t0, t0 + dur, step=step, rows=rows)
+        return result
+
+    def _after_filter(self, index: int) -> bool:
+        return self.filter_index is not None and index > self.filter_index
+
+    async def _next_rows(self, stage: Stage, index: int, t: int) -> int:
+        """How many rows of step ``t`` to take next (0: the stage is done with ``t``)."""
+        st = self.state[stage.name]
+        after = self._after_filter(index)
+
+        def left() -> int:
+            return self.ledger.expected(t, after) - st.taken.get(t, 0)
+
+        await self.ledger.wait_for(lambda: left() > 0 or self.ledger.step(t).closed,
+                                   self.cfg.wait_timeout_s, f"rows of step {t} for stage {stage.name!r}")
+        n = left()
+        if n <= 0:
+            return 0
+        if self.cfg.mode != "sync" and stage.batch_rows:
+            n = min(n, stage.batch_rows)
+        elif stage.kind == "rollout" and len(self.instances) > 1:  # sync: the step split over instances
+            g = self.cfg.group_size
+            share = -(-self.ledger.expected(t, after) // len(self.instances))
+            n = min(n, -(-share // g) * g)
+        # sync otherwise: every row issued so far (the step's global batch, or a refill round)
+        st.taken[t] = st.taken.get(t, 0) + n
+        return n
+
+    async def _get_meta(self, stage: Stage, t: int, n: int) -> Any:
+        return await self.tq.get_meta(stage.inputs, n, stage.name, partition_name(t), stage.sampler,
+                                      timeout=self.cfg.wait_timeout_s)
+
+    async def _wait_step_issued(self, t: int) -> bool:
+        await self.ledger.wait_for(lambda: t in self.ledger.steps or self._finished(t),
+                                   self.cfg.wait_timeout_s * 4, f"step {t} to be issued")
+        return not self._finished(t)
+
+    # ---- the feeder: prompts in, steps closed ------------------------------------------------
+    async def _feeder(self) -> None:
+        cfg = self.cfg
+        t = self.first_step
+        while True:
+            if self._stop or t - self.first_step >= self.max_steps:
+                self.last_step = t - 1
+                await self.ledger.notify()
+                return
+            # Issue step t once its rollout may start: version >= t - lag.
+            await self.ledger.wait_for(lambda: self.actor_version >= t - cfg.lag or self._stop,
+                                       cfg.wait_timeout_s * 4, f"policy version {t - cfg.lag} to issue step {t}")
+            if self._stop:
+                continue
+            await self.tq.create_partition(partition_name(t))
+            self.step_started[t] = time.monotonic()
+            await self._issue(t, cfg.prompts_per_step)
+            if cfg.dynamic_sampling:
+                await self._refill(t)
+            self.ledger.step(t).closed = True
+            await self.tq.close_partition(partition_name(t))
+            await self.ledger.notify()
+            t += 1
+
+    async def _issue(self, t: int, n_prompts: int) -> None:
+        cols = await self.source(t, n_prompts)
+        n_rows = n_prompts * self.cfg.group_size
+        groups = cols.pop("__groups__", None)
+        await self.tq.put(cols, partition_name(t), groups=groups)
+        s = self.ledger.step(t)
+        s.issued += n_rows
+        s.prompts += n_prompts
+        self.rows_issued += n_rows
+        self.prompts_issued += n_prompts
+        await self.ledger.notify()
+
+    async def _refill(self, t: int) -> None:
+        """Dynamic sampling: replace dropped groups with new prompts until the step is full."""
+        cfg = self.cfg
+        budget = int(cfg.prompts_per_step * cfg.max_refill_factor)
+        s = self.ledger.step(t)
+        while True:
+            await self.ledger.wait_for(
+                lambda: s.accepted_groups + s.rejected_groups >= s.prompts, cfg.wait_timeout_s,
+                f"the filter's decision on every group of step {t}")
+            missing = cfg.prompts_per_step - s.accepted_groups
+            if missing <= 0 or s.prompts >= budget:
+                if missing > 0:
+                    log.warning("step %d: only %d of %d groups have reward variance after %d prompts; "
+                                "training on those", t, s.accepted_groups, cfg.prompts_per_step, s.prompts)
+                return
+            await self._issue(t, min(missing, budget - s.prompts))
+
+    # ---- stage loops -----------------------------------------------------------------------
+    async def _rollout_loop(self, stage: Stage, k: int) -> None:
+        inst = self.instances[k]
+        index = self.stages.index(stage)
+        t = self.first_step
+        while await self._wait_step_issued(t):
+            need = max(0, t - self.cfg.lag)
+            await self.ledger.wait_for(lambda: self.instance_version[k] >= need, self.cfg.wait_timeout_s * 4,
+                                       f"rollout instance {k} to receive policy version {need}")
+            while n := await self._next_rows(stage, index, t):
+                meta = await self._get_meta(stage, t, n)
+                await self._timed(stage, inst.role, inst.ranks, t, n,
+                                  getattr(inst, stage.method)(meta, need))
+            t += 1
+
+    async def _map_loop(self, stage: Stage, index: int) -> None:
+        group = self.groups[stage.role]
+        t = self.first_step
+        while await self._wait_step_issued(t):
+            if stage.on_policy_weights:  # proximal log-probs: the weights that update t starts from
+                await self.ledger.wait_for(lambda: self.actor_version >= t, self.cfg.wait_timeout_s * 4,
+                                           f"policy version {t} for stage {stage.name!r}")
+            while n := await self._next_rows(stage, index, t):
+                meta = await self._get_meta(stage, t, n)
+                await self._timed(stage, group.role, group.ranks, t, n, getattr(group, stage.method)(meta))
+            t += 1
+
+    async def _filter_loop(self, stage: Stage) -> None:
+        """Driver-side: drop groups whose scores are all equal (no learning signal)."""
+        index = self.stages.index(stage)
+        t = self.first_step
+        while await self._wait_step_issued(t):
+            while n := await self._next_rows(stage, index, t):
+                meta = await self._get_meta(stage, t, n)
+                cols = await self.tq.get_columns(meta, [stage.inputs[0]])
+                scores = cols[stage.inputs[0]].data.tolist()
+                spread: dict[int, tuple[float, float]] = {}
+                for grp, sc in zip(meta.groups, scores):
+                    lo, hi = spread.get(grp, (sc, sc))
+                    spread[grp] = (min(lo, sc), max(hi, sc))
+                keep = {grp for grp, (lo, hi) in spread.items() if hi - lo > 1e-6}
+                rows_keep = [i for i, grp in enumerate(meta.groups) if grp in keep]
+                rows_drop = [i for i, grp in enumerate(meta.groups) if grp not in keep]
+                s = self.ledger.step(t)
+                if rows_drop:
+                    await self.tq.clear_rows(meta.select(rows_drop))
+                    s.rejected += len(rows_drop)
+                if rows_keep:
+                    import torch
+                    await self.tq.put({stage.outputs[0]: torch.ones(len(rows_keep), dtype=torch.int8)},
+                                      partition_name(t), meta.select(rows_keep))
+                s.accepted_groups += len(keep)
+                s.rejected_groups += len(spread) - len(keep)
+                await self.ledger.notify()
+            t += 1
+
+    async def _update_loop(self, stage: Stage) -> None:
+        group = self.groups[stage.role]
+        index = self.stages.index(stage)
+        t = self.first_step
+        while await self._wait_step_issued(t):
+            await self.ledger.wait_for(lambda: self.ledger.step(t).closed, self.cfg.wait_timeout_s * 4,
+                                       f"step {t} to be closed")
+            n = self.ledger.expected(t, self._after_filter(index))
+            metrics: dict[str, float] = {}
+            if n > 0:
+                self.state[stage.name].taken[t] = n
+                meta = await self._get_meta(stage, t, n)
+                results = await self._timed(stage, group.role, group.ranks, t, n,
+                                            getattr(group, stage.method)(meta, t))
+                metrics = dict(results[0]) if isinstance(results, list) else dict(results)
+                if self.on_trained is not None:
+                    await self.on_trained(t, meta)
+            else:
+                log.warning("step %d: no rows left to train on; the policy is unchanged", t)
+            self.actor_version = t + 1
+            await self.ledger.notify()
+            self._sync_queue.put_nowait(t + 1)
+            await self.tq.clear(partition_name(t))
+            if self.on_step is not None:
+                now = time.monotonic()
+                await self.on_step(StepReport(t, metrics, dict(self.step_timing.pop(t, {})), n,
+                                              self.step_started.get(t, now), now))
+            t += 1
+
+    # ---- weight sync: publish each version, then every instance receives it in the background ----
+    async def _weight_sync(self) -> None:
+        actor = self.groups["actor"]
+        while True:
+            v = await self._sync_queue.get()
+            while not self._sync_queue.empty():  # an instance far behind takes the newest only
+                v = self._sync_queue.get_nowait()
+            await self._timed(_SYNC, actor.role, actor.ranks, v - 1, 0, actor.publish_weights(v))
+
+            async def deliver(k: int) -> None:
+                inst = self.instances[k]
+                await self._timed(_SYNC, inst.role, inst.ranks, v - 1, 0, inst.receive_weights(v))
+                self.instance_version[k] = v
+                await self.ledger.notify()
+            await asyncio.gather(*(deliver(k) for k in range(len(self.instances))))
+
+
+_SYNC = Stage("weight_sync", role="actor", method="publish_weights", inputs=["-"], kind="map")

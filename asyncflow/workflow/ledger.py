@@ -1,0 +1,45 @@
+"""The driver's account of each step's rows: issued, rejected (dynamic sampling), closed.
+
+A stage knows from it how many rows of a step it has yet to see, so it never waits
+for rows that will not come: rows issued so far, minus the rows dropped by a filter
+(for stages after the filter), minus the rows it already took. A step is closed once
+no more prompts will be issued for it.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRows:
+    issued: int = 0
+    rejected: int = 0
+    accepted_groups: int = 0
+    rejected_groups: int = 0
+    prompts: int = 0
+    closed: bool = False
+
+
+@dataclass
+class Ledger:
+    steps: dict[int, StepRows] = field(default_factory=dict)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def step(self, t: int) -> StepRows:
+        return self.steps.setdefault(t, StepRows())
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def wait_for(self, pred, timeout: float, what: str) -> None:
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(pred), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"workflow: waited {timeout:.0f} s for {what}") from None
+
+    def expected(self, t: int, after_filter: bool) -> int:
+        s = self.step(t)
+        return s.issued - (s.rejected if after_filter else 0)
