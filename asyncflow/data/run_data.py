@@ -1,0 +1,55 @@
+"""A run's prompt data from its config: training stream, held-out set, warm-up examples."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from .addition import AdditionTask
+from .dataset import BUILTIN_ADDITION, DataConfig, PromptDataset, addition_dataset
+
+
+@dataclass
+class RunData:
+    train: PromptDataset
+    eval_records: list[dict[str, Any]]  # {"prompt_ids": list[int], "answer": str}
+    sft_examples: Callable[[int, random.Random], list[tuple[list[int], list[int]]]] | None
+    filtered: int = 0
+
+    def train_records(self) -> Iterator[dict[str, Any]]:
+        return iter(self.train)
+
+
+def build_prompt_data(cfg: Any, model_path: str) -> RunData:
+    """``cfg`` is the run's RunSettings; the tokenizer is the model's."""
+    from ..models.loading import load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    d = cfg.data
+    seed = cfg.trainer.seed
+    if d.task == "addition":
+        task = AdditionTask(seed=seed, num_eval=d.num_eval)
+        train = addition_dataset(tok, task, DataConfig(path=BUILTIN_ADDITION, seed=seed,
+                                                       max_prompt_tokens=d.max_prompt_tokens))
+        evals = [{"prompt_ids": tok.encode(r["prompt"], add_special_tokens=False), "answer": r["answer"]}
+                 for r in task.eval_records()]
+        pairs = [(tok.encode(r["prompt"], add_special_tokens=False),
+                  tok.encode(r["answer"], add_special_tokens=False) + [tok.eos_token_id])
+                 for r in task.all_train_records()]
+
+        def sft(n: int, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+            return rng.choices(pairs, k=n)
+        return RunData(train, evals, sft)
+    conf = DataConfig(path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                      max_prompt_tokens=d.max_prompt_tokens, chat_template=d.chat_template,
+                      system_prompt=d.system_prompt or None, seed=seed)
+    train = PromptDataset(conf, tok)
+    if d.eval_path:
+        ev = PromptDataset(DataConfig(**{**conf.__dict__, "path": d.eval_path, "shuffle": False}), tok)
+        evals = [{"prompt_ids": [int(x) for x in r["prompt_ids"]], "answer": r["answer"]}
+                 for r in ev.take(min(len(ev), d.num_eval))]
+    else:
+        evals = [{"prompt_ids": [int(x) for x in r["prompt_ids"]], "answer": r["answer"]}
+                 for r in PromptDataset(DataConfig(**{**conf.__dict__, "shuffle": False}), tok).take(
+                     min(len(train), d.num_eval))]
+    return RunData(train, evals, None, train.num_filtered)

@@ -1,0 +1,188 @@
+"""Load a causal LM and its tokenizer from a local directory, never from the hub.
+
+The directory is checked with plain file reads before transformers is imported,
+so a wrong path or an unsupported model fails at once with a message saying what
+was found and what is expected, instead of a deep transformers traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelLoadError",
+    "check_tokenizer_fits",
+    "load_causal_lm",
+    "load_tokenizer",
+]
+
+log = logging.getLogger(__name__)
+
+# Architectures the trainer and rollout engines are written and tested for.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+)
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_OFFLINE_HINT = (
+    "AsyncFlow loads local directories only and never downloads: fetch the model first "
+    "(e.g. `huggingface-cli download <repo> --local-dir <dir>`) or use "
+    "asyncflow.models.ensure_tiny_model() for the built-in tiny model"
+)
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer directory cannot be used; the message says why and how to fix it."""
+
+
+def _model_dir(path: str | Path, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"{what}: path {p} does not exist. {_OFFLINE_HINT}")
+    if not p.is_dir():
+        raise ModelLoadError(f"{what}: {p} is a file; expected a model directory holding config.json")
+    return p
+
+
+def _read_config(p: Path, what: str) -> dict[str, Any]:
+    cfg_path = p / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(
+            f"{what}: no config.json in {p} (found: {sorted(x.name for x in p.iterdir())[:20]}); "
+            f"expected a Hugging Face model directory. {_OFFLINE_HINT}"
+        )
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{what}: {cfg_path} is not valid JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{what}: {cfg_path} holds a {type(cfg).__name__}; expected a JSON object")
+    return cfg
+
+
+def _check_architecture(cfg: dict[str, Any], cfg_path: Path) -> None:
+    found = cfg.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in found):
+        raise ModelLoadError(
+            f"load_causal_lm: unsupported architecture in {cfg_path}: found {found or 'none'} "
+            f"(model_type {cfg.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def _check_weights(p: Path) -> None:
+    if any((p / name).is_file() for name in _WEIGHT_FILES) or any(p.glob("*.safetensors")):
+        return
+    raise ModelLoadError(
+        f"load_causal_lm: no weights file in {p}; expected one of {', '.join(_WEIGHT_FILES)} "
+        f"(or sharded *.safetensors). Was the download or save interrupted?"
+    )
+
+
+def _default_attn_implementation(p: Path) -> str | None:
+    """Our tiny models record the attention kernel they were measured fastest with."""
+    from asyncflow.models.tiny import SPEC_FILE
+
+    spec_path = p / SPEC_FILE
+    if spec_path.is_file():
+        try:
+            return json.loads(spec_path.read_text()).get("attn_implementation")
+        except (json.JSONDecodeError, AttributeError):
+            return None
+    return None
+
+
+def load_causal_lm(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    attn_implementation: str | None = None,
+    device: str | torch.device = "cpu",
+) -> "PreTrainedModel":
+    """A causal LM from a local directory, on `device`.
+
+    attn_implementation None means: what the directory's asyncflow_spec.json says
+    (our tiny models: eager), else transformers' default.
+    """
+    p = _model_dir(path, "load_causal_lm")
+    cfg = _read_config(p, "load_causal_lm")
+    _check_architecture(cfg, p / "config.json")
+    _check_weights(p)
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ModelLoadError(f"load_causal_lm: dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
+        dtype = resolved
+    attn = attn_implementation or _default_attn_implementation(p)
+
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
+        raise ModelLoadError(f"load_causal_lm: transformers could not load {p}: {type(exc).__name__}: {exc}") from exc
+    return model.to(device)
+
+
+def check_tokenizer_fits(tokenizer: "PreTrainedTokenizerBase", vocab_size: int, where: str = "") -> None:
+    """Raise if the tokenizer can produce ids past the model's embedding table."""
+    if len(tokenizer) > vocab_size:
+        raise ModelLoadError(
+            f"tokenizer mismatch{' in ' + where if where else ''}: the tokenizer has {len(tokenizer)} tokens but "
+            f"the model's embedding has only {vocab_size} rows, so some ids would index past it. "
+            f"Use the tokenizer saved with this model, or resize the model's embeddings."
+        )
+
+
+def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
+    """The tokenizer saved in a local directory, with a pad token set.
+
+    When the directory also holds config.json, the tokenizer is checked against the
+    model's vocab_size. A missing pad token is set to eos (logged).
+    """
+    p = _model_dir(path, "load_tokenizer")
+    if not any((p / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"load_tokenizer: no tokenizer files in {p}; expected one of {', '.join(_TOKENIZER_FILES)}"
+        )
+
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
+        raise ModelLoadError(f"load_tokenizer: transformers could not load the tokenizer in {p}: {exc}") from exc
+
+    if (p / "config.json").is_file():
+        vocab_size = _read_config(p, "load_tokenizer").get("vocab_size")
+        if isinstance(vocab_size, int):
+            check_tokenizer_fits(tokenizer, vocab_size, str(p))
+
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(
+                f"load_tokenizer: the tokenizer in {p} has neither a pad nor an eos token; "
+                f"set pad_token in its tokenizer_config.json"
+            )
+        log.info("load_tokenizer: %s has no pad token; using eos %r as pad", p, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

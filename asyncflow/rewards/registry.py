@@ -1,0 +1,53 @@
+"""Reward functions by name: `fn(response: str, answer: str, **metadata) -> float`.
+
+Built-in rewards register themselves when `asyncflow.rewards` is imported; users add
+theirs with `@register_reward("name")` and select them by that name in a config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["REWARDS", "RewardFn", "UnknownRewardError", "get_reward", "register_reward"]
+
+RewardFn = Callable[..., float]
+REWARDS: dict[str, RewardFn] = {}
+
+
+class UnknownRewardError(ValueError):
+    """No reward is registered under the given name."""
+
+
+def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering `fn` under `name`; refuses to replace one silently."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_reward: name must be a non-empty string, got {name!r}")
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        if not callable(fn):
+            raise TypeError(f"register_reward({name!r}): {fn!r} is not callable")
+        old = REWARDS.get(name)
+        if old is not None and old is not fn and not overwrite:
+            raise ValueError(
+                f"register_reward: {name!r} is already registered to {getattr(old, '__qualname__', old)}; "
+                f"pick another name or pass overwrite=True"
+            )
+        REWARDS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_reward(name_or_fn: str | RewardFn) -> RewardFn:
+    """The function for a registered name; a callable is returned as is."""
+    if callable(name_or_fn):
+        return name_or_fn
+    import asyncflow.rewards.builtin  # noqa: F401 - registers the built-in rewards
+
+    try:
+        return REWARDS[name_or_fn]
+    except KeyError:
+        raise UnknownRewardError(
+            f"unknown reward {name_or_fn!r}; registered: {', '.join(sorted(REWARDS))}. "
+            f"Register your own with @asyncflow.rewards.register_reward({name_or_fn!r})"
+        ) from None

@@ -1,0 +1,156 @@
+"""Score a batch of responses with a reward function, with a timeout per call.
+
+A Python thread cannot be killed, so a call that exceeds the timeout is abandoned:
+its worker thread keeps running in the background (a daemon, it does not keep the
+process alive) and a fresh worker takes the remaining rows. Abandoned threads that
+are still running are capped (`max_abandoned`); past the cap the runner raises
+instead of leaking threads. A reward that can truly hang (a solver, an external
+call) belongs in a subprocess, with the runner's timeout as the outer guard.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from asyncflow.rewards.registry import RewardFn, get_reward
+
+__all__ = ["RewardError", "RewardRunner"]
+
+_STOP = object()
+
+
+class RewardError(RuntimeError):
+    """A reward call failed or timed out under on_error="fail", or too many calls hung."""
+
+
+class _Worker:
+    """A daemon thread running reward calls one at a time from its inbox."""
+
+    def __init__(self, fn: RewardFn, name: str) -> None:
+        self.fn = fn
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self.inbox.get()
+            if job is _STOP:
+                return
+            row, response, answer, meta = job
+            try:
+                self.outbox.put((row, True, self.fn(response, answer, **meta)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who decides
+                self.outbox.put((row, False, exc))
+
+
+class RewardRunner:
+    """Scores batches with one reward function (a registered name or a callable).
+
+    on_error="zero": a call that raises, returns a non-number or exceeds timeout_s
+    scores 0.0 and is counted in the stats; on_error="fail": it raises RewardError
+    naming the function, the row and the cause.
+    """
+
+    def __init__(
+        self,
+        name_or_fn: str | RewardFn,
+        timeout_s: float = 10.0,
+        on_error: Literal["zero", "fail"] = "zero",
+        max_abandoned: int = 4,
+    ) -> None:
+        if on_error not in ("zero", "fail"):
+            raise ValueError(f"RewardRunner: on_error {on_error!r}; expected 'zero' or 'fail'")
+        if not timeout_s > 0:
+            raise ValueError(f"RewardRunner: timeout_s must be > 0, got {timeout_s}")
+        self.fn = get_reward(name_or_fn)
+        self.name = name_or_fn if isinstance(name_or_fn, str) else getattr(self.fn, "__qualname__", repr(self.fn))
+        self.timeout_s = timeout_s
+        self.on_error = on_error
+        self.max_abandoned = max_abandoned
+        self._abandoned: list[threading.Thread] = []
+        self._spawned = 0
+        self._worker: _Worker | None = None
+
+    def _new_worker(self) -> _Worker:
+        self._spawned += 1
+        return _Worker(self.fn, f"reward-{self.name}-{self._spawned}")
+
+    @property
+    def num_hung(self) -> int:
+        """Abandoned calls still running."""
+        self._abandoned = [t for t in self._abandoned if t.is_alive()]
+        return len(self._abandoned)
+
+    def _abandon(self, worker: _Worker, row: int) -> None:
+        worker.inbox.put(_STOP)  # it exits if the hung call ever returns
+        self._abandoned.append(worker.thread)
+        self._worker = None
+        if self.num_hung > self.max_abandoned:
+            raise RewardError(
+                f"reward {self.name!r}: {self.num_hung} calls are still running past timeout_s={self.timeout_s} "
+                f"(latest on row {row}); threads cannot be killed, so the runner stops rather than leak more. "
+                f"Fix the function, raise timeout_s, or run it in a subprocess."
+            )
+
+    def _fail_or_count(self, msg: str, cause: BaseException | None) -> None:
+        if self.on_error == "fail":
+            raise RewardError(msg) from cause
+
+    def score(
+        self, responses: Sequence[str], answers: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
+    ) -> tuple[list[float], dict[str, Any]]:
+        """Scores in row order, and stats {"rows", "errors", "timeouts", "hung", "first_error"}."""
+        metadata = list(metadata) if metadata is not None else [{} for _ in responses]
+        if not len(responses) == len(answers) == len(metadata):
+            raise ValueError(
+                f"RewardRunner.score: lengths differ: {len(responses)} responses, {len(answers)} answers, "
+                f"{len(metadata)} metadata"
+            )
+        scores: list[float] = []
+        errors = timeouts = 0
+        first_error: str | None = None
+        for row, (response, answer, meta) in enumerate(zip(responses, answers, metadata)):
+            worker = self._worker or self._new_worker()
+            self._worker = worker
+            worker.inbox.put((row, response, answer, dict(meta or {})))
+            try:
+                _, ok, value = worker.outbox.get(timeout=self.timeout_s)
+            except queue.Empty:
+                timeouts += 1
+                msg = f"reward {self.name!r} exceeded timeout_s={self.timeout_s} on row {row}"
+                first_error = first_error or msg
+                self._abandon(worker, row)
+                self._fail_or_count(msg, None)
+                scores.append(0.0)
+                continue
+            if ok and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                scores.append(float(value))
+                continue
+            errors += 1
+            cause = value if not ok else None
+            what = f"{type(value).__name__}: {value}" if not ok else f"returned {value!r}, expected a finite float"
+            msg = f"reward {self.name!r} failed on row {row}: {what}"
+            first_error = first_error or msg
+            self._fail_or_count(msg, cause)
+            scores.append(0.0)
+        stats = {"rows": len(scores), "errors": errors, "timeouts": timeouts, "hung": self.num_hung,
+                 "first_error": first_error}
+        return scores, stats
+
+    def close(self) -> None:
+        """Stop the idle worker thread (hung ones stop when their call returns)."""
+        if self._worker is not None:
+            self._worker.inbox.put(_STOP)
+            self._worker = None
+
+    def __enter__(self) -> "RewardRunner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,112 @@
+"""RewardRunner: batch scoring, errors and timeouts counted or raised, hung threads capped."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from asyncflow.rewards import RewardError, RewardRunner
+
+
+def test_scores_a_batch_with_metadata():
+    seen = []
+
+    def fn(response, answer, weight=1.0, **meta):
+        seen.append(meta)
+        return weight * (response == answer)
+
+    with RewardRunner(fn) as runner:
+        scores, stats = runner.score(["1", "2", "3"], ["1", "0", "3"], [{"weight": 2.0}, {}, {"tag": "x"}])
+    assert scores == [2.0, 0.0, 1.0]
+    assert stats == {"rows": 3, "errors": 0, "timeouts": 0, "hung": 0, "first_error": None}
+    assert seen[2] == {"tag": "x"}
+
+
+def test_by_name_and_no_metadata():
+    scores, stats = RewardRunner("addition").score(["46<eos>", "45"], ["46", "46"])
+    assert scores == [1.0, 0.0] and stats["errors"] == 0
+
+
+def test_length_mismatch():
+    with pytest.raises(ValueError, match="2 responses, 1 answers, 2 metadata"):
+        RewardRunner("exact_match").score(["a", "b"], ["a"], [{}, {}])
+
+
+def _flaky(response, answer, **_):
+    if response == "boom":
+        raise ZeroDivisionError("bad row")
+    if response == "nan":
+        return float("nan")
+    if response == "str":
+        return "1.0"
+    return 1.0
+
+
+def test_errors_score_zero_and_are_counted():
+    scores, stats = RewardRunner(_flaky).score(["ok", "boom", "nan", "str", "ok"], ["x"] * 5)
+    assert scores == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert stats["errors"] == 3 and stats["timeouts"] == 0
+    assert "row 1" in stats["first_error"] and "ZeroDivisionError: bad row" in stats["first_error"]
+
+
+def test_errors_raise_with_function_row_and_cause():
+    runner = RewardRunner(_flaky, on_error="fail")
+    with pytest.raises(RewardError, match=r"reward '_flaky' failed on row 1: ZeroDivisionError: bad row") as info:
+        runner.score(["ok", "boom"], ["x", "x"])
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    with pytest.raises(RewardError, match=r"row 0: returned nan"):
+        runner.score(["nan"], ["x"])
+
+
+def test_timeout_scores_zero_and_later_rows_still_score():
+    release = threading.Event()
+
+    def slow(response, answer, **_):
+        if response == "hang":
+            release.wait(5)
+        return 1.0
+
+    runner = RewardRunner(slow, timeout_s=0.1)
+    t0 = time.perf_counter()
+    scores, stats = runner.score(["a", "hang", "b"], ["x"] * 3)
+    assert time.perf_counter() - t0 < 2
+    assert scores == [1.0, 0.0, 1.0] and stats["timeouts"] == 1 and stats["hung"] == 1
+    assert "exceeded timeout_s=0.1 on row 1" in stats["first_error"]
+    release.set()
+    deadline = time.time() + 5
+    while runner.num_hung and time.time() < deadline:
+        time.sleep(0.01)
+    assert runner.num_hung == 0  # the abandoned thread exits once its call returns
+    runner.close()
+
+
+def test_timeout_raises_under_fail():
+    release = threading.Event()
+    runner = RewardRunner(lambda r, a, **_: release.wait(5) and 1.0, timeout_s=0.05, on_error="fail")
+    try:
+        with pytest.raises(RewardError, match=r"exceeded timeout_s=0.05 on row 0"):
+            runner.score(["a"], ["x"])
+    finally:
+        release.set()
+
+
+def test_too_many_hung_calls_raise():
+    release = threading.Event()
+
+    def hang(response, answer, **_):
+        release.wait(10)
+        return 0.0
+
+    runner = RewardRunner(hang, timeout_s=0.02, max_abandoned=2)
+    try:
+        with pytest.raises(RewardError, match=r"3 calls are still running .*threads cannot be killed"):
+            runner.score(["a"] * 5, ["x"] * 5)
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("kwargs,match", [({"on_error": "skip"}, "on_error"), ({"timeout_s": 0}, "timeout_s")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RewardRunner("exact_match", **kwargs)
