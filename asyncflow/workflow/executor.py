@@ -285,6 +285,7 @@ class Executor:
                 if rows_drop:
                     await self.tq.clear_rows(meta.select(rows_drop))
                     s.rejected += len(rows_drop)
+                s.accepted += len(rows_keep)
                 if rows_keep:
                     import torch
                     await self.tq.put({stage.outputs[0]: torch.ones(len(rows_keep), dtype=torch.int8)},

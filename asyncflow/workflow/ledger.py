@@ -1,8 +1,8 @@
 """The driver's account of each step's rows: issued, rejected (dynamic sampling), closed.
 
 A stage knows from it how many rows of a step it has yet to see, so it never waits
-for rows that will not come: rows issued so far, minus the rows dropped by a filter
-(for stages after the filter), minus the rows it already took. A step is closed once
+for rows that will not come: rows issued so far (or, for stages after a filter, rows
+the filter kept), minus the rows it already took. A step is closed once
 no more prompts will be issued for it.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 class StepRows:
     issued: int = 0
     rejected: int = 0
+    accepted: int = 0  # rows a filter kept
     accepted_groups: int = 0
     rejected_groups: int = 0
     prompts: int = 0
@@ -41,5 +42,7 @@ class Ledger:
                 raise TimeoutError(f"workflow: waited {timeout:.0f} s for {what}") from None
 
     def expected(self, t: int, after_filter: bool) -> int:
+        """Rows of step ``t`` a stage will see: all issued ones, or, after a filter, the kept ones
+        (a row not yet judged may still be dropped, so it does not count yet)."""
         s = self.step(t)
-        return s.issued - (s.rejected if after_filter else 0)
+        return s.accepted if after_filter else s.issued

@@ -13,7 +13,6 @@ header (version, names, shapes, dtypes), then one ``broadcast`` per dtype buffer
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
@@ -115,6 +114,23 @@ class _Mailbox:
 LOCAL_MAILBOX = _Mailbox()
 
 
+class _Send(threading.Thread):
+    """One background send; a daemon, so a peer that never receives cannot keep the process alive."""
+
+    def __init__(self, group: Any, src: int, packed: PackedWeights, inst: int):
+        super().__init__(name=f"weight-send-i{inst}-v{packed.header.version}", daemon=True)
+        self.group, self.src, self.packed = group, src, packed
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            dist.broadcast_object_list([self.packed.header], src=self.src, group=self.group)
+            for dt in sorted(self.packed.buffers):
+                dist.broadcast(self.packed.buffers[dt], src=self.src, group=self.group)
+        except BaseException as e:  # noqa: BLE001 - raised in the worker thread by wait()
+            self.error = e
+
+
 class WeightSender:
     """On the actor's first rank: sends each published version to every instance in the background."""
 
@@ -122,42 +138,34 @@ class WeightSender:
         self.src_rank = src_rank
         self.groups = dict(groups)  # instance index -> process group (None: the instance is this process)
         self.timeout_s = timeout_s
-        self.local: PackedWeights | None = None  # what an in-process instance picks up
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.groups)), thread_name_prefix="weight-send")
-        self._inflight: dict[int, Future] = {}
+        self._inflight: dict[int, _Send] = {}
         self.sent_bytes = 0
 
     def publish(self, packed: PackedWeights) -> None:
         """Start sending ``packed`` to every instance (after the previous send to it finished)."""
-        self.local = packed
         for inst, group in self.groups.items():
-            prev = self._inflight.get(inst)
+            prev = self._inflight.pop(inst, None)
             if prev is not None:
-                self._result(inst, prev)
+                self._finish(inst, prev)
             if group is not None:
-                self._inflight[inst] = self._pool.submit(self._send, group, packed)
+                send = _Send(group, self.src_rank, packed, inst)
+                send.start()
+                self._inflight[inst] = send
 
-    def _send(self, group: Any, packed: PackedWeights) -> int:
-        box = [packed.header]
-        dist.broadcast_object_list(box, src=self.src_rank, group=group)
-        for dt in sorted(packed.buffers):
-            dist.broadcast(packed.buffers[dt], src=self.src_rank, group=group)
-        return packed.header.nbytes
-
-    def _result(self, inst: int, fut: Future) -> None:
-        try:
-            self.sent_bytes += fut.result(timeout=self.timeout_s)
-        except TimeoutError:
-            raise TimeoutError(f"weight sync: sending to rollout instance {inst} did not finish within "
-                               f"{self.timeout_s:.0f} s (is that instance alive and receiving?)") from None
+    def _finish(self, inst: int, send: _Send) -> None:
+        send.join(self.timeout_s)
+        if send.is_alive():
+            raise TimeoutError(f"weight sync: sending version {send.packed.header.version} to rollout instance "
+                               f"{inst} did not finish within {self.timeout_s:.0f} s (is it alive and receiving?)")
+        if send.error is not None:
+            raise RuntimeError(f"weight sync: sending version {send.packed.header.version} to rollout instance "
+                               f"{inst} failed: {send.error}") from send.error
+        self.sent_bytes += send.packed.header.nbytes
 
     def wait(self) -> None:
-        for inst, fut in list(self._inflight.items()):
-            self._result(inst, fut)
+        for inst, send in list(self._inflight.items()):
+            self._finish(inst, send)
         self._inflight.clear()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class WeightReceiver:

@@ -1,0 +1,115 @@
+"""The rollout engine interface: what the rest of AsyncFlow calls to generate.
+
+Contract shared by every engine:
+- prompts are 1-D int64 token tensors, one per row; outputs come back per row, on CPU;
+- sampling is seeded per row: a row's tokens depend on (prompt, seed, params, weights)
+  only, never on the other rows of the batch or their order;
+- log-probs are those of the sampling distribution before top-p/top-k filtering
+  (softmax(logits / temperature); plain logits when greedy), which is what the
+  trainer recomputes for importance ratios;
+- a generation can be aborted between decode steps; the partial rows come back with
+  finish reason "abort" and can be continued later with prompt + partial as the prompt.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FINISH_REASONS", "GenerationOutput", "RolloutEngine", "SamplingParams", "check_generate_args"]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. Same meaning in every engine."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 => off
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the engine's eos ids
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerationOutput:
+    """Per-row results, in the order of the prompts."""
+
+    response_ids: list[torch.Tensor]  # 1-D int64; includes the stop token if one was produced
+    log_probs: list[torch.Tensor]  # 1-D float32, same length as response_ids
+    finish_reasons: list[str]  # "stop" | "length" | "abort"
+
+
+class RolloutEngine(ABC):
+    """A generator of responses whose weights the trainer updates in place."""
+
+    version: int  # policy version of the weights now loaded
+
+    @abstractmethod
+    def generate(self, prompts: list[torch.Tensor], params: SamplingParams, *, seeds: list[int],
+                 max_new_tokens: list[int] | None = None,
+                 should_abort: Callable[[], bool] | None = None) -> GenerationOutput:
+        """Generate one response per prompt.
+
+        seeds: one per prompt; a row's sample depends on its own seed only.
+        max_new_tokens: per-row budget overriding params.max_new_tokens (e.g. what is
+            left of an interrupted generation).
+        should_abort: polled between decode steps; when it returns True the engine
+            returns what each unfinished row has so far, with finish reason "abort".
+        """
+
+    @abstractmethod
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy new weights in place (Hugging Face state_dict names) and set `version`.
+        Unknown, missing or shape-mismatched names raise, naming the key."""
+
+    @abstractmethod
+    def release_memory(self) -> None:
+        """Free what generation holds on the device (weights, KV cache) for the trainer."""
+
+    @abstractmethod
+    def resume_memory(self) -> None:
+        """Undo release_memory before the next generate."""
+
+
+def check_generate_args(prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int],
+                        max_new_tokens: list[int] | None) -> list[int]:
+    """Validate generate()'s arguments the same way in every engine; return the per-row budgets."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    n = len(prompts)
+    if len(seeds) != n:
+        raise ValueError(f"generate: got {n} prompts but {len(seeds)} seeds (need one seed per prompt)")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.numel() == 0:
+            shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(f"generate: prompt {i} must be a non-empty 1-D token tensor, got {shape}")
+        if p.dtype.is_floating_point or p.dtype == torch.bool:
+            raise ValueError(f"generate: prompt {i} must hold integer token ids, got dtype {p.dtype}")
+    if max_new_tokens is None:
+        return [params.max_new_tokens] * n
+    if len(max_new_tokens) != n:
+        raise ValueError(f"generate: got {n} prompts but {len(max_new_tokens)} max_new_tokens entries")
+    budgets = [int(b) for b in max_new_tokens]
+    for i, b in enumerate(budgets):
+        if b < 0:
+            raise ValueError(f"generate: max_new_tokens[{i}] must be >= 0, got {b}")
+    return budgets

@@ -1,0 +1,169 @@
+"""The training-engine interface that the actor and critic workers call.
+
+A `TrainEngine` owns one model (policy, or critic with a value head), its optimizer,
+LR schedule and checkpoints. Each data-parallel rank holds one engine and passes its
+own share of the global batch; the engine makes the ranks agree on everything that
+must match (loss normalisation, number of micro-batches, gradients).
+
+The engine knows nothing about RL algorithms: `train_step` receives a `LossFn`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = ["LossFn", "LossNorm", "OptimConfig", "TrainEngine"]
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, warm-up + cosine LR, gradient clipping and the micro-batch token budget."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warm-up from lr/warmup_steps to lr
+    total_steps: int = 0  # cosine decay ends here; 0 => constant after warm-up
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    grad_clip: float = 1.0  # max total grad norm; <= 0 => no clipping (norm still reported)
+    micro_batch_tokens: int = 8192  # token budget per micro-batch (prompt+response, padded size)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.total_steps < 0:
+            raise ValueError(
+                f"OptimConfig.warmup_steps ({self.warmup_steps}) and total_steps "
+                f"({self.total_steps}) must be >= 0"
+            )
+        if self.total_steps and self.total_steps < self.warmup_steps:
+            raise ValueError(
+                f"OptimConfig.total_steps ({self.total_steps}) must be 0 or >= "
+                f"warmup_steps ({self.warmup_steps})"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"OptimConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+
+
+@dataclass
+class LossNorm:
+    """Global counts over the WHOLE global batch, summed over all data-parallel ranks."""
+
+    num_tokens: float  # response tokens (mask sum)
+    num_seqs: float
+
+
+class LossFn(Protocol):
+    """loss_fn(log_probs, entropy, mask, fields, norm) -> (loss, metrics).
+
+    log_probs: [b, T] float32, log-prob of each response token (right-padded; for a
+        critic engine this argument holds the predicted values instead).
+    entropy: [b, T] float32 or None (when with_entropy is False, and for critics).
+    mask: [b, T] bool, True on real response tokens.
+    fields: each per-token input given to train_step, right-padded to [b, T]; each
+        per-sequence input as [b].
+    norm: global counts; the returned loss must already be normalised by them, so
+        that summing it over micro-batches and ranks gives the full-batch loss.
+    """
+
+    def __call__(
+        self,
+        log_probs: Tensor,
+        entropy: Tensor | None,
+        mask: Tensor,
+        fields: dict[str, Tensor],
+        norm: LossNorm,
+    ) -> tuple[Tensor, dict[str, float]]: ...
+
+
+class TrainEngine(ABC):
+    """One model + optimizer on one data-parallel rank. See module docstring."""
+
+    step: int  # optimizer steps taken
+
+    @abstractmethod
+    def reset_optimizer(self, optim: OptimConfig) -> None:
+        """A fresh optimizer and schedule on the current weights."""
+
+    @abstractmethod
+    def load_model_state(self, state_dict: dict[str, Tensor]) -> None:
+        """Replace the weights with a full, HF-named state dict."""
+
+    @abstractmethod
+    def compute_log_probs(
+        self,
+        prompts: list[Tensor],
+        responses: list[Tensor],
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[list[Tensor], list[Tensor] | None]:
+        """Log-prob of each response token under softmax(logits / temperature).
+
+        One 1-D float32 tensor per sequence (length = response length), in input
+        order; entropies the same way when with_entropy, else None.
+        """
+
+    @abstractmethod
+    def compute_values(self, prompts: list[Tensor], responses: list[Tensor]) -> list[Tensor]:
+        """Critic engines only: the value of each response token's state, one 1-D
+        float32 tensor per sequence (length = response length)."""
+
+    @abstractmethod
+    def train_step(
+        self,
+        prompts: list[Tensor],
+        responses: list[Tensor],
+        fields: dict[str, list[Tensor] | Tensor],
+        loss_fn: LossFn,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> dict[str, float]:
+        """One optimizer step over this rank's share of the global batch.
+
+        Returns metrics identical on every rank: loss (full global-batch loss),
+        grad_norm (before clipping), lr (used for this step), n_micro_batches, tokens
+        (global response tokens) and loss_fn's metrics averaged over micro-batches.
+        """
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Full, unsharded weights in host memory under the HF model's own names."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """Atomically save model, optimizer, scheduler, step, per-rank RNG and extra."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore everything save_checkpoint wrote; returns extra."""
+
+    @abstractmethod
+    def export_hf(self, path: str | Path, tokenizer: Any = None) -> None:
+        """Write a directory that AutoModelForCausalLM.from_pretrained loads."""
+
+
+def check_batch(prompts: list[Tensor], responses: list[Tensor]) -> None:
+    """Raise ValueError (naming the sequence) unless prompts/responses are 1-D int tensors."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        for name, t in (("prompt", p), ("response", r)):
+            if not isinstance(t, Tensor) or t.dim() != 1:
+                raise ValueError(f"{name} {i} must be a 1-D tensor, got {type(t).__name__} "
+                                 f"{tuple(t.shape) if isinstance(t, Tensor) else ''}")
+            if t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise ValueError(f"{name} {i} must hold integer token ids, got {t.dtype}")
+        if p.numel() == 0:
+            raise ValueError(f"prompt {i} is empty: the first response token needs a preceding token")

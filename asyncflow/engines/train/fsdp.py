@@ -1,0 +1,348 @@
+"""FSDP2 training engine: a HF causal LM (or critic) sharded with `fully_shard`.
+
+One engine per data-parallel rank. With `process_group=None` it is a plain single-rank
+engine (no sharding wrapper, collectives become no-ops); otherwise each decoder layer
+and then the root are wrapped with `fully_shard` over a 1-D DeviceMesh built from the
+group. Every collective runs on that group and is bounded by its timeout.
+
+Per train_step:
+1. LossNorm (global response tokens and sequences): all_reduce SUM.
+2. Micro-batches by token budget (microbatch.py); the ranks agree on the count with
+   all_reduce MAX and a rank with fewer runs empty placeholder micro-batches (zero loss,
+   but forward + backward run, so FSDP's all-gathers/reduce-scatters line up).
+3. For each micro-batch: forward, fp32 log-probs of the response tokens, loss_fn,
+   backward of loss * world_size. Why the factor: loss_fn normalises by the GLOBAL
+   counts, so the full-batch loss is the SUM of the per-rank losses and its gradient
+   the SUM of the per-rank gradients; FSDP's reduce-scatter AVERAGES gradients over the
+   ranks, so each rank scales by world_size to turn that mean back into the sum.
+   Result: a 2-rank step equals a 1-rank step on the same global batch.
+4. clip_grad_norm_ (on DTensors with FSDP), AdamW step, LR schedule step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from asyncflow.engines.train import checkpoint as ckpt
+from asyncflow.engines.train.base import LossFn, LossNorm, OptimConfig, TrainEngine, check_batch
+from asyncflow.engines.train.microbatch import (MicroBatch, build_micro_batch, empty_micro_batch,
+                                                plan_micro_batches, slice_fields)
+from asyncflow.engines.train.schedule import build_scheduler
+from asyncflow.engines.train.value_model import ValueModel
+from asyncflow.platform import Platform, get_platform
+
+__all__ = ["FSDPEngine", "decoder_layers"]
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a HF model: the first ModuleList whose name ends in 'layers'."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.split(".")[-1] == "layers":
+            return list(module)
+    raise ValueError(f"{type(model).__name__} has no ModuleList named '*layers' to shard per layer")
+
+
+class FSDPEngine(TrainEngine):
+    """See the module docstring.
+
+    model_factory: builds the HF causal LM (on CPU, same weights on every rank is not
+        required: rank 0's weights are broadcast before sharding).
+    mixed_precision: None => bf16 params / fp32 reduce on accelerators, fp32 on CPU.
+    value_head: wrap the model in ValueModel and act as a critic: compute_values works,
+        and loss_fn's first argument is the values tensor [b, T] instead of log-probs.
+    """
+
+    def __init__(self, model_factory: Callable[[], nn.Module], optim: OptimConfig, *,
+                 process_group: dist.ProcessGroup | None = None, platform: Platform | None = None,
+                 mixed_precision: bool | None = None, value_head: bool = False) -> None:
+        self.optim_config = optim
+        self.platform = platform if platform is not None else get_platform("auto")
+        self.process_group = process_group
+        self.value_head = value_head
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.device = self.platform.device_for_local_rank(local_rank)
+        self.platform.set_device(self.device)
+        self.mixed_precision = self.platform.is_accelerator if mixed_precision is None else mixed_precision
+        self.step = 0
+
+        model = model_factory()
+        self.hf_config = getattr(model, "config", None)
+        self.hf_class = type(model)
+        if value_head:
+            model = ValueModel(model)
+        model.to(self.device)
+        if process_group is not None:
+            self._broadcast_from_rank0(model)
+            model = self._shard(model)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
+                                           eps=optim.eps, weight_decay=optim.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, optim)
+
+    def reset_optimizer(self, optim: OptimConfig) -> None:
+        """A fresh AdamW and schedule from step 0 on the current weights (e.g. RL after a
+        supervised warm-up, which wants another learning rate and its own warm-up)."""
+        self.optim_config = optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
+                                           eps=optim.eps, weight_decay=optim.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, optim)
+        self.step = 0
+
+    def load_model_state(self, state_dict: dict[str, Tensor]) -> None:
+        """Replace the weights with a full (unsharded, HF-named) state dict, on every rank."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True))
+
+    # ---------------------------------------------------------------- setup
+    def _broadcast_from_rank0(self, model: nn.Module) -> None:
+        src = dist.get_global_rank(self.process_group, 0)
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=src, group=self.process_group)
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = DeviceMesh.from_group(self.process_group, device_type=self.device.type)
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if self.mixed_precision else MixedPrecisionPolicy())
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model
+
+    # ---------------------------------------------------------------- collectives
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.process_group is not None:
+            dist.all_reduce(t, op=op, group=self.process_group)
+        return t.tolist()
+
+    def _plan(self, prompts: list[Tensor], responses: list[Tensor]) -> tuple[list[list[int]], int]:
+        """This rank's micro-batches and the count every rank runs (max over ranks)."""
+        lengths = [p.numel() + r.numel() for p, r in zip(prompts, responses)]
+        groups = plan_micro_batches(lengths, self.optim_config.micro_batch_tokens)
+        count = int(self._all_reduce([float(len(groups))], dist.ReduceOp.MAX)[0])
+        return groups, count
+
+    # ---------------------------------------------------------------- forward
+    def _forward(self, mb: MicroBatch, temperature: float,
+                 with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """(log-probs or values [b, R] fp32 zeroed on padding, entropy [b, R] or None)."""
+        mb = mb.to(self.device)
+        rows = torch.arange(mb.input_ids.shape[0], device=self.device)[:, None]
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
+                    if self.mixed_precision and self.process_group is None else contextlib.nullcontext())
+        with autocast:
+            if self.value_head:
+                values = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                    position_ids=mb.position_ids)
+                return values[rows, mb.logit_pos].float().masked_fill(~mb.mask, 0.0), None
+            logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                position_ids=mb.position_ids, use_cache=False).logits
+        # Only the response positions: [b, R, V] in fp32.
+        logits = logits[rows, mb.logit_pos].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_probs_all = F.log_softmax(logits, dim=-1)
+        log_probs = log_probs_all.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+        log_probs = log_probs.masked_fill(~mb.mask, 0.0)
+        entropy = None
+        if with_entropy:
+            entropy = -(log_probs_all.exp() * log_probs_all).sum(-1).masked_fill(~mb.mask, 0.0)
+        return log_probs, entropy
+
+    @torch.no_grad()
+    def _infer(self, prompts: list[Tensor], responses: list[Tensor], temperature: float,
+               with_entropy: bool) -> tuple[list[Tensor], list[Tensor] | None]:
+        check_batch(prompts, responses)
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        groups, count = self._plan(prompts, responses)
+        out: list[Tensor | None] = [None] * len(prompts)
+        ent: list[Tensor | None] = [None] * len(prompts)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for i in range(count):
+                mb = (build_micro_batch(prompts, responses, groups[i]) if i < len(groups)
+                      else empty_micro_batch())
+                values, entropy = self._forward(mb, temperature, with_entropy)
+                for row, (idx, n) in enumerate(zip(mb.indices, mb.response_lens)):
+                    out[idx] = values[row, :n].cpu()
+                    if entropy is not None:
+                        ent[idx] = entropy[row, :n].cpu()
+        finally:
+            self.model.train(was_training)
+        return out, (ent if with_entropy else None)  # type: ignore[return-value]
+
+    def compute_log_probs(self, prompts: list[Tensor], responses: list[Tensor], *,
+                          temperature: float = 1.0,
+                          with_entropy: bool = False) -> tuple[list[Tensor], list[Tensor] | None]:
+        """Collective with FSDP: every rank of the group calls it (possibly with no data)."""
+        if self.value_head:
+            raise TypeError("compute_log_probs on a critic engine (value_head=True): use compute_values")
+        return self._infer(prompts, responses, temperature, with_entropy)
+
+    def compute_values(self, prompts: list[Tensor], responses: list[Tensor]) -> list[Tensor]:
+        """Value of the state before each response token (the position whose logits
+        would predict it). Collective with FSDP."""
+        if not self.value_head:
+            raise TypeError("compute_values needs a critic engine: FSDPEngine(..., value_head=True)")
+        return self._infer(prompts, responses, 1.0, False)[0]
+
+    # ---------------------------------------------------------------- training
+    @staticmethod
+    def _check_fields(fields: dict[str, list[Tensor] | Tensor], responses: list[Tensor]) -> None:
+        n = len(responses)
+        for key, value in fields.items():
+            if isinstance(value, Tensor):
+                if value.dim() == 0 or value.shape[0] != n:
+                    raise ValueError(f"field {key!r}: per-sequence tensor must have shape [{n}, ...], "
+                                     f"got {tuple(value.shape)}")
+                continue
+            if len(value) != n:
+                raise ValueError(f"field {key!r}: {len(value)} entries for {n} sequences")
+            for i, (v, r) in enumerate(zip(value, responses)):
+                if not isinstance(v, Tensor) or v.shape != r.shape:
+                    raise ValueError(f"field {key!r}, sequence {i}: per-token tensor must have shape "
+                                     f"{tuple(r.shape)} like its response, got "
+                                     f"{tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__}")
+
+    def train_step(self, prompts: list[Tensor], responses: list[Tensor],
+                   fields: dict[str, list[Tensor] | Tensor], loss_fn: LossFn, *,
+                   temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
+        """Collective with FSDP: every rank calls it with its share (possibly empty)."""
+        check_batch(prompts, responses)
+        self._check_fields(fields, responses)
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        with_entropy = with_entropy and not self.value_head
+        num_tokens, num_seqs = self._all_reduce(
+            [float(sum(r.numel() for r in responses)), float(len(responses))], dist.ReduceOp.SUM)
+        norm = LossNorm(num_tokens=num_tokens, num_seqs=num_seqs)
+        groups, count = self._plan(prompts, responses)
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        metric_sums: dict[str, float] = {}
+        for i in range(count):
+            if i < len(groups):
+                mb = build_micro_batch(prompts, responses, groups[i])
+                values, entropy = self._forward(mb, temperature, with_entropy)
+                mb_fields = slice_fields(fields, mb, self.device)
+                loss, metrics = loss_fn(values, entropy, mb.mask.to(self.device), mb_fields, norm)
+                if not isinstance(loss, Tensor) or loss.dim() != 0:
+                    raise TypeError(f"rank {self.rank}: loss_fn must return a scalar Tensor, got "
+                                    f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+                for key, value in metrics.items():
+                    metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
+            else:  # placeholder: keeps FSDP's collectives in step with the other ranks
+                values, _ = self._forward(empty_micro_batch(), temperature, False)
+                loss = values.sum() * 0.0
+            (loss * self.world_size).backward()
+            loss_sum += loss.detach().double()
+
+        grad_norm = self._clip_grad_norm()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+
+        loss_total = self._all_reduce([loss_sum.item()], dist.ReduceOp.SUM)[0]
+        out = {"loss": loss_total, "grad_norm": grad_norm, "lr": float(lr),
+               "n_micro_batches": float(count), "tokens": num_tokens}
+        out.update(self._average_metrics(metric_sums, len(groups)))
+        return out
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.optim_config.grad_clip if self.optim_config.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):  # DTensor with FSDP
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _average_metrics(self, sums: dict[str, float], n_real: int) -> dict[str, float]:
+        """loss_fn metrics averaged over all real micro-batches of all ranks."""
+        if self.process_group is None:
+            return {k: v / n_real for k, v in sums.items()} if n_real else {}
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (sums, n_real), group=self.process_group)
+        total: dict[str, float] = {}
+        count: dict[str, int] = {}
+        for rank_sums, rank_n in gathered:
+            for key, value in rank_sums.items():
+                total[key] = total.get(key, 0.0) + value
+                count[key] = count.get(key, 0) + rank_n
+        return {k: total[k] / count[k] for k in sorted(total)}
+
+    # ---------------------------------------------------------------- weights & checkpoints
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Full fp32/param-dtype weights on CPU under the HF names, on RANK 0 ONLY (the other
+        ranks of the group get {}). Collective with FSDP. For a critic the names are
+        ValueModel's ('backbone.*', 'value_head.*')."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                           cpu_offload=True))
+        if self.process_group is None:  # no gather happened: detach from the live params
+            state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        return state
+
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """Collective; see checkpoint.py for the layout and the atomic write."""
+        ckpt.save_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                             step=self.step, extra=extra, process_group=self.process_group,
+                             platform=self.platform)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        self.step, extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer,
+                                                scheduler=self.scheduler,
+                                                process_group=self.process_group, platform=self.platform)
+        return extra
+
+    def export_hf(self, path: str | Path, tokenizer: Any = None) -> None:
+        """Collective; rank 0 writes config + model.safetensors (+ tokenizer) into a temp
+        dir and renames it to `path` (which must not exist yet)."""
+        if self.value_head:
+            raise TypeError("export_hf writes a causal LM; this is a critic engine (value_head=True): "
+                            "use full_state_dict() or save_checkpoint()")
+        target = Path(path).absolute()
+        state = self.full_state_dict()
+        error = None
+        if self.rank == 0:
+            tmp = target.parent / f".{target.name}.tmp"
+            try:
+                if target.exists():
+                    raise FileExistsError(f"{target} exists")
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                with torch.device("meta"):
+                    model = self.hf_class(self.hf_config)
+                model.load_state_dict(state, strict=True, assign=True)
+                model.tie_weights()
+                model.save_pretrained(tmp, safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+                os.rename(tmp, target)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = f"{type(exc).__name__}: {exc}"
+        errors = ckpt.gather_errors(error, self.process_group)
+        if errors:
+            raise RuntimeError(f"export_hf({target}) failed: " + "; ".join(errors))
+

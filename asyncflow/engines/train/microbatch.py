@@ -1,0 +1,124 @@
+"""Token-budget micro-batching and right-padding of variable-length sequences.
+
+Sequences are sorted by length (longest first) and packed greedily into
+micro-batches whose padded size (rows x longest row) stays within the budget, so
+sequences of similar length share a micro-batch and little compute goes to padding.
+A sequence longer than the budget gets a micro-batch of its own.
+
+Layout of one micro-batch of b sequences, L = longest prompt+response, R = longest
+response: `input_ids` [b, L] right-padded; `position_ids` 0..len-1 per row; the
+response token j of row i sits at input position p_i + j and is predicted by the
+logits at position p_i + j - 1 (`logit_pos` [b, R]); `targets` [b, R] are the
+response tokens; `mask` [b, R] marks the real ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["MicroBatch", "build_micro_batch", "empty_micro_batch", "pad_right", "plan_micro_batches",
+           "slice_fields"]
+
+
+def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches of padded size <= token_budget.
+
+    Longest first; within a micro-batch the first index is the longest, so the padded
+    size is len(group) * lengths[group[0]]. Deterministic (ties keep input order).
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def pad_right(rows: list[Tensor], length: int, value: float | int | bool = 0) -> Tensor:
+    """Stack 1-D tensors into [len(rows), length], right-padded with `value`."""
+    if not rows:
+        raise ValueError("pad_right needs at least one row")
+    out = torch.full((len(rows), length), value, dtype=rows[0].dtype, device=rows[0].device)
+    for i, row in enumerate(rows):
+        if row.numel() > length:
+            raise ValueError(f"row {i} has {row.numel()} elements, more than the padded length {length}")
+        out[i, : row.numel()] = row
+    return out
+
+
+@dataclass
+class MicroBatch:
+    indices: list[int]  # positions of these rows in the caller's lists
+    input_ids: Tensor  # [b, L] long
+    attention_mask: Tensor  # [b, L] long, 1 on real tokens
+    position_ids: Tensor  # [b, L] long
+    logit_pos: Tensor  # [b, R] long, position whose output predicts each response token
+    targets: Tensor  # [b, R] long, the response tokens (0 on padding)
+    mask: Tensor  # [b, R] bool, True on real response tokens
+    response_lens: list[int]
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, Tensor) else v)
+                 for k, v in self.__dict__.items()}
+        return MicroBatch(**moved)
+
+
+def build_micro_batch(prompts: list[Tensor], responses: list[Tensor], indices: list[int],
+                      pad_id: int = 0) -> MicroBatch:
+    """Right-pad the sequences `indices` (prompt then response) into one MicroBatch."""
+    if not indices:
+        raise ValueError("a micro-batch needs at least one sequence")
+    seqs, plens, rlens = [], [], []
+    for i in indices:
+        p, r = prompts[i].long().cpu(), responses[i].long().cpu()
+        seqs.append(torch.cat([p, r]))
+        plens.append(p.numel())
+        rlens.append(r.numel())
+    width = max(s.numel() for s in seqs)
+    rwidth = max(max(rlens), 1)
+    input_ids = pad_right(seqs, width, pad_id)
+    lens = torch.tensor([s.numel() for s in seqs])
+    cols = torch.arange(width)
+    attention_mask = (cols[None, :] < lens[:, None]).long()
+    position_ids = cols[None, :].expand(len(seqs), width) * attention_mask
+    rcols = torch.arange(rwidth)
+    mask = rcols[None, :] < torch.tensor(rlens)[:, None]
+    # Padded response slots point at the prompt's last position: a valid index whose
+    # value is masked out afterwards.
+    logit_pos = torch.tensor(plens)[:, None] - 1 + rcols[None, :] * mask
+    targets = torch.gather(input_ids, 1, (logit_pos + 1).clamp(max=width - 1)) * mask
+    return MicroBatch(list(indices), input_ids, attention_mask, position_ids.contiguous(), logit_pos,
+                      targets, mask, rlens)
+
+
+def empty_micro_batch() -> MicroBatch:
+    """A one-token placeholder for ranks that ran out of data: it runs forward and
+    backward (so FSDP's collectives match the other ranks) and carries no tokens."""
+    one = torch.zeros(1, 1, dtype=torch.long)
+    return MicroBatch([], one, torch.ones_like(one), one.clone(), one.clone(), one.clone(),
+                      torch.zeros(1, 1, dtype=torch.bool), [])
+
+
+def slice_fields(fields: dict[str, list[Tensor] | Tensor], mb: MicroBatch,
+                 device: torch.device) -> dict[str, Tensor]:
+    """The loss inputs of one micro-batch: per-token lists padded to [b, R], per-sequence
+    tensors indexed to [b]."""
+    width = mb.mask.shape[1]
+    out: dict[str, Tensor] = {}
+    for key, value in fields.items():
+        if isinstance(value, Tensor):
+            out[key] = value[torch.tensor(mb.indices, dtype=torch.long, device=value.device)].to(device)
+        else:
+            out[key] = pad_right([value[i] for i in mb.indices], width).to(device)
+    return out

@@ -1,0 +1,70 @@
+"""`asyncflow train`: from a recipe and key=value overrides to running ranks.
+
+On a laptop it starts ``trainer.nproc`` local ranks itself through torch's elastic
+launcher; under ``torchrun`` (RANK is set) each rank joins the run directly:
+
+    asyncflow train                                  # the default: GRPO, async, 2 CPU ranks
+    asyncflow train grpo workflow.mode=sync trainer.nproc=2
+    torchrun --nproc-per-node 2 -m asyncflow.cli train grpo
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .config import ConfigError, RunSettings, load_config
+
+
+def parse_train_args(argv: Sequence[str]) -> tuple[str, list[str]]:
+    recipe, overrides = "grpo", []
+    for i, a in enumerate(argv):
+        if i == 0 and "=" not in a:
+            recipe = a
+        elif "=" in a:
+            overrides.append(a)
+        else:
+            raise ConfigError(f"argument {a!r}: expected key=value after the recipe name (e.g. trainer.steps=10)")
+    return recipe, overrides
+
+
+def prepare(argv: Sequence[str]) -> tuple[RunSettings, Path]:
+    """Load and check the config, build the tiny model once, write the resolved config."""
+    from omegaconf import OmegaConf
+
+    from .trainer import resolve_model
+    from .workflow.recipe import find_recipe
+
+    name, overrides = parse_train_args(argv)
+    recipe = find_recipe(name)
+    cfg = load_config(recipe.config, [*overrides, f"recipe={recipe.directory}"])
+    cfg.model.path = resolve_model(cfg)
+    out = Path(cfg.trainer.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "run_config.yaml"
+    if int(os.environ.get("RANK", "0")) == 0:
+        path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return cfg, path
+
+
+def train_main(argv: Sequence[str]) -> int:
+    from .single_controller.driver import DriverConfig
+    from .single_controller.launch import RunConfig, launch_local, run_from_env
+    from .trainer import CONFIG_ENV
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        cfg, path = prepare(argv)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"asyncflow train: {e}", file=sys.stderr)
+        return 2
+    os.environ[CONFIG_ENV] = str(path.resolve())
+    if cfg.trainer.threads:
+        os.environ["OMP_NUM_THREADS"] = str(cfg.trainer.threads)
+    run = RunConfig(main="asyncflow.trainer:driver_main", platform=cfg.trainer.platform,
+                    driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s))
+    if "RANK" in os.environ:
+        return run_from_env(run)
+    return launch_local(run, cfg.trainer.nproc)

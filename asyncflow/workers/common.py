@@ -1,0 +1,56 @@
+"""Helpers shared by the role workers: columns <-> lists of tensors, model loading, shares."""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+
+def rows(column: Any) -> list[torch.Tensor]:
+    """A jagged column (nested tensor) or a list as one 1-D tensor per row."""
+    if isinstance(column, (list, tuple)):
+        return [torch.as_tensor(x) for x in column]
+    if getattr(column, "is_nested", False):
+        return list(column.unbind())
+    return list(column)
+
+
+def values(column: Any) -> list:
+    """A non-tensor column (strings, dicts) as a Python list."""
+    tolist = getattr(column, "tolist", None)
+    return list(tolist()) if tolist is not None else list(column)
+
+
+def set_threads(threads: int) -> None:
+    if threads > 0:
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def model_factory(path: str, attn_implementation: str | None = None) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        from ..models.loading import load_causal_lm
+        return load_causal_lm(path, attn_implementation=attn_implementation)
+    return build
+
+
+def share_of(meta: Any, dp_rank: int, dp_size: int) -> Any:
+    """This data-parallel rank's part of a batch (ranks that get no rows still take part in
+    the collectives of the step)."""
+    return meta.chunk(dp_size)[dp_rank]
+
+
+def pad(seqs: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D tensors to [B, T]; returns (padded, mask)."""
+    n = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), n), value, dtype=seqs[0].dtype if seqs else torch.float32)
+    mask = torch.zeros(len(seqs), n, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = s
+        mask[i, :len(s)] = True
+    return out, mask
+
+
+def unpad(x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    return [x[i][mask[i]] for i in range(x.shape[0])]

@@ -1,0 +1,36 @@
+"""The reference policy: frozen initial weights; log-probs for the KL term."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..single_controller import Dispatch, Worker, register
+from .common import model_factory, rows, set_threads
+
+
+class ReferenceWorker(Worker):
+    def __init__(self, model_path: str, temperature: float = 1.0, threads: int = 0,
+                 attn_implementation: str | None = None):
+        from ..engines.train import FSDPEngine, OptimConfig
+
+        set_threads(threads)
+        self.temperature = temperature
+        # A training engine that never steps: the same sharding and log-prob code as the actor.
+        self.engine = FSDPEngine(model_factory(model_path, attn_implementation), OptimConfig(lr=0.0),
+                                 process_group=self.process_group, platform=self.platform)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_state(self, path: str) -> None:
+        """Take the weights of a checkpoint's HF export (the warmed-up policy) as the reference."""
+        from ..models.loading import load_causal_lm
+        sd = load_causal_lm(path).state_dict()
+        self.engine.load_model_state(sd)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def compute_log_probs(self, meta: Any) -> None:
+        mine = meta.chunk(self.dp_size)[self.dp_rank]
+        data = self.tq.get_data(mine, ["prompt_ids", "response_ids"]) if len(mine) else None
+        prompts = rows(data["prompt_ids"]) if data is not None else []
+        responses = rows(data["response_ids"]) if data is not None else []
+        lp, _ = self.engine.compute_log_probs(prompts, responses, temperature=self.temperature)
+        if len(mine):
+            self.tq.put({"ref_log_probs": [x.float() for x in lp]}, mine.partition, mine)

@@ -1,0 +1,118 @@
+"""Shared pieces of the training-engine tests: a tiny Qwen2, batches, loss functions and
+the body of the spawned 2-rank children (importable by `spawn`)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+VOCAB = 64
+
+
+def tiny_model(seed: int = 0, tie: bool = True):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie,
+                      max_position_embeddings=128, attn_implementation="eager")
+    return Qwen2ForCausalLM(cfg)
+
+
+def make_batch(n: int, seed: int, max_prompt: int = 6, max_response: int = 9):
+    """n (prompt, response) pairs of random lengths, with per-token and per-sequence fields."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for _ in range(n):
+        plen = int(torch.randint(1, max_prompt + 1, (1,), generator=g))
+        rlen = int(torch.randint(1, max_response + 1, (1,), generator=g))
+        prompts.append(torch.randint(0, VOCAB, (plen,), generator=g))
+        responses.append(torch.randint(0, VOCAB, (rlen,), generator=g))
+    fields = {
+        "advantages": [torch.randn(r.shape, generator=g) for r in responses],
+        "old_log_probs": [-torch.rand(r.shape, generator=g) * 4 for r in responses],
+        "seq_weight": torch.rand(n, generator=g),
+    }
+    return prompts, responses, fields
+
+
+def split_batch(prompts, responses, fields, idx: list[int]):
+    sub = {k: (v[torch.tensor(idx)] if isinstance(v, Tensor) else [v[i] for i in idx]) for k, v in fields.items()}
+    return [prompts[i] for i in idx], [responses[i] for i in idx], sub
+
+
+def ppo_loss(log_probs, entropy, mask, fields, norm):
+    """A PPO-clip-like loss using per-token fields, a per-sequence field and entropy,
+    normalised by the global counts."""
+    ratio = torch.exp(log_probs - fields["old_log_probs"])
+    adv = fields["advantages"]
+    pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    loss = (pg * mask).sum() / norm.num_tokens
+    loss = loss + 0.1 * (fields["seq_weight"] * (log_probs * mask).sum(-1)).sum() / norm.num_seqs
+    if entropy is not None:
+        loss = loss - 0.01 * (entropy * mask).sum() / norm.num_tokens
+    return loss, {"ratio_mean": float((ratio.detach() * mask).sum() / mask.sum().clamp(min=1))}
+
+
+def value_loss(values, entropy, mask, fields, norm):
+    err = (values - fields["returns"]) ** 2
+    return (err * mask).sum() / norm.num_tokens, {}
+
+
+# ------------------------------------------------------------------ spawned 2-rank children
+GLOBAL_N = 7
+RANK_SHARES = {0: [0, 1, 2, 3, 4], 1: [5, 6]}  # uneven on purpose
+BUDGETS = {"big": 100_000, "tiny": 8}
+
+
+def dist_child(rank: int, world: int, workdir: str) -> None:
+    """Runs every 2-rank scenario; rank r writes its results to workdir/rank{r}.pt."""
+    torch.set_num_threads(1)
+    out: dict = {}
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        from asyncflow.engines.train import FSDPEngine, OptimConfig
+        from asyncflow.platform import get_platform
+
+        group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
+        platform = get_platform("cpu")
+        prompts, responses, fields = make_batch(GLOBAL_N, seed=1)
+        mine = split_batch(prompts, responses, fields, RANK_SHARES[rank])
+        for name, budget in BUDGETS.items():
+            cfg = OptimConfig(lr=1e-3, warmup_steps=2, micro_batch_tokens=budget)
+            # Different seed per rank: the engine must broadcast rank 0's weights.
+            engine = FSDPEngine(lambda: tiny_model(seed=rank), cfg, process_group=group, platform=platform)
+            metrics = engine.train_step(*mine, ppo_loss, with_entropy=True)
+            lp, _ = engine.compute_log_probs(mine[0], mine[1])
+            out[name] = {"metrics": metrics, "state": engine.full_state_dict(), "log_probs": lp}
+
+        # Checkpoint: step, save, step  vs  fresh engine, load, step.
+        p2, r2, f2 = make_batch(GLOBAL_N, seed=2)
+        second = split_batch(p2, r2, f2, RANK_SHARES[rank])
+        cfg = OptimConfig(lr=1e-3, warmup_steps=3, micro_batch_tokens=24)
+        a = FSDPEngine(lambda: tiny_model(seed=0), cfg, process_group=group, platform=platform)
+        a.train_step(*mine, ppo_loss)
+        a.save_checkpoint(Path(workdir) / "ckpt", extra={"data_pos": 7})
+        a_rand = torch.rand(3)  # what the RNG gives right after the save
+        a_metrics = a.train_step(*second, ppo_loss)
+        a_state = a.full_state_dict()
+        torch.manual_seed(999)
+        b = FSDPEngine(lambda: tiny_model(seed=5), cfg, process_group=group, platform=platform)
+        extra = b.load_checkpoint(Path(workdir) / "ckpt")
+        b_rand_after_load = torch.rand(3)
+        b_metrics = b.train_step(*second, ppo_loss)
+        out["ckpt"] = {"a_metrics": a_metrics, "b_metrics": b_metrics, "a_state": a_state,
+                       "b_state": b.full_state_dict(), "extra": extra, "b_step": b.step,
+                       "a_rand": a_rand, "b_rand": b_rand_after_load, "rank_files": sorted(os.listdir(Path(workdir) / "ckpt" / "rng"))}
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out = {"error": traceback.format_exc()}
+    torch.save(out, Path(workdir) / f"rank{rank}.pt")

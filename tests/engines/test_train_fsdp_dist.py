@@ -1,0 +1,103 @@
+"""2-rank FSDP2 (gloo, spawned processes) against a 1-rank engine on the same global batch.
+
+One spawn runs every 2-rank scenario (transformers' import dominates the cost); each
+test checks one part of its results.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.multiprocessing as mp
+import pytest
+
+from tests.engines._train_helpers import (BUDGETS, GLOBAL_N, RANK_SHARES, dist_child, make_batch, ppo_loss,
+                                          tiny_model)
+
+pytestmark = pytest.mark.slow
+WORLD = 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models on a shared 2-core machine: a second thread only adds contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("fsdp2")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=dist_child, args=(r, WORLD, str(workdir))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=240)
+            assert p.exitcode == 0, f"child {p.pid} exited with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    results = [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    return results
+
+
+def _one_rank_step(budget: int):
+    from asyncflow.engines.train import FSDPEngine, OptimConfig
+
+    engine = FSDPEngine(lambda: tiny_model(seed=0), OptimConfig(lr=1e-3, warmup_steps=2, micro_batch_tokens=budget))
+    prompts, responses, fields = make_batch(GLOBAL_N, seed=1)
+    metrics = engine.train_step(prompts, responses, fields, ppo_loss, with_entropy=True)
+    return metrics, engine.full_state_dict(), engine
+
+
+@pytest.mark.parametrize("budget_name", sorted(BUDGETS))
+def test_two_rank_step_equals_one_rank_step(dist_results, budget_name):
+    ref_metrics, ref_state, _ = _one_rank_step(BUDGETS[budget_name])
+    got = [res[budget_name] for res in dist_results]
+    for r in range(WORLD):  # global metrics identical on every rank
+        for key in ("loss", "grad_norm", "lr", "n_micro_batches", "tokens"):
+            assert got[r]["metrics"][key] == pytest.approx(got[0]["metrics"][key], abs=1e-9), (r, key)
+    metrics = got[0]["metrics"]
+    assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)
+    assert metrics["tokens"] == ref_metrics["tokens"]
+    assert metrics["lr"] == ref_metrics["lr"] == pytest.approx(5e-4)
+    if budget_name == "tiny":  # one sequence per micro-batch: rank 0 has 5, rank 1 pads to 5
+        assert metrics["n_micro_batches"] == len(RANK_SHARES[0]) and ref_metrics["n_micro_batches"] == GLOBAL_N
+    else:
+        assert metrics["n_micro_batches"] == 1
+    state = got[0]["state"]
+    assert set(state) == set(ref_state) and got[1]["state"] == {}
+    worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+    assert worst <= 1e-5, f"weights differ by {worst}"
+    changed = max((state[k] - tiny_model(seed=0).state_dict()[k]).abs().max().item() for k in ref_state)
+    assert changed > 1e-4  # the step did move the weights
+
+
+def test_two_rank_log_probs_match_one_rank(dist_results):
+    _, _, engine = _one_rank_step(BUDGETS["big"])
+    prompts, responses, _ = make_batch(GLOBAL_N, seed=1)
+    ref, _ = engine.compute_log_probs(prompts, responses)
+    for r in range(WORLD):
+        for i, lp in zip(RANK_SHARES[r], dist_results[r]["big"]["log_probs"]):
+            assert lp.shape == responses[i].shape
+            assert (lp - ref[i]).abs().max().item() <= 1e-5
+
+
+def test_two_rank_checkpoint_resume_equals_continue(dist_results):
+    for r in range(WORLD):
+        c = dist_results[r]["ckpt"]
+        assert c["extra"] == {"data_pos": 7} and c["b_step"] == 2
+        assert c["rank_files"] == ["rank0.pt", "rank1.pt"]
+        assert torch.equal(c["a_rand"], c["b_rand"]), f"rank {r}: RNG not restored"
+        for key in ("loss", "grad_norm", "lr"):
+            assert c["b_metrics"][key] == pytest.approx(c["a_metrics"][key], abs=1e-6), (r, key)
+    a, b = dist_results[0]["ckpt"]["a_state"], dist_results[0]["ckpt"]["b_state"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6

@@ -1,0 +1,62 @@
+"""Config: recipe yaml + key=value overrides, typed; wrong keys and values fail with their path."""
+from __future__ import annotations
+
+import pytest
+
+from asyncflow.config import ConfigError, load_config
+from asyncflow.launcher import parse_train_args
+from asyncflow.workflow.recipe import available, find_recipe
+from asyncflow.workflow.stages import check_graph
+
+SOURCE = ["prompt_ids", "answer", "seed", "prompt_index"]
+
+
+def test_defaults_are_the_main_job():
+    cfg = load_config()
+    assert (cfg.recipe, cfg.workflow.mode, cfg.placement.mode, cfg.trainer.nproc) == ("grpo", "async",
+                                                                                      "disaggregated", 2)
+
+
+def test_overrides_are_typed():
+    cfg = load_config(find_recipe("grpo").config, ["workflow.mode=sync", "trainer.steps=7", "rollout.top_p=0.9"])
+    assert cfg.workflow.mode == "sync" and cfg.trainer.steps == 7 and cfg.rollout.top_p == 0.9
+
+
+@pytest.mark.parametrize("override, words", [
+    ("trainer.no_such_key=1", ["trainer.no_such_key"]),
+    ("trainer.steps=many", ["trainer.steps"]),
+    ("workflow.mode=fast", ["workflow.mode", "sync"]),
+    ("placement.rollout_ranks=[0]", ["ranks [0]", "colocated"]),
+    ("rollout.engine=tgi", ["rollout.engine"]),
+    ("data.task=file", ["data.path"]),
+    ("justaword", ["key=value"]),
+])
+def test_bad_config_names_the_key(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_train_args():
+    assert parse_train_args([]) == ("grpo", [])
+    assert parse_train_args(["ppo", "a.b=1"]) == ("ppo", ["a.b=1"])
+    assert parse_train_args(["a.b=1"]) == ("grpo", ["a.b=1"])
+    with pytest.raises(ConfigError):
+        parse_train_args(["grpo", "stray"])
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo"])
+@pytest.mark.parametrize("extra", [[], ["algorithm.kl_coef=0.1"]])
+def test_recipes_declare_valid_graphs(name, extra):
+    assert name in available()
+    r = find_recipe(name)
+    cfg = load_config(r.config, extra)
+    stages = r.stages(cfg)
+    check_graph(stages, SOURCE)
+    assert stages[-1].kind == "update"
+    assert ("ref_log_prob" in [s.name for s in stages]) == bool(extra)
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(FileNotFoundError, match="grpo"):
+        find_recipe("nope")
