@@ -74,6 +74,10 @@ class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
     policy_loss: str = "auto"  # auto: decoupled_ppo in async mode, ppo_clip otherwise
+    # An old_log_prob stage recomputes the proximal log-probs before the update. The update
+    # takes one optimizer step per batch, so they equal the update's own log-probs at its
+    # forward: without the stage they are taken there, at no extra cost.
+    recompute_proximal: bool = False
     loss_agg: str = "token-mean"
     clip_low: float = 0.2
     clip_high: float = 0.2

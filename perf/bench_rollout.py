@@ -43,8 +43,15 @@ MAX_NEW_TOKENS = 48
 EOS_RATE = 1 / 24
 PROMPT_LEN = (8, 32)  # inclusive range of prompt lengths
 
-# Extra measurements merged into the final JSON: f(args) -> dict. Empty until someone adds one.
-EXTRA_RESULTS: list[Callable[[argparse.Namespace], dict]] = []
+def _weight_sync(args: argparse.Namespace) -> dict:
+    """Weight-sync time per MB over gloo between two processes (perf/bench_weight_sync.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_weight_sync import measure
+    return measure(mb=16.0 if args.quick else 64.0, rounds=3 if args.quick else 5)
+
+
+# Extra measurements merged into the final JSON: f(args) -> dict.
+EXTRA_RESULTS: list[Callable[[argparse.Namespace], dict]] = [_weight_sync]
 
 
 @dataclass

@@ -34,13 +34,14 @@ class _Worker:
         self.fn = fn
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
+        self.cancelled = False  # set when abandoned: the rows still queued are not run
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         while True:
             job = self.inbox.get()
-            if job is _STOP:
+            if job is _STOP or self.cancelled:
                 return
             row, response, answer, meta = job
             try:
@@ -88,6 +89,7 @@ class RewardRunner:
         return len(self._abandoned)
 
     def _abandon(self, worker: _Worker, row: int) -> None:
+        worker.cancelled = True
         worker.inbox.put(_STOP)  # it exits if the hung call ever returns
         self._abandoned.append(worker.thread)
         self._worker = None
@@ -115,30 +117,43 @@ class RewardRunner:
         scores: list[float] = []
         errors = timeouts = 0
         first_error: str | None = None
-        for row, (response, answer, meta) in enumerate(zip(responses, answers, metadata)):
+        rows = list(zip(responses, answers, metadata))
+        row = 0
+        while row < len(rows):
             worker = self._worker or self._new_worker()
             self._worker = worker
-            worker.inbox.put((row, response, answer, dict(meta or {})))
-            try:
-                _, ok, value = worker.outbox.get(timeout=self.timeout_s)
-            except queue.Empty:
-                timeouts += 1
-                msg = f"reward {self.name!r} exceeded timeout_s={self.timeout_s} on row {row}"
+            # Queue every remaining row at once: the worker streams results back in row order,
+            # so waiting for one result takes about that row's own time (the per-call timeout).
+            for j in range(row, len(rows)):
+                response, answer, meta = rows[j]
+                worker.inbox.put((j, response, answer, dict(meta or {})))
+            while row < len(rows):
+                try:
+                    _, ok, value = worker.outbox.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    timeouts += 1
+                    msg = f"reward {self.name!r} exceeded timeout_s={self.timeout_s} on row {row}"
+                    first_error = first_error or msg
+                    self._abandon(worker, row)
+                    self._fail_or_count(msg, None)
+                    scores.append(0.0)
+                    row += 1
+                    break  # the rest goes to a fresh worker
+                row += 1
+                if ok and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    scores.append(float(value))
+                    continue
+                errors += 1
+                cause = value if not ok else None
+                what = f"{type(value).__name__}: {value}" if not ok else f"returned {value!r}, expected a finite float"
+                msg = f"reward {self.name!r} failed on row {row - 1}: {what}"
                 first_error = first_error or msg
-                self._abandon(worker, row)
-                self._fail_or_count(msg, None)
+                if self.on_error == "fail":  # rows still queued on this worker must not reach the next call
+                    worker.cancelled = True
+                    worker.inbox.put(_STOP)
+                    self._worker = None
+                self._fail_or_count(msg, cause)
                 scores.append(0.0)
-                continue
-            if ok and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                scores.append(float(value))
-                continue
-            errors += 1
-            cause = value if not ok else None
-            what = f"{type(value).__name__}: {value}" if not ok else f"returned {value!r}, expected a finite float"
-            msg = f"reward {self.name!r} failed on row {row}: {what}"
-            first_error = first_error or msg
-            self._fail_or_count(msg, cause)
-            scores.append(0.0)
         stats = {"rows": len(scores), "errors": errors, "timeouts": timeouts, "hung": self.num_hung,
                  "first_error": first_error}
         return scores, stats

@@ -73,7 +73,9 @@ def policy_loss_fn(algo: AlgoSettings) -> Callable[..., tuple[torch.Tensor, dict
 
     def loss_fn(log_probs, entropy, mask, fields, norm):
         behav = fields.get("behav_log_probs")
-        old = fields.get("old_log_probs", behav)
+        # Proximal log-probs: recomputed by an old_log_prob stage, or else (one optimizer step
+        # per batch) the current weights' own, which is what that stage would have computed.
+        old = fields["old_log_probs"] if "old_log_probs" in fields else log_probs.detach()
         per_token, diag = policy(log_probs, old, fields["advantages"], mask, pcfg, behav_log_probs=behav)
         loss = agg(per_token, mask, norm)
         m = mask.float()

@@ -23,15 +23,18 @@ def stages(cfg) -> list[Stage]:
         out.append(Stage("filter", role="driver", method="", inputs=["scores"], outputs=["accepted"],
                          batch_rows=batch, sampler=groups, kind="filter"))
         gate = ["accepted"]
-    out.append(Stage("old_log_prob", role="actor", method="compute_log_probs",
-                     inputs=["prompt_ids", "response_ids", *gate], outputs=["old_log_probs"],
-                     batch_rows=batch, on_policy_weights=True))
+    old = []
+    if cfg.algorithm.recompute_proximal:
+        out.append(Stage("old_log_prob", role="actor", method="compute_log_probs",
+                         inputs=["prompt_ids", "response_ids", *gate], outputs=["old_log_probs"],
+                         batch_rows=batch, on_policy_weights=True))
+        old = ["old_log_probs"]
     ref = []
     if cfg.algorithm.kl_coef > 0:
         out.append(Stage("ref_log_prob", role="ref", method="compute_log_probs",
                          inputs=["prompt_ids", "response_ids", *gate], outputs=["ref_log_probs"], batch_rows=batch))
         ref = ["ref_log_probs"]
     out.append(Stage("update", role="actor", method="update",
-                     inputs=["prompt_ids", "response_ids", "scores", "behav_log_probs", "old_log_probs",
+                     inputs=["prompt_ids", "response_ids", "scores", "behav_log_probs", *old,
                              "gen_version", *ref, *gate], kind="update"))
     return out

@@ -16,9 +16,13 @@ def stages(cfg) -> list[Stage]:
               batch_rows=batch),
         Stage("values", role="critic", method="compute_values", inputs=["prompt_ids", "response_ids"],
               outputs=["values"], batch_rows=batch),
-        Stage("old_log_prob", role="actor", method="compute_log_probs", inputs=["prompt_ids", "response_ids"],
-              outputs=["old_log_probs"], batch_rows=batch, on_policy_weights=True),
     ]
+    old = []
+    if cfg.algorithm.recompute_proximal:
+        out.append(Stage("old_log_prob", role="actor", method="compute_log_probs",
+                         inputs=["prompt_ids", "response_ids"], outputs=["old_log_probs"], batch_rows=batch,
+                         on_policy_weights=True))
+        old = ["old_log_probs"]
     if cfg.algorithm.kl_coef > 0:
         out.append(Stage("ref_log_prob", role="ref", method="compute_log_probs",
                          inputs=["prompt_ids", "response_ids"], outputs=["ref_log_probs"], batch_rows=batch))
@@ -27,6 +31,6 @@ def stages(cfg) -> list[Stage]:
     out.append(Stage("critic_update", role="critic", method="update",
                      inputs=["prompt_ids", "response_ids", "scores", "values"], outputs=[], batch_rows=step_rows))
     out.append(Stage("update", role="actor", method="update",
-                     inputs=["prompt_ids", "response_ids", "scores", "values", "behav_log_probs", "old_log_probs",
+                     inputs=["prompt_ids", "response_ids", "scores", "values", "behav_log_probs", *old,
                              "gen_version", *ref], kind="update"))
     return out
