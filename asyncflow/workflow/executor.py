@@ -125,6 +125,16 @@ class Executor:
                         raise t.exception()
             if update_task is not None:
                 update_task.result()
+            # Deliver the versions already published: a send that nobody receives would block the actor.
+            sync = next(t for t in tasks if t.get_name() == "weight-sync")
+            joined = asyncio.ensure_future(self._sync_queue.join())
+            await asyncio.wait([joined, sync], timeout=self.cfg.wait_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if sync.done() and sync.exception() is not None:
+                raise sync.exception()
+            if not joined.done():
+                joined.cancel()
+                raise TimeoutError(f"workflow: weight sync did not deliver the last versions within "
+                                   f"{self.cfg.wait_timeout_s:.0f} s")
         finally:
             for t in tasks:
                 if not t.done():
@@ -329,8 +339,10 @@ class Executor:
         actor = self.groups["actor"]
         while True:
             v = await self._sync_queue.get()
+            taken = 1
             while not self._sync_queue.empty():  # an instance far behind takes the newest only
                 v = self._sync_queue.get_nowait()
+                taken += 1
             await self._timed(_SYNC, actor.role, actor.ranks, v - 1, 0, actor.publish_weights(v))
 
             async def deliver(k: int) -> None:
@@ -339,6 +351,8 @@ class Executor:
                 self.instance_version[k] = v
                 await self.ledger.notify()
             await asyncio.gather(*(deliver(k) for k in range(len(self.instances))))
+            for _ in range(taken):
+                self._sync_queue.task_done()
 
 
 _SYNC = Stage("weight_sync", role="actor", method="publish_weights", inputs=["-"], kind="map")
