@@ -1,9 +1,8 @@
 """The `asyncflow` command line.
 
 Each subcommand is one `_add_<name>(subparsers)` function that declares its
-arguments and sets `func`, the handler called with the parsed arguments. The
-design's `train`, `bench` and `report` subcommands are added the same way when
-they exist.
+arguments and sets `func`, the handler called with the parsed arguments. Benchmarks
+are scripts in perf/ rather than a subcommand.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class TinyModelConfig:
 class ModelConfig:
     path: str = ""  # a local Hugging Face directory; "" builds (once) and caches the built-in tiny model
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    attn_implementation: str = "eager"  # faster than sdpa at the tiny sizes (FACTS.md)
+    attn_implementation: str = ""  # "": eager for the built-in tiny model (faster at its size), else transformers' default
+    train_engine: str = "fsdp"  # fsdp (CPU / CUDA / NPU) | mindspeed (Ascend)
 
 
 @dataclass
@@ -127,7 +128,8 @@ class PlacementSettings:
     mode: str = "disaggregated"  # colocated | disaggregated
     rollout_ranks: list[int] = field(default_factory=lambda: [1])  # disaggregated: rollout ranks
     actor_ranks: list[int] = field(default_factory=lambda: [0])  # disaggregated: training ranks
-    # reference, critic and reward sit with the actor (reference, critic) and the rollout (reward)
+    reward_with: str = "actor"  # actor | rollout: the ranks the reward role shares
+    # reference and critic sit with the actor
 
 
 @dataclass
@@ -139,17 +141,17 @@ class TrainerConfig:
     time_budget_s: float = 300.0  # stop RL after this much time (0: no limit)
     prompts_per_step: int = 32
     eval_every: int = 25
-    save_every: int = 0  # 0: only the final checkpoint
-    resume: str = ""  # "" | auto | a checkpoint directory
     out_dir: str = "outputs/run"
     progress: bool = True
-    log_samples: bool = True  # samples.jsonl: prompt, seed, policy version, score and response of every trained row
+    log_samples: bool = True  # samples.jsonl: prompt index, seed, policy version, score, response ids per trained row
     threads: int = 0  # torch threads per rank (0: torch's default)
 
 
 @dataclass
 class RunSettings:
     recipe: str = "grpo"
+    # Modules every worker imports first: where your own @register_reward / registry entries live.
+    imports: list[str] = field(default_factory=list)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -174,6 +176,13 @@ def _check(cfg: RunSettings) -> RunSettings:
         problems.append(f"placement.mode: expected colocated or disaggregated, got {cfg.placement.mode!r}")
     if r.n < 1:
         problems.append(f"rollout.n: must be >= 1, got {r.n}")
+    if cfg.model.train_engine not in ("fsdp", "mindspeed"):
+        problems.append(f"model.train_engine: expected fsdp or mindspeed, got {cfg.model.train_engine!r}")
+    if t.platform not in ("auto", "cpu", "cuda", "npu"):
+        problems.append(f"trainer.platform: expected auto, cpu, cuda or npu, got {t.platform!r}")
+    if t.nproc == 1 and cfg.placement.mode == "disaggregated":
+        problems.append("placement.mode: trainer.nproc=1 runs every role on rank 0: set placement.mode=colocated")
+    problems += _registry_problems(cfg)
     if r.engine not in ("builtin", "vllm"):
         problems.append(f"rollout.engine: expected builtin or vllm, got {r.engine!r}")
     if t.prompts_per_step < 1 or r.batch_prompts < 1:
@@ -186,7 +195,9 @@ def _check(cfg: RunSettings) -> RunSettings:
         problems.append(f"data.task: expected addition or file, got {cfg.data.task!r}")
     if cfg.data.task == "file" and not cfg.data.path:
         problems.append("data.path: data.task=file needs a .jsonl or .parquet path")
-    if cfg.placement.mode == "disaggregated":
+    if cfg.placement.reward_with not in ("actor", "rollout"):
+        problems.append(f"placement.reward_with: expected actor or rollout, got {cfg.placement.reward_with!r}")
+    if cfg.placement.mode == "disaggregated" and t.nproc > 1:
         both = set(cfg.placement.rollout_ranks) & set(cfg.placement.actor_ranks)
         if both:
             problems.append(f"placement: ranks {sorted(both)} are both actor_ranks and rollout_ranks; "
@@ -200,6 +211,26 @@ def _check(cfg: RunSettings) -> RunSettings:
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return cfg
+
+
+def _registry_problems(cfg: RunSettings) -> list[str]:
+    """Names that must exist in the registries (checked at start, not at the first update)."""
+    from .algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES
+    from .rewards import REWARDS
+
+    a = cfg.algorithm
+    checks = [("algorithm.advantage", ADVANTAGES, a.advantage), ("algorithm.loss_agg", AGGREGATIONS, a.loss_agg),
+              ("algorithm.kl_estimator", KL_ESTIMATORS, a.kl_estimator),
+              ("algorithm.value_loss", VALUE_LOSSES, a.value_loss), ("reward.name", REWARDS, cfg.reward.name)]
+    if a.policy_loss != "auto":
+        checks.append(("algorithm.policy_loss", POLICY_LOSSES, a.policy_loss))
+    out = []
+    for key, reg, name in checks:
+        if cfg.imports and key == "reward.name":
+            continue  # may be registered by one of cfg.imports, which the workers import
+        if name not in (reg.names() if hasattr(reg, "names") else reg):
+            out.append(f"{key}: {name!r} is not registered; known: {', '.join(sorted(reg.names()))}")
+    return out
 
 
 def load_config(yaml_path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunSettings:

@@ -38,6 +38,8 @@ def prepare(argv: Sequence[str]) -> tuple[RunSettings, Path]:
     from .workflow.recipe import find_recipe
 
     name, overrides = parse_train_args(argv)
+    if "WORLD_SIZE" in os.environ:  # under torchrun the world is torchrun's
+        overrides = [*overrides, f"trainer.nproc={int(os.environ['WORLD_SIZE'])}"]
     recipe = find_recipe(name)
     cfg = load_config(recipe.config, [*overrides, f"recipe={recipe.directory}"])
     cfg.model.path = resolve_model(cfg)

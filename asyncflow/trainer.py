@@ -32,7 +32,8 @@ def resolve_model(cfg: RunSettings) -> str:
     t = cfg.model.tiny
     spec = TinyModelSpec(hidden_size=t.hidden, num_hidden_layers=t.layers, num_attention_heads=t.heads,
                          num_key_value_heads=t.kv_heads, intermediate_size=t.ffn,
-                         max_position_embeddings=t.max_positions, attn_implementation=cfg.model.attn_implementation,
+                         max_position_embeddings=t.max_positions,
+                         attn_implementation=cfg.model.attn_implementation or "eager",
                          seed=t.seed)
     return str(ensure_tiny_model(spec=spec))
 
@@ -77,24 +78,26 @@ class Training:
         cfg, d = self.cfg, self.driver
         place = Placement.from_config(cfg)
         threads = cfg.trainer.threads
-        attn = cfg.model.attn_implementation
+        attn = cfg.model.attn_implementation or None
+        common = {"imports": list(cfg.imports)}
+        train_common = {**common, "train_engine": cfg.model.train_engine}
         algo = to_dict(cfg)["algorithm"]
         algo["policy_loss"] = policy_loss_name(cfg)
         self.groups: dict[str, Any] = {}
         self.groups["actor"] = await d.create_group(
             ActorWorker, "actor", ranks=place.actor, model_path=self.model_path,
             optim=self._optim(cfg.optim), algorithm=algo, temperature=cfg.rollout.temperature, threads=threads,
-            attn_implementation=attn, seed=cfg.trainer.seed)
+            attn_implementation=attn, seed=cfg.trainer.seed, **train_common)
         stage_roles = {s.role for s in self.stages}
         if "ref" in stage_roles:
             self.groups["ref"] = await d.create_group(
                 ReferenceWorker, "ref", ranks=place.actor, model_path=self.model_path,
-                temperature=cfg.rollout.temperature, threads=threads, attn_implementation=attn)
+                temperature=cfg.rollout.temperature, threads=threads, attn_implementation=attn, **train_common)
         if "critic" in stage_roles:
             self.groups["critic"] = await d.create_group(
                 CriticWorker, "critic", ranks=place.actor, model_path=self.model_path,
                 optim=self._optim(cfg.critic_optim), algorithm=algo, threads=threads, attn_implementation=attn,
-                value_loss=cfg.algorithm.value_loss, value_clip=cfg.algorithm.value_clip)
+                value_loss=cfg.algorithm.value_loss, value_clip=cfg.algorithm.value_clip, **train_common)
         sampling = {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
                     "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k}
         self.instances = []
@@ -102,24 +105,31 @@ class Training:
             self.instances.append(await d.create_group(
                 RolloutWorker, f"rollout{k}", ranks=[r], model_path=self.model_path, sampling=sampling,
                 engine=cfg.rollout.engine, threads=threads, partial_rollout=cfg.rollout.partial_rollout,
-                attn_implementation=attn, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization))
+                attn_implementation=attn, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, **common))
+        reward_ranks = place.actor if cfg.placement.reward_with == "actor" else place.rollout
         self.groups["reward"] = await d.create_group(
-            RewardWorker, "reward", ranks=place.rollout, model_path=self.model_path, reward=cfg.reward.name,
-            timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
+            RewardWorker, "reward", ranks=reward_ranks, model_path=self.model_path, reward=cfg.reward.name,
+            timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error, **common)
         actor = self.groups["actor"]
         await asyncio.gather(actor.init_weight_sync([inst.ranks for inst in self.instances]),
                              *(inst.init_weight_sync(place.actor[0]) for inst in self.instances))
         self.placement = place
 
-    @staticmethod
-    def _optim(o: Any) -> dict:
-        return {"lr": o.lr, "warmup_steps": o.warmup_steps, "weight_decay": o.weight_decay,
+    def _optim(self, o: Any) -> dict:
+        total = max(self.cfg.trainer.steps, o.warmup_steps)  # the cosine (min_lr_ratio < 1) spans trainer.steps
+        return {"lr": o.lr, "warmup_steps": o.warmup_steps, "weight_decay": o.weight_decay, "total_steps": total,
                 "grad_clip": o.grad_clip, "min_lr_ratio": o.min_lr_ratio, "micro_batch_tokens": o.micro_batch_tokens}
 
     async def sync_weights(self, version: int) -> None:
         """Publish the actor's weights as ``version`` and have every instance take them."""
         await self.groups["actor"].publish_weights(version)
         await asyncio.gather(*(inst.receive_weights(version) for inst in self.instances))
+
+    async def _export(self, path: Path) -> None:
+        if path.exists():  # a rerun into the same out_dir replaces the previous export
+            import shutil
+            shutil.rmtree(path)
+        await self.groups["actor"].export_hf(str(path))
 
     async def evaluate(self, step: int, phase: str) -> float:
         r = await self.instances[0].evaluate(self.eval_prompts, self.eval_answers, reward=self.cfg.reward.name,
@@ -144,7 +154,7 @@ class Training:
             return 0
         actor = self.groups["actor"]
         await actor.reset_optimizer({**self._optim(self.cfg.optim), "lr": w.lr, "warmup_steps": w.warmup_steps,
-                                     "min_lr_ratio": 1.0})
+                                     "min_lr_ratio": 1.0, "total_steps": 0})
         rng = random.Random(self.cfg.trainer.seed)
         step = 0
         while step < w.max_steps:
@@ -169,7 +179,7 @@ class Training:
         await self.groups["actor"].reset_optimizer(self._optim(cfg.optim))
         ecfg = ExecutorConfig(mode=cfg.workflow.mode, max_staleness=cfg.workflow.max_staleness,
                               group_size=cfg.rollout.n, prompts_per_step=cfg.trainer.prompts_per_step,
-                              dynamic_sampling=cfg.algorithm.dynamic_sampling,
+                              dynamic_sampling=any(s.kind == "filter" for s in self.stages),
                               max_refill_factor=cfg.algorithm.max_refill_factor,
                               wait_timeout_s=cfg.workflow.call_timeout_s)
         self.source = PromptSource(self.data.train_records(), cfg.rollout.n, cfg.trainer.seed)
@@ -250,8 +260,8 @@ class Training:
 
         cfg = self.cfg
         (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        self.logger = MetricsLogger(self.out)
         self.timeline = Timeline(self.out)
+        self.logger = MetricsLogger(self.out, t0=self.timeline.t0)
         recipe = find_recipe(cfg.recipe)
         self.stages = recipe.stages(cfg)
         check_graph(self.stages, ["prompt_ids", "answer", "seed", "prompt_index"])
@@ -260,6 +270,9 @@ class Training:
             self._data()
             await self._start_groups()
             warm_steps = await self.warmup()
+            if "ref" in self.groups and warm_steps:  # the reference is the policy RL starts from
+                await self._export(self.out / "warmup_model")
+                await self.groups["ref"].load_state(str(self.out / "warmup_model"))
             await self.sync_weights(0)
             before = await self.evaluate(0, "before_rl")
             await self.rl()
@@ -268,7 +281,7 @@ class Training:
             ckpt = self.out / "checkpoint"
             await self.groups["actor"].save_checkpoint(str(ckpt), {"prompts_issued": self.source.next_uid,
                                                                     "version": self.final_version})
-            await self.groups["actor"].export_hf(str(self.out / "hf_model"))
+            await self._export(self.out / "hf_model")
             self.summary.update({
                 "eval_accuracy_before_rl": before, "eval_accuracy_after_rl": after,
                 "accuracy_gain": after - before, "warmup_steps": warm_steps,

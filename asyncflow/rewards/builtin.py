@@ -7,7 +7,7 @@ import re
 from asyncflow.rewards.math_verify import math_reward, to_rational
 from asyncflow.rewards.registry import register_reward
 
-__all__ = ["addition_reward", "exact_match", "number_reward", "until_eos"]
+__all__ = ["addition_reward", "digits_reward", "exact_match", "number_reward", "until_eos"]
 
 DEFAULT_EOS = "<eos>"
 
@@ -40,3 +40,16 @@ def number_reward(response: str, answer: str, eos: str = DEFAULT_EOS, **_: objec
     pred = to_rational(until_eos(response, eos))
     gold = to_rational(answer)
     return 1.0 if pred is not None and gold is not None and pred == gold else 0.0
+
+
+@register_reward("digits")
+def digits_reward(response: str, answer: str, eos: str = DEFAULT_EOS, **_: object) -> float:
+    """Partial credit: the share of the answer's characters matched position by position, halved
+    when the length differs. A denser signal for tests and small budgets; the exact-match
+    rewards teach the built-in task better (FACTS.md, "Learning signal")."""
+    text = until_eos(response, eos).strip()
+    gold = answer.strip()
+    if not gold:
+        return 0.0
+    hits = sum(1 for a, b in zip(text, gold) if a == b) / len(gold)
+    return hits if len(text) == len(gold) else hits / 2

@@ -9,7 +9,7 @@ import torch
 from ..single_controller import Dispatch, Worker, register
 from ..workflow import weight_sync as ws
 from .actor_loss import AlgoSettings, compute_advantages, policy_loss_fn, sft_loss_fn
-from .common import model_factory, rows, set_threads, values
+from .common import import_modules, model_factory, train_engine_class, rows, set_threads, values
 
 
 def _share(n: int, dp_rank: int, dp_size: int) -> range:
@@ -20,16 +20,18 @@ def _share(n: int, dp_rank: int, dp_size: int) -> range:
 
 class ActorWorker(Worker):
     def __init__(self, model_path: str, optim: dict, algorithm: dict, temperature: float = 1.0,
-                 threads: int = 0, attn_implementation: str | None = None, seed: int = 0,
+                 threads: int = 0, attn_implementation: str | None = None, imports: list[str] = (),
+                 train_engine: str = "fsdp", seed: int = 0,
                  sync_timeout_s: float = 300.0):
-        from ..engines.train import FSDPEngine, OptimConfig
+        from ..engines.train import OptimConfig
 
         set_threads(threads)
+        import_modules(imports)
         torch.manual_seed(seed + self.rank)
         self.model_path = model_path
         self.temperature = temperature
         self.algo = AlgoSettings.from_dict(algorithm)
-        self.engine = FSDPEngine(model_factory(model_path, attn_implementation), OptimConfig(**optim),
+        self.engine = train_engine_class(train_engine)(model_factory(model_path, attn_implementation), OptimConfig(**optim),
                                  process_group=self.process_group, platform=self.platform)
         self.sender: ws.WeightSender | None = None
         self.sync_timeout_s = sync_timeout_s
@@ -87,7 +89,7 @@ class ActorWorker(Worker):
         metrics = self.engine.train_step([prompts[i] for i in mine], [responses[i] for i in mine], fields,
                                          policy_loss_fn(self.algo), temperature=self.temperature,
                                          with_entropy=True)
-        out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        out = {(k if "/" in k else f"actor/{k}"): float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         out.update({"reward/mean": float(scores.mean()), "reward/max": float(scores.max()),
                     "response_length/mean": sum(lengths) / max(len(lengths), 1),
                     "rows": float(len(meta)), "tokens": float(sum(lengths) + sum(len(p) for p in prompts)),

@@ -28,6 +28,24 @@ def set_threads(threads: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
+def import_modules(names: list[str]) -> None:
+    """The run's ``imports``: user modules that register rewards, advantages, losses."""
+    import importlib
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ImportError(f"config imports: cannot import {name!r} in this worker: {e}") from e
+
+
+def train_engine_class(name: str) -> type:
+    from ..engines.train import FSDPEngine, MindSpeedEngine
+    engines = {"fsdp": FSDPEngine, "mindspeed": MindSpeedEngine}
+    if name not in engines:
+        raise ValueError(f"model.train_engine {name!r}: expected one of {sorted(engines)}")
+    return engines[name]
+
+
 def model_factory(path: str, attn_implementation: str | None = None) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         from ..models.loading import load_causal_lm

@@ -8,19 +8,21 @@ import torch
 from ..single_controller import Dispatch, Worker, register
 from .actor import _share
 from .actor_loss import AlgoSettings, compute_advantages
-from .common import model_factory, rows, set_threads
+from .common import import_modules, model_factory, train_engine_class, rows, set_threads
 
 
 class CriticWorker(Worker):
     def __init__(self, model_path: str, optim: dict, algorithm: dict, threads: int = 0,
-                 attn_implementation: str | None = None, value_loss: str = "clipped", value_clip: float = 0.2):
-        from ..engines.train import FSDPEngine, OptimConfig
+                 attn_implementation: str | None = None, imports: list[str] = (),
+                 train_engine: str = "fsdp", value_loss: str = "clipped", value_clip: float = 0.2):
+        from ..engines.train import OptimConfig
 
         set_threads(threads)
+        import_modules(imports)
         self.algo = AlgoSettings.from_dict(algorithm)
         self.value_loss = value_loss
         self.value_clip = value_clip
-        self.engine = FSDPEngine(model_factory(model_path, attn_implementation), OptimConfig(**optim),
+        self.engine = train_engine_class(train_engine)(model_factory(model_path, attn_implementation), OptimConfig(**optim),
                                  process_group=self.process_group, platform=self.platform, value_head=True)
 
     @register(Dispatch.ONE_TO_ALL)

@@ -4,26 +4,28 @@ from __future__ import annotations
 from typing import Any
 
 from ..single_controller import Dispatch, Worker, register
-from .common import model_factory, rows, set_threads
+from .common import import_modules, model_factory, train_engine_class, rows, set_threads
 
 
 class ReferenceWorker(Worker):
     def __init__(self, model_path: str, temperature: float = 1.0, threads: int = 0,
-                 attn_implementation: str | None = None):
-        from ..engines.train import FSDPEngine, OptimConfig
+                 attn_implementation: str | None = None, imports: list[str] = (),
+                 train_engine: str = "fsdp"):
+        from ..engines.train import OptimConfig
 
         set_threads(threads)
+        import_modules(imports)
         self.temperature = temperature
-        # A training engine that never steps: the same sharding and log-prob code as the actor.
-        self.engine = FSDPEngine(model_factory(model_path, attn_implementation), OptimConfig(lr=0.0),
+        # A training engine that never steps (its optimizer is never used): the same sharding
+        # and log-prob code as the actor.
+        self.engine = train_engine_class(train_engine)(model_factory(model_path, attn_implementation), OptimConfig(lr=1.0),
                                  process_group=self.process_group, platform=self.platform)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state(self, path: str) -> None:
-        """Take the weights of a checkpoint's HF export (the warmed-up policy) as the reference."""
+        """Take the weights of an HF directory (the warmed-up policy's export) as the reference."""
         from ..models.loading import load_causal_lm
-        sd = load_causal_lm(path).state_dict()
-        self.engine.load_model_state(sd)
+        self.engine.load_model_state(load_causal_lm(path).state_dict())
 
     @register(Dispatch.ONE_TO_ALL)
     def compute_log_probs(self, meta: Any) -> None:

@@ -6,14 +6,16 @@ from typing import Any
 import torch
 
 from ..single_controller import Dispatch, Worker, register
-from .common import rows, values
+from .common import import_modules, rows, values
 
 
 class RewardWorker(Worker):
-    def __init__(self, model_path: str, reward: str = "number", timeout_s: float = 10.0, on_error: str = "zero"):
+    def __init__(self, model_path: str, reward: str = "number", timeout_s: float = 10.0, on_error: str = "zero",
+                 imports: list[str] = ()):
         from ..models.loading import load_tokenizer
         from ..rewards.runner import RewardRunner
 
+        import_modules(imports)
         self.tokenizer = load_tokenizer(model_path)
         self.runner = RewardRunner(reward, timeout_s=timeout_s, on_error=on_error)
         self.errors = 0

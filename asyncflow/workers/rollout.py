@@ -9,7 +9,7 @@ import torch
 
 from ..single_controller import Dispatch, Worker, register
 from ..workflow import weight_sync as ws
-from .common import rows, set_threads, values
+from .common import import_modules, rows, set_threads
 
 
 def continuation_seed(seed: int, done: int) -> int:
@@ -20,11 +20,13 @@ def continuation_seed(seed: int, done: int) -> int:
 class RolloutWorker(Worker):
     def __init__(self, model_path: str, sampling: dict, engine: str = "builtin", threads: int = 0,
                  partial_rollout: bool = False, attn_implementation: str | None = None,
-                 sync_timeout_s: float = 300.0, gpu_memory_utilization: float = 0.5):
+                 sync_timeout_s: float = 300.0, gpu_memory_utilization: float = 0.5,
+                 imports: list[str] = ()):
         from ..engines.rollout import SamplingParams
         from ..models.loading import load_tokenizer
 
         set_threads(threads)
+        import_modules(imports)
         self.tokenizer = load_tokenizer(model_path)
         eos = [self.tokenizer.eos_token_id]
         if engine == "builtin":

@@ -61,6 +61,7 @@ class StepReport:
 class _StageState:
     taken: dict[int, int] = field(default_factory=dict)  # step -> rows taken so far
     busy_s: float = 0.0
+    low: int = 0  # steps below this one are done for the stage
 
 
 class Executor:
@@ -81,7 +82,7 @@ class Executor:
         self.on_step = on_step
         self.on_trained = on_trained  # (step, meta) after the update, before the rows are freed
         self.ledger = Ledger()
-        self.state = {s.name: _StageState() for s in stages}
+        self.state = {s.name: _StageState(low=first_step) for s in stages}
         self.filter_index = next((i for i, s in enumerate(stages) if s.kind == "filter"), None)
         self.actor_version = start_version
         self.instance_version = [start_version] * len(rollout_instances)  # receive issued (weights staged)
@@ -94,6 +95,9 @@ class Executor:
         self.step_started: dict[int, float] = {}
         self.rows_issued = 0
         self.prompts_issued = 0
+        self._closers: set[asyncio.Task] = set()
+        self._closer_errors: list[BaseException] = []
+        self._closer_failed = asyncio.Event()
 
     # ---- control ---------------------------------------------------------------------------
     def stop(self) -> None:
@@ -103,6 +107,7 @@ class Executor:
     async def run(self, max_steps: int) -> None:
         self.max_steps = max_steps
         tasks = [asyncio.create_task(self._feeder(), name="feeder"),
+                 asyncio.create_task(self._watch_closers(), name="closers"),
                  asyncio.create_task(self._weight_sync(), name="weight-sync")]
         for i, s in enumerate(self.stages):
             if s.kind == "rollout":
@@ -136,7 +141,7 @@ class Executor:
                 raise TimeoutError(f"workflow: weight sync did not deliver the last versions within "
                                    f"{self.cfg.wait_timeout_s:.0f} s")
         finally:
-            for t in tasks:
+            for t in [*tasks, *self._closers]:
                 if not t.done():
                     t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -163,19 +168,8 @@ class Executor:
     def _after_filter(self, index: int) -> bool:
         return self.filter_index is not None and index > self.filter_index
 
-    async def _next_rows(self, stage: Stage, index: int, t: int) -> int:
-        """How many rows of step ``t`` to take next (0: the stage is done with ``t``)."""
-        st = self.state[stage.name]
-        after = self._after_filter(index)
-
-        def left() -> int:
-            return self.ledger.expected(t, after) - st.taken.get(t, 0)
-
-        await self.ledger.wait_for(lambda: left() > 0 or self.ledger.step(t).closed,
-                                   self.cfg.wait_timeout_s, f"rows of step {t} for stage {stage.name!r}")
-        n = left()
-        if n <= 0:
-            return 0
+    def _batch(self, stage: Stage, t: int, left: int, after: bool) -> int:
+        n = left
         if self.cfg.mode != "sync" and stage.batch_rows:
             n = min(n, stage.batch_rows)
         elif stage.kind == "rollout" and len(self.instances) > 1:  # sync: the step split over instances
@@ -183,17 +177,46 @@ class Executor:
             share = -(-self.ledger.expected(t, after) // len(self.instances))
             n = min(n, -(-share // g) * g)
         # sync otherwise: every row issued so far (the step's global batch, or a refill round)
-        st.taken[t] = st.taken.get(t, 0) + n
         return n
+
+    async def _next_work(self, stage: Stage, index: int, allowed: Callable[[int], bool],
+                         st: "_StageState | None" = None) -> tuple[int, int] | None:
+        """(step, rows) to take next: the oldest open step with rows for this stage that
+        ``allowed`` lets it work on; None once every step is done. A stage moves on to the
+        next step while the last rows of the previous one are still being judged or refilled."""
+        st = st or self.state[stage.name]
+        after = self._after_filter(index)
+        found: list = []
+
+        def pick() -> bool:
+            while True:  # steps this stage is finished with
+                t = st.low
+                if self._finished(t):
+                    found.append(None)
+                    return True
+                s = self.ledger.steps.get(t)
+                if s is None or not (s.closed and self.ledger.expected(t, after) <= st.taken.get(t, 0)):
+                    break
+                st.low += 1
+            for t in sorted(k for k in self.ledger.steps if k >= st.low):
+                if not allowed(t):
+                    break  # later steps need at least as much
+                left = self.ledger.expected(t, after) - st.taken.get(t, 0)
+                if left > 0:
+                    found.append((t, self._batch(stage, t, left, after)))
+                    return True
+            return False
+
+        await self.ledger.wait_for(pick, self.cfg.wait_timeout_s * 4, f"rows for stage {stage.name!r} "
+                                   f"(from step {st.low})")
+        work = found[-1]
+        if work is not None:
+            st.taken[work[0]] = st.taken.get(work[0], 0) + work[1]
+        return work
 
     async def _get_meta(self, stage: Stage, t: int, n: int) -> Any:
         return await self.tq.get_meta(stage.inputs, n, stage.name, partition_name(t), stage.sampler,
                                       timeout=self.cfg.wait_timeout_s)
-
-    async def _wait_step_issued(self, t: int) -> bool:
-        await self.ledger.wait_for(lambda: t in self.ledger.steps or self._finished(t),
-                                   self.cfg.wait_timeout_s * 4, f"step {t} to be issued")
-        return not self._finished(t)
 
     # ---- the feeder: prompts in, steps closed ------------------------------------------------
     async def _feeder(self) -> None:
@@ -212,12 +235,28 @@ class Executor:
             await self.tq.create_partition(partition_name(t))
             self.step_started[t] = time.monotonic()
             await self._issue(t, cfg.prompts_per_step)
-            if cfg.dynamic_sampling:
-                await self._refill(t)
-            self.ledger.step(t).closed = True
-            await self.tq.close_partition(partition_name(t))
-            await self.ledger.notify()
+            # Refilling and closing step t runs on its own, so step t+1 may start meanwhile.
+            closing = asyncio.create_task(self._close_step(t), name=f"close-step{t}")
+            self._closers.add(closing)
+            closing.add_done_callback(self._closer_done)
             t += 1
+
+    def _closer_done(self, task: asyncio.Task) -> None:
+        self._closers.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._closer_errors.append(task.exception())
+            self._closer_failed.set()
+
+    async def _watch_closers(self) -> None:
+        await self._closer_failed.wait()
+        raise self._closer_errors[0]
+
+    async def _close_step(self, t: int) -> None:
+        if self.cfg.dynamic_sampling:
+            await self._refill(t)
+        self.ledger.step(t).closed = True
+        await self.tq.close_partition(partition_name(t))
+        await self.ledger.notify()
 
     async def _issue(self, t: int, n_prompts: int) -> None:
         cols = await self.source(t, n_prompts)
@@ -242,7 +281,7 @@ class Executor:
                 f"the filter's decision on every group of step {t}")
             missing = cfg.prompts_per_step - s.accepted_groups
             if missing <= 0 or s.prompts >= budget:
-                if missing > 0:
+                if missing > 0 and cfg.max_refill_factor > 1:
                     log.warning("step %d: only %d of %d groups have reward variance after %d prompts; "
                                 "training on those", t, s.accepted_groups, cfg.prompts_per_step, s.prompts)
                 return
@@ -252,66 +291,60 @@ class Executor:
     async def _rollout_loop(self, stage: Stage, k: int) -> None:
         inst = self.instances[k]
         index = self.stages.index(stage)
-        t = self.first_step
-        while await self._wait_step_issued(t):
-            need = max(0, t - self.cfg.lag)
-            await self.ledger.wait_for(lambda: self.instance_version[k] >= need, self.cfg.wait_timeout_s * 4,
-                                       f"rollout instance {k} to receive policy version {need}")
-            while n := await self._next_rows(stage, index, t):
-                meta = await self._get_meta(stage, t, n)
-                await self._timed(stage, inst.role, inst.ranks, t, n,
-                                  getattr(inst, stage.method)(meta, need))
-            t += 1
+        lag = self.cfg.lag
+        # Instances share the stage's row count (they pull from the same rows) but not the
+        # weights gate: each takes step t once it holds version >= t - lag.
+        while work := await self._next_work(stage, index, lambda t: self.instance_version[k] >= t - lag):
+            t, n = work
+            meta = await self._get_meta(stage, t, n)
+            await self._timed(stage, inst.role, inst.ranks, t, n, getattr(inst, stage.method)(meta, max(0, t - lag)))
 
     async def _map_loop(self, stage: Stage, index: int) -> None:
         group = self.groups[stage.role]
-        t = self.first_step
-        while await self._wait_step_issued(t):
-            if stage.on_policy_weights:  # proximal log-probs: the weights that update t starts from
-                await self.ledger.wait_for(lambda: self.actor_version >= t, self.cfg.wait_timeout_s * 4,
-                                           f"policy version {t} for stage {stage.name!r}")
-            while n := await self._next_rows(stage, index, t):
-                meta = await self._get_meta(stage, t, n)
-                await self._timed(stage, group.role, group.ranks, t, n, getattr(group, stage.method)(meta))
-            t += 1
+        # proximal log-probs (on_policy_weights): the weights that update t starts from
+        allowed = (lambda t: self.actor_version >= t) if stage.on_policy_weights else (lambda t: True)
+        while work := await self._next_work(stage, index, allowed):
+            t, n = work
+            meta = await self._get_meta(stage, t, n)
+            await self._timed(stage, group.role, group.ranks, t, n, getattr(group, stage.method)(meta))
 
     async def _filter_loop(self, stage: Stage) -> None:
         """Driver-side: drop groups whose scores are all equal (no learning signal)."""
         index = self.stages.index(stage)
-        t = self.first_step
-        while await self._wait_step_issued(t):
-            while n := await self._next_rows(stage, index, t):
-                meta = await self._get_meta(stage, t, n)
-                cols = await self.tq.get_columns(meta, [stage.inputs[0]])
-                scores = cols[stage.inputs[0]].data.tolist()
-                spread: dict[int, tuple[float, float]] = {}
-                for grp, sc in zip(meta.groups, scores):
-                    lo, hi = spread.get(grp, (sc, sc))
-                    spread[grp] = (min(lo, sc), max(hi, sc))
-                keep = {grp for grp, (lo, hi) in spread.items() if hi - lo > 1e-6}
-                rows_keep = [i for i, grp in enumerate(meta.groups) if grp in keep]
-                rows_drop = [i for i, grp in enumerate(meta.groups) if grp not in keep]
-                s = self.ledger.step(t)
-                if rows_drop:
-                    await self.tq.clear_rows(meta.select(rows_drop))
-                    s.rejected += len(rows_drop)
-                s.accepted += len(rows_keep)
-                if rows_keep:
-                    import torch
-                    await self.tq.put({stage.outputs[0]: torch.ones(len(rows_keep), dtype=torch.int8)},
-                                      partition_name(t), meta.select(rows_keep))
-                s.accepted_groups += len(keep)
-                s.rejected_groups += len(spread) - len(keep)
-                await self.ledger.notify()
-            t += 1
+        while work := await self._next_work(stage, index, lambda t: True):
+            t, n = work
+            meta = await self._get_meta(stage, t, n)
+            cols = await self.tq.get_columns(meta, [stage.inputs[0]])
+            scores = cols[stage.inputs[0]].data.tolist()
+            spread: dict[int, tuple[float, float]] = {}
+            for grp, sc in zip(meta.groups, scores):
+                lo, hi = spread.get(grp, (sc, sc))
+                spread[grp] = (min(lo, sc), max(hi, sc))
+            keep = {grp for grp, (lo, hi) in spread.items() if hi - lo > 1e-6}
+            rows_keep = [i for i, grp in enumerate(meta.groups) if grp in keep]
+            rows_drop = [i for i, grp in enumerate(meta.groups) if grp not in keep]
+            s = self.ledger.step(t)
+            if rows_drop:
+                await self.tq.clear_rows(meta.select(rows_drop))
+                s.rejected += len(rows_drop)
+            s.accepted += len(rows_keep)
+            if rows_keep:
+                import torch
+                await self.tq.put({stage.outputs[0]: torch.ones(len(rows_keep), dtype=torch.int8)},
+                                  partition_name(t), meta.select(rows_keep))
+            s.accepted_groups += len(keep)
+            s.rejected_groups += len(spread) - len(keep)
+            await self.ledger.notify()
 
     async def _update_loop(self, stage: Stage) -> None:
         group = self.groups[stage.role]
         index = self.stages.index(stage)
         t = self.first_step
-        while await self._wait_step_issued(t):
-            await self.ledger.wait_for(lambda: self.ledger.step(t).closed, self.cfg.wait_timeout_s * 4,
-                                       f"step {t} to be closed")
+        while True:
+            await self.ledger.wait_for(lambda: self._finished(t) or (t in self.ledger.steps and self.ledger.steps[t].closed),
+                                       self.cfg.wait_timeout_s * 4, f"step {t} to be closed")
+            if self._finished(t):
+                return
             n = self.ledger.expected(t, self._after_filter(index))
             metrics: dict[str, float] = {}
             if n > 0:

@@ -54,3 +54,13 @@ def test_builtin_rewards(name, response, answer, expected):
 
 def test_addition_custom_eos():
     assert get_reward("addition")("46</s>xx", "46", eos="</s>") == 1.0
+
+
+def test_digits_gives_partial_credit():
+    from asyncflow.rewards import REWARDS
+    f = REWARDS["digits"]
+    assert f("46", "46") == 1.0
+    assert f("45", "46") == 0.5
+    assert f("4", "46") == 0.25  # half the characters, wrong length
+    assert f("", "46") == 0.0
+    assert f("46<eos>junk", "46") == 1.0

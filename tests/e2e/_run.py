@@ -1,0 +1,24 @@
+"""Running `asyncflow train` as a user does, in a subprocess, for the end-to-end tests."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A few seconds of warm-up, so that responses are digits and a partial-credit reward varies.
+TINY = ["trainer.time_budget_s=0", "trainer.prompts_per_step=4", "rollout.n=4", "rollout.batch_prompts=2",
+        "data.num_eval=16", "warmup.max_steps=10", "warmup.check_every=5", "warmup.batch_size=32",
+        "warmup.target_accuracy=1.0", "trainer.progress=false"]
+
+
+def train(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", *args[:1], *TINY, *args[1:], f"trainer.out_dir={out}"]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(p: subprocess.CompletedProcess) -> None:
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-8000:]}"
