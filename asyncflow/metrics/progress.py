@@ -16,11 +16,12 @@ POSTFIX_KEYS: tuple[tuple[str, str], ...] = (
 
 class Progress:
     """`update(step, metrics)` after each step; `step` is the step just finished, counted from 1,
-    so the bar is full at `step == total_steps`. `enabled=False` draws nothing (and never
+    so the bar is full at `step == total_steps` (None: a counter with a rate, for runs that end
+    on a time budget). `enabled=False` draws nothing (and never
     imports tqdm), for non-zero ranks or quiet runs. `mininterval` limits redraws, so calling
     `update` every step costs next to nothing."""
 
-    def __init__(self, total_steps: int, enabled: bool = True, *,
+    def __init__(self, total_steps: int | None, enabled: bool = True, *,
                  mininterval: float = 0.5, file: IO[str] | None = None, desc: str = "train"):
         self.total_steps = total_steps
         self._bar: Any = None
