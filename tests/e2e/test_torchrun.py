@@ -1,0 +1,63 @@
+"""`torchrun ... -m asyncflow.cli train` as users launch it: one node with 2 ranks, and two
+"nodes" (two torchrun invocations, --nnodes 2 over loopback) with one rank each."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from _run import REPO, TINY
+
+STEPS = ["trainer.steps=2", "reward.name=digits", "trainer.eval_every=0"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def _check(out, procs) -> None:
+    for p in procs:
+        assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rl_steps"] == 2 and summary["nproc"] == 2
+
+
+@pytest.mark.slow
+def test_torchrun_one_node(tmp_path):
+    out = tmp_path / "run"
+    cmd = _torchrun("--standalone", "--nproc-per-node", "2", "-m", "asyncflow.cli", "train", "grpo", *TINY,
+                    *STEPS, f"trainer.out_dir={out}")
+    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    _check(out, [p])
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_over_loopback(tmp_path):
+    out = tmp_path / "run"
+    port = _port()
+    procs = []
+    for node in (0, 1):
+        cmd = _torchrun("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                        "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "asyncflow.cli", "train",
+                        "grpo", *TINY, *STEPS, f"trainer.out_dir={out}")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    done = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    _check(out, done)
