@@ -5,7 +5,7 @@
              ends in "#### 72", which becomes the reference answer "72".
   DeepScaleR .json (a list) / .jsonl rows {"problem", "answer", "solution"}.
 
-Standalone (standard library; pyarrow only for parquet input). Example:
+Needs the asyncflow package (its file reader); pyarrow only for parquet input. Example:
   python scripts/preprocess_math.py --format gsm8k --input train.parquet --output gsm8k_train.jsonl \
       --instruction "Let's think step by step and output the final answer within \\boxed{}."
 """
@@ -27,34 +27,14 @@ class PreprocessError(ValueError):
 
 
 def read_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(where, row) for each record of a .jsonl, .json or .parquet file."""
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        yield f"{path}, line {lineno}", json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise PreprocessError(f"{path}, line {lineno}: invalid JSON ({exc.msg})") from exc
-    elif suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise PreprocessError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from exc
-        if not isinstance(data, list):
-            raise PreprocessError(f"{path}: expected a JSON list of records, found a {type(data).__name__}")
-        for i, row in enumerate(data, start=1):
-            yield f"{path}, item {i}", row
-    elif suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as exc:
-            raise PreprocessError(f"{path}: reading parquet needs pyarrow: pip install pyarrow") from exc
-        for i, row in enumerate(pq.read_table(str(path)).to_pylist(), start=1):
-            yield f"{path}, row {i}", row
-    else:
-        raise PreprocessError(f"{path}: unsupported file type {suffix!r}; expected .jsonl, .json or .parquet")
+    """(where, row) for each record of a .jsonl, .json or .parquet file (the reader the
+    trainer's datasets use, so both accept the same files)."""
+    from asyncflow.data.dataset import DataError, read_records
+    try:
+        for where, row in read_records(path):
+            yield f"{path}, {where}", row
+    except DataError as exc:
+        raise PreprocessError(str(exc)) from exc
 
 
 def _field(row: Any, key: str, where: str) -> str:

@@ -45,7 +45,7 @@ class DataConfig:
     seed: int = 0
 
 
-def _read_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def read_records(path: Path) -> Iterator[tuple[str, Any]]:
     """(where, row) pairs; `where` says how to find the row ("line 3", "row 3")."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
@@ -134,7 +134,7 @@ class PromptDataset:
         if not path.is_file():
             raise DataError(f"PromptDataset: data file {path} does not exist (DataConfig.path)")
         rows = (
-            (f"{path}, {where}", _parse_row(row, f"{path}, {where}", config)) for where, row in _read_rows(path)
+            (f"{path}, {where}", _parse_row(row, f"{path}, {where}", config)) for where, row in read_records(path)
         )
         self._setup(rows, tokenizer, config, source=str(path))
 

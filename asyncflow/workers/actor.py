@@ -9,7 +9,7 @@ import torch
 from ..single_controller import Dispatch, Worker, register
 from ..workflow import weight_sync as ws
 from .actor_loss import AlgoSettings, compute_advantages, policy_loss_fn, sft_loss_fn
-from .common import import_modules, model_factory, train_engine_class, rows, set_threads, values
+from .common import import_modules, model_factory, per_token_column, rows, set_threads, train_engine_class
 
 
 def _share(n: int, dp_rank: int, dp_size: int) -> range:
@@ -55,14 +55,8 @@ class ActorWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def compute_log_probs(self, meta: Any) -> Any:
         """Proximal log-probs (the weights the next update starts from) -> ``old_log_probs``."""
-        mine = meta.chunk(self.dp_size)[self.dp_rank]
-        data = self.tq.get_data(mine, ["prompt_ids", "response_ids"]) if len(mine) else None
-        prompts = rows(data["prompt_ids"]) if data is not None else []
-        responses = rows(data["response_ids"]) if data is not None else []
-        lp, _ = self.engine.compute_log_probs(prompts, responses, temperature=self.temperature)
-        if len(mine):
-            self.tq.put({"old_log_probs": [x.float() for x in lp]}, mine.partition, mine)
-        return None
+        per_token_column(self, meta, "old_log_probs", lambda p, r: self.engine.compute_log_probs(
+            p, r, temperature=self.temperature)[0])
 
     @register(Dispatch.ONE_TO_ALL)
     def update(self, meta: Any, step: int) -> dict:

@@ -8,7 +8,7 @@ import torch
 from ..single_controller import Dispatch, Worker, register
 from .actor import _share
 from .actor_loss import AlgoSettings, compute_advantages
-from .common import import_modules, model_factory, train_engine_class, rows, set_threads
+from .common import import_modules, model_factory, rows, per_token_column, set_threads, train_engine_class
 
 
 class CriticWorker(Worker):
@@ -27,13 +27,7 @@ class CriticWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def compute_values(self, meta: Any) -> None:
-        mine = meta.chunk(self.dp_size)[self.dp_rank]
-        data = self.tq.get_data(mine, ["prompt_ids", "response_ids"]) if len(mine) else None
-        prompts = rows(data["prompt_ids"]) if data is not None else []
-        responses = rows(data["response_ids"]) if data is not None else []
-        vals = self.engine.compute_values(prompts, responses)
-        if len(mine):
-            self.tq.put({"values": [v.float() for v in vals]}, mine.partition, mine)
+        per_token_column(self, meta, "values", self.engine.compute_values)
 
     @register(Dispatch.ONE_TO_ALL)
     def update(self, meta: Any) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..single_controller import Dispatch, Worker, register
-from .common import import_modules, model_factory, train_engine_class, rows, set_threads
+from .common import import_modules, model_factory, per_token_column, set_threads, train_engine_class
 
 
 class ReferenceWorker(Worker):
@@ -29,10 +29,5 @@ class ReferenceWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def compute_log_probs(self, meta: Any) -> None:
-        mine = meta.chunk(self.dp_size)[self.dp_rank]
-        data = self.tq.get_data(mine, ["prompt_ids", "response_ids"]) if len(mine) else None
-        prompts = rows(data["prompt_ids"]) if data is not None else []
-        responses = rows(data["response_ids"]) if data is not None else []
-        lp, _ = self.engine.compute_log_probs(prompts, responses, temperature=self.temperature)
-        if len(mine):
-            self.tq.put({"ref_log_probs": [x.float() for x in lp]}, mine.partition, mine)
+        per_token_column(self, meta, "ref_log_probs", lambda p, r: self.engine.compute_log_probs(
+            p, r, temperature=self.temperature)[0])
