@@ -51,3 +51,31 @@ def test_bad_config_key_fails_before_starting(tmp_path):
     assert "trainer.no_such_key" in p.stderr
     p = train(tmp_path / "bad", "grpo", "algorithm.advantage=nope", timeout=60)
     assert p.returncode == 2 and "algorithm.advantage" in p.stderr and "grpo" in p.stderr
+
+
+@pytest.mark.slow
+def test_prompts_from_a_jsonl_file(tmp_path):
+    """The real-data path: prompts and answers from files, the math reward, long prompts dropped."""
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    rows.append({"prompt": "1+2+3+4+5+6+7+8+9+10+11+12=", "answer": "78"})  # over the prompt limit
+    data, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held.write_text("".join(json.dumps(r) + "\n" for r in rows[:8]))
+    out = tmp_path / "run"
+    ok(train(out, "grpo", "data.task=file", f"data.path={data}", f"data.eval_path={held}",
+             "data.max_prompt_tokens=8", "reward.name=math", "warmup.enabled=false", "trainer.steps=2",
+             "algorithm.dynamic_sampling=false"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rl_steps"] == 2 and summary["filtered_prompts"] == 1
+    assert summary["reward/errors"] == 0
+
+
+@pytest.mark.slow
+def test_a_missing_data_field_names_file_row_and_field(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
+    p = train(tmp_path / "run", "grpo", "data.task=file", f"data.path={data}", "warmup.enabled=false",
+              "trainer.steps=1", timeout=120)
+    assert p.returncode != 0
+    err = p.stderr
+    assert str(data) in err and "line 2" in err and "answer" in err, err[-3000:]
