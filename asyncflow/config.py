@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 MODES = ("sync", "stream", "async")
+LENGTH_PROFILES = ("", "longtail")
 
 
 class ConfigError(ValueError):
@@ -58,6 +59,9 @@ class RolloutConfig:
     max_new_tokens: int = 8
     batch_prompts: int = 8  # prompts per rollout call in stream/async mode (sync: the whole step)
     partial_rollout: bool = False  # async: interrupt a generation at a weight update and continue on new weights
+    # Benchmark workload. "": each row stops at EOS or max_new_tokens. "longtail": each row gets its own
+    # token budget (a seeded lognormal draw capped at max_new_tokens: most short, a few at the cap).
+    length_profile: str = ""
     gpu_memory_utilization: float = 0.5  # vllm only
 
 
@@ -138,7 +142,7 @@ class TrainerConfig:
     platform: str = "auto"
     seed: int = 0
     steps: int = 2000  # RL steps at most
-    time_budget_s: float = 300.0  # stop RL after this much time (0: no limit)
+    time_budget_s: float = 420.0  # stop RL after this much time (0: no limit)
     prompts_per_step: int = 32
     eval_every: int = 25
     out_dir: str = "outputs/run"
@@ -176,6 +180,8 @@ def _check(cfg: RunSettings) -> RunSettings:
         problems.append(f"placement.mode: expected colocated or disaggregated, got {cfg.placement.mode!r}")
     if r.n < 1:
         problems.append(f"rollout.n: must be >= 1, got {r.n}")
+    if r.length_profile not in LENGTH_PROFILES:
+        problems.append(f"rollout.length_profile: expected one of {LENGTH_PROFILES}, got {r.length_profile!r}")
     if cfg.model.train_engine not in ("fsdp", "mindspeed"):
         problems.append(f"model.train_engine: expected fsdp or mindspeed, got {cfg.model.train_engine!r}")
     if t.platform not in ("auto", "cpu", "cuda", "npu"):

@@ -125,6 +125,11 @@ class Training:
         await self.groups["actor"].publish_weights(version)
         await asyncio.gather(*(inst.receive_weights(version) for inst in self.instances))
 
+    async def reward_failures(self) -> dict[str, float]:
+        """Reward calls that raised or timed out so far (scored 0 or fatal, by reward.on_error)."""
+        per_rank = await self.groups["reward"].stats()
+        return {k: float(sum(s[k] for s in per_rank)) for k in ("reward/errors", "reward/timeouts")}
+
     async def _export(self, path: Path) -> None:
         if path.exists():  # a rerun into the same out_dir replaces the previous export
             import shutil
@@ -134,7 +139,9 @@ class Training:
     async def evaluate(self, step: int, phase: str) -> float:
         r = await self.instances[0].evaluate(self.eval_prompts, self.eval_answers, reward=self.cfg.reward.name,
                                              max_new_tokens=self.cfg.rollout.max_new_tokens)
-        self.logger.log(step, {"eval/accuracy": r["accuracy"], "phase": phase, "eval/version": r["version"]})
+        failures = await self.reward_failures()
+        self.logger.log(step, {"eval/accuracy": r["accuracy"], "phase": phase, "eval/version": r["version"],
+                               **failures})
         log.info("eval (%s, step %d): accuracy %.3f  e.g. %s", phase, step, r["accuracy"],
                  "; ".join(f"{e['prompt']}{e['response']!r} (want {e['answer']})" for e in r["examples"][:3]))
         return float(r["accuracy"])
@@ -173,7 +180,7 @@ class Training:
     async def rl(self) -> None:
         from .metrics import Progress
         from .workflow.executor import Executor, ExecutorConfig
-        from .workflow.source import PromptSource
+        from .workflow.source import PromptSource, longtail_budgets
 
         cfg = self.cfg
         await self.groups["actor"].reset_optimizer(self._optim(cfg.optim))
@@ -182,8 +189,12 @@ class Training:
                               dynamic_sampling=any(s.kind == "filter" for s in self.stages),
                               max_refill_factor=cfg.algorithm.max_refill_factor,
                               wait_timeout_s=cfg.workflow.call_timeout_s)
-        self.source = PromptSource(self.data.train_records(), cfg.rollout.n, cfg.trainer.seed)
-        progress = Progress(cfg.trainer.steps, enabled=cfg.trainer.progress)
+        budget_fn = (longtail_budgets(cfg.trainer.seed, cfg.rollout.max_new_tokens)
+                     if cfg.rollout.length_profile == "longtail" else None)
+        self.source = PromptSource(self.data.train_records(), cfg.rollout.n, cfg.trainer.seed, budget_fn=budget_fn)
+        budget = cfg.trainer.time_budget_s
+        progress = Progress(None if budget else cfg.trainer.steps, enabled=cfg.trainer.progress,
+                            desc=f"RL ({budget:.0f} s budget)" if budget else "RL")
         start = time.monotonic()
         totals = {"rows": 0.0, "tokens": 0.0, "stale_sum": 0.0, "stale_max": 0.0}
         last = [start]
@@ -261,13 +272,15 @@ class Training:
         cfg = self.cfg
         (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         self.timeline = Timeline(self.out)
-        self.logger = MetricsLogger(self.out, t0=self.timeline.t0)
+        # With the progress bar on, per-step lines stay in the files; evaluations still print.
+        self.logger = MetricsLogger(self.out, t0=self.timeline.t0, console=not cfg.trainer.progress)
         recipe = find_recipe(cfg.recipe)
         self.stages = recipe.stages(cfg)
-        check_graph(self.stages, ["prompt_ids", "answer", "seed", "prompt_index"])
+        check_graph(self.stages, ["prompt_ids", "answer", "seed", "prompt_index",
+                                  *(["max_new_tokens"] if cfg.rollout.length_profile else [])])
         self.tq = AsyncTransferQueueClient(self.driver.transfer_queue_address)
         try:
-            self._data()
+            await asyncio.to_thread(self._data)  # tokenizing the prompts must not stall the driver's heartbeat
             await self._start_groups()
             warm_steps = await self.warmup()
             if "ref" in self.groups and warm_steps:  # the reference is the policy RL starts from
@@ -287,7 +300,7 @@ class Training:
                 "accuracy_gain": after - before, "warmup_steps": warm_steps,
                 "wall_s": time.monotonic() - self.t0, "mode": cfg.workflow.mode, "recipe": recipe.name,
                 "placement": cfg.placement.mode, "nproc": cfg.trainer.nproc, "model_path": self.model_path,
-                "filtered_prompts": getattr(self.data, "filtered", 0),
+                "filtered_prompts": getattr(self.data, "filtered", 0), **await self.reward_failures(),
             })
             (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
         finally:

@@ -117,11 +117,13 @@ class RolloutWorker(Worker):
         self._swap(min_version)
         prompts = rows(data["prompt_ids"])
         seeds = [int(s) for s in data["seed"].tolist()]
-        return self._generate(prompts, seeds)
+        # a per-row budget column (rollout.length_profile) replaces the sampling default
+        budgets = [int(b) for b in data["max_new_tokens"].tolist()] if "max_new_tokens" in data.keys() else None
+        return self._generate(prompts, seeds, budgets)
 
-    def _generate(self, prompts: list[torch.Tensor], seeds: list[int]) -> dict:
+    def _generate(self, prompts: list[torch.Tensor], seeds: list[int], budgets: list[int] | None = None) -> dict:
         n = len(prompts)
-        budget = [self.params.max_new_tokens] * n
+        budget = list(budgets) if budgets is not None else [self.params.max_new_tokens] * n
         out_ids: list[list[torch.Tensor]] = [[] for _ in range(n)]
         out_lp: list[list[torch.Tensor]] = [[] for _ in range(n)]
         out_ver: list[list[int]] = [[] for _ in range(n)]

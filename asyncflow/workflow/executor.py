@@ -376,11 +376,12 @@ class Executor:
             while not self._sync_queue.empty():  # an instance far behind takes the newest only
                 v = self._sync_queue.get_nowait()
                 taken += 1
-            await self._timed(_SYNC, actor.role, actor.ranks, v - 1, 0, actor.publish_weights(v))
+            # Timed under step v: the step whose rollout the new weights serve (and whose metrics log it).
+            await self._timed(_SYNC, actor.role, actor.ranks, v, 0, actor.publish_weights(v))
 
             async def deliver(k: int) -> None:
                 inst = self.instances[k]
-                await self._timed(_SYNC, inst.role, inst.ranks, v - 1, 0, inst.receive_weights(v))
+                await self._timed(_SYNC, inst.role, inst.ranks, v, 0, inst.receive_weights(v))
                 self.instance_version[k] = v
                 await self.ledger.notify()
             await asyncio.gather(*(deliver(k) for k in range(len(self.instances))))

@@ -11,9 +11,10 @@ def stages(cfg) -> list[Stage]:
     n = cfg.rollout.n
     batch = cfg.rollout.batch_prompts * n
     groups = {"name": "grpo_group", "group_size": n}
+    budget = ["max_new_tokens"] if cfg.rollout.length_profile else []  # per-row token budgets (benchmarks)
     gate = []  # with dynamic sampling, later stages see only the groups the filter kept
     out = [
-        Stage("rollout", role="rollout", method="generate", inputs=["prompt_ids", "seed"],
+        Stage("rollout", role="rollout", method="generate", inputs=["prompt_ids", "seed", *budget],
               outputs=["response_ids", "behav_log_probs", "token_versions", "gen_version"],
               batch_rows=batch, sampler=groups, kind="rollout"),
         Stage("reward", role="reward", method="compute", inputs=["response_ids", "answer"], outputs=["scores"],
