@@ -70,6 +70,9 @@ class RewardConfig:
     name: str = "number"  # a name in asyncflow.rewards.REWARDS
     timeout_s: float = 10.0
     on_error: str = "zero"  # zero | fail
+    # A reward model (local sequence-classification checkpoint, one label) served by the
+    # training engine instead of the rule `name` (which still scores evaluations).
+    model_path: str = ""
 
 
 @dataclass

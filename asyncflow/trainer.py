@@ -107,9 +107,15 @@ class Training:
                 engine=cfg.rollout.engine, threads=threads, partial_rollout=cfg.rollout.partial_rollout,
                 attn_implementation=attn, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, **common))
         reward_ranks = place.actor if cfg.placement.reward_with == "actor" else place.rollout
-        self.groups["reward"] = await d.create_group(
-            RewardWorker, "reward", ranks=reward_ranks, model_path=self.model_path, reward=cfg.reward.name,
-            timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error, **common)
+        if cfg.reward.model_path:
+            from .workers.reward_model import RewardModelWorker
+            self.groups["reward"] = await d.create_group(
+                RewardModelWorker, "reward", ranks=reward_ranks, model_path=self.model_path,
+                reward_model_path=cfg.reward.model_path, threads=threads, attn_implementation=attn, **train_common)
+        else:
+            self.groups["reward"] = await d.create_group(
+                RewardWorker, "reward", ranks=reward_ranks, model_path=self.model_path, reward=cfg.reward.name,
+                timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error, **common)
         actor = self.groups["actor"]
         await asyncio.gather(actor.init_weight_sync([inst.ranks for inst in self.instances]),
                              *(inst.init_weight_sync(place.actor[0]) for inst in self.instances))

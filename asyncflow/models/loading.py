@@ -22,6 +22,7 @@ __all__ = [
     "ModelLoadError",
     "check_tokenizer_fits",
     "load_causal_lm",
+    "load_reward_model",
     "load_tokenizer",
 ]
 
@@ -141,6 +142,34 @@ def load_causal_lm(
     except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
         raise ModelLoadError(f"load_causal_lm: transformers could not load {p}: {type(exc).__name__}: {exc}") from exc
     return model.to(device)
+
+
+def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                      attn_implementation: str | None = None) -> "PreTrainedModel":
+    """A reward model from a local directory: a sequence-classification checkpoint with one
+    label (e.g. ``Qwen2ForSequenceClassification``) whose base architecture is supported."""
+    p = _model_dir(path, "load_reward_model")
+    cfg = _read_config(p, "load_reward_model")
+    found = cfg.get("architectures") or []
+    bases = [a.replace("ForSequenceClassification", "ForCausalLM") for a in found
+             if a.endswith("ForSequenceClassification")]
+    if not any(b in SUPPORTED_ARCHITECTURES for b in bases):
+        raise ModelLoadError(
+            f"load_reward_model: {p / 'config.json'} names {found or 'no architecture'}; expected a "
+            f"<Base>ForSequenceClassification with a base among {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if int(cfg.get("num_labels", len(cfg.get("id2label") or {}) or 1)) != 1:
+        raise ModelLoadError(f"load_reward_model: {p} has {cfg.get('num_labels')} labels; a reward model has 1")
+    _check_weights(p)
+    from transformers import AutoModelForSequenceClassification
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    attn = attn_implementation or _default_attn_implementation(p)
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(str(p), **kwargs)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
+        raise ModelLoadError(f"load_reward_model: transformers could not load {p}: {type(exc).__name__}: {exc}") from exc
 
 
 def check_tokenizer_fits(tokenizer: "PreTrainedTokenizerBase", vocab_size: int, where: str = "") -> None:

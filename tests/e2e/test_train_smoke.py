@@ -79,3 +79,19 @@ def test_a_missing_data_field_names_file_row_and_field(tmp_path):
     assert p.returncode != 0
     err = p.stderr
     assert str(data) in err and "line 2" in err and "answer" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_reward_model_served_by_the_training_engine(tmp_path):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=53, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    rm = tmp_path / "rm"
+    Qwen2ForSequenceClassification(cfg).save_pretrained(rm)
+    out = tmp_path / "run"
+    ok(train(out, "grpo", f"reward.model_path={rm}", "trainer.steps=2", "algorithm.dynamic_sampling=false",
+             "trainer.eval_every=0"))
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len({round(r["score"], 5) for r in rows}) > 1  # real model scores, not 0/1 rules

@@ -31,6 +31,12 @@ class ValueModel(nn.Module):
         self.config = config
         self.backbone = backbone
         self.value_head = nn.Linear(hidden, 1)
+        score = getattr(backbone_causal_lm, "score", None)
+        if isinstance(score, nn.Linear) and score.out_features == 1:
+            # A sequence-classification checkpoint (a reward model): its head scores a position.
+            with torch.no_grad():
+                self.value_head.weight.copy_(score.weight)
+                self.value_head.bias.copy_(score.bias if score.bias is not None else torch.zeros(1))
         param = next(backbone.parameters())
         self.value_head.to(device=param.device, dtype=param.dtype)
 
