@@ -27,68 +27,9 @@
 # all actor ranks (the checkpoint is written by all of them).
 set -euo pipefail
 
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/../.." && pwd)"
-
-NNODES="${NNODES:-4}"
-NODE_RANK="${NODE_RANK:-0}"
-NPROC_PER_NODE="${NPROC_PER_NODE:-16}"
-MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
-MASTER_PORT="${MASTER_PORT:-29500}"
-MODEL_PATH="${MODEL_PATH:-/models/Qwen2.5-7B-Instruct}"
-DATA_PATH="${DATA_PATH:-data/dsr.jsonl}"
-EVAL_PATH="${EVAL_PATH:-}"
-OUT_DIR="${OUT_DIR:-outputs/grpo_qwen2.5_7b_npu}"
-ROLLOUT_SHARE="${ROLLOUT_SHARE:-2/3}"
-PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-256}"
-RESPONSES_PER_PROMPT="${RESPONSES_PER_PROMPT:-8}"
-MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-4096}"
-BATCH_PROMPTS="${BATCH_PROMPTS:-4}"
-STEPS="${STEPS:-200}"
-TORCHRUN="${TORCHRUN:-torchrun}"
-PYTHON="${PYTHON:-python3}"
-
-die() { echo "$(basename "$0"): $*" >&2; exit 2; }
-for v in NNODES NPROC_PER_NODE MASTER_PORT; do
-  [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer, got '${!v}'"
-done
-[[ "$NODE_RANK" =~ ^[0-9]+$ ]] && (( NODE_RANK < NNODES )) \
-  || die "NODE_RANK must be an integer in 0..$((NNODES - 1)), got '$NODE_RANK'"
-[[ -e "$MODEL_PATH" ]] || echo "warning: MODEL_PATH $MODEL_PATH does not exist on this node" >&2
-[[ -e "$DATA_PATH" ]] || echo "warning: DATA_PATH $DATA_PATH does not exist on this node" >&2
-
-NPROC=$((NNODES * NPROC_PER_NODE))
-PLACEMENT_OUT="$("$PYTHON" "$HERE/placement.py" --nnodes "$NNODES" --per-node "$NPROC_PER_NODE" \
-  --rollout-share "$ROLLOUT_SHARE")"
-mapfile -t PLACEMENT <<<"$PLACEMENT_OUT"
-
-# The CANN environment, unless the caller has set it up already (set_env.sh reads unset variables).
-ASCEND_ENV="${ASCEND_ENV:-/usr/local/Ascend/ascend-toolkit/set_env.sh}"
-if [[ -z "${ASCEND_HOME_PATH:-}" && -f "$ASCEND_ENV" ]]; then
-  set +u; source "$ASCEND_ENV"; set -u
-fi
-export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1200}"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-
-EVAL_ARGS=()
-[[ -n "$EVAL_PATH" ]] && EVAL_ARGS=("data.eval_path=$EVAL_PATH")
-
-ARGS=(
-  --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE"
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-  -m asyncflow.cli train grpo
-  trainer.platform=npu "trainer.nproc=$NPROC"
-  "model.path=$MODEL_PATH" model.train_engine=mindspeed model.attn_implementation=sdpa
-  data.task=file "data.path=$DATA_PATH" "${EVAL_ARGS[@]}" data.chat_template=true data.max_prompt_tokens=1024
-  reward.name=math
-  rollout.engine=vllm "rollout.n=$RESPONSES_PER_PROMPT" "rollout.max_new_tokens=$MAX_NEW_TOKENS"
-  "rollout.batch_prompts=$BATCH_PROMPTS" rollout.temperature=1.0 rollout.gpu_memory_utilization=0.8
-  workflow.mode=async workflow.max_staleness=1 workflow.call_timeout_s=3600
-  placement.mode=disaggregated "${PLACEMENT[@]}"
-  warmup.enabled=false optim.lr=1e-6 optim.warmup_steps=10
-  "trainer.prompts_per_step=$PROMPTS_PER_STEP" "trainer.steps=$STEPS" trainer.time_budget_s=0
-  trainer.eval_every=25 "trainer.out_dir=$OUT_DIR" trainer.progress=false
-  "$@"
-)
-echo "+ $TORCHRUN ${ARGS[*]}" >&2
-exec "$TORCHRUN" "${ARGS[@]}"
+PLATFORM=npu TRAIN_ENGINE=mindspeed MODE=async PLACEMENT_MODE=disaggregated
+GPU_MEMORY_UTILIZATION=0.8 LR=1e-6
+DEFAULT_NNODES=4 DEFAULT_NPROC_PER_NODE=16 DEFAULT_PROMPTS_PER_STEP=256
+DEFAULT_MODEL_PATH=/models/Qwen2.5-7B-Instruct DEFAULT_OUT_DIR=outputs/grpo_qwen2.5_7b_npu
+SCRIPT_OVERRIDES=()
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/grpo_launch.sh"
