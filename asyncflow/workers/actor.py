@@ -35,7 +35,6 @@ class ActorWorker(Worker):
                                  process_group=self.process_group, platform=self.platform)
         self.sender: ws.WeightSender | None = None
         self.sync_timeout_s = sync_timeout_s
-        self.publish_s = 0.0
         self.published = 0
 
     # ---- optimisation ----------------------------------------------------------------------
@@ -119,8 +118,7 @@ class ActorWorker(Worker):
         packed = ws.pack_weights(sd, version, self.published)
         ws.LOCAL_MAILBOX.put(packed)
         self.sender.publish(packed)
-        self.publish_s = time.monotonic() - start
-        return {"bytes": packed.header.nbytes, "publish_s": self.publish_s}
+        return {"bytes": packed.header.nbytes, "publish_s": time.monotonic() - start}
 
     @register(Dispatch.ONE_TO_ALL)
     def wait_weights_sent(self) -> None:

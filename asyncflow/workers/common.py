@@ -59,18 +59,24 @@ def share_of(meta: Any, dp_rank: int, dp_size: int) -> Any:
     return meta.chunk(dp_size)[dp_rank]
 
 
-def per_token_column(worker: Any, meta: Any, column: str,
-                     compute: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]) -> None:
-    """This rank's share of ``meta``: fetch prompts and responses, compute one value per response
-    token, write them as ``column``. A rank with no rows still calls ``compute`` (empty lists):
-    sharded engines need every rank in their collectives."""
+def share_column(worker: Any, meta: Any, column: str,
+                 compute: Callable[[list[torch.Tensor], list[torch.Tensor]], Any]) -> None:
+    """This rank's share of ``meta``: fetch prompts and responses, compute ``column`` from them,
+    write it to those rows. A rank with no rows still calls ``compute`` (empty lists): sharded
+    engines need every rank in their collectives."""
     mine = meta.chunk(worker.dp_size)[worker.dp_rank]
     data = worker.tq.get_data(mine, ["prompt_ids", "response_ids"]) if len(mine) else None
     prompts = rows(data["prompt_ids"]) if data is not None else []
     responses = rows(data["response_ids"]) if data is not None else []
     out = compute(prompts, responses)
     if len(mine):
-        worker.tq.put({column: [x.float() for x in out]}, mine.partition, mine)
+        worker.tq.put({column: out}, mine.partition, mine)
+
+
+def per_token_column(worker: Any, meta: Any, column: str,
+                     compute: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]) -> None:
+    """``share_column`` for one float32 value per response token."""
+    share_column(worker, meta, column, lambda p, r: [x.float() for x in compute(p, r)])
 
 
 def pad(seqs: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

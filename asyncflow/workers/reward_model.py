@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..single_controller import Dispatch, Worker, register
-from .common import import_modules, rows, set_threads, train_engine_class
+from .common import import_modules, set_threads, share_column, train_engine_class
 
 
 def score_sequences(engine: Any, prompts: list[torch.Tensor], responses: list[torch.Tensor],
@@ -35,13 +35,8 @@ class RewardModelWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def compute(self, meta: Any) -> None:
-        mine = meta.chunk(self.dp_size)[self.dp_rank]
-        data = self.tq.get_data(mine, ["prompt_ids", "response_ids"]) if len(mine) else None
-        prompts = rows(data["prompt_ids"]) if data is not None else []
-        responses = rows(data["response_ids"]) if data is not None else []
-        scores = score_sequences(self.engine, prompts, responses, self.pad_id)  # every rank: collectives
-        if len(mine):
-            self.tq.put({"scores": torch.tensor(scores, dtype=torch.float32)}, mine.partition, mine)
+        share_column(self, meta, "scores", lambda p, r: torch.tensor(
+            score_sequences(self.engine, p, r, self.pad_id), dtype=torch.float32))
 
     @register(Dispatch.ONE_TO_ALL)
     def stats(self) -> dict:

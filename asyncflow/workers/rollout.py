@@ -89,10 +89,7 @@ class RolloutWorker(Worker):
                                    f"{self.engine.version}, and no weights were published to it")
             self.receiver.join()
             packed = self.receiver.take()
-        if packed is not None:
-            self.engine.load_weights(packed.state_dict(), packed.header.version)
-            self.seq = packed.header.seq
-            self.swaps += 1
+        self._load(packed)
         if self.engine.version < min_version:
             raise RuntimeError(f"rollout rank {self.rank}: holds policy version {self.engine.version} after "
                                f"the swap, but this batch needs {min_version}")
@@ -101,7 +98,9 @@ class RolloutWorker(Worker):
         """Wait for a receive in flight, then hold the newest weights published to this instance."""
         if self.receiver is not None and self.receiver.pending:
             self.receiver.join()
-        packed = self._staged()
+        self._load(self._staged())
+
+    def _load(self, packed: ws.PackedWeights | None) -> None:
         if packed is not None:
             self.engine.load_weights(packed.state_dict(), packed.header.version)
             self.seq = packed.header.seq

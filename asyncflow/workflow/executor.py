@@ -60,7 +60,6 @@ class StepReport:
 @dataclass
 class _StageState:
     taken: dict[int, int] = field(default_factory=dict)  # step -> rows taken so far
-    busy_s: float = 0.0
     low: int = 0  # steps below this one are done for the stage
 
 
@@ -93,7 +92,6 @@ class Executor:
         self.step_timing: dict[int, dict[str, float]] = {}
         self.role_busy: dict[str, float] = {}
         self.step_started: dict[int, float] = {}
-        self.rows_issued = 0
         self.prompts_issued = 0
         self._closers: set[asyncio.Task] = set()
         self._closer_errors: list[BaseException] = []
@@ -156,7 +154,6 @@ class Executor:
         t0 = self.timeline.now() if self.timeline is not None else 0.0
         result = await call
         dur = time.monotonic() - start
-        self.state.setdefault(stage.name, _StageState()).busy_s += dur
         self.role_busy[role] = self.role_busy.get(role, 0.0) + dur
         timing = self.step_timing.setdefault(step, {})
         timing[stage.name] = timing.get(stage.name, 0.0) + dur
@@ -266,7 +263,6 @@ class Executor:
         s = self.ledger.step(t)
         s.issued += n_rows
         s.prompts += n_prompts
-        self.rows_issued += n_rows
         self.prompts_issued += n_prompts
         await self.ledger.notify()
 
@@ -326,7 +322,6 @@ class Executor:
             s = self.ledger.step(t)
             if rows_drop:
                 await self.tq.clear_rows(meta.select(rows_drop))
-                s.rejected += len(rows_drop)
             s.accepted += len(rows_keep)
             if rows_keep:
                 import torch

@@ -1,4 +1,4 @@
-"""The driver's account of each step's rows: issued, rejected (dynamic sampling), closed.
+"""The driver's account of each step's rows: issued, kept by a filter (dynamic sampling), closed.
 
 A stage knows from it how many rows of a step it has yet to see, so it never waits
 for rows that will not come: rows issued so far (or, for stages after a filter, rows
@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 @dataclass
 class StepRows:
     issued: int = 0
-    rejected: int = 0
     accepted: int = 0  # rows a filter kept
     accepted_groups: int = 0
     rejected_groups: int = 0
