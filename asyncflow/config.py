@@ -109,6 +109,9 @@ class OptimSettings:
     grad_clip: float = 1.0
     min_lr_ratio: float = 1.0  # 1.0: constant after warm-up
     micro_batch_tokens: int = 8192
+    # A step whose loss or gradient norm is NaN/inf is skipped (weights and optimizer untouched)
+    # and reported; this many skipped in a row stop the run.
+    max_nonfinite_in_row: int = 3
 
 
 @dataclass
@@ -152,6 +155,13 @@ class TrainerConfig:
     progress: bool = True
     log_samples: bool = True  # samples.jsonl: prompt index, seed, policy version, score, response ids per trained row
     threads: int = 0  # torch threads per rank (0: torch's default)
+    # Checkpoints during RL under out_dir/checkpoints/step_<n> (0: only the final one); the newest
+    # keep_checkpoints complete ones are kept.
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    # "": start fresh; "auto": continue from the newest complete checkpoint in out_dir (fresh if none);
+    # or a checkpoint directory.
+    resume: str = ""
 
 
 @dataclass
@@ -217,6 +227,11 @@ def _check(cfg: RunSettings) -> RunSettings:
             if not ranks or bad:
                 problems.append(f"placement.{name}: {list(ranks)} must be non-empty ranks within "
                                 f"0..{t.nproc - 1} (trainer.nproc={t.nproc})")
+    if t.save_every < 0 or t.keep_checkpoints < 1:
+        problems.append(f"trainer.save_every must be >= 0 and trainer.keep_checkpoints >= 1, got "
+                        f"{t.save_every} and {t.keep_checkpoints}")
+    if cfg.optim.max_nonfinite_in_row < 1:
+        problems.append(f"optim.max_nonfinite_in_row: must be >= 1, got {cfg.optim.max_nonfinite_in_row}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return cfg
