@@ -124,7 +124,8 @@ class Training:
     def _optim(self, o: Any) -> dict:
         total = max(self.cfg.trainer.steps, o.warmup_steps)  # the cosine (min_lr_ratio < 1) spans trainer.steps
         return {"lr": o.lr, "warmup_steps": o.warmup_steps, "weight_decay": o.weight_decay, "total_steps": total,
-                "grad_clip": o.grad_clip, "min_lr_ratio": o.min_lr_ratio, "micro_batch_tokens": o.micro_batch_tokens}
+                "grad_clip": o.grad_clip, "min_lr_ratio": o.min_lr_ratio, "micro_batch_tokens": o.micro_batch_tokens,
+                "max_nonfinite_in_row": o.max_nonfinite_in_row}
 
     async def sync_weights(self, version: int) -> None:
         """Publish the actor's weights as ``version`` and have every instance take them."""

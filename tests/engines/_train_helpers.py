@@ -112,7 +112,66 @@ def dist_child(rank: int, world: int, workdir: str) -> None:
         out["ckpt"] = {"a_metrics": a_metrics, "b_metrics": b_metrics, "a_state": a_state,
                        "b_state": b.full_state_dict(), "extra": extra, "b_step": b.step,
                        "a_rand": a_rand, "b_rand": b_rand_after_load, "rank_files": sorted(os.listdir(Path(workdir) / "ckpt" / "rng"))}
+        out["nonfinite"] = _nonfinite_scenario(rank, group, platform, mine)
+        out["ckpt_fail"] = _failed_save_scenario(rank, a, Path(workdir) / "ckpt")
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         out = {"error": traceback.format_exc()}
     torch.save(out, Path(workdir) / f"rank{rank}.pt")
+
+
+def nan_on_rank1(rank: int):
+    """ppo_loss, but NaN on rank 1 only: one bad rank must make every rank skip."""
+    def loss_fn(log_probs, entropy, mask, fields, norm):
+        loss, metrics = ppo_loss(log_probs, entropy, mask, fields, norm)
+        return (loss * float("nan") if rank == 1 else loss), metrics
+    return loss_fn
+
+
+def _nonfinite_scenario(rank: int, group, platform, batch) -> dict:
+    """good step, NaN step (skipped), NaN step again (limit 2: raises)."""
+    from asyncflow.engines.train import FSDPEngine, NonFiniteUpdateError, OptimConfig
+
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2, micro_batch_tokens=24, max_nonfinite_in_row=2)
+    e = FSDPEngine(lambda: tiny_model(seed=0), cfg, process_group=group, platform=platform)
+    good = e.train_step(*batch, ppo_loss)
+    before = e.full_state_dict()
+    moments = {k: v.clone() for k, v in e.optimizer.state[next(iter(e.model.parameters()))].items()
+               if isinstance(v, Tensor) and v.dim() > 0 and not hasattr(v, "full_tensor")}
+    lr_before = e.scheduler.get_last_lr()[0]
+    bad = e.train_step(*batch, nan_on_rank1(rank))
+    after = e.full_state_dict()
+    moments_after = {k: v.clone() for k, v in e.optimizer.state[next(iter(e.model.parameters()))].items()
+                     if k in moments}
+    error = ""
+    try:
+        e.train_step(*batch, nan_on_rank1(rank))
+    except NonFiniteUpdateError as exc:
+        error = str(exc)
+    return {"good": good, "bad": bad, "step": e.step, "lr_same": lr_before == e.scheduler.get_last_lr()[0],
+            "weights_same": all(torch.equal(before[k], after[k]) for k in before),
+            "moments_same": all(torch.equal(moments[k], moments_after[k]) for k in moments), "error": error}
+
+
+def _failed_save_scenario(rank: int, engine, path: Path) -> dict:
+    """Rank 1 cannot write (the OS refuses: RLIMIT_FSIZE, as with a full disk); the
+    checkpoint already at ``path`` must stay byte for byte as it was."""
+    import hashlib
+    import resource
+
+    def digest() -> dict:
+        return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+                for f in sorted(path.rglob("*")) if f.is_file()}
+    before = digest()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512, hard))
+    error = ""
+    try:
+        engine.save_checkpoint(path, extra={"data_pos": 99})
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    leftovers = sorted(p.name for p in path.parent.iterdir() if p.name.startswith("."))
+    return {"error": error, "same": before == digest() and bool(before), "leftovers": leftovers}

@@ -101,3 +101,22 @@ def test_two_rank_checkpoint_resume_equals_continue(dist_results):
             assert c["b_metrics"][key] == pytest.approx(c["a_metrics"][key], abs=1e-6), (r, key)
     a, b = dist_results[0]["ckpt"]["a_state"], dist_results[0]["ckpt"]["b_state"]
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_nonfinite_update_is_skipped_on_every_rank_then_stops_the_run(dist_results):
+    for r in range(WORLD):
+        n = dist_results[r]["nonfinite"]
+        assert n["good"]["skipped_nonfinite"] == 0.0
+        assert n["bad"]["skipped_nonfinite"] == 1.0, f"rank {r} did not skip the NaN step"
+        assert n["step"] == 1 and n["lr_same"], "a skipped update must not advance the step or the LR schedule"
+        assert n["weights_same"] and n["moments_same"], f"rank {r}: a skipped update changed the state"
+        assert "2 updates in a row" in n["error"] and "optim.max_nonfinite_in_row" in n["error"], n["error"]
+
+
+def test_failed_checkpoint_write_raises_everywhere_and_keeps_the_previous_one(dist_results):
+    for r in range(WORLD):
+        f = dist_results[r]["ckpt_fail"]
+        assert "rank 1" in f["error"] and "previous checkpoint there is untouched" in f["error"], f["error"]
+        assert f["same"], f"rank {r}: the previous checkpoint changed"
+    # rank 0 removes the partial write before it raises (the other ranks may look earlier)
+    assert not [x for x in dist_results[0]["ckpt_fail"]["leftovers"] if x.endswith(".tmp")]

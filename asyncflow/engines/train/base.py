@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["LossFn", "LossNorm", "OptimConfig", "TrainEngine"]
+__all__ = ["LossFn", "LossNorm", "NonFiniteUpdateError", "OptimConfig", "TrainEngine"]
 
 
 @dataclass
@@ -34,6 +34,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
     grad_clip: float = 1.0  # max total grad norm; <= 0 => no clipping (norm still reported)
     micro_batch_tokens: int = 8192  # token budget per micro-batch (prompt+response, padded size)
+    # A step with a NaN/inf loss or gradient norm is skipped; this many in a row raise NonFiniteUpdateError.
+    max_nonfinite_in_row: int = 3
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -50,9 +52,15 @@ class OptimConfig:
             )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_nonfinite_in_row < 1:
+            raise ValueError(f"OptimConfig.max_nonfinite_in_row must be >= 1, got {self.max_nonfinite_in_row}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"OptimConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         self.betas = (float(self.betas[0]), float(self.betas[1]))
+
+
+class NonFiniteUpdateError(FloatingPointError):
+    """Too many updates in a row had a NaN/inf loss or gradient norm: training diverged."""
 
 
 @dataclass

@@ -108,12 +108,26 @@ def _publish(tmp: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _root_cause(exc: BaseException) -> str:
+    """The innermost OS-level cause (e.g. 'No space left on device'), not DCP's wrapper text."""
+    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: exception}
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))  # an exception, or (exception, traceback)
+        first = next((x for x in first if isinstance(x, BaseException)), None) if isinstance(first, tuple) else first
+        if isinstance(first, BaseException):
+            exc = first
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc)
+
+
 def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any, step: int, extra: dict[str, Any] | None,
                     process_group: dist.ProcessGroup | None, platform: Platform) -> None:
     """Save atomically (see module docstring). Collective: every rank of the group calls it
     with the same path."""
     import torch.distributed.checkpoint as dcp  # ~1.5 s to import: only when used
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rank, world = _rank_world(process_group)
@@ -143,8 +157,8 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
             meta = {"format": FORMAT_VERSION, "step": step, "world_size": world,
                     "scheduler": scheduler.state_dict(), "extra": extra or {}}
             torch.save(meta, tmp / "meta.pt")
-    except Exception as exc:  # noqa: BLE001 - reported to every rank below
-        error = f"{type(exc).__name__}: {exc}"
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported to every rank below
+        error = f"{type(exc).__name__}: {_root_cause(exc)}"
     errors = gather_errors(error, process_group)
     if not errors and rank == 0:
         try:

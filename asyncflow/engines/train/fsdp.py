@@ -22,6 +22,8 @@ Per train_step:
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 import shutil
 from pathlib import Path
@@ -33,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from asyncflow.engines.train import checkpoint as ckpt
-from asyncflow.engines.train.base import LossFn, LossNorm, OptimConfig, TrainEngine, check_batch
+from asyncflow.engines.train.base import (LossFn, LossNorm, NonFiniteUpdateError, OptimConfig, TrainEngine,
+                                          check_batch)
 from asyncflow.engines.train.microbatch import (MicroBatch, build_micro_batch, empty_micro_batch,
                                                 plan_micro_batches, slice_fields)
 from asyncflow.engines.train.schedule import build_scheduler
@@ -41,6 +44,8 @@ from asyncflow.engines.train.value_model import ValueModel
 from asyncflow.platform import Platform, get_platform
 
 __all__ = ["FSDPEngine", "decoder_layers"]
+
+log = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -75,6 +80,7 @@ class FSDPEngine(TrainEngine):
         self.platform.set_device(self.device)
         self.mixed_precision = self.platform.is_accelerator if mixed_precision is None else mixed_precision
         self.step = 0
+        self.nonfinite_in_row = 0  # skipped updates since the last good one
 
         model = model_factory()
         self.hf_config = getattr(model, "config", None)
@@ -256,17 +262,36 @@ class FSDPEngine(TrainEngine):
             (loss * self.world_size).backward()
             loss_sum += loss.detach().double()
 
-        grad_norm = self._clip_grad_norm()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-
+        grad_norm = self._clip_grad_norm()  # the global norm: the same on every rank
         loss_total = self._all_reduce([loss_sum.item()], dist.ReduceOp.SUM)[0]
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(loss_total))
+        if skipped:  # every rank sees the same global values, so all skip together
+            self._skip_nonfinite(loss_total, grad_norm)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            self.nonfinite_in_row = 0
+
         out = {"loss": loss_total, "grad_norm": grad_norm, "lr": float(lr),
-               "n_micro_batches": float(count), "tokens": num_tokens}
+               "n_micro_batches": float(count), "tokens": num_tokens, "skipped_nonfinite": float(skipped)}
         out.update(self._average_metrics(metric_sums, len(groups)))
         return out
+
+    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
+        """Leave weights, optimizer moments and the LR schedule as they were; stop after too many."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_row += 1
+        limit = self.optim_config.max_nonfinite_in_row
+        what = f"loss {loss}, grad norm {grad_norm}"
+        if self.nonfinite_in_row >= limit:
+            raise NonFiniteUpdateError(
+                f"rank {self.rank}: {self.nonfinite_in_row} updates in a row had a non-finite loss or gradient "
+                f"norm (last: {what}); training diverged. Lower the learning rate, check rewards and data for "
+                f"NaN/inf, or raise optim.max_nonfinite_in_row (now {limit}) to tolerate more")
+        log.warning("rank %d: update skipped (%d in a row of at most %d): %s", self.rank, self.nonfinite_in_row,
+                    limit, what)
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
