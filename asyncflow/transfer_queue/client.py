@@ -2,14 +2,18 @@
 
 A client talks to the controller for metadata and straight to the storage units for
 bytes, over persistent connections. Reads are routed by row id (the unit is in the
-id's high bits), so fetching data never asks the controller. Both clients share the
-request planning and reply assembly below; they differ only in how they wait.
+id's high bits) or by the meta's per-column locations, so fetching data does not ask
+the controller. A client with a preferred unit (by default the unit of its node, see
+``locality``) writes there: new rows, and columns it adds to rows living elsewhere.
+Both clients share the request planning and reply assembly below; they differ only in
+how they wait.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import threading
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -17,7 +21,8 @@ import zmq
 import zmq.asyncio
 
 from .columns import Column, column_from_wire, column_to_wire, concat, to_columns, to_tensordict
-from .errors import BadPutError, TransferQueueError
+from .errors import BadPutError, TransferQueueError, TransferQueueTimeout
+from .locality import local_node, local_unit
 from .meta import BatchMeta, ids_from_wire, ids_to_wire, unit_of
 from .transport import BlockingRpcClient, RpcClient
 
@@ -36,9 +41,11 @@ def _positions_by_unit(rows: Sequence[int]) -> dict[int, list[int]]:
     return out
 
 
-def _plan_put(data: Any, partition: str, meta: BatchMeta | None,
-              groups: Sequence[int] | None) -> tuple[list[str], list[tuple[int | None, dict]]]:
-    """Validate a put and split it into unit requests: ``(unit or None for new rows, args)``."""
+def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequence[int] | None,
+              target: int | None = None) -> tuple[list[str], list[tuple[int | None, dict]]]:
+    """Validate a put and split it into unit requests: ``(unit or None for new rows, args)``.
+    Columns added to existing rows go to ``target`` when given (the writer's own unit),
+    else to each row's home unit."""
     cols, n = to_columns(data)
     names = list(cols)
     if meta is None:
@@ -55,6 +62,9 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None,
         raise BadPutError(f"meta is of partition {meta.partition!r}, put targets {partition!r}")
     if len(meta) != n:
         raise BadPutError(f"put into {partition!r}: data has {n} rows, meta names {len(meta)}")
+    if target is not None:
+        return names, [(target, {"partition": partition, "rows": ids_to_wire(meta.rows),
+                                 "columns": {k: column_to_wire(c) for k, c in cols.items()}})]
     by_unit = _positions_by_unit(meta.rows)
     calls = []
     for u, pos in by_unit.items():
@@ -64,24 +74,65 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None,
     return names, calls
 
 
-def _plan_get(meta: BatchMeta, columns: Sequence[str] | None) -> tuple[list[str], dict[int, list[int]]]:
+# A read request to one unit: (unit, positions in the meta, column names).
+_Request = tuple[int, list[int], list[str]]
+
+
+def _get_names(meta: BatchMeta, columns: Sequence[str] | None) -> list[str]:
     names = list(meta.columns if columns is None else columns)
     if not meta.rows:
         raise BadPutError(f"get_data of an empty batch of partition {meta.partition!r}")
     if not names:
         raise BadPutError(f"get_data of no columns from partition {meta.partition!r}")
-    return names, _positions_by_unit(meta.rows)
+    return names
 
 
-def _assemble(names: list[str], by_unit: dict[int, list[int]], replies: list[dict]) -> dict[str, Column]:
+def _unlocated(meta: BatchMeta, names: list[str], n_units: int) -> list[str]:
+    """Columns whose place the meta cannot tell: not its own columns (a get_meta names where
+    those are) and possibly written off-home, which only happens with several units."""
+    if n_units <= 1:
+        return []
+    return [c for c in names if c not in meta.locations and c not in meta.columns]
+
+
+def _plan_get(meta: BatchMeta, names: list[str]) -> list[_Request]:
+    """Requests by unit; columns whose cells sit on the same units travel together."""
+    by_layout: dict[Any, list[str]] = {}
+    for c in names:
+        units = meta.locations.get(c)
+        by_layout.setdefault(None if units is None else tuple(units), []).append(c)
+    out: list[_Request] = []
+    for layout, cols in by_layout.items():
+        if layout is None:
+            by_unit = _positions_by_unit(meta.rows)
+        else:
+            by_unit = {}
+            for i, u in enumerate(layout):
+                by_unit.setdefault(u, []).append(i)
+        out += [(u, pos, cols) for u, pos in by_unit.items()]
+    return out
+
+
+def _assemble(names: list[str], requests: list[_Request], replies: list[dict]) -> dict[str, Column]:
     """Unit replies -> columns in the meta's row order."""
     if len(replies) == 1:
         return {k: column_from_wire(replies[0][k]) for k in names}
-    order = [i for pos in by_unit.values() for i in pos]
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
-    inv = inverse.tolist()
-    return {k: concat([column_from_wire(r[k]) for r in replies]).take(inv) for k in names}
+    out = {}
+    for k in names:
+        parts = [(pos, reply[k]) for (_, pos, cols), reply in zip(requests, replies) if k in cols]
+        if len(parts) == 1:
+            out[k] = column_from_wire(parts[0][1])
+            continue
+        order = [i for pos, _ in parts for i in pos]
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        out[k] = concat([column_from_wire(w) for _, w in parts]).take(inverse.tolist())
+    return out
+
+
+def _unit_timeout(index: int, address: str, e: TransferQueueTimeout) -> TransferQueueTimeout:
+    return TransferQueueTimeout(f"storage unit {index} ({address}) did not answer: its process (or its node's "
+                                f"rank) may have died: {e}")
 
 
 def _new_rows_meta(partition: str, names: list[str], groups: Any, reply: dict) -> BatchMeta:
@@ -100,7 +151,7 @@ class _Units:
     """Which storage units exist, and which one takes the next put of new rows."""
 
     def __init__(self, preferred: int | None):
-        self.preferred = preferred
+        self.preferred = preferred if preferred is not None else local_unit()
         self.addresses: dict[int, str] = {}
         self._rr = itertools.count()
 
@@ -124,13 +175,19 @@ class _Units:
 # ---- async client (driver, event-loop code) -----------------------------------------------
 
 class AsyncTransferQueueClient:
+    """``preferred_unit``: where this client writes (default: its node's unit, else new rows
+    spread over all units); ``node``: the writer's node, reported in unit stats (default:
+    this process's node)."""
+
     def __init__(self, controller_address: str, *, timeout: float = 60.0, wait_timeout: float = 300.0,
-                 preferred_unit: int | None = None, ctx: zmq.asyncio.Context | None = None):
+                 preferred_unit: int | None = None, node: int | None = None,
+                 ctx: zmq.asyncio.Context | None = None):
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self.timeout = timeout
         self.wait_timeout = wait_timeout
         self.controller = RpcClient(controller_address, self._ctx, timeout)
         self._units = _Units(preferred_unit)
+        self.node = node if node is not None else local_node()
         self._endpoints: dict[int, RpcClient] = {}
 
     async def _refresh_units(self) -> None:
@@ -148,6 +205,22 @@ class AsyncTransferQueueClient:
                 raise TransferQueueError(f"storage unit {index} is not registered with the controller "
                                          f"(known: {sorted(self._endpoints)})")
         return self._endpoints[index]
+
+    async def _call_unit(self, index: int, ep: RpcClient, method: str, /, **args: Any) -> Any:
+        try:
+            return await ep.call(method, **args)
+        except TransferQueueTimeout as e:
+            raise _unit_timeout(index, ep.address, e) from None
+
+    async def _located(self, meta: BatchMeta, names: list[str]) -> BatchMeta:
+        if not self._endpoints:
+            await self._refresh_units()
+        ask = _unlocated(meta, names, len(self._units.addresses))
+        if not ask:
+            return meta
+        got = await self.controller.call("locate", partition=meta.partition, rows=ids_to_wire(meta.rows),
+                                         columns=ask)
+        return replace(meta, locations={**meta.locations, **{c: ids_from_wire(u) for c, u in got.items()}})
 
     async def create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
         await self.controller.call("create_partition", partition=partition, tasks=list(tasks))
@@ -176,14 +249,23 @@ class AsyncTransferQueueClient:
                   groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta:
         """Write ``data`` (a TensorDict or a dict of columns). Without ``meta`` the rows are new;
         with ``meta`` the columns are added to the rows it names, in its row order."""
-        names, calls = _plan_put(data, partition, meta, groups)
+        target = None
+        if meta is not None and self._units.preferred is not None:
+            target = self._units.preferred
+        names, calls = _plan_put(data, partition, meta, groups, target)
         wait = self.wait_timeout if timeout is None else timeout
-        eps = [await self._unit(u) for u, _ in calls]
-        res = await asyncio.gather(*(ep.call("put", _timeout=wait + _REPLY_MARGIN_S, timeout=wait, **args)
-                                     for ep, (_, args) in zip(eps, calls)))
+        if not self._endpoints:
+            await self._refresh_units()
+        idx = [self._units.pick() if u is None else u for u, _ in calls]
+        eps = [await self._unit(i) for i in idx]
+        res = await asyncio.gather(*(self._call_unit(i, ep, "put", _timeout=wait + _REPLY_MARGIN_S, timeout=wait,
+                                                     node=self.node, **args)
+                                     for i, ep, (_, args) in zip(idx, eps, calls)))
         if meta is None:
             return _new_rows_meta(partition, names, calls[0][1]["groups"], res[0])
-        return meta.with_columns(names)
+        out = meta.with_columns(names)
+        return out.stored_at(names, target) if target is not None else out
+
 
     async def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                        sampler: Any = "sequential", *, allow_partial: bool = False,
@@ -200,12 +282,15 @@ class AsyncTransferQueueClient:
 
     async def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]:
         """The requested columns of the meta's rows, in the meta's row order."""
-        names, by_unit = _plan_get(meta, columns)
-        eps = [await self._unit(u) for u in by_unit]
+        names = _get_names(meta, columns)
+        meta = await self._located(meta, names)
+        requests = _plan_get(meta, names)
+        eps = [await self._unit(u) for u, _, _ in requests]
         replies = await asyncio.gather(*(
-            ep.call("get", partition=meta.partition, rows=ids_to_wire([meta.rows[i] for i in pos]), columns=names)
-            for ep, pos in zip(eps, by_unit.values())))
-        return _assemble(names, by_unit, list(replies))
+            self._call_unit(u, ep, "get", partition=meta.partition, rows=ids_to_wire([meta.rows[i] for i in pos]),
+                            columns=cols)
+            for ep, (u, pos, cols) in zip(eps, requests)))
+        return _assemble(names, requests, list(replies))
 
     async def get_data(self, meta: BatchMeta, columns: Sequence[str] | None = None):
         """A TensorDict of the meta's rows (in its order) with only the requested columns.
@@ -229,12 +314,13 @@ class TransferQueueClient:
     """
 
     def __init__(self, controller_address: str, *, timeout: float = 60.0, wait_timeout: float = 300.0,
-                 preferred_unit: int | None = None, ctx: zmq.Context | None = None):
+                 preferred_unit: int | None = None, node: int | None = None, ctx: zmq.Context | None = None):
         self._ctx = ctx or zmq.Context.instance()
         self.timeout = timeout
         self.wait_timeout = wait_timeout
         self.controller = BlockingRpcClient(controller_address, self._ctx, timeout)
         self._units = _Units(preferred_unit)
+        self.node = node if node is not None else local_node()
         self._endpoints: dict[int, BlockingRpcClient] = {}
         self._lock = threading.Lock()
 
@@ -255,6 +341,21 @@ class TransferQueueClient:
                 raise TransferQueueError(f"storage unit {index} is not registered with the controller "
                                          f"(known: {sorted(self._endpoints)})")
         return self._endpoints[index]
+
+    def _recv_unit(self, index: int, ep: BlockingRpcClient, ticket: Any, timeout: float | None = None) -> Any:
+        try:
+            return ep.recv(ticket, timeout)
+        except TransferQueueTimeout as e:
+            raise _unit_timeout(index, ep.address, e) from None
+
+    def _located(self, meta: BatchMeta, names: list[str]) -> BatchMeta:
+        if not self._endpoints:
+            self._refresh_units()
+        ask = _unlocated(meta, names, len(self._units.addresses))
+        if not ask:
+            return meta
+        got = self.controller.call("locate", partition=meta.partition, rows=ids_to_wire(meta.rows), columns=ask)
+        return replace(meta, locations={**meta.locations, **{c: ids_from_wire(u) for c, u in got.items()}})
 
     def create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
         self.controller.call("create_partition", partition=partition, tasks=list(tasks))
@@ -280,16 +381,21 @@ class TransferQueueClient:
 
     def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
             groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta:
-        names, calls = _plan_put(data, partition, meta, groups)
+        target = self._units.preferred if meta is not None else None
+        names, calls = _plan_put(data, partition, meta, groups, target)
         wait = self.wait_timeout if timeout is None else timeout
         sent = []
+        if not self._endpoints:
+            self._refresh_units()
         for u, args in calls:
+            u = self._units.pick() if u is None else u
             ep = self._unit(u)
-            sent.append((ep, ep.send("put", timeout=wait, **args)))
-        res = [ep.recv(ticket, wait + _REPLY_MARGIN_S) for ep, ticket in sent]
+            sent.append((u, ep, ep.send("put", timeout=wait, node=self.node, **args)))
+        res = [self._recv_unit(u, ep, ticket, wait + _REPLY_MARGIN_S) for u, ep, ticket in sent]
         if meta is None:
             return _new_rows_meta(partition, names, calls[0][1]["groups"], res[0])
-        return meta.with_columns(names)
+        out = meta.with_columns(names)
+        return out.stored_at(names, target) if target is not None else out
 
     def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                  sampler: Any = "sequential", *, allow_partial: bool = False, timeout: float | None = None,
@@ -300,13 +406,15 @@ class TransferQueueClient:
         return BatchMeta.from_wire(self.controller.call("get_meta", _timeout=wait + _REPLY_MARGIN_S, **args))
 
     def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]:
-        names, by_unit = _plan_get(meta, columns)
+        names = _get_names(meta, columns)
+        meta = self._located(meta, names)
+        requests = _plan_get(meta, names)
         sent = []
-        for u, pos in by_unit.items():
+        for u, pos, cols in requests:
             ep = self._unit(u)
-            sent.append((ep, ep.send("get", partition=meta.partition, rows=ids_to_wire([meta.rows[i] for i in pos]),
-                                     columns=names)))
-        return _assemble(names, by_unit, [ep.recv(t) for ep, t in sent])
+            sent.append((u, ep, ep.send("get", partition=meta.partition,
+                                        rows=ids_to_wire([meta.rows[i] for i in pos]), columns=cols)))
+        return _assemble(names, requests, [self._recv_unit(u, ep, t) for u, ep, t in sent])
 
     def get_data(self, meta: BatchMeta, columns: Sequence[str] | None = None):
         return to_tensordict(self.get_columns(meta, columns), len(meta))

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from .columns import FieldSchema
 from .errors import (BadPutError, RowsClearedError, SchemaMismatchError, TransferQueueTimeout,
                      UnknownPartitionError, UnknownTaskError)
-from .meta import BatchMeta, ids_from_wire, unit_of
+from .meta import BatchMeta, ids_from_wire, ids_to_wire, unit_of
 from .recent import RecentSet
 from .samplers import Sampler, build_sampler
 
@@ -54,6 +54,8 @@ class _Partition:
         self.subs: dict[str, dict[tuple[str, ...], _Subscription]] = {}
         self.subs_by_column: dict[str, list[_Subscription]] = {}
         self.dp_shares: dict[tuple[str, str], _DPShare] = {}
+        # column -> {row: unit} for cells stored off the row's home unit (a producer on another node)
+        self.where: dict[str, dict[int, int]] = {}
         self.closed = False
         self.cleared = False
         self.changed = asyncio.Event()
@@ -125,6 +127,13 @@ class Controller:
         import zmq.asyncio
         return zmq.asyncio.Context.instance()
 
+    async def _unit_call(self, index: int, method: str, **args: Any) -> Any:
+        try:
+            return await self.units[index].call(method, **args)
+        except TransferQueueTimeout as e:  # name the unit: its process (a node's rank) may be gone
+            raise TransferQueueTimeout(f"storage unit {index} ({self.unit_addresses.get(index)}) did not answer "
+                                       f"{method}: {e}") from None
+
     async def rpc_info(self) -> dict:
         return {"units": {str(i): a for i, a in sorted(self.unit_addresses.items())}}
 
@@ -152,7 +161,7 @@ class Controller:
         self.cleared.add(partition)
         p.cleared = True
         p.wake()
-        await asyncio.gather(*(u.call("drop_partition", partition=partition) for u in self.units.values()))
+        await asyncio.gather(*(self._unit_call(u, "drop_partition", partition=partition) for u in self.units))
         return n
 
     async def rpc_clear_rows(self, partition: str, rows: Any) -> int:
@@ -169,10 +178,15 @@ class Controller:
             for sub in per_task.values():
                 for r in gone:
                     sub.ready.pop(r, None)
-        by_unit: dict[int, list[int]] = {}
+        by_unit: dict[int, set[int]] = {}
         for r in gone:
-            by_unit.setdefault(unit_of(r), []).append(r)
-        await asyncio.gather(*(self.units[u].call("drop_rows", partition=partition, rows=rs)
+            by_unit.setdefault(unit_of(r), set()).add(r)
+        for w in p.where.values():  # cells of these rows that producers stored on other units
+            for r in gone:
+                u = w.pop(r, None)
+                if u is not None:
+                    by_unit.setdefault(u, set()).add(r)
+        await asyncio.gather(*(self._unit_call(u, "drop_rows", partition=partition, rows=sorted(rs))
                                for u, rs in by_unit.items() if u in self.units))
         p.wake()  # fewer pending rows may end a stream
         return len(gone)
@@ -207,9 +221,10 @@ class Controller:
     # ---- writes (called by storage units after they stored the bytes) ------------------
 
     async def rpc_notify(self, partition: str, rows: Any, columns: dict, new_rows: bool,
-                         tokens: Any = None, groups: Any = None) -> None:
-        """Record that ``rows`` now have ``columns`` ({name: schema}). Validates everything
-        before changing anything, so a rejected write leaves no trace."""
+                         tokens: Any = None, groups: Any = None, unit: int | None = None) -> None:
+        """Record that ``rows`` now have ``columns`` ({name: schema}), stored in ``unit``
+        (None: the rows' home units). Validates everything before changing anything, so a
+        rejected write leaves no trace."""
         p = self._partition(partition)
         rows = ids_from_wire(rows)
         tokens = ids_from_wire(tokens) if tokens is not None else None
@@ -279,8 +294,19 @@ class Controller:
                 for r, old in zip(rows, olds):
                     if old & m != m and (old | add) & m == m and r not in consumed:
                         sub.ready[r] = None
+        if not new_rows and unit is not None:
+            self._record_where(p, rows, schemas, int(unit))
         self.stats["notify"] += 1
         p.wake()
+
+    @staticmethod
+    def _record_where(p: _Partition, rows: list[int], columns: dict, unit: int) -> None:
+        if rows and unit_of(min(rows)) == unit_of(max(rows)) == unit:
+            return  # all at home: the common case, nothing to remember
+        away = [r for r in rows if unit_of(r) != unit]
+        if away:
+            for c in columns:
+                p.where.setdefault(c, {}).update(dict.fromkeys(away, unit))
 
     # ---- reads -------------------------------------------------------------------------
 
@@ -318,7 +344,22 @@ class Controller:
     def _meta(self, p: _Partition, rows: list[int], columns: Sequence[str], dp_parts: list[int]) -> BatchMeta:
         groups = [p.groups.get(r, -1) for r in rows] if p.groups else []
         return BatchMeta(p.name, rows, list(columns), groups, list(map(p.tokens.get, rows, repeat(0))),
-                         False, dp_parts)
+                         False, dp_parts, self._locations(p, rows, columns))
+
+    @staticmethod
+    def _locations(p: _Partition, rows: list[int], columns: Sequence[str]) -> dict[str, list[int]]:
+        """Per column stored off-home for some of ``rows``: the unit of each row."""
+        out = {}
+        for c in columns:
+            w = p.where.get(c)
+            if w and rows and any(map(w.__contains__, rows)):
+                out[c] = [w.get(r, unit_of(r)) for r in rows]
+        return out
+
+    async def rpc_locate(self, partition: str, rows: Any, columns: Sequence[str]) -> dict:
+        """Where ``columns`` of ``rows`` are stored, for a reader whose meta does not say."""
+        p = self._partition(partition)
+        return {c: ids_to_wire(u) for c, u in self._locations(p, ids_from_wire(rows), columns).items()}
 
     def _missing_report(self, p: _Partition, task: str, columns: tuple[str, ...]) -> str:
         consumed = p.consumed.get(task, ())

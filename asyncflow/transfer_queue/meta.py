@@ -3,6 +3,11 @@
 It is what the driver hands to workers and what get_meta returns: metadata only,
 small enough to travel in a control message. The bytes stay in the storage units
 until a worker calls ``get_data(meta)``.
+
+A row lives in the unit named by its id (its *home*, where its first columns were
+put). A column added later by a producer on another node may be stored in that
+node's unit instead: ``locations`` then lists, for that column, the unit of each row.
+Columns absent from ``locations`` are at the rows' home units.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ class BatchMeta:
     tokens: list[int] = field(default_factory=list)  # tokens per row (sum over jagged columns)
     end_of_stream: bool = False  # no rows left for this task in this partition
     dp_parts: list[int] = field(default_factory=list)  # rows per data-parallel part, when split
+    locations: dict[str, list[int]] = field(default_factory=dict)  # column -> unit per row, off-home only
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -70,10 +76,23 @@ class BatchMeta:
             columns=list(columns) if columns is not None else list(self.columns),
             end_of_stream=False,
             dp_parts=[],
+            locations={c: [units[i] for i in idx] for c, units in self.locations.items()},
         )
 
     def with_columns(self, columns: Sequence[str]) -> "BatchMeta":
         return replace(self, columns=list(columns))
+
+    def unit_of_column(self, column: str) -> list[int]:
+        """The storage unit of each row's ``column``, in row order."""
+        units = self.locations.get(column)
+        return list(units) if units is not None else [unit_of(r) for r in self.rows]
+
+    def stored_at(self, columns: Sequence[str], unit: int) -> "BatchMeta":
+        """This meta after ``columns`` of all its rows were written to ``unit``."""
+        locations = {c: u for c, u in self.locations.items() if c not in columns}
+        if any(unit_of(r) != unit for r in self.rows):
+            locations.update({c: [unit] * len(self.rows) for c in columns})
+        return replace(self, locations=locations)
 
     def chunk(self, n: int) -> list["BatchMeta"]:
         """Split into ``n`` parts: the sampler's data-parallel split when it made one,
@@ -105,6 +124,8 @@ class BatchMeta:
             columns=list(first.columns),
             groups=[g for m in metas for g in m.groups] if all(m.groups for m in metas) else [],
             tokens=[t for m in metas for t in m.tokens] if all(m.tokens for m in metas) else [],
+            locations={c: [u for m in metas for u in m.unit_of_column(c)]
+                       for c in sorted({c for m in metas for c in m.locations})},
         )
 
     def to_wire(self) -> dict:
@@ -112,6 +133,7 @@ class BatchMeta:
             "partition": self.partition, "rows": ids_to_wire(self.rows), "columns": self.columns,
             "groups": ids_to_wire(self.groups), "tokens": ids_to_wire(self.tokens),
             "end_of_stream": self.end_of_stream, "dp_parts": self.dp_parts,
+            **({"locations": {c: ids_to_wire(u) for c, u in self.locations.items()}} if self.locations else {}),
         }
 
     @staticmethod
@@ -120,4 +142,5 @@ class BatchMeta:
             partition=w["partition"], rows=ids_from_wire(w["rows"]), columns=list(w["columns"]),
             groups=ids_from_wire(w.get("groups")), tokens=ids_from_wire(w.get("tokens")),
             end_of_stream=bool(w.get("end_of_stream", False)), dp_parts=list(w.get("dp_parts") or []),
+            locations={c: ids_from_wire(u) for c, u in (w.get("locations") or {}).items()},
         )

@@ -8,6 +8,11 @@ checking and freeing rows are tensor operations, not per-row Python work. Readin
 rows that sit contiguously in one batch is a view; other reads gather once per
 batch. A batch is freed when its last row is dropped. Row and byte capacity bound
 the unit: a put of new rows waits (backpressure) until clears make room.
+
+A unit also keeps columns that a producer on its node added to rows living in another
+unit ("foreign" rows: the controller records where such a column is). They are indexed
+per home unit like the unit's own rows, but hold no row of their own: row capacity
+counts the unit's own rows, bytes count everything stored.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import torch
 
 from .columns import Column, JaggedColumn, column_from_wire, column_to_wire, concat
 from .errors import BadPutError, CapacityError, RowsClearedError, UnknownPartitionError
-from .meta import LOCAL_MASK, MAX_UNITS, ids_from_wire, make_row_id
+from .meta import LOCAL_MASK, MAX_UNITS, UNIT_SHIFT, ids_from_wire, make_row_id
 from .recent import RecentSet
 
 _POS_BITS = 32  # a row's location in a unit: batch id in the high bits, position in the low
@@ -38,8 +43,9 @@ class _Batch:
 class _PartitionStore:
     """Row index of one partition in one unit, over local ids ``base .. base + size``."""
 
-    def __init__(self, base: int) -> None:
+    def __init__(self, base: int, foreign: bool = False) -> None:
         self.base = base
+        self.foreign = foreign  # columns of another unit's rows: ``exists`` means "holds a cell"
         self.exists = torch.zeros(0, dtype=torch.bool)
         self.ever = torch.zeros(0, dtype=torch.bool)  # rows this partition had, cleared or not
         self.codes: dict[str, torch.Tensor] = {}  # column -> int64 [size]; -1 where absent
@@ -64,6 +70,23 @@ class _PartitionStore:
             nc[:self.size] = c
             self.codes[name] = nc
         self.exists = ex
+
+    def cover(self, lo: int, hi: int) -> None:
+        """Make local ids ``lo .. hi-1`` addressable; a foreign store may see ids below its base."""
+        if self.size == 0:
+            self.base = lo
+        elif lo < self.base:
+            shift, old = self.base - lo, self.size
+            new = max(old + shift, hi - lo, 2 * old)
+
+            def moved(t: torch.Tensor, fill: Any) -> torch.Tensor:
+                out = torch.full((new,), fill, dtype=t.dtype)
+                out[shift:shift + old] = t
+                return out
+            self.exists, self.ever = moved(self.exists, False), moved(self.ever, False)
+            self.codes = {k: moved(c, -1) for k, c in self.codes.items()}
+            self.base = lo
+        self.grow(hi - self.base)
 
     def column(self, name: str) -> torch.Tensor:
         c = self.codes.get(name)
@@ -97,6 +120,11 @@ class StorageUnit:
         self.used_rows = 0
         self.used_bytes = 0
         self._freed = asyncio.Event()
+        # partition -> home unit -> columns this unit holds for that unit's rows
+        self.foreign: dict[str, dict[int, _PartitionStore]] = {}
+        # Rows and bytes put here, by the node of the client that put them ("-": not told).
+        self.put_rows_by_node: dict[str, int] = {}
+        self.put_bytes_by_node: dict[str, int] = {}
 
     # ---- capacity -----------------------------------------------------------------------
 
@@ -143,10 +171,49 @@ class StorageUnit:
         return RowsClearedError(f"partition {partition!r}: rows {rows[:5].tolist()} were never stored in "
                                 f"unit {self.index}")
 
+    def _groups(self, rows: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """``rows`` split by home unit: ``(home, positions)``; positions None means all rows."""
+        homes = rows >> UNIT_SHIFT
+        if not rows.numel() or bool((homes == homes[0]).all()):
+            return [(int(homes[0]) if rows.numel() else self.index, None)]
+        return [(int(h), torch.nonzero(homes == h).flatten()) for h in torch.unique(homes).tolist()]
+
+    def _store_of(self, partition: str, home: int) -> _PartitionStore | None:
+        if home == self.index:
+            return self.parts.get(partition)
+        return self.foreign.get(partition, {}).get(home)
+
+    def _holds(self, partition: str) -> bool:
+        return partition in self.parts or partition in self.foreign
+
+    def _check_column_put(self, partition: str, row_t: torch.Tensor, cols: dict[str, Column]) -> None:
+        """A put of columns to existing rows: own rows must exist here and lack those columns.
+        Foreign rows are checked by the controller (only it knows they exist); here only that
+        this unit does not already hold those columns for them."""
+        if int(torch.unique(row_t).numel()) != row_t.numel():
+            raise BadPutError(f"put into {partition!r} names a row twice")
+        for home, pos in self._groups(row_t):
+            sub = row_t if pos is None else row_t[pos]
+            ps = self._store_of(partition, home)
+            idx = ps.index_of(sub) if ps is not None else None
+            if home == self.index and (ps is None or idx is None or not bool(ps.exists[idx].all())):
+                raise self._missing_error(partition, ps, sub, idx)
+            if ps is None or idx is None:
+                continue
+            for name in cols:
+                c = ps.codes.get(name)
+                if c is not None:
+                    again = sub[c[idx] >= 0]
+                    if again.numel():
+                        raise BadPutError(f"partition {partition!r}: rows {again[:5].tolist()} already have "
+                                          f"column {name!r}; columns are written once per row")
+
     async def rpc_put(self, partition: str, columns: dict, rows: Any = None,
-                      groups: Sequence[int] | None = None, timeout: float | None = None) -> dict:
+                      groups: Sequence[int] | None = None, timeout: float | None = None,
+                      node: int | None = None) -> dict:
         """Store columns for new rows (``rows`` None: this unit assigns ids) or add columns
-        to existing rows of this unit. Returns the row ids and per-row token counts."""
+        to existing rows, this unit's own or another unit's. ``node``: the writer's node
+        (counted in stats). Returns the row ids and per-row token counts."""
         cols = {name: column_from_wire(w) for name, w in columns.items()}
         if not cols:
             raise BadPutError(f"put into {partition!r} carries no columns")
@@ -168,25 +235,11 @@ class StorageUnit:
             row_t = torch.as_tensor(ids_from_wire(rows, tensor=True), dtype=torch.long)
             if row_t.numel() != n:
                 raise BadPutError(f"put into {partition!r}: {n} rows of data for {row_t.numel()} row ids")
-            foreign = row_t[(row_t >> 40) != self.index]
-            if foreign.numel():
-                raise BadPutError(f"storage unit {self.index} got rows {foreign[:5].tolist()} that live on "
-                                  "other units")
-            ps = self.parts.get(partition)
-            idx = ps.index_of(row_t) if ps is not None else None
-            if ps is None or idx is None or not bool(ps.exists[idx].all()):
-                raise self._missing_error(partition, ps, row_t, idx)
-            for name in cols:
-                c = ps.codes.get(name)
-                if c is not None:
-                    again = row_t[c[idx] >= 0]
-                    if again.numel():
-                        raise BadPutError(f"partition {partition!r}: rows {again[:5].tolist()} already have "
-                                          f"column {name!r}; columns are written once per row")
-            if int(torch.unique(idx).numel()) != n:
-                raise BadPutError(f"put into {partition!r} names a row twice")
+            if bool((row_t < 0).any()) or bool(((row_t >> UNIT_SHIFT) >= MAX_UNITS).any()):
+                raise BadPutError(f"put into {partition!r}: row ids {row_t[:5].tolist()} are not row ids")
+            self._check_column_put(partition, row_t, cols)
         # No await between the checks above and storing: the unit's view cannot change.
-        fresh, was_dropped = partition not in self.parts, partition in self.dropped
+        fresh, was_dropped = not self._holds(partition), partition in self.dropped
         bid = self._store(partition, row_t, cols, new_rows)
         lens = [c.lengths() for c in cols.values() if isinstance(c, JaggedColumn)]
         tokens = torch.stack(lens).sum(0) if lens else torch.zeros(n, dtype=torch.long)
@@ -194,29 +247,43 @@ class StorageUnit:
             await self.controller.call(
                 "notify", partition=partition, rows=row_t, new_rows=new_rows,
                 columns={k: c.schema.to_wire() for k, c in cols.items()}, tokens=tokens,
-                groups=groups)
+                groups=groups, unit=self.index)
         except BaseException:
-            if bid in self.batches and partition in self.parts:  # the controller refused: leave no trace
+            if bid in self.batches:  # the controller refused: leave no trace
                 self._unstore(partition, bid, row_t, new_rows)  # (a clear meanwhile already freed it)
-            if fresh and self.parts.get(partition) is not None and not self.parts[partition].nrows:
-                del self.parts[partition]
-            if was_dropped and partition not in self.parts:
+            if fresh:
+                self._forget_if_empty(partition)
+            if was_dropped and not self._holds(partition):
                 self.dropped.add(partition)  # reads keep saying the partition was cleared
             raise
+        who = "-" if node is None else str(int(node))
+        self.put_rows_by_node[who] = self.put_rows_by_node.get(who, 0) + n
+        self.put_bytes_by_node[who] = self.put_bytes_by_node.get(who, 0) + nbytes
         return {"rows": row_t, "tokens": tokens}
 
-    def _store(self, partition: str, rows: torch.Tensor, cols: dict[str, Column], new_rows: bool) -> int:
+    def _forget_if_empty(self, partition: str) -> None:
         ps = self.parts.get(partition)
-        if ps is None:
-            ps = self.parts[partition] = _PartitionStore(int(rows[0]) & LOCAL_MASK if rows.numel() else 0)
-            self.dropped.discard(partition)
+        if ps is not None and not ps.nrows:
+            del self.parts[partition]
+        per_home = self.foreign.get(partition)
+        if per_home is not None:
+            for home in [h for h, fs in per_home.items() if not bool(fs.exists.any())]:
+                del per_home[home]
+            if not per_home:
+                del self.foreign[partition]
+
+    def _store(self, partition: str, rows: torch.Tensor, cols: dict[str, Column], new_rows: bool) -> int:
         n = rows.numel()
         bid = next(self._batch_ids)
         nbytes = sum(c.nbytes for c in cols.values())
         self.batches[bid] = _Batch(cols, nbytes, n * len(cols))
-        ps.batches.add(bid)
+        self.dropped.discard(partition)
         codes = torch.arange(bid << _POS_BITS, (bid << _POS_BITS) + n)
         if new_rows:
+            ps = self.parts.get(partition)
+            if ps is None:
+                ps = self.parts[partition] = _PartitionStore(int(rows[0]) & LOCAL_MASK if n else 0)
+            ps.batches.add(bid)
             a = (int(rows[0]) & LOCAL_MASK) - ps.base if n else 0
             ps.grow(a + n)
             ps.exists[a:a + n] = True
@@ -226,39 +293,71 @@ class StorageUnit:
             ps.nrows += n
             self.used_rows += n
         else:
-            idx = ps.index_of(rows)
-            for name in cols:
-                ps.column(name)[idx] = codes
+            for home, pos in self._groups(rows):
+                sub = rows if pos is None else rows[pos]
+                ps = self._store_of(partition, home)
+                if ps is None:  # only a foreign store can be missing here (checked before)
+                    ps = self.foreign.setdefault(partition, {})[home] = _PartitionStore(0, foreign=True)
+                if ps.foreign:
+                    local = sub & LOCAL_MASK
+                    ps.cover(int(local.min()), int(local.max()) + 1)
+                idx = ps.index_of(sub)
+                ps.batches.add(bid)
+                for name in cols:
+                    ps.column(name)[idx] = codes if pos is None else codes[pos]
+                if ps.foreign:
+                    ps.exists[idx] = True
+                    ps.ever[idx] = True
         self.used_bytes += nbytes
         return bid
 
     def _unstore(self, partition: str, bid: int, rows: torch.Tensor, new_rows: bool) -> None:
-        ps = self.parts[partition]
         batch = self.batches.pop(bid)
-        ps.batches.discard(bid)
-        idx = ps.index_of(rows)
-        for name in batch.columns:
-            ps.codes[name][idx] = -1
-        if new_rows:
-            ps.exists[idx] = False
-            ps.ever[idx] = False
-            ps.nrows -= rows.numel()
-            self.used_rows -= rows.numel()
         self.used_bytes -= batch.nbytes
+        for home, pos in ([(self.index, None)] if new_rows else self._groups(rows)):
+            sub = rows if pos is None else rows[pos]
+            ps = self._store_of(partition, home)
+            if ps is None:
+                continue
+            ps.batches.discard(bid)
+            idx = ps.index_of(sub)
+            for name in batch.columns:
+                ps.codes[name][idx] = -1
+            if new_rows:
+                ps.exists[idx] = False
+                ps.ever[idx] = False
+                ps.nrows -= sub.numel()
+                self.used_rows -= sub.numel()
+            elif ps.foreign:  # a foreign row is here while any of its cells is
+                held = torch.stack([c[idx] >= 0 for c in ps.codes.values()]).any(0)
+                ps.exists[idx] = held
 
     # ---- reads --------------------------------------------------------------------------
 
     async def rpc_get(self, partition: str, rows: Any, columns: Sequence[str]) -> dict:
-        ps = self.parts.get(partition)
-        if ps is None:
+        if not self._holds(partition):
             if partition in self.dropped:
                 raise RowsClearedError(f"partition {partition!r} was cleared; its rows cannot be read")
             raise UnknownPartitionError(f"storage unit {self.index} holds no partition {partition!r}")
         row_t = torch.as_tensor(ids_from_wire(rows, tensor=True), dtype=torch.long)
         if not row_t.numel():
             raise BadPutError(f"get of no rows from partition {partition!r}")
-        idx = ps.index_of(row_t)
-        if idx is None or not bool(ps.exists[idx].all()):
+        parts = self._groups(row_t)
+        if len(parts) == 1:
+            out = self._read(partition, parts[0][0], row_t, columns)
+        else:  # rows of several home units: read each, then back in the requested order
+            pieces = [(pos, self._read(partition, home, row_t[pos], columns)) for home, pos in parts]
+            order = torch.cat([pos for pos, _ in pieces])
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel())
+            inv = inverse.tolist()
+            out = {name: concat([p[name] for _, p in pieces]).take(inv) for name in columns}
+        return {name: column_to_wire(col) for name, col in out.items()}
+
+    def _read(self, partition: str, home: int, row_t: torch.Tensor, columns: Sequence[str]) -> dict[str, Column]:
+        ps = self._store_of(partition, home)
+        idx = ps.index_of(row_t) if ps is not None else None
+        if ps is None or idx is None or not bool(ps.exists[idx].all()):
             raise self._missing_error(partition, ps, row_t, idx)
         missing = [n for n in columns if n not in ps.codes]
         if missing:
@@ -269,7 +368,7 @@ class StorageUnit:
             name = columns[int(torch.nonzero((codes < 0).any(1))[0])]
             lacking = row_t[ps.codes[name][idx] < 0]
             raise RowsClearedError(f"partition {partition!r}: rows {lacking[:5].tolist()} have no column "
-                                   f"{name!r} yet")
+                                   f"{name!r} yet in unit {self.index}")
         n = row_t.numel()
         runs = (codes.diff(dim=1) == 1).all(1).tolist() if n > 1 else [True] * len(columns)
         firsts = codes[:, 0].tolist()
@@ -277,10 +376,9 @@ class StorageUnit:
         for j, name in enumerate(columns):
             if runs[j]:  # one batch read as it was written: a view
                 pos = firsts[j] & _POS_MASK
-                col = self.batches[firsts[j] >> _POS_BITS].columns[name].take(range(pos, pos + n))
+                out[name] = self.batches[firsts[j] >> _POS_BITS].columns[name].take(range(pos, pos + n))
             else:
-                col = self._gather(name, codes[j])
-            out[name] = column_to_wire(col)
+                out[name] = self._gather(name, codes[j])
         return out
 
     def _gather(self, name: str, codes: torch.Tensor) -> Column:
@@ -322,33 +420,45 @@ class StorageUnit:
                 self.used_bytes -= batch.nbytes
 
     async def rpc_drop_rows(self, partition: str, rows: Any) -> None:
-        ps = self.parts.get(partition)
-        if ps is None:
-            return
         row_t = torch.as_tensor(ids_from_wire(rows, tensor=True), dtype=torch.long)
-        idx = (row_t & LOCAL_MASK) - ps.base
-        idx = idx[(idx >= 0) & (idx < ps.size)]
-        idx = idx[ps.exists[idx]]
-        for c in ps.codes.values():
-            self._free_cells(ps, c[idx])
-            c[idx] = -1
-        ps.exists[idx] = False
-        ps.nrows -= idx.numel()
-        self.used_rows -= idx.numel()
+        if not row_t.numel():
+            return
+        for home, pos in self._groups(row_t):
+            ps = self._store_of(partition, home)
+            if ps is None:
+                continue
+            idx = ((row_t if pos is None else row_t[pos]) & LOCAL_MASK) - ps.base
+            idx = idx[(idx >= 0) & (idx < ps.size)]
+            idx = idx[ps.exists[idx]]
+            for c in ps.codes.values():
+                self._free_cells(ps, c[idx])
+                c[idx] = -1
+            ps.exists[idx] = False
+            if not ps.foreign:
+                ps.nrows -= idx.numel()
+                self.used_rows -= idx.numel()
         self._signal_freed()
 
     async def rpc_drop_partition(self, partition: str) -> None:
         ps = self.parts.pop(partition, None)
+        stores = [ps] if ps is not None else []
+        stores += self.foreign.pop(partition, {}).values()
         self.dropped.add(partition)
-        if ps is None:
+        if not stores:
             return
-        for bid in ps.batches:
-            b = self.batches.pop(bid, None)
-            if b is not None:
-                self.used_bytes -= b.nbytes
-        self.used_rows -= ps.nrows
+        for st in stores:
+            for bid in st.batches:
+                b = self.batches.pop(bid, None)
+                if b is not None:
+                    self.used_bytes -= b.nbytes
+        if ps is not None:
+            self.used_rows -= ps.nrows
         self._signal_freed()
 
     async def rpc_stats(self) -> dict:
+        """Rows and bytes held, and who wrote here: rows/bytes put by each writer's node."""
+        foreign = sum(int(fs.exists.sum()) for per in self.foreign.values() for fs in per.values())
         return {"unit": self.index, "rows": self.used_rows, "bytes": self.used_bytes,
-                "batches": len(self.batches), "partitions": len(self.parts)}
+                "batches": len(self.batches), "partitions": len(self.parts.keys() | self.foreign.keys()), "foreign_rows": foreign,
+                "put_rows_by_node": dict(self.put_rows_by_node),
+                "put_bytes_by_node": dict(self.put_bytes_by_node)}
