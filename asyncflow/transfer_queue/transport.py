@@ -4,10 +4,12 @@ A service object exposes coroutine methods named ``rpc_<name>``; ``RpcServer`` s
 them on a ROUTER socket, one asyncio task per request so a call that waits (get_meta)
 never blocks the others. ``RpcClient`` keeps one DEALER socket per endpoint and
 matches replies to calls by id. Messages are ``codec`` frames: a JSON header plus raw
-tensor buffers, never pickle. ``BlockingRpcServer`` and ``BlockingRpcClient`` speak the
-same protocol without an event loop, for synchronous worker code. ``LocalEndpoint``
-calls a service in the same event loop directly, with the same signature, for the
-in-process default.
+tensor buffers, never pickle, behind a tag frame that authenticates them under the
+run's key (``auth``): ``[tag, header, *buffers]``. A receiver checks the tag before
+decoding anything; a message that fails is dropped and counted (``auth_failures``).
+``BlockingRpcServer`` and ``BlockingRpcClient`` speak the same protocol without an event
+loop, for synchronous worker code. ``LocalEndpoint`` calls a service in the same event
+loop directly, with the same signature, for the in-process default.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any, Coroutine, TypeVar
 import zmq
 import zmq.asyncio
 
-from . import codec
+from . import auth, codec
 from .errors import ERROR_TYPES, RemoteError, TransferQueueTimeout
 
 log = logging.getLogger(__name__)
@@ -60,9 +62,36 @@ def _bind(sock: Any, address: str) -> str:
     return address
 
 
+def _no_reply_hint(address: str) -> str:
+    return (f"is the service at {address} alive, and does it run with this run's key? (a message "
+            "with a wrong key is dropped without a reply; see the server's auth_failures)")
+
+
+def _check_request(server: Any, frames: list) -> bytes | None:
+    """The nonce of ``[tag, header, *buffers]`` when its tag is valid under the server's key
+    and the nonce is new; else None, counted and logged (rate-limited). Runs before any
+    byte of the message is decoded."""
+    if len(frames) < 2:
+        server.auth.dropped(f"{len(frames)} frame(s), no tag and header")
+        return None
+    nonce = auth.verify(frames[0], auth.REQUEST, frames[1:], server._key)
+    if nonce is None:
+        server.auth.dropped("bad tag")
+        return None
+    if not server._replays.accept(nonce):
+        server.auth.dropped("replayed message")
+        return None
+    return nonce
+
+
+def _signed(key: bytes, kind: bytes, nonce: bytes, frames: list) -> list:
+    return [auth.sign(kind, nonce, frames, key), *frames]
+
+
 def _parse_request(server: Any, frames: list) -> tuple[Any, str, Any, dict] | None:
     """(request id, method name, bound method or None, args), or None for a message that
-    is dropped and counted: an undecodable message never reaches a method."""
+    is dropped and counted: an undecodable message never reaches a method. ``frames`` has
+    passed the tag check."""
     try:
         msg = codec.decode(frames)
         rid, method, args = msg["id"], msg["m"], msg.get("a") or {}
@@ -76,6 +105,31 @@ def _parse_request(server: Any, frames: list) -> tuple[Any, str, Any, dict] | No
 
 def _no_method(server: Any, method: Any) -> ValueError:
     return ValueError(f"{server.name} has no method {method!r}")
+
+
+def _check_reply(client: Any, sender: int, frames: list) -> int | None:
+    """The request id a reply answers, when its tag is valid and echoes a nonce of this
+    client's socket; else None (counted when the tag is bad). Nothing is decoded here."""
+    nonce = auth.verify(frames[0], auth.REPLY, frames[1:], client._key) if len(frames) >= 2 else None
+    if nonce is None:
+        client.auth.dropped("reply with a bad or missing tag")
+        return None
+    got_sender, rid = auth.split_nonce(nonce)
+    if got_sender != sender:
+        client.auth.dropped("reply to another sender's request")
+        return None
+    return rid
+
+
+def _decode_reply(client: Any, rid: int, frames: list) -> dict | None:
+    try:
+        msg = codec.decode(frames)
+        if msg["id"] != rid:  # the tag's nonce and the header must name the same request
+            raise codec.CodecError(f"reply id {msg['id']!r} under the nonce of request {rid}")
+        return msg
+    except Exception as e:
+        log.warning("%s: dropped a malformed reply: %s", client.auth.name, e)
+        return None
 
 
 def _error_reply(rid: Any, e: BaseException) -> dict:
@@ -92,15 +146,23 @@ def _encode_reply(reply: dict) -> list:
 class RpcServer:
     """Serves ``rpc_*`` coroutines of ``service`` on a bound ROUTER socket."""
 
-    def __init__(self, service: Any, address: str, ctx: zmq.asyncio.Context, name: str):
+    def __init__(self, service: Any, address: str, ctx: zmq.asyncio.Context, name: str, *,
+                 key: bytes | None = None):
         self.service = service
         self.name = name
         self._ctx = ctx
+        self._key = key if key is not None else auth.run_key()
         self._sock = ctx.socket(zmq.ROUTER)
         self.address = _bind(self._sock, address)
         self._task: asyncio.Task | None = None
         self._inflight: set[asyncio.Task] = set()
-        self.bad_messages = 0
+        self.bad_messages = 0  # authentic but undecodable
+        self.auth = auth.FailureLog(name)
+        self._replays = auth.ReplayWindow()
+
+    @property
+    def auth_failures(self) -> int:
+        return self.auth.count
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._serve(), name=f"rpc-server-{self.name}")
@@ -108,14 +170,15 @@ class RpcServer:
     async def _serve(self) -> None:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
-            if len(frames) < 2:
-                self.bad_messages += 1
+            # Checked here, in arrival order on the loop's thread: the replay window is not shared.
+            nonce = _check_request(self, frames[1:])
+            if nonce is None:
                 continue
-            t = asyncio.get_running_loop().create_task(self._handle(frames[0].bytes, frames[1:]))
+            t = asyncio.get_running_loop().create_task(self._handle(frames[0].bytes, nonce, frames[2:]))
             self._inflight.add(t)
             t.add_done_callback(self._inflight.discard)
 
-    async def _handle(self, ident: bytes, frames: list) -> None:
+    async def _handle(self, ident: bytes, nonce: bytes, frames: list) -> None:
         req = _parse_request(self, frames)
         if req is None:
             return
@@ -126,7 +189,8 @@ class RpcServer:
             reply = {"id": rid, "r": await fn(**args)}
         except Exception as e:
             reply = _error_reply(rid, e)
-        await self._sock.send_multipart([ident, *_encode_reply(reply)], copy=False)
+        await self._sock.send_multipart([ident, *_signed(self._key, auth.REPLY, nonce, _encode_reply(reply))],
+                                        copy=False)
 
     async def close(self) -> None:
         await _cancel([self._task, *self._inflight])
@@ -143,23 +207,30 @@ class BlockingRpcServer:
     with RpcServer). Same protocol, so RpcClient talks to either.
     """
 
-    def __init__(self, service: Any, address: str, ctx: zmq.Context, name: str):
+    def __init__(self, service: Any, address: str, ctx: zmq.Context, name: str, *, key: bytes | None = None):
         self.service = service
         self.name = name
+        self._key = key if key is not None else auth.run_key()
         self._sock = ctx.socket(zmq.ROUTER)
         self.address = _bind(self._sock, address)
         self.stopping = False  # a handler sets it; the loop ends after that reply is sent
-        self.bad_messages = 0
+        self.bad_messages = 0  # authentic but undecodable
+        self.auth = auth.FailureLog(name)
+        self._replays = auth.ReplayWindow()
+
+    @property
+    def auth_failures(self) -> int:
+        return self.auth.count
 
     def serve_forever(self) -> None:
         """Handle requests until a handler sets ``stopping``. Blocks without a timeout on
         purpose: an idle worker waits for work; its liveness is watched elsewhere."""
         while not self.stopping:
             frames = self._sock.recv_multipart(copy=False)
-            if len(frames) < 2:
-                self.bad_messages += 1
+            nonce = _check_request(self, frames[1:])
+            if nonce is None:
                 continue
-            req = _parse_request(self, frames[1:])
+            req = _parse_request(self, frames[2:])
             if req is None:
                 continue
             rid, method, fn, args = req
@@ -169,7 +240,8 @@ class BlockingRpcServer:
                 reply = {"id": rid, "r": fn(**args)}
             except Exception as e:
                 reply = _error_reply(rid, e)
-            self._sock.send_multipart([frames[0].bytes, *_encode_reply(reply)], copy=False)
+            self._sock.send_multipart([frames[0].bytes, *_signed(self._key, auth.REPLY, nonce, _encode_reply(reply))],
+                                      copy=False)
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -178,15 +250,24 @@ class BlockingRpcServer:
 class RpcClient:
     """One persistent DEALER connection to one server; calls are multiplexed by id."""
 
-    def __init__(self, address: str, ctx: zmq.asyncio.Context, timeout: float = 60.0):
+    def __init__(self, address: str, ctx: zmq.asyncio.Context, timeout: float = 60.0, *,
+                 key: bytes | None = None):
         self.address = address
         self.timeout = timeout
+        self._key = key if key is not None else auth.run_key()
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
+        # The request id is also the MAC nonce's counter; the sender id is this socket's.
+        self._sender = auth.new_sender_id()
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
+        self.auth = auth.FailureLog(f"client of {address}")
+
+    @property
+    def auth_failures(self) -> int:
+        return self.auth.count
 
     async def call(self, method: str, /, _timeout: float | None = None, **args: Any) -> Any:
         if self._reader is None:
@@ -196,12 +277,14 @@ class RpcClient:
         self._pending[rid] = fut
         timeout = self.timeout if _timeout is None else _timeout
         try:
-            await self._sock.send_multipart(codec.encode({"id": rid, "m": method, "a": args}), copy=False)
+            frames = codec.encode({"id": rid, "m": method, "a": args})
+            await self._sock.send_multipart(
+                _signed(self._key, auth.REQUEST, auth.nonce_of(self._sender, rid), frames), copy=False)
             async with asyncio.timeout(timeout):  # unlike wait_for, never swallows a cancel()
                 msg = await fut
         except asyncio.TimeoutError:
             raise TransferQueueTimeout(
-                f"no reply to {method} from {self.address} within {timeout:.1f}s: is the service alive?"
+                f"no reply to {method} from {self.address} within {timeout:.1f}s: {_no_reply_hint(self.address)}"
             ) from None
         finally:
             self._pending.pop(rid, None)
@@ -212,13 +295,14 @@ class RpcClient:
     async def _read(self) -> None:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
-            try:
-                msg = codec.decode(frames)
-                fut = self._pending.get(msg["id"])
-            except Exception as e:
-                log.warning("client of %s: dropped a malformed reply: %s", self.address, e)
+            rid = _check_reply(self, self._sender, frames)
+            if rid is None:
                 continue
-            if fut is not None and not fut.done():
+            fut = self._pending.get(rid)
+            if fut is None or fut.done():  # a late reply to a timed-out call
+                continue
+            msg = _decode_reply(self, rid, frames[1:])
+            if msg is not None:
                 fut.set_result(msg)
 
     async def close(self) -> None:
@@ -240,14 +324,20 @@ class BlockingRpcClient:
     flight at once.
     """
 
-    def __init__(self, address: str, ctx: zmq.Context, timeout: float = 60.0):
+    def __init__(self, address: str, ctx: zmq.Context, timeout: float = 60.0, *, key: bytes | None = None):
         self.address = address
         self.timeout = timeout
         self._ctx = ctx
+        self._key = key if key is not None else auth.run_key()
         self._ids = itertools.count()
         self._local = threading.local()
         self._sockets: list = []
         self._sockets_lock = threading.Lock()
+        self.auth = auth.FailureLog(f"client of {address}")
+
+    @property
+    def auth_failures(self) -> int:
+        return self.auth.count
 
     def _state(self):
         st = self._local
@@ -255,6 +345,7 @@ class BlockingRpcClient:
             st.sock = self._ctx.socket(zmq.DEALER)
             st.sock.setsockopt(zmq.LINGER, 0)
             st.sock.connect(self.address)
+            st.sender = auth.new_sender_id()  # one MAC sender per socket
             st.outstanding = set()
             st.early = {}  # replies that arrived while this thread waited for another id
             with self._sockets_lock:
@@ -264,7 +355,8 @@ class BlockingRpcClient:
     def send(self, method: str, /, **args: Any) -> tuple[int, str]:
         st = self._state()
         rid = next(self._ids)
-        st.sock.send_multipart(codec.encode({"id": rid, "m": method, "a": args}), copy=False)
+        frames = codec.encode({"id": rid, "m": method, "a": args})
+        st.sock.send_multipart(_signed(self._key, auth.REQUEST, auth.nonce_of(st.sender, rid), frames), copy=False)
         st.outstanding.add(rid)
         return rid, method
 
@@ -278,15 +370,13 @@ class BlockingRpcClient:
                 left = deadline - time.monotonic()
                 if left <= 0 or not st.sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
                     raise TransferQueueTimeout(f"no reply to {method} from {self.address} within "
-                                               f"{timeout:.1f}s: is the service alive?")
+                                               f"{timeout:.1f}s: {_no_reply_hint(self.address)}")
                 frames = st.sock.recv_multipart(copy=False)
-                try:
-                    msg = codec.decode(frames)
-                    gid = msg["id"]
-                except Exception as e:
-                    log.warning("client of %s: dropped a malformed reply: %s", self.address, e)
+                gid = _check_reply(self, st.sender, frames)
+                if gid is None or gid not in st.outstanding:  # a late reply to a timed-out call is dropped
                     continue
-                if gid in st.outstanding:  # a late reply to a timed-out call is dropped
+                msg = _decode_reply(self, gid, frames[1:])
+                if msg is not None:
                     st.early[gid] = msg
             msg = st.early.pop(rid)
         finally:

@@ -1,0 +1,250 @@
+"""Message authentication for every ZMQ message of a run.
+
+Each run has one secret key (32 random bytes). Rank 0 creates it and hands it to every
+rank through torchrun's TCPStore (``single_controller.rendezvous.share_run_key``); a
+storage unit started on its own reads it from that store or from ``ASYNCFLOW_RUN_KEY``.
+Every request and every reply travels as ``[tag, header, *data frames]``: ``tag`` is a
+MAC (HMAC-SHA256) under the run key over the message's kind, a nonce, the number and
+length of every frame and the header frame (and, by option, every data byte). A receiver
+checks the tag before ``codec.decode`` sees a byte: a message that fails is dropped and
+counted, never decoded, never executed.
+
+What the MAC covers, and why not always every byte: the header carries the method, the
+arguments, the schema of every tensor frame and every JSON value (the only things ever
+turned into Python objects), and all frames up to ``SMALL_FRAME`` bytes are covered too
+(row ids of a BatchMeta, scalars). Large raw tensor frames (sample data) are by default
+covered by count and length only: hashing them costs ~0.6 ms per MB on each side, which
+would add about two thirds to a TransferQueue round trip (perf/RESULTS.md). A sender
+without the key cannot make a valid tag at all, and ZMQ delivers a multipart message
+whole from one connection, so nobody can splice frames into another peer's message; only
+an attacker on the wire path could swap those bytes, and such an attacker already reads
+everything (there is no encryption). ``ASYNCFLOW_MAC_ALL_FRAMES=1`` (or
+``set_cover_all(True)``) covers every byte and makes receivers insist on it.
+
+Replays: the nonce is (sender id, counter); sender ids are random per socket, so a
+reconnecting or restarted client is simply a new sender, and a server keeps a sliding
+window of the counters it has seen per sender (tolerating the small reordering of
+concurrent async sends). A reply echoes its request's nonce and a client accepts it only
+for a request still waiting, so a recorded reply cannot be played again. Not covered:
+replaying a recorded request once to an endpoint that never heard from that sender (the
+receiver's address is not in the MAC: clients may name a server differently than it
+named itself), and no timestamps (clocks of nodes need not agree).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+KEY_BYTES = 32
+ENV_VAR = "ASYNCFLOW_RUN_KEY"  # hex; fallback for processes started outside torchrun's store
+COVER_ALL_ENV = "ASYNCFLOW_MAC_ALL_FRAMES"
+STORE_KEY = "asyncflow/run_key"
+SMALL_FRAME = 64 * 1024  # data frames up to this size are always covered (cheap: < 40 us)
+
+VERSION = 1
+REQUEST, REPLY = b"Q", b"R"
+_FLAG_ALL = 1
+_NONCE = struct.Struct("<QQ")  # sender id, counter
+_PREFIX = struct.Struct("<BcB16s")  # version, kind, flags, nonce
+TAG_BYTES = _PREFIX.size + 32
+
+_key: bytes | None = None
+_key_used = False
+_lock = threading.Lock()
+_cover_all = os.environ.get(COVER_ALL_ENV, "") not in ("", "0")
+
+
+class AuthError(RuntimeError):
+    """The run key is missing, malformed, or changed after use."""
+
+
+# ---- the run key ----------------------------------------------------------------------
+
+def generate_key() -> bytes:
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def _check(key: bytes, where: str) -> bytes:
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        raise AuthError(f"run key from {where} must be {KEY_BYTES} bytes, got "
+                        f"{len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__}")
+    return bytes(key)
+
+
+def key_from_env() -> bytes | None:
+    """The key in ``ASYNCFLOW_RUN_KEY`` (hex), or None when the variable is unset."""
+    raw = os.environ.get(ENV_VAR)
+    if not raw:
+        return None
+    try:
+        key = bytes.fromhex(raw.strip())
+    except ValueError:
+        raise AuthError(f"{ENV_VAR} must be {2 * KEY_BYTES} hex digits") from None
+    return _check(key, ENV_VAR)
+
+
+def set_run_key(key: bytes, *, export_env: bool = True) -> None:
+    """Install the run's key in this process before any socket is made.
+
+    ``export_env`` also puts it (hex) in this process's environment so that processes it
+    starts (multiprocessing children, a storage unit subprocess) join the same run; the
+    environment of a process is readable only by its user, like its memory. Installing a
+    different key after messages were signed or checked with the old one is an error:
+    sockets made before would stop understanding each other.
+    """
+    global _key
+    key = _check(key, "set_run_key")
+    with _lock:
+        if _key is not None and _key != key and _key_used:
+            raise AuthError("the run key was changed after messages were signed with the old one: "
+                            "install it before creating any RPC server or client")
+        _key = key
+    if export_env:
+        os.environ[ENV_VAR] = key.hex()
+
+
+def run_key() -> bytes:
+    """The key in use: the installed one, else ``ASYNCFLOW_RUN_KEY``, else a new key for
+    this process (exported so its children share it: a single-process service with its
+    clients, tests and benchmarks need no set-up)."""
+    global _key, _key_used
+    key = _key
+    if key is None:
+        with _lock:
+            if _key is None:
+                env = key_from_env()
+                _key = env if env is not None else generate_key()
+                if env is None:
+                    os.environ[ENV_VAR] = _key.hex()
+            key = _key
+    _key_used = True
+    return key
+
+
+def has_run_key() -> bool:
+    """True when a key was installed or is in the environment (none would be generated)."""
+    return _key is not None or bool(os.environ.get(ENV_VAR))
+
+
+def set_cover_all(on: bool) -> None:
+    """Cover every byte of every frame (and require it of received messages)."""
+    global _cover_all
+    _cover_all = bool(on)
+
+
+def cover_all() -> bool:
+    return _cover_all
+
+
+# ---- tags -----------------------------------------------------------------------------
+
+def _mem(frame: Any) -> Any:
+    """A buffer over a frame without copying (zmq.Frame, bytes or memoryview)."""
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def _mac(key: bytes, prefix: bytes, frames: Sequence[Any], all_frames: bool) -> bytes:
+    mems = [_mem(f) for f in frames]
+    lens = [memoryview(m).nbytes for m in mems]
+    h = hmac.new(key, prefix, hashlib.sha256)
+    h.update(struct.pack(f"<I{len(lens)}Q", len(lens), *lens))
+    for i, (m, n) in enumerate(zip(mems, lens)):
+        if i == 0 or all_frames or n <= SMALL_FRAME:  # header, small frames, or all
+            h.update(m)
+    return h.digest()
+
+
+def sign(kind: bytes, nonce: bytes, frames: Sequence[Any], key: bytes | None = None) -> bytes:
+    """The tag frame for ``frames`` (``[header, *data]``) sent as ``kind`` with ``nonce``."""
+    flags = _FLAG_ALL if _cover_all else 0
+    prefix = _PREFIX.pack(VERSION, kind, flags, nonce)
+    return prefix + _mac(key if key is not None else run_key(), prefix, frames, _cover_all)
+
+
+def verify(tag: Any, kind: bytes, frames: Sequence[Any], key: bytes | None = None) -> bytes | None:
+    """The nonce of a message whose tag is valid for ``frames`` and ``kind``, else None."""
+    raw = bytes(_mem(tag))
+    if len(raw) != TAG_BYTES or not frames:
+        return None
+    version, got_kind, flags, nonce = _PREFIX.unpack_from(raw)
+    if version != VERSION or got_kind != kind or (_cover_all and not flags & _FLAG_ALL):
+        return None
+    prefix = raw[:_PREFIX.size]
+    want = _mac(key if key is not None else run_key(), prefix, frames, bool(flags & _FLAG_ALL))
+    return nonce if hmac.compare_digest(want, raw[_PREFIX.size:]) else None
+
+
+def new_sender_id() -> int:
+    return int.from_bytes(secrets.token_bytes(8), "little")
+
+
+def nonce_of(sender: int, counter: int) -> bytes:
+    return _NONCE.pack(sender, counter)
+
+
+def split_nonce(nonce: bytes) -> tuple[int, int]:
+    return _NONCE.unpack(nonce)
+
+
+class ReplayWindow:
+    """Per sender, the counters already accepted (a sliding window of ``size`` behind the
+    highest). Memory is bounded: the least recently heard senders are forgotten first."""
+
+    def __init__(self, size: int = 4096, max_senders: int = 65536):
+        self.size = size
+        self.max_senders = max_senders
+        self._seen: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
+
+    def accept(self, nonce: bytes) -> bool:
+        """True (and remember it) for a counter not seen before from that sender."""
+        sender, counter = _NONCE.unpack(nonce)
+        entry = self._seen.get(sender)
+        if entry is None:
+            self._seen[sender] = (counter, 1)
+            if len(self._seen) > self.max_senders:
+                self._seen.popitem(last=False)
+            return True
+        top, bits = entry  # bit i set: counter top - i was accepted
+        if counter > top:
+            shift = counter - top
+            bits = ((bits << shift) | 1) & ((1 << self.size) - 1) if shift < self.size else 1
+            top = counter
+        else:
+            back = top - counter
+            if back >= self.size or bits >> back & 1:
+                return False
+            bits |= 1 << back
+        self._seen[sender] = (top, bits)
+        self._seen.move_to_end(sender)
+        return True
+
+
+class FailureLog:
+    """Counts dropped messages and logs them at most once per ``every_s`` seconds, so a
+    flood of forged messages cannot flood the log."""
+
+    def __init__(self, name: str, every_s: float = 10.0):
+        self.name = name
+        self.every_s = every_s
+        self.count = 0
+        self._since = 0
+        self._last = -float("inf")
+
+    def dropped(self, why: str) -> None:
+        self.count += 1
+        self._since += 1
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            log.warning("%s: dropped %d message(s) that failed authentication (latest: %s); a process "
+                        "without this run's key is sending here", self.name, self._since, why)
+            self._last, self._since = now, 0
