@@ -385,6 +385,10 @@ def main() -> None:
     args = ap.parse_args()
     seq_rounds, stream_rounds, k = (5, 3, 8) if args.quick else (20, 9, 16)
     calls = 200 if args.quick else 1000
+    # The storage, producer and consumer processes are siblings: make the run key here, so
+    # that each inherits it through the environment (TQ messages are signed with it).
+    from asyncflow.transfer_queue import auth
+    auth.run_key()
     t0 = time.time()
     res = transfer(["raw", "pickle", "tq"], seq_rounds, stream_rounds, k)
     print(f"payload: {ROWS} rows, {res['raw']['bytes'] / 1e6:.1f} MB, producer -> storage -> consumer")

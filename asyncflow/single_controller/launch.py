@@ -26,7 +26,7 @@ from typing import Any, Callable
 from .driver import Driver, DriverConfig
 from .errors import LaunchError
 from .placement import PlacementConfig
-from .rendezvous import connect_store, publish_address, rendezvous_host, wait_addresses
+from .rendezvous import connect_store, publish_address, rendezvous_host, share_run_key, wait_addresses
 from .runtime import RuntimeConfig, WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
     platform = get_platform(cfg.platform)
     platform.set_device(platform.device_for_local_rank(local_rank))
     store = connect_store(master_addr, master_port, rank, world_size, cfg.rendezvous_timeout_s, use_agent_store)
+    share_run_key(store, rank, cfg.rendezvous_timeout_s)  # before any ZMQ socket: every message is signed
     dist.init_process_group(platform.backend, store=dist.PrefixStore("asyncflow/pg", store), rank=rank,
                             world_size=world_size,
                             timeout=timedelta(seconds=cfg.runtime.collective_timeout_s))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from ..transfer_queue import auth
 from .errors import LaunchError
 from .launch import RunConfig, run_rank
 from .rendezvous import wait_addresses
@@ -34,6 +35,8 @@ class LocalWorkers:
 
     def __post_init__(self) -> None:
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False)
+        # The driver (and any TransferQueue) lives here: the ranks take this process's key.
+        self.store.set(auth.STORE_KEY, auth.run_key())
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_child, args=(self.config, r, self.world_size, self.store.port, self.env),
                                   name=f"asyncflow-rank{r}", daemon=True) for r in range(self.world_size)]

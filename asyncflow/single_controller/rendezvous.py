@@ -1,7 +1,8 @@
 """Finding each other: the TCPStore torchrun already runs, and the interface to bind.
 
 Every rank publishes its worker's ZMQ address under ``asyncflow/worker/<rank>``; the
-driver waits for all of them. No second coordination service.
+driver waits for all of them. The run's message-authentication key travels the same way
+(``asyncflow/run_key``). No second coordination service.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from ..transfer_queue import auth
 from .errors import LaunchError
 
 KEY_PREFIX = "asyncflow/"
@@ -49,6 +51,33 @@ def rendezvous_host(master_addr: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # UDP connect sends nothing
         s.connect((ip, 9))
         return s.getsockname()[0]
+
+
+def share_run_key(store: dist.Store, rank: int, timeout_s: float) -> bytes:
+    """Agree on the run's secret key through the store and install it in this process.
+
+    Rank 0 sets a new key unless one is there already (compare-and-set: a parent that
+    hosts the store, as ``LocalWorkers`` does, may have put its own first); every other
+    rank waits for it. Call before any RPC server or client is made. Under torchrun the
+    store is the agent's, shared by every rank of every node, so global rank 0 decides.
+    """
+    if rank == 0:
+        key = store.compare_set(auth.STORE_KEY, b"", auth.generate_key())
+    else:
+        key = wait_run_key(store, timeout_s, f"rank {rank}")
+    auth.set_run_key(key)
+    return key
+
+
+def wait_run_key(store: dist.Store, timeout_s: float, who: str = "this process") -> bytes:
+    """The run key from the store, waiting up to ``timeout_s`` for rank 0 to put it there."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([auth.STORE_KEY]):
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{who}: the run key ({auth.STORE_KEY!r}) did not appear in the TCPStore within "
+                              f"{timeout_s:.0f}s (rank 0 puts it there at start; did rank 0 start?)")
+        time.sleep(0.05)
+    return store.get(auth.STORE_KEY)
 
 
 def publish_address(store: dist.Store, rank: int, address: str) -> None:
