@@ -1,0 +1,624 @@
+"""Soak test: the default async GRPO job for a long time, watching every process's memory.
+
+Runs ``python -m asyncflow.cli train`` (recipe grpo, async, disaggregated, the built-in
+tiny model on 2 CPU ranks) as a subprocess in its own process group, with
+``trainer.time_budget_s`` set to the soak length and ``trainer.steps`` out of reach, and
+every ``--interval`` seconds reads the resident memory (VmRSS and RssAnon from
+/proc/<pid>/status, no psutil) of the launcher and all its descendants (found by walking
+/proc for ppids): the launcher, torch's elastic ranks (``rank0``: driver, TransferQueue,
+actor; ``rank1``: rollout and reward; named by start order, which is local-rank order)
+and multiprocessing's resource tracker.
+
+What it reports:
+
+- memory: the least-squares slope of RSS against time, per process and of their sum, in
+  MB/hour (MB = 2**20 bytes), over the steady part of RL only. The supervised warm-up,
+  the first evaluation and model loading allocate on purpose, so the window starts at the
+  RL start (the ``before_rl`` evaluation row of the run's metrics.jsonl, else its first RL
+  step row) plus ``--settle`` (default 20%) of the RL time, and ends at the last RL step
+  row (the final evaluation, checkpoint and export that follow allocate on purpose too).
+  metrics.jsonl counts seconds from the driver's own start; the offset to this script's
+  clock is the smallest (sample time - newest ``time_s`` seen by then). Target: the total
+  under 20 MB/hour.
+- TransferQueue: the per-RL-step metrics ``tq/rows_held`` / ``tq/bytes_held`` (rows and
+  bytes in all storage units after the step's partition is cleared): max, final, and
+  whether they stay bounded (the max over the second half of RL no more than the max over
+  the first half plus one step's rows). A run that does not log them is reported as such.
+- errors: the run's exit code, Traceback blocks and other error lines in its stdout and
+  stderr, reward errors and timeouts from summary.json.
+
+It writes under --out (default: a new temp dir): ``run/`` (the training run's out_dir),
+``train.stdout.log``, ``train.stderr.log``, ``rss.jsonl`` (one line per sample: ``t_s``
+since launch, the newest metrics ``time_s`` seen, and per pid its label, VmRSS and RssAnon
+in kB), ``rss.png`` (RSS over time per process and the total) and ``soak.json``; appends a
+section to perf/RESULTS.md unless ``--no-record``. The last line printed is one JSON
+object with ``rss_slope_mb_per_h``, ``steps``, ``errors``, the per-process slopes and the
+TransferQueue figures.
+
+    python perf/soak.py [--minutes 30 | --quick] [--interval S] [--settle F] [--out DIR]
+                        [--no-record] [key=value ...]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_MD = ROOT / "perf" / "RESULTS.md"
+TARGET_MB_PER_H = 20.0
+KB_PER_MB = 1024.0
+
+# ---- reading /proc (pure parsers, then the thin readers) -------------------------------------
+
+
+def parse_status_kb(text: str, field: str = "VmRSS") -> int | None:
+    """The kB value of ``field`` in a /proc/<pid>/status text; None when absent (a zombie has no VmRSS)."""
+    for line in text.splitlines():
+        name, sep, rest = line.partition(":")
+        if sep and name == field:
+            parts = rest.split()
+            if not parts:
+                return None
+            if len(parts) > 1 and parts[1] != "kB":
+                raise ValueError(f"/proc status field {field}: unexpected unit in {line!r}")
+            return int(parts[0])
+    return None
+
+
+def parse_stat(text: str) -> tuple[int, int]:
+    """(ppid, start time in clock ticks) from a /proc/<pid>/stat line.
+
+    The command name (field 2) is in parentheses and may itself hold spaces or ')', so the
+    fields are counted from the last ')'.
+    """
+    end = text.rfind(")")
+    if end < 0:
+        raise ValueError(f"/proc stat line without a command name: {text[:80]!r}")
+    rest = text[end + 1:].split()  # rest[0] is field 3 (state)
+    if len(rest) < 20:
+        raise ValueError(f"/proc stat line too short: {text[:80]!r}")
+    return int(rest[1]), int(rest[19])  # field 4 ppid, field 22 starttime
+
+
+def descendants(ppids: dict[int, int], root: int) -> list[int]:
+    """``root`` and every process below it, given pid -> ppid; parents before children."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in ppids.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo.extend(sorted(children.get(pid, [])))
+    return out
+
+
+def label_for(cmdline: str, is_root: bool) -> str:
+    """A short role name from a process's command line (the rank number is added by start order)."""
+    if is_root:
+        return "launcher"
+    if "resource_tracker" in cmdline:
+        return "resource_tracker"
+    if "spawn_main" in cmdline or "--multiprocessing-fork" in cmdline:
+        return "rank"
+    words = cmdline.split()
+    return Path(words[0]).name if words else "?"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None  # the process ended between listing and reading
+
+
+def proc_table() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, start ticks) of every process visible in /proc."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            text = _read(f"/proc/{name}/stat")
+            if text:
+                out[int(name)] = parse_stat(text)
+    return out
+
+
+class Sampler:
+    """Reads the RSS of a process tree; labels stay fixed per pid once given."""
+
+    def __init__(self, root: int):
+        self.root = root
+        self.labels: dict[int, str] = {}
+        self.ranks_seen = 0
+
+    def sample(self) -> dict[int, dict[str, Any]]:
+        table = proc_table()
+        if self.root not in table:
+            return {}
+        pids = descendants({p: v[0] for p, v in table.items()}, self.root)
+        new = sorted((p for p in pids if p not in self.labels), key=lambda p: table[p][1])  # by start time
+        for pid in new:
+            cmd = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
+            label = label_for(cmd, pid == self.root)
+            if label == "rank":  # elastic starts local ranks in order: the n-th spawned child is rank n
+                label = f"rank{self.ranks_seen}"
+                self.ranks_seen += 1
+            self.labels[pid] = label
+        out = {}
+        for pid in pids:
+            status = _read(f"/proc/{pid}/status")
+            rss = parse_status_kb(status) if status else None
+            if rss is None:
+                continue
+            out[pid] = {"label": self.labels[pid], "ppid": table[pid][0], "rss_kb": rss,
+                        "anon_kb": parse_status_kb(status, "RssAnon")}
+        return out
+
+
+# ---- the analysis (pure) ---------------------------------------------------------------------
+
+
+def slope(ts: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Least-squares slope of ys against ts (units of y per unit of t); None below 2 distinct times."""
+    n = len(ts)
+    if n != len(ys):
+        raise ValueError(f"slope: {n} times but {len(ys)} values")
+    if n < 2:
+        return None
+    mt, my = sum(ts) / n, sum(ys) / n
+    sxx = sum((t - mt) ** 2 for t in ts)
+    if sxx == 0:
+        return None
+    return sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / sxx
+
+
+def kb_per_s_to_mb_per_h(x: float | None) -> float | None:
+    return None if x is None else x * 3600.0 / KB_PER_MB
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSONL file; a cut-off or broken line (a killed run) is skipped."""
+    rows = []
+    if not path.is_file():
+        return rows
+    for line in path.read_text(errors="replace").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def is_rl_step(row: dict) -> bool:
+    """RL step rows carry no ``phase`` (warm-up and evaluation rows do)."""
+    return "phase" not in row and "time_s" in row
+
+
+def rl_window(metrics: Sequence[dict]) -> tuple[float | None, float | None, int]:
+    """(RL start, time of the last RL step row, RL steps) in metrics time_s.
+
+    The start is the ``before_rl`` evaluation row (right before the first step is issued),
+    else the first RL step row less its step time; None when RL never began.
+    """
+    start = next((r["time_s"] for r in metrics if r.get("phase") == "before_rl"), None)
+    steps = [r for r in metrics if is_rl_step(r)]
+    if start is None and steps:
+        start = steps[0]["time_s"] - float(steps[0].get("step_time_s", 0.0))
+    end = steps[-1]["time_s"] if steps else None
+    return start, end, (max(int(r["step"]) for r in steps) if steps else 0)
+
+
+def clock_offset(pairs: Iterable[tuple[float, float | None]]) -> float | None:
+    """Offset from metrics ``time_s`` to the sampler's clock: min(sample t - newest time_s seen then).
+
+    A row is read at or after it was written, so each difference is at least the true
+    offset; a sample taken just after a row (RL steps log every fraction of a second)
+    comes within a sample's read latency of it.
+    """
+    diffs = [t - m for t, m in pairs if m is not None]
+    return min(diffs) if diffs else None
+
+
+def fit_memory(samples: Sequence[dict], t_from: float, t_to: float) -> dict[str, Any]:
+    """Per-process and total RSS slopes (MB/hour) over samples with t_from <= t_s <= t_to.
+
+    A process counts only if present in every sample of the window (one that starts or
+    ends inside it would make the total jump); those are listed under ``partial``.
+    """
+    win = [s for s in samples if t_from <= s["t_s"] <= t_to]
+    if len(win) < 2:
+        return {"samples": len(win), "total": None, "total_anon": None, "processes": {}, "partial": []}
+    pids = set(win[0]["procs"])
+    for s in win[1:]:
+        pids &= set(s["procs"])
+    partial = sorted({f"{p['label']} (pid {pid})" for s in win for pid, p in s["procs"].items() if pid not in pids})
+    ts = [s["t_s"] for s in win]
+    procs: dict[str, dict[str, Any]] = {}
+    for pid in sorted(pids, key=int):
+        ys = [s["procs"][pid]["rss_kb"] for s in win]
+        anon = [s["procs"][pid].get("anon_kb") for s in win]
+        procs[f"{win[0]['procs'][pid]['label']} (pid {pid})"] = {
+            "label": win[0]["procs"][pid]["label"], "pid": int(pid),
+            "slope_mb_per_h": kb_per_s_to_mb_per_h(slope(ts, ys)),
+            "anon_slope_mb_per_h": (kb_per_s_to_mb_per_h(slope(ts, anon)) if None not in anon else None),
+            "rss_mb_start": ys[0] / KB_PER_MB, "rss_mb_end": ys[-1] / KB_PER_MB, "rss_mb_max": max(ys) / KB_PER_MB,
+        }
+    total = [sum(s["procs"][p]["rss_kb"] for p in pids) for s in win]
+    anon_ok = all(s["procs"][p].get("anon_kb") is not None for s in win for p in pids)
+    total_anon = [sum(s["procs"][p]["anon_kb"] for p in pids) for s in win] if anon_ok else None
+    return {"samples": len(win), "t_from": t_from, "t_to": t_to,
+            "total": kb_per_s_to_mb_per_h(slope(ts, total)),
+            "total_anon": kb_per_s_to_mb_per_h(slope(ts, total_anon)) if total_anon else None,
+            "total_mb_start": total[0] / KB_PER_MB, "total_mb_end": total[-1] / KB_PER_MB,
+            "processes": procs, "partial": partial}
+
+
+def tq_figures(metrics: Sequence[dict], rows_per_step: int | None) -> dict[str, Any]:
+    """What the per-step ``tq/rows_held`` / ``tq/bytes_held`` say about rows being freed."""
+    rows = [(int(r["step"]), r["tq/rows_held"]) for r in metrics if is_rl_step(r) and "tq/rows_held" in r]
+    nbytes = [r["tq/bytes_held"] for r in metrics if is_rl_step(r) and "tq/bytes_held" in r]
+    n_steps = sum(1 for r in metrics if is_rl_step(r))
+    if not rows:
+        return {"logged": False, "note": f"metrics.jsonl has no tq/rows_held in its {n_steps} RL step rows: "
+                                         "the trainer of this checkout does not log it; rows held not measured"}
+    vals = [v for _, v in rows]
+    half = len(vals) // 2
+    first, second = (vals[:half], vals[half:]) if half else (vals, vals)
+    slack = rows_per_step or 0
+    out: dict[str, Any] = {
+        "logged": True, "steps_with_metric": len(rows), "rows_held_max": max(vals), "rows_held_final": vals[-1],
+        "rows_held_mean": sum(vals) / len(vals), "rows_held_max_first_half": max(first),
+        "rows_held_max_second_half": max(second), "rows_per_step": rows_per_step,
+        # rows held per step of rows: how many steps' worth stay in the queue after a clear
+        "rows_held_max_in_steps": (max(vals) / rows_per_step) if rows_per_step else None,
+        "rows_held_slope_per_1000_steps": (lambda s: None if s is None else s * 1000)(
+            slope([float(s) for s, _ in rows], [float(v) for v in vals])),
+        # bounded: the second half never holds more than the first half did, give or take one
+        # step's rows (which steps are in flight when a step closes varies)
+        "bounded": max(second) <= max(first) + slack,
+    }
+    if nbytes:
+        out.update({"bytes_held_max": max(nbytes), "bytes_held_final": nbytes[-1]})
+    return out
+
+
+_TB_START = "Traceback (most recent call last):"
+# ERROR (a logger that prints its level), a bare exception line, the launcher's failure lines
+_ERROR_LINE = re.compile(r"\bERROR\b|^\s*[\w.]*(Error|Exception):|asyncflow (run|driver) failed")
+
+
+def scan_log(text: str) -> dict[str, Any]:
+    """Traceback blocks and other error lines (outside tracebacks) in a run's output."""
+    tracebacks, error_lines, examples = 0, 0, []
+    in_tb = False
+    for line in text.splitlines():
+        if _TB_START in line:
+            tracebacks += 1
+            in_tb = True
+            examples.append(line.strip())
+            continue
+        if in_tb:
+            if line.startswith((" ", "\t")) or not line.strip() or line.startswith(
+                    ("During handling", "The above exception")):
+                continue
+            in_tb = False  # the exception line closes the block
+            examples[-1] = line.strip()[:200]
+            continue
+        if _ERROR_LINE.search(line):
+            error_lines += 1
+            examples.append(line.strip()[:200])
+    return {"tracebacks": tracebacks, "error_lines": error_lines, "examples": examples[:5]}
+
+
+def count_errors(rc: int | str | None, logs: Sequence[dict], summary: dict) -> int:
+    """One number for the JSON line: a failed exit, each traceback, each error line, each reward failure."""
+    n = 0 if rc == 0 else 1
+    n += sum(x["tracebacks"] + x["error_lines"] for x in logs)
+    n += int(summary.get("reward/errors", 0) or 0) + int(summary.get("reward/timeouts", 0) or 0)
+    return n
+
+
+# ---- running ---------------------------------------------------------------------------------
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM the run's process group, then SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def newest_time_s(path: Path, state: dict) -> float | None:
+    """The largest ``time_s`` in metrics.jsonl so far, reading only what was appended since last time."""
+    if not path.is_file():
+        return state.get("max")
+    with open(path, "rb") as f:
+        f.seek(state.get("pos", 0))
+        chunk = f.read()
+    text = state.get("partial", b"") + chunk
+    lines = text.split(b"\n")
+    state["partial"] = lines.pop()  # an incomplete last line waits for the next read
+    state["pos"] = state.get("pos", 0) + len(chunk)
+    for line in lines:
+        try:
+            t = json.loads(line).get("time_s")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(t, (int, float)):
+            state["max"] = max(state.get("max", t), t)
+    return state.get("max")
+
+
+def run_and_sample(cmd: list[str], out: Path, run_dir: Path, interval: float, deadline_s: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    t0 = time.monotonic()
+    with open(out / "train.stdout.log", "w") as so, open(out / "train.stderr.log", "w") as se, \
+            open(out / "rss.jsonl", "w") as rss_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=so, stderr=se, start_new_session=True)
+        sampler = Sampler(proc.pid)
+        state: dict = {}
+        samples, killed = [], None
+        try:
+            while True:
+                t = time.monotonic() - t0
+                procs = sampler.sample()
+                if procs:
+                    s = {"t_s": round(t, 3), "metrics_time_s": newest_time_s(run_dir / "metrics.jsonl", state),
+                         "procs": {str(p): v for p, v in procs.items()}}
+                    samples.append(s)
+                    rss_file.write(json.dumps(s) + "\n")
+                    rss_file.flush()
+                if proc.poll() is not None:
+                    break
+                if t > deadline_s:
+                    killed = f"still running after {deadline_s:.0f} s: stopped"
+                    stop_group(proc)
+                    break
+                time.sleep(max(0.0, interval - (time.monotonic() - t0 - t)))
+        except KeyboardInterrupt:
+            killed = "interrupted"
+            stop_group(proc)
+        finally:
+            if proc.poll() is None:
+                stop_group(proc)
+    rc = proc.returncode
+    return {"rc": rc, "killed": killed, "samples": samples, "wall_s": time.monotonic() - t0}
+
+
+def analyse(res: dict, out: Path, run_dir: Path, settle: float) -> dict[str, Any]:
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    samples = res["samples"]
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    offset = clock_offset((s["t_s"], s["metrics_time_s"]) for s in samples)
+    rl_start, rl_end, steps = rl_window(metrics)
+    notes = []
+    if offset is None or rl_start is None:
+        notes.append("RL start not found in metrics.jsonl: the fit covers the last 80% of the run's samples")
+        t_last = samples[-1]["t_s"] if samples else 0.0
+        a, b = 0.2 * t_last, t_last
+    else:
+        a = offset + rl_start
+        b = offset + rl_end if rl_end is not None else (samples[-1]["t_s"] if samples else a)
+        a = a + settle * max(b - a, 0.0)
+    mem = fit_memory(samples, a, b)
+    if mem["partial"]:
+        notes.append(f"left out of the total (not present through the whole window): {', '.join(mem['partial'])}")
+    try:
+        rows_per_step = int(config["trainer"]["prompts_per_step"]) * int(config["rollout"]["n"])
+    except (KeyError, TypeError, ValueError):
+        rows_per_step = None
+    tq = tq_figures(metrics, rows_per_step)
+    logs = {name: scan_log((out / f"train.{name}.log").read_text(errors="replace")) for name in ("stdout", "stderr")}
+    errors = count_errors(res["rc"], list(logs.values()), summary) + (1 if res["killed"] else 0)
+    return {"offset_s": offset, "rl_start_s": None if offset is None or rl_start is None else offset + rl_start,
+            "rl_end_s": None if offset is None or rl_end is None else offset + rl_end, "window": [a, b],
+            "steps": steps, "rl_steps_summary": summary.get("rl_steps"), "memory": mem, "tq": tq, "logs": logs,
+            "errors": errors, "reward_errors": summary.get("reward/errors"),
+            "reward_timeouts": summary.get("reward/timeouts"), "notes": notes,
+            "eval_accuracy": [summary.get("eval_accuracy_before_rl"), summary.get("eval_accuracy_after_rl")]}
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
+def fmt(x: Any, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def plot(samples: Sequence[dict], an: dict, path: Path) -> Path:
+    import matplotlib  # lazy: only when drawing
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, axt) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    pids = sorted({p for s in samples for p in s["procs"]}, key=int)
+    for pid in pids:
+        pts = [(s["t_s"] / 60, s["procs"][pid]["rss_kb"] / KB_PER_MB) for s in samples if pid in s["procs"]]
+        label = next(s["procs"][pid]["label"] for s in samples if pid in s["procs"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{label} (pid {pid})")
+    axt.plot([s["t_s"] / 60 for s in samples], [sum(p["rss_kb"] for p in s["procs"].values()) / KB_PER_MB
+                                                  for s in samples], color="k", label="total")
+    for a in (ax, axt):
+        if an.get("rl_start_s") is not None:
+            a.axvline(an["rl_start_s"] / 60, color="g", ls="--", lw=1, label="RL start")
+        a.axvspan(an["window"][0] / 60, an["window"][1] / 60, color="y", alpha=0.15, label="fit window")
+        a.set_ylabel("RSS (MB)")
+        a.legend(fontsize=8, loc="lower right")
+        a.grid(alpha=0.3)
+    axt.set_xlabel("minutes since launch")
+    ax.set_title(f"asyncflow train soak: RSS per process; total slope {fmt(an['memory']['total'], '.1f')} MB/h "
+                 f"over the fit window")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def machine_line() -> str:
+    try:
+        from importlib.metadata import version
+        torch_v = version("torch")
+    except Exception:  # noqa: BLE001 - only for the record line
+        torch_v = "?"
+    return (f"{os.cpu_count()}-core {platform.machine()} {platform.system()}, Python {platform.python_version()}, "
+            f"torch {torch_v}")
+
+
+def record(an: dict, cmd_line: str, minutes: float, interval: float, path: Path = RESULTS_MD) -> None:
+    """Append this soak's section to perf/RESULTS.md."""
+    mem, tq = an["memory"], an["tq"]
+    lines = ["", f"## Soak (`perf/soak.py`), {dt.date.today().isoformat()}", "",
+             f"{machine_line()}; load average at the end {os.getloadavg()[0]:.1f} (other work may share the "
+             f"machine). Command: `{cmd_line}` ({minutes:g} min of RL, RSS sampled every {interval:g} s; the fit "
+             f"window is RL after its first {an['settle'] * 100:.0f}%, {mem['samples']} samples, "
+             f"{(an['window'][1] - an['window'][0]) / 60:.1f} min).", "",
+             "| process | RSS at window start MB | at end MB | slope MB/hour | anonymous memory slope MB/hour |",
+             "|---|---|---|---|---|"]
+    for name, p in mem["processes"].items():
+        lines.append(f"| {name} | {p['rss_mb_start']:.0f} | {p['rss_mb_end']:.0f} | {fmt(p['slope_mb_per_h'])} | "
+                     f"{fmt(p['anon_slope_mb_per_h'])} |")
+    met = mem["total"] is not None and mem["total"] < TARGET_MB_PER_H
+    lines.append(f"| **total** | {fmt(mem.get('total_mb_start'), '.0f')} | {fmt(mem.get('total_mb_end'), '.0f')} | "
+                 f"**{fmt(mem['total'])}** | {fmt(mem['total_anon'])} |")
+    lines += ["", f"Target: total under {TARGET_MB_PER_H:g} MB/hour: {'met' if met else '**not met**'}. "
+                  f"RL steps: {an['steps']}; errors: {an['errors']} (exit code {an['rc']}, tracebacks "
+                  f"{sum(x['tracebacks'] for x in an['logs'].values())}, error lines "
+                  f"{sum(x['error_lines'] for x in an['logs'].values())}, reward errors {fmt(an['reward_errors'], 'g')}, "
+                  f"timeouts {fmt(an['reward_timeouts'], 'g')})."]
+    if tq["logged"]:
+        lines.append(f"TransferQueue rows held after each step's clear: max {tq['rows_held_max']}, final "
+                     f"{tq['rows_held_final']}, max in the first half of RL {tq['rows_held_max_first_half']} vs "
+                     f"second half {tq['rows_held_max_second_half']} ({tq['rows_per_step']} rows per step): "
+                     f"{'bounded' if tq['bounded'] else '**growing**'}; bytes held max "
+                     f"{fmt(tq.get('bytes_held_max'), ',')}, final {fmt(tq.get('bytes_held_final'), ',')}.")
+    else:
+        lines.append(f"TransferQueue rows held: not measured ({tq['note']}).")
+    lines += [f"Note: {n}." for n in an["notes"]]
+    text = path.read_text() if path.is_file() else "# Benchmark results\n"
+    path.write_text(text.rstrip("\n") + "\n" + "\n".join(lines) + "\n")
+
+
+def print_table(an: dict) -> None:
+    mem, tq = an["memory"], an["tq"]
+    print()
+    print(f"fit window {an['window'][0] / 60:.1f}-{an['window'][1] / 60:.1f} min after launch "
+          f"(RL start {fmt(None if an['rl_start_s'] is None else an['rl_start_s'] / 60, '.1f')} min), "
+          f"{mem['samples']} samples")
+    print(f"{'process':32} {'start MB':>9} {'end MB':>9} {'max MB':>9} {'MB/hour':>9} {'anon MB/h':>9}")
+    for name, p in mem["processes"].items():
+        print(f"{name:32} {p['rss_mb_start']:9.1f} {p['rss_mb_end']:9.1f} {p['rss_mb_max']:9.1f} "
+              f"{fmt(p['slope_mb_per_h']):>9} {fmt(p['anon_slope_mb_per_h']):>9}")
+    print(f"{'total':32} {fmt(mem.get('total_mb_start')):>9} {fmt(mem.get('total_mb_end')):>9} {'':>9} "
+          f"{fmt(mem['total']):>9} {fmt(mem['total_anon']):>9}   (target < {TARGET_MB_PER_H:g} MB/hour)")
+    if tq["logged"]:
+        print(f"TransferQueue rows held: max {tq['rows_held_max']}, final {tq['rows_held_final']}, first-half max "
+              f"{tq['rows_held_max_first_half']}, second-half max {tq['rows_held_max_second_half']} "
+              f"({tq['rows_per_step']} rows/step): {'bounded' if tq['bounded'] else 'GROWING'}")
+    else:
+        print(f"TransferQueue rows held: not measured: {tq['note']}")
+    print(f"RL steps {an['steps']}; errors {an['errors']} (exit {an['rc']}; "
+          + "; ".join(f"{k}: {v['tracebacks']} tracebacks, {v['error_lines']} error lines"
+                      for k, v in an["logs"].items()) + ")")
+    for k, v in an["logs"].items():
+        for e in v["examples"]:
+            print(f"  {k}: {e}")
+    for n in an["notes"]:
+        print(f"note: {n}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=30.0, help="RL time budget in minutes (default 30)")
+    p.add_argument("--quick", action="store_true", help="about 4 minutes in all: 3 minutes of RL, a 2 s interval")
+    p.add_argument("--interval", type=float, default=None, help="seconds between RSS samples (default 5; 2 quick)")
+    p.add_argument("--settle", type=float, default=0.2, help="share of the RL time left out of the fit (default 0.2)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: a new temp dir)")
+    p.add_argument("--no-record", action="store_true", help="do not append a section to perf/RESULTS.md")
+    p.add_argument("overrides", nargs="*", help="key=value overrides passed to `asyncflow train`")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.minutes = 3.0
+    interval = a.interval if a.interval is not None else (2.0 if a.quick else 5.0)
+    if a.minutes <= 0 or interval <= 0 or not 0 <= a.settle < 1:
+        p.error("--minutes and --interval must be > 0, --settle in [0, 1)")
+    bad = [o for o in a.overrides if "=" not in o]
+    if bad:
+        p.error(f"overrides must be key=value: {bad}")
+    if not Path("/proc/self/status").is_file():
+        raise SystemExit("perf/soak.py reads /proc: it runs on Linux only")
+    out = (a.out or Path(tempfile.mkdtemp(prefix="asyncflow-soak-"))).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir = out / "run"
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise SystemExit(f"{run_dir} is not empty: one directory holds one run; pass a new --out")
+    budget = a.minutes * 60
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", "grpo", "workflow.mode=async",
+           f"trainer.time_budget_s={budget:g}", "trainer.steps=10000000", "trainer.progress=false",
+           *a.overrides, f"trainer.out_dir={run_dir}"]
+    # the run's own start-up, warm-up, evaluations and export come on top of the budget
+    deadline = budget * 1.5 + 900
+    print(f"soak: {' '.join(cmd[1:])}\n  out {out}; RSS every {interval:g} s; about {a.minutes + 1:.0f} min",
+          flush=True)
+    res = run_and_sample(cmd, out, run_dir, interval, deadline)
+    an = analyse(res, out, run_dir, a.settle)
+    an.update({"rc": res["rc"], "killed": res["killed"], "settle": a.settle, "wall_s": res["wall_s"]})
+    print_table(an)
+    png = None
+    if res["samples"]:
+        try:
+            png = plot(res["samples"], an, out / "rss.png")
+            print(f"RSS plot: {png}")
+        except Exception as e:  # noqa: BLE001 - the figures stand without the plot
+            print(f"RSS plot: not drawn ({type(e).__name__}: {e})")
+    cmd_line = " ".join(["python perf/soak.py", *(sys.argv[1:] if argv is None else argv)])
+    if not a.no_record:
+        record(an, cmd_line.strip(), a.minutes, interval)
+        print(f"recorded in {RESULTS_MD}")
+    mem, tq = an["memory"], an["tq"]
+    result = {
+        "rss_slope_mb_per_h": None if mem["total"] is None else round(mem["total"], 2),
+        "rss_anon_slope_mb_per_h": None if mem["total_anon"] is None else round(mem["total_anon"], 2),
+        "target_mb_per_h": TARGET_MB_PER_H,
+        "target_met": mem["total"] is not None and mem["total"] < TARGET_MB_PER_H,
+        "steps": an["steps"], "errors": an["errors"], "exit_code": res["rc"], "killed": res["killed"],
+        "rss_slope_mb_per_h_by_process": {k: None if v["slope_mb_per_h"] is None else round(v["slope_mb_per_h"], 2)
+                                          for k, v in mem["processes"].items()},
+        "rss_mb_end_by_process": {k: round(v["rss_mb_end"], 1) for k, v in mem["processes"].items()},
+        "tq_rows_held_max": tq.get("rows_held_max"), "tq_rows_held_final": tq.get("rows_held_final"),
+        "tq_bytes_held_max": tq.get("bytes_held_max"), "tq_bytes_held_final": tq.get("bytes_held_final"),
+        "tq_rows_bounded": tq.get("bounded"), "tq_logged": tq["logged"],
+        "reward_errors": an["reward_errors"], "reward_timeouts": an["reward_timeouts"],
+        "fit_window_min": [round(an["window"][0] / 60, 2), round(an["window"][1] / 60, 2)],
+        "samples_in_window": mem["samples"], "wall_s": round(res["wall_s"], 1), "out": str(out),
+        "png": str(png) if png else None,
+    }
+    (out / "soak.json").write_text(json.dumps({"result": result, "analysis": an}, indent=2, default=str))
+    print(json.dumps(result))
+    return 0 if res["rc"] == 0 and not res["killed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

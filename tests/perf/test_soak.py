@@ -1,0 +1,225 @@
+"""The soak script's pure parts (perf/soak.py): /proc parsing, slopes, windows, TQ and log checks.
+
+No training run: each test takes well under a second.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "perf" / "soak.py"
+_spec = importlib.util.spec_from_file_location("perf_soak", _PATH)
+soak = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = soak
+_spec.loader.exec_module(soak)
+
+STATUS = """Name:\tpython
+Umask:\t0022
+State:\tS (sleeping)
+VmPeak:\t  900000 kB
+VmRSS:\t  474140 kB
+RssAnon:\t  300000 kB
+RssFile:\t  174140 kB
+Threads:\t27
+"""
+
+
+def test_status_fields_in_kb():
+    assert soak.parse_status_kb(STATUS) == 474140
+    assert soak.parse_status_kb(STATUS, "RssAnon") == 300000
+    assert soak.parse_status_kb("Name:\tzombie\nState:\tZ (zombie)\n") is None  # no VmRSS
+
+
+def test_status_with_an_unknown_unit_is_refused():
+    with pytest.raises(ValueError, match="unit"):
+        soak.parse_status_kb("VmRSS:\t 12 MB\n")
+
+
+def test_stat_counts_fields_after_the_command_name():
+    # a command name with spaces and a ')' must not shift the fields
+    fields = ["S", "4482"] + [str(i) for i in range(5, 22)] + ["987654"] + ["0"] * 30
+    line = "4545 (weird) name) " + " ".join(fields)
+    assert soak.parse_stat(line) == (4482, 987654)
+    with pytest.raises(ValueError):
+        soak.parse_stat("garbage")
+
+
+def test_descendants_walks_the_tree_parents_first():
+    ppids = {1: 0, 10: 1, 11: 10, 12: 10, 13: 11, 20: 1, 21: 20}
+    assert soak.descendants(ppids, 10) == [10, 11, 12, 13]
+    assert soak.descendants(ppids, 21) == [21]
+
+
+def test_labels_from_command_lines():
+    py = "/venv/bin/python -B -c"
+    assert soak.label_for("python -m asyncflow.cli train", True) == "launcher"
+    assert soak.label_for(f"{py} from multiprocessing.resource_tracker import main;main(26)", False) \
+        == "resource_tracker"
+    assert soak.label_for(f"{py} from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=27, "
+                          "pipe_handle=31) --multiprocessing-fork", False) == "rank"
+    assert soak.label_for("/usr/bin/sleep 5", False) == "sleep"
+
+
+def test_sampler_reads_this_process():
+    s = soak.Sampler(os.getpid()).sample()
+    me = s[os.getpid()]
+    assert me["label"] == "launcher" and me["rss_kb"] > 1000 and me["anon_kb"] is not None
+
+
+def test_slope_of_a_line_and_degenerate_inputs():
+    ts = [0.0, 10.0, 20.0, 30.0]
+    assert soak.slope(ts, [5 + 2 * t for t in ts]) == pytest.approx(2.0)
+    assert soak.slope(ts, [1.0, 3.0, 1.0, 3.0]) == pytest.approx(0.04)  # least squares, not end minus start
+    assert soak.slope([1.0], [1.0]) is None
+    assert soak.slope([2.0, 2.0], [1.0, 5.0]) is None
+    with pytest.raises(ValueError):
+        soak.slope([1.0, 2.0], [1.0])
+
+
+def test_kb_per_s_to_mb_per_h():
+    assert soak.kb_per_s_to_mb_per_h(1024 / 3600) == pytest.approx(1.0)
+    assert soak.kb_per_s_to_mb_per_h(None) is None
+
+
+METRICS = [
+    {"step": 5, "time_s": 5.7, "sft/loss": 3.4, "phase": "sft"},
+    {"step": 10, "time_s": 6.1, "eval/accuracy": 0.2, "phase": "sft"},
+    {"step": 0, "time_s": 6.2, "eval/accuracy": 0.2, "phase": "before_rl"},
+    {"step": 1, "time_s": 6.7, "step_time_s": 0.5, "tq/rows_held": 256.0, "tq/bytes_held": 1000.0},
+    {"step": 2, "time_s": 7.2, "step_time_s": 0.5, "tq/rows_held": 512.0, "tq/bytes_held": 2000.0},
+    {"step": 2, "time_s": 7.3, "eval/accuracy": 0.3, "phase": "rl"},
+    {"step": 3, "time_s": 7.7, "step_time_s": 0.5, "tq/rows_held": 256.0, "tq/bytes_held": 1000.0},
+    {"step": 4, "time_s": 8.2, "step_time_s": 0.5, "tq/rows_held": 0.0, "tq/bytes_held": 0.0},
+    {"step": 4, "time_s": 8.5, "eval/accuracy": 0.3, "phase": "after_rl"},
+]
+
+
+def test_rl_window_from_before_rl_to_the_last_step():
+    assert soak.rl_window(METRICS) == (6.2, 8.2, 4)
+    no_eval = [m for m in METRICS if m.get("phase") != "before_rl"]
+    start, end, steps = soak.rl_window(no_eval)
+    assert start == pytest.approx(6.2) and end == 8.2 and steps == 4  # first step less its step time
+    assert soak.rl_window(METRICS[:2]) == (None, None, 0)
+
+
+def test_clock_offset_is_the_smallest_lag():
+    # metrics time_s = sampler t - 3.0 at best; later reads only lag more
+    assert soak.clock_offset([(1.0, None), (5.0, 1.5), (6.0, 3.0), (7.0, 3.2)]) == pytest.approx(3.0)
+    assert soak.clock_offset([(1.0, None)]) is None
+
+
+def _samples(n: int, grow_kb_per_s: float, extra_from: int | None = None) -> list[dict]:
+    out = []
+    for i in range(n):
+        t = 10.0 * i
+        procs = {"100": {"label": "launcher", "rss_kb": 200_000, "anon_kb": 150_000},
+                 "101": {"label": "rank0", "rss_kb": 400_000 + grow_kb_per_s * t, "anon_kb": 300_000 + grow_kb_per_s * t}}
+        if extra_from is not None and i >= extra_from:
+            procs["102"] = {"label": "sleep", "rss_kb": 50_000, "anon_kb": None}
+        out.append({"t_s": t, "metrics_time_s": None, "procs": procs})
+    return out
+
+
+def test_fit_memory_per_process_and_total():
+    kb_per_s = 10 * 1024 / 3600  # 10 MB/hour
+    fit = soak.fit_memory(_samples(20, kb_per_s), 30.0, 150.0)
+    assert fit["samples"] == 13
+    assert fit["total"] == pytest.approx(10.0)
+    assert fit["total_anon"] == pytest.approx(10.0)
+    assert fit["processes"]["rank0 (pid 101)"]["slope_mb_per_h"] == pytest.approx(10.0)
+    assert fit["processes"]["launcher (pid 100)"]["slope_mb_per_h"] == pytest.approx(0.0)
+    assert fit["partial"] == []
+
+
+def test_fit_memory_leaves_out_a_process_that_starts_inside_the_window():
+    fit = soak.fit_memory(_samples(20, 0.0, extra_from=10), 0.0, 190.0)
+    assert fit["total"] == pytest.approx(0.0)  # its 50 MB appearing is not a leak
+    assert fit["partial"] == ["sleep (pid 102)"]
+    assert set(fit["processes"]) == {"launcher (pid 100)", "rank0 (pid 101)"}
+
+
+def test_fit_memory_with_too_few_samples():
+    fit = soak.fit_memory(_samples(3, 0.0), 100.0, 200.0)
+    assert fit["total"] is None and fit["samples"] == 0
+
+
+def test_tq_rows_bounded():
+    tq = soak.tq_figures(METRICS, 256)
+    assert tq["logged"] and tq["bounded"]
+    assert (tq["rows_held_max"], tq["rows_held_final"], tq["bytes_held_max"]) == (512.0, 0.0, 2000.0)
+    assert tq["rows_held_max_in_steps"] == pytest.approx(2.0)
+
+
+def test_tq_rows_growing():
+    grow = [{"step": i, "time_s": float(i), "tq/rows_held": 256.0 * i} for i in range(1, 11)]
+    tq = soak.tq_figures(grow, 256)
+    assert not tq["bounded"]
+    assert tq["rows_held_slope_per_1000_steps"] == pytest.approx(256_000.0)
+
+
+def test_tq_metric_absent_is_said_not_invented():
+    tq = soak.tq_figures([m for m in METRICS if "tq/rows_held" not in m] + [{"step": 1, "time_s": 1.0}], 256)
+    assert tq == {"logged": False, "note": tq["note"]}
+    assert "no tq/rows_held" in tq["note"] and "not measured" in tq["note"]
+
+
+LOG = """2026-12-01 11:30:29,694 asyncflow.metrics: step 239 | phase after_rl | eval_acc 0 | 36.5s
+Traceback (most recent call last):
+  File "x.py", line 1, in <module>
+    raise RuntimeError("boom")
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "y.py", line 2, in <module>
+RuntimeError: boom
+2026-12-01 11:30:30 asyncflow.trainer: ERROR something broke
+ValueError: bad value
+asyncflow run failed:
+reward/errors 0 | filtered 3
+"""
+
+
+def test_scan_log_counts_tracebacks_and_error_lines():
+    r = soak.scan_log(LOG)
+    assert r["tracebacks"] == 2
+    assert r["error_lines"] == 3  # ERROR, a bare exception line, the launcher's failure line
+    assert "RuntimeError: boom" in r["examples"]
+    assert soak.scan_log("step 1 | reward 0.5\nall good\n") == {"tracebacks": 0, "error_lines": 0, "examples": []}
+
+
+def test_count_errors():
+    clean = {"tracebacks": 0, "error_lines": 0}
+    assert soak.count_errors(0, [clean, clean], {"reward/errors": 0.0, "reward/timeouts": 0.0}) == 0
+    assert soak.count_errors(1, [{"tracebacks": 1, "error_lines": 2}, clean], {"reward/timeouts": 3.0}) == 7
+    assert soak.count_errors(0, [], {}) == 0
+
+
+def test_newest_time_s_reads_only_complete_lines(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    state: dict = {}
+    assert soak.newest_time_s(p, state) is None
+    p.write_text(json.dumps({"step": 1, "time_s": 2.5}) + "\n" + '{"step": 2, "time_s": 9')
+    assert soak.newest_time_s(p, state) == 2.5  # the cut-off line waits
+    with open(p, "a") as f:
+        f.write('.0}\n{"step": 3, "time_s": 4.0}\n')
+    assert soak.newest_time_s(p, state) == 9.0
+
+
+def test_record_appends_a_section(tmp_path):
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# Benchmark results\n\n## Other\n\ntext\n")
+    fit = soak.fit_memory(_samples(20, 0.0), 0.0, 190.0)
+    an = {"memory": fit, "tq": soak.tq_figures(METRICS, 256), "window": [0.0, 190.0], "settle": 0.2, "steps": 4,
+          "errors": 0, "rc": 0, "logs": {"stdout": {"tracebacks": 0, "error_lines": 0}},
+          "reward_errors": 0.0, "reward_timeouts": 0.0, "notes": []}
+    soak.record(an, "python perf/soak.py --quick", 3, 2, path=md)
+    text = md.read_text()
+    assert text.startswith("# Benchmark results\n\n## Other\n\ntext\n\n## Soak (`perf/soak.py`)")
+    assert "| **total** |" in text and "20 MB/hour: met" in text and "bounded" in text
+    assert "`python perf/soak.py --quick`" in text
