@@ -165,6 +165,15 @@ class TrainerConfig:
 
 
 @dataclass
+class TransferQueueSettings:
+    # driver: one storage unit, in rank 0's process. per_node: one per node, hosted by the node's
+    # local rank 0; every process writes to its own node's unit (multi-node runs).
+    storage_units: str = "driver"
+    max_rows_per_unit: int = 0  # backpressure: a put of new rows waits for room (0: unbounded)
+    max_bytes_per_unit: int = 0
+
+
+@dataclass
 class RunSettings:
     recipe: str = "grpo"
     # Modules every worker imports first: where your own @register_reward / registry entries live.
@@ -180,6 +189,7 @@ class RunSettings:
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     placement: PlacementSettings = field(default_factory=PlacementSettings)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    transfer_queue: TransferQueueSettings = field(default_factory=TransferQueueSettings)
 
 
 def _check(cfg: RunSettings) -> RunSettings:
@@ -232,6 +242,12 @@ def _check(cfg: RunSettings) -> RunSettings:
                         f"{t.save_every} and {t.keep_checkpoints}")
     if cfg.optim.max_nonfinite_in_row < 1:
         problems.append(f"optim.max_nonfinite_in_row: must be >= 1, got {cfg.optim.max_nonfinite_in_row}")
+    tq = cfg.transfer_queue
+    if tq.storage_units not in ("driver", "per_node"):
+        problems.append(f"transfer_queue.storage_units: expected driver or per_node, got {tq.storage_units!r}")
+    if tq.max_rows_per_unit < 0 or tq.max_bytes_per_unit < 0:
+        problems.append(f"transfer_queue.max_rows_per_unit and max_bytes_per_unit must be >= 0 (0: unbounded), "
+                        f"got {tq.max_rows_per_unit} and {tq.max_bytes_per_unit}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return cfg

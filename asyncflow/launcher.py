@@ -54,6 +54,7 @@ def prepare(argv: Sequence[str]) -> tuple[RunSettings, Path]:
 def train_main(argv: Sequence[str]) -> int:
     from .single_controller.driver import DriverConfig
     from .single_controller.launch import RunConfig, launch_local, run_from_env
+    from .single_controller.tq_units import UnitsConfig
     from .trainer import CONFIG_ENV
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -65,8 +66,12 @@ def train_main(argv: Sequence[str]) -> int:
     os.environ[CONFIG_ENV] = str(path.resolve())
     if cfg.trainer.threads:
         os.environ["OMP_NUM_THREADS"] = str(cfg.trainer.threads)
+    tq = cfg.transfer_queue
+    units = UnitsConfig(storage_units=tq.storage_units, max_rows_per_unit=tq.max_rows_per_unit,
+                        max_bytes_per_unit=tq.max_bytes_per_unit,
+                        stats_path=str(Path(cfg.trainer.out_dir) / "tq_units.json"))
     run = RunConfig(main="asyncflow.trainer:driver_main", platform=cfg.trainer.platform,
-                    driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s))
+                    driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units)
     if "RANK" in os.environ:
         return run_from_env(run)
     return launch_local(run, cfg.trainer.nproc)

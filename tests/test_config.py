@@ -30,6 +30,8 @@ def test_overrides_are_typed():
     ("rollout.engine=tgi", ["rollout.engine"]),
     ("data.task=file", ["data.path"]),
     ("justaword", ["key=value"]),
+    ("transfer_queue.storage_units=per_rank", ["transfer_queue.storage_units", "per_node"]),
+    ("transfer_queue.max_rows_per_unit=-1", ["transfer_queue.max_rows_per_unit", "0: unbounded"]),
 ])
 def test_bad_config_names_the_key(override, words):
     with pytest.raises(ConfigError) as e:

@@ -28,6 +28,8 @@ from .errors import LaunchError
 from .placement import PlacementConfig
 from .rendezvous import connect_store, publish_address, rendezvous_host, share_run_key, wait_addresses
 from .runtime import RuntimeConfig, WorkerRuntime
+from .tq_units import (UnitsConfig, node_from_env, start_for_rank, wait_for_node_units, nodes_of_ranks,
+                       write_unit_stats)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class RunConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     rendezvous_timeout_s: float = 120.0  # store connection, address exchange, init_process_group
     transfer_queue: bool = True  # rank 0 hosts a TransferQueueService and tells the workers
+    tq_units: UnitsConfig = field(default_factory=UnitsConfig)  # where storage units run (tq_units.py)
 
 
 def import_function(path: str) -> Callable:
@@ -51,8 +54,8 @@ def import_function(path: str) -> Callable:
 
 
 def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
-             *, use_agent_store: bool | None = None, with_driver: bool | None = None) -> int:
-    """Everything one rank does; returns the process exit code."""
+             *, use_agent_store: bool | None = None, with_driver: bool | None = None, node: int = 0) -> int:
+    """Everything one rank does; returns the process exit code. ``node``: the node index."""
     import torch.distributed as dist
 
     from ..platform import get_platform
@@ -65,15 +68,20 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
                             world_size=world_size,
                             timeout=timedelta(seconds=cfg.runtime.collective_timeout_s))
     host = rendezvous_host(master_addr)
+    is_driver = with_driver if with_driver is not None else rank == 0
+    # Before the address is published: a node's storage unit is registered by then.
+    tq = start_for_rank(cfg.tq_units, store, rank, local_rank, node, host, cfg.rendezvous_timeout_s,
+                        driver=is_driver) if cfg.transfer_queue else None
     runtime = WorkerRuntime(rank, world_size, local_rank, platform, host, cfg.runtime)
     publish_address(store, rank, runtime.address)
     code = 0
     try:
-        if with_driver if with_driver is not None else rank == 0:
+        if is_driver:
             serving = threading.Thread(target=runtime.serve, name="worker-rank0", daemon=True)
             serving.start()
             addresses = wait_addresses(store, world_size, cfg.rendezvous_timeout_s)
-            code = asyncio.run(run_driver(cfg, addresses, host))
+            nodes = nodes_of_ranks(store, world_size) if tq is not None else None
+            code = asyncio.run(run_driver(cfg, addresses, host, tq.service if tq else None, nodes))
             serving.join(timeout=30)
             if serving.is_alive():  # still inside a call: its socket must not be closed under it
                 return code or 1
@@ -81,23 +89,31 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
             runtime.serve()
     except BaseException:
         runtime.close()
+        if tq is not None:
+            tq.stop()
         raise
     runtime.close()
+    if tq is not None:
+        tq.stop()
     if code == 0:
         dist.destroy_process_group()  # after a failure a peer may be gone: just exit
     return code
 
 
-async def run_driver(cfg: RunConfig, addresses: list[str], host: str) -> int:
-    """Start the TransferQueue, attach to the workers, run ``main``; 0 on success, else 1."""
-    tq = None
-    if cfg.transfer_queue:
+async def run_driver(cfg: RunConfig, addresses: list[str], host: str, tq: Any = None,
+                     nodes: list[int] | None = None) -> int:
+    """Start the TransferQueue (unless ``tq``, a started service, is given), check every node's
+    storage unit is registered (``nodes``: each rank's node), attach to the workers, run
+    ``main``; 0 on success, else 1."""
+    if tq is None and cfg.transfer_queue:
         from ..transfer_queue import TransferQueueConfig, TransferQueueService
         tq = TransferQueueService(TransferQueueConfig(host=host)).start_in_thread()
     driver = Driver(addresses, placement=cfg.placement, config=cfg.driver,
                     transfer_queue_address=tq.controller_address if tq else None)
     try:
         main = import_function(cfg.main)
+        if tq is not None and nodes and cfg.tq_units.per_node:
+            await wait_for_node_units(tq.controller_address, nodes, cfg.tq_units.register_timeout_s)
         await driver.start()
         await driver.run(main(driver))
         return 0
@@ -105,6 +121,8 @@ async def run_driver(cfg: RunConfig, addresses: list[str], host: str) -> int:
         print(f"asyncflow driver failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return 1
     finally:
+        if tq is not None:  # while every node's unit still runs
+            await write_unit_stats(tq.controller_address, cfg.tq_units.stats_path)
         await driver.shutdown()
         if tq is not None:
             tq.stop_in_thread()
@@ -115,7 +133,7 @@ def run_from_env(cfg: RunConfig) -> int:
     env = os.environ
     try:
         return run_rank(cfg, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                        env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+                        env["MASTER_ADDR"], int(env["MASTER_PORT"]), node=node_from_env())
     except KeyError as e:
         raise LaunchError(f"environment variable {e} is not set: start under torchrun, or use --nproc") from None
 
