@@ -104,7 +104,8 @@ class _ControlService:
     async def rpc_ping(self) -> dict:
         self.rt._last_ping = time.monotonic()
         return {"rank": self.rt.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                "busy": self.rt._busy, "roles": sorted(self.rt.workers)}
+                "busy": self.rt._busy, "roles": sorted(self.rt.workers),
+                "auth_failures": self.rt.auth_failures()}
 
     async def rpc_set_transfer_queue(self, address: str) -> dict:
         self.rt._tq_address = address
@@ -146,6 +147,10 @@ class WorkerRuntime:
                                   f"worker-{self.rank}-control")
         self._control.start()
         return self._control.address
+
+    def auth_failures(self) -> int:
+        """Messages both servers dropped for failing authentication (a stranger is sending)."""
+        return self._calls.auth_failures + (self._control.auth_failures if self._control is not None else 0)
 
     # ---- the call loop -------------------------------------------------------------------
     def serve(self) -> None:
