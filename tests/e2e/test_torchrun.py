@@ -45,19 +45,47 @@ def test_torchrun_one_node(tmp_path):
     _check(out, [p])
 
 
-@pytest.mark.slow
-def test_torchrun_two_nodes_over_loopback(tmp_path):
-    out = tmp_path / "run"
+def _two_nodes(out, *extra: str) -> list[subprocess.CompletedProcess]:
     port = _port()
     procs = []
     for node in (0, 1):
         cmd = _torchrun("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "asyncflow.cli", "train",
-                        "grpo", *TINY, *STEPS, f"trainer.out_dir={out}")
+                        "grpo", *TINY, *STEPS, f"trainer.out_dir={out}", *extra)
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     done = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=300)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    _check(out, done)
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=300)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:  # one node failed or hung: do not leave the other behind
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return done
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_over_loopback(tmp_path):
+    out = tmp_path / "run"
+    _check(out, _two_nodes(out))
+    units = json.loads((out / "tq_units.json").read_text())
+    assert [u["unit"] for u in units] == [0]  # the default: one unit, in the driver's process
+    assert set(units[0]["put_rows_by_node"]) == {"0", "1"}  # both nodes wrote into it
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_one_storage_unit_per_node(tmp_path):
+    """Async GRPO over two "nodes", one TransferQueue unit each: the driver (node 0) creates
+    the prompt rows in node 0's unit; the rollout (rank 1, node 1) writes its responses into
+    node 1's unit; the actor on node 0 reads from both."""
+    out = tmp_path / "run"
+    _check(out, _two_nodes(out, "transfer_queue.storage_units=per_node", "workflow.mode=async"))
+    units = {u["unit"]: u for u in json.loads((out / "tq_units.json").read_text())}
+    assert sorted(units) == [0, 1], units
+    # Each unit holds only what producers on its own node wrote, and both got some.
+    assert set(units[0]["put_rows_by_node"]) == {"0"} and units[0]["put_rows_by_node"]["0"] > 0, units
+    assert set(units[1]["put_rows_by_node"]) == {"1"} and units[1]["put_rows_by_node"]["1"] > 0, units
+    assert units[1]["put_bytes_by_node"]["1"] > 0
