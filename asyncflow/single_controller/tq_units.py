@@ -74,6 +74,7 @@ class NodeUnit:
 
         self.index = index
         self._loop = EventLoopThread(f"tq-unit-{index}")
+        self._stopped = False
         ready = threading.Event()
 
         async def start() -> asyncio.Task:
@@ -94,7 +95,11 @@ class NodeUnit:
                                   f"controller at {controller_address} within {cfg.register_timeout_s:.0f}s")
 
     def stop(self) -> None:
-        """Close the unit's socket and its connection to the controller, then the thread."""
+        """Close the unit's socket and its connection to the controller, then the thread (once)."""
+        if self._stopped:
+            return
+        self._stopped = True
+
         async def cancel() -> None:
             self._task.cancel()
             await asyncio.wait([self._task], timeout=10)
