@@ -167,3 +167,17 @@ def test_a_dead_unit_is_named_by_a_read_that_times_out(tq):
             c.get_data(BatchMeta("p", [make_row_id(5, 0)], ["x"]))
     finally:
         c.close()
+
+
+def test_off_home_columns_arriving_out_of_row_order(two_nodes):
+    """Rollout instances finish in any order: a unit keeps another unit's rows whichever
+    arrive first (its index of them grows down as well as up)."""
+    tq, node0, node1 = two_nodes
+    created = node0.put(_prompts(list(range(30))), "p")
+    for part in ([20, 30], [0, 5], [10, 20], [5, 10]):
+        node1.put(_responses(list(range(*part))), "p", created.select(range(*part)))
+    assert _stats(tq)[1]["foreign_rows"] == 30
+    got = tq.client.get_meta(["key", "resp"], 30, "train", "p")
+    td = tq.client.get_data(got)
+    for i, k in enumerate(td["key"].tolist()):
+        assert td["resp"][i].tolist() == (torch.arange(k % 7 + 1) + 1000 * k).tolist()
