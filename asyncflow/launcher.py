@@ -48,6 +48,7 @@ def prepare(argv: Sequence[str]) -> tuple[RunSettings, Path]:
     path = out / "run_config.yaml"
     if int(os.environ.get("RANK", "0")) == 0:
         path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        (out / "ranks.json").unlink(missing_ok=True)  # an earlier run's: written anew once the groups exist
     return cfg, path
 
 
@@ -74,4 +75,16 @@ def train_main(argv: Sequence[str]) -> int:
                     driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units)
     if "RANK" in os.environ:
         return run_from_env(run)
-    return launch_local(run, cfg.trainer.nproc)
+    return launch_local(run, cfg.trainer.nproc, describe_rank=lambda r: rank_roles(Path(cfg.trainer.out_dir), r))
+
+
+def rank_roles(out_dir: Path, rank: int) -> str:
+    """'roles actor, reward' of a rank, from the ranks.json the trainer writes ("" if unknown)."""
+    import json
+    try:
+        for w in json.loads((out_dir / "ranks.json").read_text()):
+            if w.get("rank") == rank:
+                return "roles " + ", ".join(w.get("roles") or ["none"])
+    except (OSError, ValueError):
+        pass  # the run died before its groups existed: the rank alone must do
+    return ""

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunSettings, load_config, to_dict
+from .workflow import checkpoints as ckpts
+from .workflow.checkpoints import RunState
 
 log = logging.getLogger("asyncflow.trainer")
 CONFIG_ENV = "ASYNCFLOW_CONFIG"
@@ -66,6 +68,10 @@ class Training:
         self.model_path = resolve_model(cfg)
         self.t0 = time.monotonic()
         self.summary: dict[str, Any] = {}
+        self.warm_steps = 0
+        self.before = float("nan")  # held-out accuracy when RL starts
+        self.reference = ""  # the reference model's directory, "" for the base model
+        self.saved_version = -1  # the policy version of the newest run checkpoint written
 
     # ---- set-up ------------------------------------------------------------------------------
     async def _start_groups(self) -> None:
@@ -116,10 +122,21 @@ class Training:
             self.groups["reward"] = await d.create_group(
                 RewardWorker, "reward", ranks=reward_ranks, model_path=self.model_path, reward=cfg.reward.name,
                 timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error, **common)
+        self._write_ranks()
         actor = self.groups["actor"]
         await asyncio.gather(actor.init_weight_sync([inst.ranks for inst in self.instances]),
                              *(inst.init_weight_sync(place.actor[0]) for inst in self.instances))
         self.placement = place
+
+    def _write_ranks(self) -> None:
+        """ranks.json: which process (host, pid) serves which roles, for operators (and fault tests)."""
+        roles: dict[int, list[str]] = {}
+        for g in [*self.groups.values(), *self.instances]:
+            for r in g.ranks:
+                roles.setdefault(r, []).append(g.role)
+        info = [{"rank": ep.rank, "host": ep.info.get("host"), "pid": ep.info.get("pid"), "roles": roles.get(ep.rank, [])}
+                for ep in self.driver.ranks if getattr(ep, "info", None)]
+        (self.out / "ranks.json").write_text(json.dumps(info, indent=1))
 
     def _optim(self, o: Any) -> dict:
         total = max(self.cfg.trainer.steps, o.warmup_steps)  # the cosine (min_lr_ratio < 1) spans trainer.steps
@@ -153,6 +170,61 @@ class Training:
                  "; ".join(f"{e['prompt']}{e['response']!r} (want {e['answer']})" for e in r["examples"][:3]))
         return float(r["accuracy"])
 
+    # ---- run checkpoints -----------------------------------------------------------------------
+    def _trained_roles(self) -> list[str]:
+        return [r for r in ("actor", "critic") if r in self.groups]
+
+    async def save_checkpoint(self, steps_done: int, next_uid: int, in_flight: list[int]) -> Path:
+        """Every training engine and the driver's state into checkpoints/step_<n>, atomically."""
+        target = ckpts.step_dir(self.out, steps_done)
+        roles = self._trained_roles()
+        state = RunState(steps_done=steps_done, next_uid=next_uid, in_flight=list(in_flight),
+                         warmup_steps=self.warm_steps, accuracy_before_rl=self.before, reference=self.reference,
+                         roles=roles)
+        start = time.monotonic()
+        tmp = None
+        try:
+            tmp = ckpts.begin(target)
+            extra = {"steps_done": steps_done, "next_uid": next_uid}
+            for role in roles:  # one at a time: they share ranks, and a failure stops at the first
+                await self.groups[role].save_checkpoint(str(tmp / role), extra)
+            ckpts.commit(tmp, target, state)
+        except Exception as e:
+            if tmp is not None:
+                ckpts.abandon(tmp)
+            prev = [p for p in ckpts.complete(self.out) if p != target]
+            kept = f"the previous checkpoint {prev[-1]} is untouched" if prev else "no earlier checkpoint exists"
+            raise ckpts.CheckpointError(
+                f"writing the checkpoint after RL step {steps_done} to {target} failed ({e}); {kept}. Free disk "
+                "space or fix the path, then rerun with trainer.resume=auto") from e
+        self.saved_version = steps_done
+        ckpts.prune(self.out, self.cfg.trainer.keep_checkpoints)
+        log.info("checkpoint %s written in %.1f s (%d prompts in flight)", target, time.monotonic() - start,
+                 len(in_flight))
+        return target
+
+    async def _resume_roles(self, path: Path, state: RunState) -> None:
+        """What warm-up left behind: its outcome and the reference model."""
+        self.warm_steps, self.before, self.reference = state.warmup_steps, state.accuracy_before_rl, state.reference
+        missing = sorted(set(state.roles) - set(self._trained_roles()))
+        if missing or set(self._trained_roles()) - set(state.roles):
+            raise ckpts.CheckpointError(
+                f"{path} holds the engines of {state.roles}, but this recipe trains {self._trained_roles()}: "
+                "resume with the recipe and algorithm the checkpoint was written with")
+        if "ref" in self.groups and self.reference:
+            if not Path(self.reference).is_dir():
+                raise ckpts.CheckpointError(f"{path}: the reference model {self.reference} it names is gone")
+            await self.groups["ref"].load_state(self.reference)
+        log.warning("resuming from %s: %d RL steps done; %d prompts that were in flight at the checkpoint are "
+                    "issued again", path, state.steps_done, len(state.in_flight))
+        self.summary.update({"resumed_from": str(path), "resumed_at_step": state.steps_done,
+                             "regenerated_prompts": len(state.in_flight)})
+
+    async def _load_engines(self, path: Path, state: RunState) -> None:
+        for role in state.roles:
+            await self.groups[role].load_checkpoint(str(path / role))
+        self.saved_version = state.steps_done
+
     # ---- data --------------------------------------------------------------------------------
     def _data(self) -> None:
         from .data.run_data import build_prompt_data
@@ -184,13 +256,22 @@ class Training:
                 break
         return step
 
-    async def rl(self) -> None:
+    async def rl(self, resume: Path | None = None, state: RunState | None = None) -> None:
+        """RL through the executor, from scratch or from a run checkpoint (``resume``, ``state``)."""
         from .metrics import Progress
+        from .metrics.logger import keep_rows
         from .workflow.executor import Executor, ExecutorConfig
-        from .workflow.source import PromptSource, longtail_budgets
+        from .workflow.source import PromptSource, longtail_budgets, resume_source
 
         cfg = self.cfg
         await self.groups["actor"].reset_optimizer(self._optim(cfg.optim))
+        first = 0
+        records, replay = self.data.train_records(), []
+        if state is not None:  # the optimizer and schedule of the checkpoint replace the fresh ones
+            await self._load_engines(resume, state)
+            first = state.steps_done
+            records, replay = resume_source(records, state.next_uid, state.in_flight)
+            await self.sync_weights(first)
         ecfg = ExecutorConfig(mode=cfg.workflow.mode, max_staleness=cfg.workflow.max_staleness,
                               group_size=cfg.rollout.n, prompts_per_step=cfg.trainer.prompts_per_step,
                               dynamic_sampling=any(s.kind == "filter" for s in self.stages),
@@ -198,9 +279,10 @@ class Training:
                               wait_timeout_s=cfg.workflow.call_timeout_s)
         budget_fn = (longtail_budgets(cfg.trainer.seed, cfg.rollout.max_new_tokens)
                      if cfg.rollout.length_profile == "longtail" else None)
-        self.source = PromptSource(self.data.train_records(), cfg.rollout.n, cfg.trainer.seed, budget_fn=budget_fn)
+        self.source = PromptSource(records, cfg.rollout.n, cfg.trainer.seed, budget_fn=budget_fn,
+                                   start_uid=state.next_uid if state else 0, replay=replay)
         budget = cfg.trainer.time_budget_s
-        progress = Progress(None if budget else cfg.trainer.steps, enabled=cfg.trainer.progress,
+        progress = Progress(None if budget else cfg.trainer.steps - first, enabled=cfg.trainer.progress,
                             desc=f"RL ({budget:.0f} s budget)" if budget else "RL")
         start = time.monotonic()
         totals = {"rows": 0.0, "tokens": 0.0, "stale_sum": 0.0, "stale_max": 0.0}
@@ -208,6 +290,8 @@ class Training:
         evals: list[asyncio.Task] = []
 
         async def on_step(rep: Any) -> None:
+            # Before any await: which prompts are trained and which are still in flight right now.
+            position = (self.source.next_uid, executor.in_flight_uids(rep.step))
             now = time.monotonic()
             m = dict(rep.metrics)
             dt = max(now - last[0], 1e-9)
@@ -225,14 +309,23 @@ class Training:
             for role, busy in executor.role_busy.items():
                 m[f"perf/idle_ratio/{role}"] = max(0.0, 1.0 - busy / max(wall, 1e-9))
             m["step_time_s"] = rep.finished - rep.started
+            held = await self.tq.unit_stats()  # the step's partition is cleared: this must not grow
+            m["tq/rows_held"] = float(sum(u["rows"] for u in held))
+            m["tq/bytes_held"] = float(sum(u["bytes"] for u in held))
             self.logger.log(rep.step + 1, m)
-            progress.update(rep.step + 1, m)
+            progress.update(rep.step + 1 - first, m)
+            if cfg.trainer.save_every and (rep.step + 1) % cfg.trainer.save_every == 0:
+                await self.save_checkpoint(rep.step + 1, *position)
             if cfg.trainer.eval_every and (rep.step + 1) % cfg.trainer.eval_every == 0:
                 evals.append(asyncio.create_task(self.evaluate(rep.step + 1, "rl")))
             if cfg.trainer.time_budget_s and wall >= cfg.trainer.time_budget_s:
                 executor.stop()
 
-        samples = open(self.out / "samples.jsonl", "w") if cfg.trainer.log_samples else None
+        samples = None
+        if cfg.trainer.log_samples:
+            if state is not None:  # rows trained after the checkpoint are trained again: drop their lines
+                keep_rows(self.out / "samples.jsonl", lambda row: row.get("step", 0) < first)
+            samples = open(self.out / "samples.jsonl", "a" if state is not None else "w")
 
         async def on_trained(step: int, meta: Any) -> None:
             """The audit trail: which prompt, seed and policy version each trained row came from."""
@@ -244,15 +337,17 @@ class Training:
             vals = resp.values.tolist()
             for i in range(len(meta)):
                 samples.write(json.dumps({
-                    "step": step, "prompt_index": int(cols["prompt_index"].data[i]), "seed": int(cols["seed"].data[i]),
+                    "step": step, "uid": int(meta.groups[i]) if meta.groups else -1,
+                    "prompt_index": int(cols["prompt_index"].data[i]), "seed": int(cols["seed"].data[i]),
                     "gen_version": int(cols["gen_version"].data[i]), "score": float(cols["scores"].data[i]),
                     "response_ids": vals[offs[i]:offs[i + 1]]}) + "\n")
             samples.flush()
 
         executor = Executor(ecfg, self.stages, self.groups, self.instances, self.tq, self.source,
-                            timeline=self.timeline, on_step=on_step, on_trained=on_trained)
+                            timeline=self.timeline, on_step=on_step, on_trained=on_trained,
+                            start_version=first, first_step=first)
         try:
-            await executor.run(cfg.trainer.steps)
+            await executor.run(max(0, cfg.trainer.steps - first))
         finally:
             progress.close()
             if samples is not None:
@@ -260,7 +355,7 @@ class Training:
         await asyncio.gather(*evals)
         await self.groups["actor"].wait_weights_sent()
         rl_s = time.monotonic() - start
-        steps = (executor.last_step or -1) + 1
+        steps = executor.last_step + 1 if executor.last_step is not None else first
         self.final_version = steps
         self.summary.update({
             "rl_steps": steps, "rl_s": rl_s, "samples_per_s": totals["rows"] / max(rl_s, 1e-9),
@@ -272,15 +367,23 @@ class Training:
 
     async def run(self) -> dict:
         from .metrics import MetricsLogger, Timeline, build_report
+        from .metrics.logger import METRICS_FILE, keep_rows
         from .transfer_queue import AsyncTransferQueueClient
         from .workflow.recipe import find_recipe
         from .workflow.stages import check_graph
 
         cfg = self.cfg
+        resume = ckpts.find_resume(self.out, cfg.trainer.resume)
+        state = ckpts.load_state(resume) if resume is not None else None
         (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         self.timeline = Timeline(self.out)
+        resumed_at = 0.0
+        if state is not None:  # metrics of the steps after the checkpoint are logged again
+            resumed_at = keep_rows(self.out / METRICS_FILE, lambda r: r.get("phase") in ("sft", "before_rl") or (
+                r.get("phase") != "after_rl" and r.get("step", 0) <= state.steps_done))
         # With the progress bar on, per-step lines stay in the files; evaluations still print.
-        self.logger = MetricsLogger(self.out, t0=self.timeline.t0, console=not cfg.trainer.progress)
+        self.logger = MetricsLogger(self.out, t0=self.timeline.t0 - resumed_at, console=not cfg.trainer.progress,
+                                    append=state is not None)
         recipe = find_recipe(cfg.recipe)
         self.stages = recipe.stages(cfg)
         check_graph(self.stages, ["prompt_ids", "answer", "seed", "prompt_index",
@@ -289,22 +392,26 @@ class Training:
         try:
             await asyncio.to_thread(self._data)  # tokenizing the prompts must not stall the driver's heartbeat
             await self._start_groups()
-            warm_steps = await self.warmup()
-            if "ref" in self.groups and warm_steps:  # the reference is the policy RL starts from
-                await self._export(self.out / "warmup_model")
-                await self.groups["ref"].load_state(str(self.out / "warmup_model"))
-            await self.sync_weights(0)
-            before = await self.evaluate(0, "before_rl")
-            await self.rl()
+            if state is None:
+                self.warm_steps = await self.warmup()
+                if "ref" in self.groups and self.warm_steps:  # the reference is the policy RL starts from
+                    await self._export(self.out / "warmup_model")
+                    self.reference = str((self.out / "warmup_model").absolute())
+                    await self.groups["ref"].load_state(self.reference)
+                await self.sync_weights(0)
+                self.before = await self.evaluate(0, "before_rl")
+            else:
+                await self._resume_roles(resume, state)
+            await self.rl(resume, state)
             await self.sync_weights(self.final_version)
             after = await self.evaluate(self.summary["rl_steps"], "after_rl")
-            ckpt = self.out / "checkpoint"
-            await self.groups["actor"].save_checkpoint(str(ckpt), {"prompts_issued": self.source.next_uid,
-                                                                    "version": self.final_version})
+            if self.final_version != self.saved_version:
+                await self.save_checkpoint(self.final_version, self.source.next_uid, [])
             await self._export(self.out / "hf_model")
+            before = self.before
             self.summary.update({
                 "eval_accuracy_before_rl": before, "eval_accuracy_after_rl": after,
-                "accuracy_gain": after - before, "warmup_steps": warm_steps,
+                "accuracy_gain": after - before, "warmup_steps": self.warm_steps,
                 "wall_s": time.monotonic() - self.t0, "mode": cfg.workflow.mode, "recipe": recipe.name,
                 "placement": cfg.placement.mode, "nproc": cfg.trainer.nproc, "model_path": self.model_path,
                 "filtered_prompts": getattr(self.data, "filtered", 0), **await self.reward_failures(),

@@ -79,11 +79,12 @@ class MetricsLogger:
     """Writes `out_dir/metrics.jsonl` (and TensorBoard scalars under `out_dir/tensorboard/`).
 
     `tensorboard`: None logs to TensorBoard when the package is installed, True requires it,
-    False never. The file is truncated at construction: one directory holds one run.
+    False never. The file is truncated at construction (one directory holds one run), unless
+    `append` (a resumed run, after `keep_rows` dropped what the crash left unfinished).
     """
 
     def __init__(self, out_dir: str | Path, *, console: bool = True,
-                 tensorboard: bool | None = None, t0: float | None = None):
+                 tensorboard: bool | None = None, t0: float | None = None, append: bool = False):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / METRICS_FILE
@@ -91,7 +92,7 @@ class MetricsLogger:
         self.t0 = time.perf_counter() if t0 is None else t0
         self._lock = threading.Lock()  # one line at a time, from any thread
         self._writer = _open_summary_writer(self.out_dir, tensorboard)
-        self._file = self.path.open("w", buffering=1, encoding="utf-8")  # line-buffered
+        self._file = self.path.open("a" if append else "w", buffering=1, encoding="utf-8")  # line-buffered
 
     @property
     def tensorboard_enabled(self) -> bool:
@@ -132,6 +133,27 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def keep_rows(path: str | Path, keep: Any) -> float:
+    """Rewrite a JSON-lines file with only the rows ``keep(row)`` accepts (a resumed run drops
+    what came after its checkpoint); returns the largest ``time_s`` kept (0 if none)."""
+    path = Path(path)
+    if not path.is_file():
+        return 0.0
+    kept, last = [], 0.0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by the crash
+        if keep(row):
+            kept.append(line)
+            last = max(last, float(row.get("time_s", 0.0)))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    tmp.replace(path)
+    return last
 
 
 def format_console_line(row: Mapping[str, Any]) -> str:

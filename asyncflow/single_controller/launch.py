@@ -146,8 +146,12 @@ def _elastic_entry(cfg: RunConfig) -> int:
     return code
 
 
-def launch_local(cfg: RunConfig, nproc: int, *, monitor_interval_s: float = 0.2) -> int:
-    """Start ``nproc`` local ranks through torch's elastic launcher; returns the exit code."""
+def launch_local(cfg: RunConfig, nproc: int, *, monitor_interval_s: float = 0.2,
+                 describe_rank: Callable[[int], str] | None = None) -> int:
+    """Start ``nproc`` local ranks through torch's elastic launcher; returns the exit code.
+
+    The launcher stops every rank as soon as one dies, often before the driver can say
+    which role was lost: ``describe_rank(rank)`` (e.g. its roles) goes into that message."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -160,7 +164,11 @@ def launch_local(cfg: RunConfig, nproc: int, *, monitor_interval_s: float = 0.2)
         elastic_launch(lc, entry)(cfg)
         return 0
     except ChildFailedError as e:
-        print(f"asyncflow run failed:\n{e.format_msg()}", file=sys.stderr, flush=True)
+        rank, first = e.get_first_failure()  # the global rank
+        how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with code {first.exitcode}"
+        who = describe_rank(rank) if describe_rank is not None else ""
+        print(f"asyncflow run failed: rank {rank}{f' ({who})' if who else ''} {how} (pid {first.pid})\n"
+              f"{e.format_msg()}", file=sys.stderr, flush=True)
         return 1
 
 

@@ -9,7 +9,8 @@ import torch
 from ..single_controller import Dispatch, Worker, register
 from ..workflow import weight_sync as ws
 from .actor_loss import AlgoSettings, compute_advantages, policy_loss_fn, sft_loss_fn
-from .common import import_modules, model_factory, per_token_column, rows, set_threads, train_engine_class
+from .common import (EngineCheckpoints, import_modules, model_factory, per_token_column,
+                     rows, set_threads, train_engine_class)
 
 
 def _share(n: int, dp_rank: int, dp_size: int) -> range:
@@ -18,7 +19,7 @@ def _share(n: int, dp_rank: int, dp_size: int) -> range:
     return range(start, start + q + (1 if dp_rank < r else 0))
 
 
-class ActorWorker(Worker):
+class ActorWorker(EngineCheckpoints, Worker):
     def __init__(self, model_path: str, optim: dict, algorithm: dict, temperature: float = 1.0,
                  threads: int = 0, attn_implementation: str | None = None, imports: list[str] = (),
                  train_engine: str = "fsdp", seed: int = 0,
@@ -125,15 +126,7 @@ class ActorWorker(Worker):
         if self.sender is not None:
             self.sender.wait()
 
-    # ---- checkpoints -----------------------------------------------------------------------
-    @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str, extra: dict) -> None:
-        self.engine.save_checkpoint(path, extra)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> dict:
-        return self.engine.load_checkpoint(path)
-
+    # ---- export ----------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, path: str) -> None:
         from ..models.loading import load_tokenizer

@@ -6,6 +6,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..single_controller import Dispatch, register
+
 
 def rows(column: Any) -> list[torch.Tensor]:
     """A jagged column (nested tensor) or a list as one 1-D tensor per row."""
@@ -92,3 +94,16 @@ def pad(seqs: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, tor
 
 def unpad(x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     return [x[i][mask[i]] for i in range(x.shape[0])]
+
+
+class EngineCheckpoints:
+    """A worker's training engine (model, optimizer, LR schedule, RNG per rank) into and out
+    of a run checkpoint. Mixed into the workers that train (actor, critic)."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str, extra: dict) -> None:
+        self.engine.save_checkpoint(path, extra)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> dict:
+        return self.engine.load_checkpoint(path)

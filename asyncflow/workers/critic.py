@@ -8,10 +8,11 @@ import torch
 from ..single_controller import Dispatch, Worker, register
 from .actor import _share
 from .actor_loss import AlgoSettings, compute_advantages
-from .common import import_modules, model_factory, rows, per_token_column, set_threads, train_engine_class
+from .common import (EngineCheckpoints, import_modules, model_factory, rows,
+                     per_token_column, set_threads, train_engine_class)
 
 
-class CriticWorker(Worker):
+class CriticWorker(EngineCheckpoints, Worker):
     def __init__(self, model_path: str, optim: dict, algorithm: dict, threads: int = 0,
                  attn_implementation: str | None = None, imports: list[str] = (),
                  train_engine: str = "fsdp", value_loss: str = "clipped", value_clip: float = 0.2):

@@ -144,6 +144,11 @@ class Executor:
                     t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def in_flight_uids(self, trained_through: int) -> list[int]:
+        """Prompts issued to steps after ``trained_through``: what a checkpoint taken now
+        must issue again on resume (their rows are not in any trained step)."""
+        return sorted(u for t, s in self.ledger.steps.items() if t > trained_through for u in s.uids)
+
     # ---- helpers ---------------------------------------------------------------------------
     def _finished(self, t: int) -> bool:
         return self.last_step is not None and t > self.last_step
@@ -259,8 +264,10 @@ class Executor:
         cols = await self.source(t, n_prompts)
         n_rows = n_prompts * self.cfg.group_size
         groups = cols.pop("__groups__", None)
-        await self.tq.put(cols, partition_name(t), groups=groups)
         s = self.ledger.step(t)
+        if groups is not None:  # before any await: a checkpoint may look at the ledger meanwhile
+            s.uids.extend(dict.fromkeys(groups))
+        await self.tq.put(cols, partition_name(t), groups=groups)
         s.issued += n_rows
         s.prompts += n_prompts
         self.prompts_issued += n_prompts
@@ -353,6 +360,7 @@ class Executor:
             else:
                 log.warning("step %d: no rows left to train on; the policy is unchanged", t)
             self.actor_version = t + 1
+            self.ledger.step(t).uids.clear()  # trained: nothing to issue again
             await self.ledger.notify()
             self._sync_queue.put_nowait(t + 1)
             await self.tq.clear(partition_name(t))

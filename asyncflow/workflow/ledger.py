@@ -19,6 +19,7 @@ class StepRows:
     rejected_groups: int = 0
     prompts: int = 0
     closed: bool = False
+    uids: list[int] = field(default_factory=list)  # prompts issued to the step, until it is trained
 
 
 @dataclass

@@ -33,21 +33,56 @@ def longtail_budgets(run_seed: int, cap: int, median_frac: float = 0.15,
     return budget
 
 
+def skip_records(records: Iterator[dict], n: int) -> Iterator[dict]:
+    """The stream from its ``n``-th record on. A PromptDataset jumps there (same epoch
+    order); any other iterator is advanced record by record."""
+    length = len(records) if hasattr(records, "__len__") else 0
+    if length and hasattr(records, "load_state_dict") and hasattr(records, "state_dict"):
+        if records.state_dict().get("epoch", 0) == 0 and records.state_dict().get("position", 0) == 0:
+            records.load_state_dict({"epoch": n // length, "position": n % length})
+            return records
+    for _ in range(n):
+        next(records)
+    return records
+
+
+def resume_source(records: Iterator[dict], next_uid: int, in_flight: list[int]) -> tuple[Iterator[dict], list]:
+    """``records`` positioned at ``next_uid``, and the (uid, record) of each in-flight prompt
+    (all below next_uid), to be issued again first: nothing lost, nothing twice."""
+    if any(not 0 <= u < next_uid for u in in_flight):
+        raise ValueError(f"in-flight prompts {in_flight} must lie below the data position {next_uid}")
+    if not in_flight:
+        return skip_records(records, next_uid), []
+    first = min(in_flight)
+    records = skip_records(records, first)
+    wanted = set(in_flight)
+    replay = []
+    for uid in range(first, next_uid):
+        rec = next(records)
+        if uid in wanted:
+            replay.append((uid, rec))
+    return records, replay
+
+
 class PromptSource:
     def __init__(self, records: Iterator[dict], group_size: int, seed: int, start_uid: int = 0,
-                 budget_fn: Callable[[int, int], int] | None = None):
+                 budget_fn: Callable[[int, int], int] | None = None, replay: list[tuple[int, dict]] = ()):
         self.records = records
         self.group_size = group_size
         self.seed = seed
         self.budget_fn = budget_fn  # (uid, j) -> the row's max_new_tokens; None: no budget column
-        self.next_uid = start_uid  # prompts issued so far: the data position saved in checkpoints
+        self.next_uid = start_uid  # prompts taken from the stream so far: the data position in checkpoints
+        self.replay = list(replay)  # (uid, record) issued before a crash but never trained: these go first
 
     async def __call__(self, step: int, n_prompts: int) -> dict[str, Any]:
         prompt_ids, answers, seeds, index, groups, budgets = [], [], [], [], [], []
         for _ in range(n_prompts):
-            rec = next(self.records)
-            uid = self.next_uid
-            self.next_uid += 1
+            if self.replay:  # same uid, so the same row seeds as before the crash
+                uid, rec = self.replay.pop(0)
+            else:
+                rec = next(self.records)
+                uid = self.next_uid
+                self.next_uid += 1
             ids = torch.as_tensor(rec["prompt_ids"], dtype=torch.long)
             for j in range(self.group_size):
                 prompt_ids.append(ids)

@@ -37,7 +37,9 @@ def test_default_pipeline_end_to_end(tmp_path):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(out / "hf_model", local_files_only=True)
     assert model.config.model_type == "qwen2"
-    assert (out / "checkpoint").is_dir()
+    state = json.loads((out / "checkpoints" / "step_3" / "state.json").read_text())  # the final run checkpoint
+    assert state["steps_done"] == 3 and state["in_flight"] == [] and (out / "checkpoints" / "step_3" / "actor").is_dir()
+    assert all(m["tq/rows_held"] <= 2 * 4 * 4 for m in metrics if "tq/rows_held" in m)  # cleared steps are freed
     # the report can be redrawn from the logs alone
     from asyncflow.cli import main
     (out / "report" / "timeline.png").unlink()
