@@ -161,10 +161,13 @@ class Training:
         await self.groups["actor"].export_hf(str(path))
 
     async def evaluate(self, step: int, phase: str) -> float:
-        r = await self.instances[0].evaluate(self.eval_prompts, self.eval_answers, reward=self.cfg.reward.name,
-                                             max_new_tokens=self.cfg.rollout.max_new_tokens)
+        rc = self.cfg.reward
+        r = await self.instances[0].evaluate(self.eval_prompts, self.eval_answers, reward=rc.name,
+                                             max_new_tokens=self.cfg.rollout.max_new_tokens, timeout_s=rc.timeout_s,
+                                             on_error=rc.on_error)
         failures = await self.reward_failures()
         self.logger.log(step, {"eval/accuracy": r["accuracy"], "phase": phase, "eval/version": r["version"],
+                               "eval/reward_errors": r["reward_errors"], "eval/reward_timeouts": r["reward_timeouts"],
                                **failures})
         log.info("eval (%s, step %d): accuracy %.3f  e.g. %s", phase, step, r["accuracy"],
                  "; ".join(f"{e['prompt']}{e['response']!r} (want {e['answer']})" for e in r["examples"][:3]))

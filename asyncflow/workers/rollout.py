@@ -159,10 +159,12 @@ class RolloutWorker(Worker):
 
     @register(Dispatch.RANK_ZERO)
     def evaluate(self, prompts: list[list[int]], answers: list[str], reward: str = "number",
-                 max_new_tokens: int = 8, samples: int = 4) -> dict:
-        """Greedy accuracy on held-out prompts with the weights held now."""
+                 max_new_tokens: int = 8, samples: int = 4, timeout_s: float = 10.0,
+                 on_error: str = "zero") -> dict:
+        """Greedy accuracy on held-out prompts with the weights held now. The reward runs under
+        the same per-call timeout and error policy as in training."""
         from ..engines.rollout import SamplingParams
-        from ..rewards import REWARDS
+        from ..rewards.runner import RewardRunner
 
         self._take_latest()
         start = time.monotonic()
@@ -170,12 +172,15 @@ class RolloutWorker(Worker):
         gen = self.engine.generate([torch.tensor(p, dtype=torch.long) for p in prompts], params,
                                    seeds=list(range(len(prompts))))
         texts = self.tokenizer.batch_decode([r.tolist() for r in gen.response_ids], skip_special_tokens=True)
-        fn = REWARDS.get(reward)
-        scores = [float(fn(t, a)) for t, a in zip(texts, answers)]
+        key = (reward, timeout_s, on_error)
+        if getattr(self, "_eval_runner", (None,))[0] != key:  # one runner (and thread) for the run
+            self._eval_runner = (key, RewardRunner(reward, timeout_s=timeout_s, on_error=on_error))
+        scores, stats = self._eval_runner[1].score(texts, answers)
         shown = [{"prompt": self.tokenizer.decode(prompts[i]), "response": texts[i], "answer": answers[i]}
                  for i in range(min(samples, len(prompts)))]
         return {"accuracy": sum(scores) / max(len(scores), 1), "version": int(self.engine.version),
-                "eval_s": time.monotonic() - start, "examples": shown}
+                "eval_s": time.monotonic() - start, "examples": shown,
+                "reward_errors": stats["errors"], "reward_timeouts": stats["timeouts"]}
 
     @register(Dispatch.ONE_TO_ALL)
     def stats(self) -> dict:
