@@ -182,6 +182,7 @@ class Training:
         target = ckpts.step_dir(self.out, steps_done)
         roles = self._trained_roles()
         state = RunState(steps_done=steps_done, next_uid=next_uid, in_flight=list(in_flight),
+                         prompts_consumed=next_uid - len(in_flight),
                          warmup_steps=self.warm_steps, accuracy_before_rl=self.before, reference=self.reference,
                          roles=roles)
         start = time.monotonic()

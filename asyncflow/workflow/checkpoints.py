@@ -34,6 +34,7 @@ class RunState:
     steps_done: int  # RL updates so far; the policy version the actor holds
     next_uid: int  # prompts taken from the data stream so far
     in_flight: list[int] = field(default_factory=list)  # uids issued to steps not yet trained: issued again
+    prompts_consumed: int = 0  # prompts of trained steps (trained, or dropped by dynamic sampling)
     warmup_steps: int = 0
     accuracy_before_rl: float = float("nan")
     reference: str = ""  # the reference model's directory ("" = the base model)
