@@ -5,9 +5,9 @@ tiny model on 2 CPU ranks) as a subprocess in its own process group, with
 ``trainer.time_budget_s`` set to the soak length and ``trainer.steps`` out of reach, and
 every ``--interval`` seconds reads the resident memory (VmRSS and RssAnon from
 /proc/<pid>/status, no psutil) of the launcher and all its descendants (found by walking
-/proc for ppids): the launcher, torch's elastic ranks (``rank0``: driver, TransferQueue,
-actor; ``rank1``: rollout and reward; named by start order, which is local-rank order)
-and multiprocessing's resource tracker.
+/proc for ppids): the launcher, torch's elastic ranks (rank 0 also runs the driver and
+the TransferQueue; named from the run's ranks.json with their roles, else by start order,
+which is local-rank order) and multiprocessing's resource tracker.
 
 What it reports:
 
@@ -172,6 +172,19 @@ class Sampler:
 
 
 # ---- the analysis (pure) ---------------------------------------------------------------------
+
+
+def relabel_ranks(samples: Sequence[dict], ranks: Sequence[dict]) -> None:
+    """Name rank processes from the run's ranks.json (rank, pid, roles), in place.
+
+    The start-order guess is kept for pids the file does not list (an older trainer
+    writes no ranks.json).
+    """
+    names = {str(r["pid"]): f"rank{r['rank']} [{','.join(r.get('roles', []))}]" for r in ranks if "pid" in r}
+    for s in samples:
+        for pid, p in s["procs"].items():
+            if pid in names:
+                p["label"] = names[pid]
 
 
 def slope(ts: Sequence[float], ys: Sequence[float]) -> float | None:
@@ -414,6 +427,11 @@ def analyse(res: dict, out: Path, run_dir: Path, settle: float) -> dict[str, Any
     samples = res["samples"]
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    if (run_dir / "ranks.json").is_file():
+        try:
+            relabel_ranks(samples, json.loads((run_dir / "ranks.json").read_text()))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # labels by start order stay
     offset = clock_offset((s["t_s"], s["metrics_time_s"]) for s in samples)
     rl_start, rl_end, steps = rl_window(metrics)
     notes = []

@@ -223,3 +223,12 @@ def test_record_appends_a_section(tmp_path):
     assert text.startswith("# Benchmark results\n\n## Other\n\ntext\n\n## Soak (`perf/soak.py`)")
     assert "| **total** |" in text and "20 MB/hour: met" in text and "bounded" in text
     assert "`python perf/soak.py --quick`" in text
+
+
+def test_rank_labels_from_ranks_json():
+    samples = _samples(2, 0.0)
+    soak.relabel_ranks(samples, [{"rank": 0, "host": "vm", "pid": 101, "roles": ["actor", "reward"]},
+                                 {"rank": 1, "host": "vm", "pid": 999, "roles": ["rollout0"]}])
+    assert [s["procs"]["101"]["label"] for s in samples] == ["rank0 [actor,reward]"] * 2
+    assert samples[0]["procs"]["100"]["label"] == "launcher"
+    assert "rank0 [actor,reward] (pid 101)" in soak.fit_memory(samples, 0.0, 10.0)["processes"]
