@@ -369,6 +369,8 @@ def newest_time_s(path: Path, state: dict) -> float | None:
     """The largest ``time_s`` in metrics.jsonl so far, reading only what was appended since last time."""
     if not path.is_file():
         return state.get("max")
+    if path.stat().st_size < state.get("pos", 0):  # rewritten from the start (a new logger truncates it)
+        state.update(pos=0, partial=b"")
     with open(path, "rb") as f:
         f.seek(state.get("pos", 0))
         chunk = f.read()

@@ -232,3 +232,12 @@ def test_rank_labels_from_ranks_json():
     assert [s["procs"]["101"]["label"] for s in samples] == ["rank0 [actor,reward]"] * 2
     assert samples[0]["procs"]["100"]["label"] == "launcher"
     assert "rank0 [actor,reward] (pid 101)" in soak.fit_memory(samples, 0.0, 10.0)["processes"]
+
+
+def test_newest_time_s_after_the_file_is_rewritten(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    state: dict = {}
+    p.write_text("".join(json.dumps({"step": i, "time_s": float(i)}) + "\n" for i in range(50)))
+    assert soak.newest_time_s(p, state) == 49.0
+    p.write_text(json.dumps({"step": 1, "time_s": 60.0}) + "\n")  # shorter than what was read
+    assert soak.newest_time_s(p, state) == 60.0
