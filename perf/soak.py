@@ -509,12 +509,13 @@ def machine_line() -> str:
             f"torch {torch_v}")
 
 
-def record(an: dict, cmd_line: str, minutes: float, interval: float, path: Path = RESULTS_MD) -> None:
+def record(an: dict, cmd_line: str, minutes: float | None, interval: float | None, path: Path = RESULTS_MD) -> None:
     """Append this soak's section to perf/RESULTS.md."""
     mem, tq = an["memory"], an["tq"]
     lines = ["", f"## Soak (`perf/soak.py`), {dt.date.today().isoformat()}", "",
              f"{machine_line()}; load average at the end {os.getloadavg()[0]:.1f} (other work may share the "
-             f"machine). Command: `{cmd_line}` ({minutes:g} min of RL, RSS sampled every {interval:g} s; the fit "
+             f"machine). Command: `{cmd_line}` ({fmt(minutes, 'g')} min of RL, RSS sampled every "
+             f"{fmt(interval, 'g')} s; the fit "
              f"window is RL after its first {an['settle'] * 100:.0f}%, {mem['samples']} samples, "
              f"{(an['window'][1] - an['window'][0]) / 60:.1f} min).", "",
              "| process | RSS at window start MB | at end MB | slope MB/hour | anonymous memory slope MB/hour |",
@@ -528,7 +529,8 @@ def record(an: dict, cmd_line: str, minutes: float, interval: float, path: Path 
     lines += ["", f"Target: total under {TARGET_MB_PER_H:g} MB/hour: {'met' if met else '**not met**'}. "
                   f"RL steps: {an['steps']}; errors: {an['errors']} (exit code {an['rc']}, tracebacks "
                   f"{sum(x['tracebacks'] for x in an['logs'].values())}, error lines "
-                  f"{sum(x['error_lines'] for x in an['logs'].values())}, reward errors {fmt(an['reward_errors'], 'g')}, "
+                  f"{sum(x['error_lines'] for x in an['logs'].values())}, reward errors "
+                  f"{fmt(an['reward_errors'], 'g')}, "
                   f"timeouts {fmt(an['reward_timeouts'], 'g')})."]
     if tq["logged"]:
         lines.append(f"TransferQueue rows held after each step's clear: max {tq['rows_held_max']}, final "
@@ -582,16 +584,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="about 4 minutes in all: 3 minutes of RL after at most 100 warm-up steps, a 2 s interval")
     p.add_argument("--interval", type=float, default=None, help="seconds between RSS samples (default 5; 2 quick)")
-    p.add_argument("--settle", type=float, default=0.2, help="share of the RL time left out of the fit (default 0.2)")
+    p.add_argument("--settle", type=float, default=None, help="share of the RL time left out of the fit (default 0.2)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: a new temp dir)")
     p.add_argument("--no-record", action="store_true", help="do not append a section to perf/RESULTS.md")
+    p.add_argument("--reanalyse", type=Path, default=None, metavar="DIR",
+                   help="no run: the figures of an earlier soak's out dir again (with --settle, --no-record)")
     p.add_argument("overrides", nargs="*", help="key=value overrides passed to `asyncflow train`")
     a = p.parse_args(argv)
+    if a.reanalyse is not None:
+        return reanalyse(a.reanalyse.resolve(), a.settle, record_it=not a.no_record)
     quick = []
     if a.quick:  # a capped warm-up: its length grows with the machine's load, the soak measures RL
         a.minutes = 3.0
         quick = ["warmup.max_steps=100"]
     interval = a.interval if a.interval is not None else (2.0 if a.quick else 5.0)
+    a.settle = 0.2 if a.settle is None else a.settle
     if a.minutes <= 0 or interval <= 0 or not 0 <= a.settle < 1:
         p.error("--minutes and --interval must be > 0, --settle in [0, 1)")
     bad = [o for o in a.overrides if "=" not in o]
@@ -615,19 +622,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     # `kill` or `timeout` on this script must not leave the run going in its own session
     signal.signal(signal.SIGTERM, _interrupt)
     res = run_and_sample(cmd, out, run_dir, interval, deadline)
-    an = analyse(res, out, run_dir, a.settle)
-    an.update({"rc": res["rc"], "killed": res["killed"], "settle": a.settle, "wall_s": res["wall_s"]})
+    info = {"rc": res["rc"], "killed": res["killed"], "wall_s": res["wall_s"], "minutes": a.minutes,
+            "interval": interval, "settle": a.settle,
+            "cmd_line": " ".join(["python perf/soak.py", *(sys.argv[1:] if argv is None else argv)])}
+    (out / "run.json").write_text(json.dumps(info, indent=2))  # what --reanalyse needs besides the files
+    return report(out, res["samples"], info, record_it=not a.no_record)
+
+
+def reanalyse(out: Path, settle: float | None, record_it: bool) -> int:
+    """The figures of an earlier soak again, from its out dir (rss.jsonl, run/, run.json or soak.json)."""
+    if not (out / "rss.jsonl").is_file():
+        raise SystemExit(f"--reanalyse {out}: no rss.jsonl there")
+    if (out / "run.json").is_file():
+        info = json.loads((out / "run.json").read_text())
+    elif (out / "soak.json").is_file():
+        r = json.loads((out / "soak.json").read_text())["result"]
+        info = {"rc": r["exit_code"], "killed": r["killed"], "wall_s": r["wall_s"], "minutes": None,
+                "interval": None, "settle": 0.2, "cmd_line": f"python perf/soak.py --reanalyse {out}"}
+    else:
+        raise SystemExit(f"--reanalyse {out}: neither run.json nor soak.json says how the run ended")
+    if settle is not None:
+        info["settle"] = settle
+    samples = read_jsonl(out / "rss.jsonl")
+    if info["interval"] is None and len(samples) > 1:  # only for the record line
+        info["interval"] = round((samples[-1]["t_s"] - samples[0]["t_s"]) / (len(samples) - 1), 1)
+    if info["minutes"] is None and (out / "run" / "config.json").is_file():
+        info["minutes"] = json.loads((out / "run" / "config.json").read_text())["trainer"]["time_budget_s"] / 60
+    return report(out, samples, info, record_it)
+
+
+def report(out: Path, samples: list[dict], info: dict, record_it: bool) -> int:
+    """Analyse, print the table, draw the plot, record, and print the JSON line last."""
+    res = {"rc": info["rc"], "killed": info["killed"], "samples": samples}
+    an = analyse(res, out, out / "run", info["settle"])
+    an.update({"rc": info["rc"], "killed": info["killed"], "settle": info["settle"], "wall_s": info["wall_s"]})
     print_table(an)
     png = None
-    if res["samples"]:
+    if samples:
         try:
-            png = plot(res["samples"], an, out / "rss.png")
+            png = plot(samples, an, out / "rss.png")
             print(f"RSS plot: {png}")
         except Exception as e:  # noqa: BLE001 - the figures stand without the plot
             print(f"RSS plot: not drawn ({type(e).__name__}: {e})")
-    cmd_line = " ".join(["python perf/soak.py", *(sys.argv[1:] if argv is None else argv)])
-    if not a.no_record:
-        record(an, cmd_line.strip(), a.minutes, interval)
+    if record_it:
+        record(an, info["cmd_line"], info["minutes"], info["interval"])
         print(f"recorded in {RESULTS_MD}")
     mem, tq = an["memory"], an["tq"]
     result = {
@@ -635,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rss_anon_slope_mb_per_h": None if mem["total_anon"] is None else round(mem["total_anon"], 2),
         "target_mb_per_h": TARGET_MB_PER_H,
         "target_met": mem["total"] is not None and mem["total"] < TARGET_MB_PER_H,
-        "steps": an["steps"], "errors": an["errors"], "exit_code": res["rc"], "killed": res["killed"],
+        "steps": an["steps"], "errors": an["errors"], "exit_code": info["rc"], "killed": info["killed"],
         "rss_slope_mb_per_h_by_process": {k: None if v["slope_mb_per_h"] is None else round(v["slope_mb_per_h"], 2)
                                           for k, v in mem["processes"].items()},
         "rss_mb_end_by_process": {k: round(v["rss_mb_end"], 1) for k, v in mem["processes"].items()},
@@ -644,13 +682,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tq_rows_bounded": tq.get("bounded"), "tq_logged": tq["logged"],
         "reward_errors": an["reward_errors"], "reward_timeouts": an["reward_timeouts"],
         "fit_window_min": [round(an["window"][0] / 60, 2), round(an["window"][1] / 60, 2)],
-        "samples_in_window": mem["samples"], "wall_s": round(res["wall_s"], 1), "out": str(out),
+        "samples_in_window": mem["samples"], "wall_s": round(info["wall_s"], 1), "out": str(out),
         "png": str(png) if png else None,
     }
     (out / "soak.json").write_text(json.dumps({"result": result, "analysis": an}, indent=2, default=str))
     print(json.dumps(result))
-    return 0 if res["rc"] == 0 and not res["killed"] else 1
-
+    return 0 if info["rc"] == 0 and not info["killed"] else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -118,7 +118,8 @@ def _samples(n: int, grow_kb_per_s: float, extra_from: int | None = None) -> lis
     for i in range(n):
         t = 10.0 * i
         procs = {"100": {"label": "launcher", "rss_kb": 200_000, "anon_kb": 150_000},
-                 "101": {"label": "rank0", "rss_kb": 400_000 + grow_kb_per_s * t, "anon_kb": 300_000 + grow_kb_per_s * t}}
+                 "101": {"label": "rank0", "rss_kb": 400_000 + grow_kb_per_s * t,
+                         "anon_kb": 300_000 + grow_kb_per_s * t}}
         if extra_from is not None and i >= extra_from:
             procs["102"] = {"label": "sleep", "rss_kb": 50_000, "anon_kb": None}
         out.append({"t_s": t, "metrics_time_s": None, "procs": procs})
@@ -241,3 +242,33 @@ def test_newest_time_s_after_the_file_is_rewritten(tmp_path):
     assert soak.newest_time_s(p, state) == 49.0
     p.write_text(json.dumps({"step": 1, "time_s": 60.0}) + "\n")  # shorter than what was read
     assert soak.newest_time_s(p, state) == 60.0
+
+
+def test_reanalyse_an_out_dir_ends_with_the_json_line(tmp_path, capsys):
+    # a soak's files without a run: samples on the sampler's clock, metrics 5 s behind it
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 0, "time_s": 15.0, "eval/accuracy": 0.2, "phase": "before_rl"}]
+    rows += [{"step": i, "time_s": 15.0 + 10 * i, "step_time_s": 1.0, "tq/rows_held": 256.0, "tq/bytes_held": 9.0}
+             for i in range(1, 18)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"rl_steps": 17, "reward/errors": 0.0, "reward/timeouts": 0.0}))
+    (run / "config.json").write_text(json.dumps({"trainer": {"prompts_per_step": 32, "time_budget_s": 180},
+                                                 "rollout": {"n": 8}}))
+    samples = _samples(20, 10 * 1024 / 3600)
+    for s in samples:
+        s["metrics_time_s"] = max([r["time_s"] for r in rows if r["time_s"] <= s["t_s"] - 5.0], default=None)
+    (tmp_path / "rss.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    (tmp_path / "train.stdout.log").write_text("")
+    (tmp_path / "train.stderr.log").write_text("step 1 | reward 0.5\n")
+    (tmp_path / "run.json").write_text(json.dumps({"rc": 0, "killed": None, "wall_s": 200.0, "minutes": 3,
+                                                   "interval": 10, "settle": 0.2, "cmd_line": "python perf/soak.py"}))
+    assert soak.reanalyse(tmp_path, None, record_it=False) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["rss_slope_mb_per_h"] == pytest.approx(10.0)
+    assert last["steps"] == 17 and last["errors"] == 0
+    assert last["tq_rows_held_max"] == 256.0 and last["tq_rows_bounded"] is True
+    # RL from t = 20 s (before_rl at 15 s, plus the 5 s offset) to 190 s (the last step row at 185 s);
+    # the first 20% settles: the fit starts at 54 s
+    assert last["fit_window_min"] == [pytest.approx(54 / 60, abs=0.01), pytest.approx(190 / 60, abs=0.01)]
+    assert (tmp_path / "soak.json").is_file()
