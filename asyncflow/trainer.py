@@ -365,7 +365,7 @@ class Training:
             "rl_steps": steps, "rl_s": rl_s, "samples_per_s": totals["rows"] / max(rl_s, 1e-9),
             "tokens_per_s": totals["tokens"] / max(rl_s, 1e-9),
             "staleness_mean": totals["stale_sum"] / max(totals["rows"], 1.0), "staleness_max": totals["stale_max"],
-            "prompts_issued": executor.prompts_issued,
+            "prompts_issued": executor.prompts_issued, "tq_units": await self.tq.unit_stats(),
             "idle_ratio": {r: max(0.0, 1 - b / rl_s) for r, b in executor.role_busy.items()},
         })
 
