@@ -429,7 +429,7 @@ class Training:
         log.info("run finished: accuracy %.3f -> %.3f in %.0f s; report: %s", self.summary.get(
             "eval_accuracy_before_rl", float("nan")), self.summary.get("eval_accuracy_after_rl", float("nan")),
             self.summary.get("wall_s", 0.0), ", ".join(str(p) for p in paths.values()))
-        print(json.dumps({k: v for k, v in self.summary.items() if not isinstance(v, dict)}), flush=True)
+        print(json.dumps({k: v for k, v in self.summary.items() if not isinstance(v, (dict, list))}), flush=True)
         return self.summary
 
 
