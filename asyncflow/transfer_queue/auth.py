@@ -3,9 +3,10 @@
 Each run has one secret key (32 random bytes). Rank 0 creates it and hands it to every
 rank through torchrun's TCPStore (``single_controller.rendezvous.share_run_key``); a
 storage unit started on its own reads it from that store or from ``ASYNCFLOW_RUN_KEY``.
-Every request and every reply travels as ``[tag, header, *data frames]``: ``tag`` is a
-MAC (HMAC-SHA256) under the run key over the message's kind, a nonce, the number and
-length of every frame and the header frame (and, by option, every data byte). A receiver
+Every request and every reply travels as ``[tag + header, *data frames]``: ``tag`` is a
+MAC (keyed BLAKE2b; HMAC-SHA256 when every byte is covered) under the run key over the
+message's kind, a nonce, the number and length of every frame and the header (and, by
+option, every data byte). A receiver
 checks the tag before ``codec.decode`` sees a byte: a message that fails is dropped and
 counted, never decoded, never executed.
 
@@ -32,7 +33,6 @@ named itself), and no timestamps (clocks of nodes need not agree).
 """
 from __future__ import annotations
 
-import collections
 import hashlib
 import hmac
 import logging
@@ -59,6 +59,7 @@ _PREFIX = struct.Struct("<BcB16s")  # version, kind, flags, nonce
 TAG_BYTES = _PREFIX.size + 32
 
 _key: bytes | None = None
+_key_source = ""  # "installed" | "environment" | "generated" once known
 _key_used = False
 _lock = threading.Lock()
 _cover_all = os.environ.get(COVER_ALL_ENV, "") not in ("", "0")
@@ -102,13 +103,13 @@ def set_run_key(key: bytes, *, export_env: bool = True) -> None:
     different key after messages were signed or checked with the old one is an error:
     sockets made before would stop understanding each other.
     """
-    global _key
+    global _key, _key_source
     key = _check(key, "set_run_key")
     with _lock:
         if _key is not None and _key != key and _key_used:
             raise AuthError("the run key was changed after messages were signed with the old one: "
                             "install it before creating any RPC server or client")
-        _key = key
+        _key, _key_source = key, "installed"
     if export_env:
         os.environ[ENV_VAR] = key.hex()
 
@@ -117,23 +118,37 @@ def run_key() -> bytes:
     """The key in use: the installed one, else ``ASYNCFLOW_RUN_KEY``, else a new key for
     this process (exported so its children share it: a single-process service with its
     clients, tests and benchmarks need no set-up)."""
-    global _key, _key_used
+    global _key, _key_used, _key_source
     key = _key
     if key is None:
         with _lock:
             if _key is None:
                 env = key_from_env()
-                _key = env if env is not None else generate_key()
-                if env is None:
+                if env is not None:
+                    _key, _key_source = env, "environment"
+                else:
+                    _key, _key_source = generate_key(), "generated"
                     os.environ[ENV_VAR] = _key.hex()
             key = _key
     _key_used = True
     return key
 
 
-def has_run_key() -> bool:
-    """True when a key was installed or is in the environment (none would be generated)."""
-    return _key is not None or bool(os.environ.get(ENV_VAR))
+def key_source() -> str:
+    """Where this process's key came from: "installed" (set_run_key), "environment"
+    (inherited ``ASYNCFLOW_RUN_KEY``), "generated" (made here), or "" (not yet known)."""
+    return _key_source
+
+
+def _generate_at_import() -> None:
+    """A process with no key makes one as soon as asyncflow's transport is imported and
+    exports it, so children it starts later (spawn, forkserver, subprocess) share it even
+    when the parent itself sends nothing first. Not counted as use: set_run_key (rank
+    start-up) may still replace it."""
+    global _key, _key_source
+    if not os.environ.get(ENV_VAR):
+        _key, _key_source = generate_key(), "generated"
+        os.environ[ENV_VAR] = _key.hex()
 
 
 def set_cover_all(on: bool) -> None:
@@ -147,41 +162,69 @@ def cover_all() -> bool:
 
 
 # ---- tags -----------------------------------------------------------------------------
+# The tag rides in front of the header frame, not in a frame of its own: one more frame
+# costs ~6 us per round trip here, more than the MAC itself.
+#
+# The MAC: keyed BLAKE2b for the default coverage (header and small frames: measured here
+# 0.4 us per small message vs 1.3 us for HMAC-SHA256), HMAC-SHA256 when every byte is
+# covered (1.6 GB/s with SHA-NI vs 0.9 GB/s for BLAKE2b). The flag that picks it is inside
+# the MAC, so it cannot be switched on the way.
+
+_KEYED: dict[tuple[bytes, bool], Any] = {}  # (key, all frames) -> a keyed hash object to copy
+
+
+def _keyed(key: bytes, all_frames: bool) -> Any:
+    h = _KEYED.get((key, all_frames))
+    if h is None:
+        h = hmac.new(key, digestmod=hashlib.sha256) if all_frames else hashlib.blake2b(key=key, digest_size=32)
+        _KEYED[(key, all_frames)] = h
+    return h
+
 
 def _mem(frame: Any) -> Any:
     """A buffer over a frame without copying (zmq.Frame, bytes or memoryview)."""
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
-def _mac(key: bytes, prefix: bytes, frames: Sequence[Any], all_frames: bool) -> bytes:
-    mems = [_mem(f) for f in frames]
+def _mac(key: bytes, prefix: bytes, header: Any, data: Sequence[Any], all_frames: bool) -> bytes:
+    mems = [_mem(f) for f in data]
     lens = [memoryview(m).nbytes for m in mems]
-    h = hmac.new(key, prefix, hashlib.sha256)
-    h.update(struct.pack(f"<I{len(lens)}Q", len(lens), *lens))
-    for i, (m, n) in enumerate(zip(mems, lens)):
-        if i == 0 or all_frames or n <= SMALL_FRAME:  # header, small frames, or all
+    h = _keyed(key, all_frames).copy()
+    h.update(prefix)
+    h.update(struct.pack(f"<QI{len(lens)}Q", memoryview(header).nbytes, len(lens), *lens))
+    h.update(header)
+    for m, n in zip(mems, lens):
+        if all_frames or n <= SMALL_FRAME:
             h.update(m)
     return h.digest()
 
 
-def sign(kind: bytes, nonce: bytes, frames: Sequence[Any], key: bytes | None = None) -> bytes:
-    """The tag frame for ``frames`` (``[header, *data]``) sent as ``kind`` with ``nonce``."""
+def seal(kind: bytes, nonce: bytes, frames: Sequence[Any], key: bytes | None = None) -> list:
+    """``[header, *data]`` (codec frames) -> ``[tag + header, *data]``, sent as ``kind``."""
     flags = _FLAG_ALL if _cover_all else 0
     prefix = _PREFIX.pack(VERSION, kind, flags, nonce)
-    return prefix + _mac(key if key is not None else run_key(), prefix, frames, _cover_all)
+    header = frames[0]
+    tag = prefix + _mac(key if key is not None else run_key(), prefix, header, frames[1:], _cover_all)
+    return [tag + bytes(_mem(header)), *frames[1:]]
 
 
-def verify(tag: Any, kind: bytes, frames: Sequence[Any], key: bytes | None = None) -> bytes | None:
-    """The nonce of a message whose tag is valid for ``frames`` and ``kind``, else None."""
-    raw = bytes(_mem(tag))
-    if len(raw) != TAG_BYTES or not frames:
+def unseal(kind: bytes, frames: Sequence[Any], key: bytes | None = None) -> tuple[bytes, list] | None:
+    """``(nonce, [header, *data])`` of a message whose tag is valid for ``kind``, else None.
+    Reads nothing but the tag, the frame lengths and the bytes the MAC covers."""
+    if not frames:
         return None
-    version, got_kind, flags, nonce = _PREFIX.unpack_from(raw)
+    head = memoryview(_mem(frames[0]))
+    if head.nbytes < TAG_BYTES:
+        return None
+    version, got_kind, flags, nonce = _PREFIX.unpack_from(head)
     if version != VERSION or got_kind != kind or (_cover_all and not flags & _FLAG_ALL):
         return None
-    prefix = raw[:_PREFIX.size]
-    want = _mac(key if key is not None else run_key(), prefix, frames, bool(flags & _FLAG_ALL))
-    return nonce if hmac.compare_digest(want, raw[_PREFIX.size:]) else None
+    header = head[TAG_BYTES:]
+    want = _mac(key if key is not None else run_key(), head[:_PREFIX.size].tobytes(), header, frames[1:],
+                bool(flags & _FLAG_ALL))
+    if not hmac.compare_digest(want, head[_PREFIX.size:TAG_BYTES].tobytes()):
+        return None
+    return nonce, [header, *frames[1:]]
 
 
 def new_sender_id() -> int:
@@ -198,26 +241,27 @@ def split_nonce(nonce: bytes) -> tuple[int, int]:
 
 class ReplayWindow:
     """Per sender, the counters already accepted (a sliding window of ``size`` behind the
-    highest). Memory is bounded: the least recently heard senders are forgotten first."""
+    highest). Memory is bounded: past ``max_senders``, the sender heard first is forgotten."""
 
-    def __init__(self, size: int = 4096, max_senders: int = 65536):
+    def __init__(self, size: int = 1024, max_senders: int = 65536):
         self.size = size
         self.max_senders = max_senders
-        self._seen: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
+        self._mask = (1 << size) - 1
+        self._seen: dict[int, tuple[int, int]] = {}
 
     def accept(self, nonce: bytes) -> bool:
         """True (and remember it) for a counter not seen before from that sender."""
         sender, counter = _NONCE.unpack(nonce)
         entry = self._seen.get(sender)
         if entry is None:
+            if len(self._seen) >= self.max_senders:
+                del self._seen[next(iter(self._seen))]
             self._seen[sender] = (counter, 1)
-            if len(self._seen) > self.max_senders:
-                self._seen.popitem(last=False)
             return True
         top, bits = entry  # bit i set: counter top - i was accepted
         if counter > top:
             shift = counter - top
-            bits = ((bits << shift) | 1) & ((1 << self.size) - 1) if shift < self.size else 1
+            bits = ((bits << shift) | 1) & self._mask if shift < self.size else 1
             top = counter
         else:
             back = top - counter
@@ -225,7 +269,6 @@ class ReplayWindow:
                 return False
             bits |= 1 << back
         self._seen[sender] = (top, bits)
-        self._seen.move_to_end(sender)
         return True
 
 
@@ -248,3 +291,6 @@ class FailureLog:
             log.warning("%s: dropped %d message(s) that failed authentication (latest: %s); a process "
                         "without this run's key is sending here", self.name, self._since, why)
             self._last, self._since = now, 0
+
+
+_generate_at_import()

@@ -4,8 +4,8 @@ A service object exposes coroutine methods named ``rpc_<name>``; ``RpcServer`` s
 them on a ROUTER socket, one asyncio task per request so a call that waits (get_meta)
 never blocks the others. ``RpcClient`` keeps one DEALER socket per endpoint and
 matches replies to calls by id. Messages are ``codec`` frames: a JSON header plus raw
-tensor buffers, never pickle, behind a tag frame that authenticates them under the
-run's key (``auth``): ``[tag, header, *buffers]``. A receiver checks the tag before
+tensor buffers, never pickle, with a tag in front of the header that authenticates the
+message under the run's key (``auth``): ``[tag + header, *buffers]``. A receiver checks the tag before
 decoding anything; a message that fails is dropped and counted (``auth_failures``).
 ``BlockingRpcServer`` and ``BlockingRpcClient`` speak the same protocol without an event
 loop, for synchronous worker code. ``LocalEndpoint`` calls a service in the same event
@@ -67,25 +67,18 @@ def _no_reply_hint(address: str) -> str:
             "with a wrong key is dropped without a reply; see the server's auth_failures)")
 
 
-def _check_request(server: Any, frames: list) -> bytes | None:
-    """The nonce of ``[tag, header, *buffers]`` when its tag is valid under the server's key
-    and the nonce is new; else None, counted and logged (rate-limited). Runs before any
+def _check_request(server: Any, frames: list) -> tuple[bytes, list] | None:
+    """``(nonce, [header, *buffers])`` of a request whose tag is valid under the server's key
+    and whose nonce is new; else None, counted and logged (rate-limited). Runs before any
     byte of the message is decoded."""
-    if len(frames) < 2:
-        server.auth.dropped(f"{len(frames)} frame(s), no tag and header")
+    opened = auth.unseal(auth.REQUEST, frames, server._key)
+    if opened is None:
+        server.auth.dropped("bad or missing tag")
         return None
-    nonce = auth.verify(frames[0], auth.REQUEST, frames[1:], server._key)
-    if nonce is None:
-        server.auth.dropped("bad tag")
-        return None
-    if not server._replays.accept(nonce):
+    if not server._replays.accept(opened[0]):
         server.auth.dropped("replayed message")
         return None
-    return nonce
-
-
-def _signed(key: bytes, kind: bytes, nonce: bytes, frames: list) -> list:
-    return [auth.sign(kind, nonce, frames, key), *frames]
+    return opened
 
 
 def _parse_request(server: Any, frames: list) -> tuple[Any, str, Any, dict] | None:
@@ -107,18 +100,18 @@ def _no_method(server: Any, method: Any) -> ValueError:
     return ValueError(f"{server.name} has no method {method!r}")
 
 
-def _check_reply(client: Any, sender: int, frames: list) -> int | None:
-    """The request id a reply answers, when its tag is valid and echoes a nonce of this
-    client's socket; else None (counted when the tag is bad). Nothing is decoded here."""
-    nonce = auth.verify(frames[0], auth.REPLY, frames[1:], client._key) if len(frames) >= 2 else None
-    if nonce is None:
+def _check_reply(client: Any, sender: int, frames: list) -> tuple[int, list] | None:
+    """``(request id, [header, *buffers])`` of a reply whose tag is valid and echoes a nonce
+    of this client's socket; else None, counted. Nothing is decoded here."""
+    opened = auth.unseal(auth.REPLY, frames, client._key)
+    if opened is None:
         client.auth.dropped("reply with a bad or missing tag")
         return None
-    got_sender, rid = auth.split_nonce(nonce)
+    got_sender, rid = auth.split_nonce(opened[0])
     if got_sender != sender:
         client.auth.dropped("reply to another sender's request")
         return None
-    return rid
+    return rid, opened[1]
 
 
 def _decode_reply(client: Any, rid: int, frames: list) -> dict | None:
@@ -171,10 +164,10 @@ class RpcServer:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
             # Checked here, in arrival order on the loop's thread: the replay window is not shared.
-            nonce = _check_request(self, frames[1:])
-            if nonce is None:
+            opened = _check_request(self, frames[1:])
+            if opened is None:
                 continue
-            t = asyncio.get_running_loop().create_task(self._handle(frames[0].bytes, nonce, frames[2:]))
+            t = asyncio.get_running_loop().create_task(self._handle(frames[0].bytes, *opened))
             self._inflight.add(t)
             t.add_done_callback(self._inflight.discard)
 
@@ -189,7 +182,7 @@ class RpcServer:
             reply = {"id": rid, "r": await fn(**args)}
         except Exception as e:
             reply = _error_reply(rid, e)
-        await self._sock.send_multipart([ident, *_signed(self._key, auth.REPLY, nonce, _encode_reply(reply))],
+        await self._sock.send_multipart([ident, *auth.seal(auth.REPLY, nonce, _encode_reply(reply), self._key)],
                                         copy=False)
 
     async def close(self) -> None:
@@ -227,10 +220,11 @@ class BlockingRpcServer:
         purpose: an idle worker waits for work; its liveness is watched elsewhere."""
         while not self.stopping:
             frames = self._sock.recv_multipart(copy=False)
-            nonce = _check_request(self, frames[1:])
-            if nonce is None:
+            opened = _check_request(self, frames[1:])
+            if opened is None:
                 continue
-            req = _parse_request(self, frames[2:])
+            nonce, body = opened
+            req = _parse_request(self, body)
             if req is None:
                 continue
             rid, method, fn, args = req
@@ -240,7 +234,7 @@ class BlockingRpcServer:
                 reply = {"id": rid, "r": fn(**args)}
             except Exception as e:
                 reply = _error_reply(rid, e)
-            self._sock.send_multipart([frames[0].bytes, *_signed(self._key, auth.REPLY, nonce, _encode_reply(reply))],
+            self._sock.send_multipart([frames[0].bytes, *auth.seal(auth.REPLY, nonce, _encode_reply(reply), self._key)],
                                       copy=False)
 
     def close(self) -> None:
@@ -279,7 +273,7 @@ class RpcClient:
         try:
             frames = codec.encode({"id": rid, "m": method, "a": args})
             await self._sock.send_multipart(
-                _signed(self._key, auth.REQUEST, auth.nonce_of(self._sender, rid), frames), copy=False)
+                auth.seal(auth.REQUEST, auth.nonce_of(self._sender, rid), frames, self._key), copy=False)
             async with asyncio.timeout(timeout):  # unlike wait_for, never swallows a cancel()
                 msg = await fut
         except asyncio.TimeoutError:
@@ -295,13 +289,14 @@ class RpcClient:
     async def _read(self) -> None:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
-            rid = _check_reply(self, self._sender, frames)
-            if rid is None:
+            opened = _check_reply(self, self._sender, frames)
+            if opened is None:
                 continue
+            rid, body = opened
             fut = self._pending.get(rid)
             if fut is None or fut.done():  # a late reply to a timed-out call
                 continue
-            msg = _decode_reply(self, rid, frames[1:])
+            msg = _decode_reply(self, rid, body)
             if msg is not None:
                 fut.set_result(msg)
 
@@ -356,7 +351,7 @@ class BlockingRpcClient:
         st = self._state()
         rid = next(self._ids)
         frames = codec.encode({"id": rid, "m": method, "a": args})
-        st.sock.send_multipart(_signed(self._key, auth.REQUEST, auth.nonce_of(st.sender, rid), frames), copy=False)
+        st.sock.send_multipart(auth.seal(auth.REQUEST, auth.nonce_of(st.sender, rid), frames, self._key), copy=False)
         st.outstanding.add(rid)
         return rid, method
 
@@ -372,10 +367,11 @@ class BlockingRpcClient:
                     raise TransferQueueTimeout(f"no reply to {method} from {self.address} within "
                                                f"{timeout:.1f}s: {_no_reply_hint(self.address)}")
                 frames = st.sock.recv_multipart(copy=False)
-                gid = _check_reply(self, st.sender, frames)
-                if gid is None or gid not in st.outstanding:  # a late reply to a timed-out call is dropped
+                opened = _check_reply(self, st.sender, frames)
+                if opened is None or opened[0] not in st.outstanding:  # a late reply to a timed-out call
                     continue
-                msg = _decode_reply(self, gid, frames[1:])
+                gid, body = opened
+                msg = _decode_reply(self, gid, body)
                 if msg is not None:
                     st.early[gid] = msg
             msg = st.early.pop(rid)

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.store:
         auth.set_run_key(key_from_store(a.store, a.store_timeout))
-    elif auth.key_from_env() is None:
+    elif auth.key_source() == "generated":  # nothing inherited: the key made at import is ours alone
         raise SystemExit(f"no run key: pass --store MASTER_ADDR:MASTER_PORT, or set {auth.ENV_VAR} (hex) in the "
                          "environment; a unit with a key of its own would drop every message of the run")
     asyncio.run(serve_storage_unit(a.controller, a.index, a.host, a.max_rows, a.max_bytes))

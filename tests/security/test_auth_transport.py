@@ -82,8 +82,8 @@ def _request(rid: int, n: int = 1, data=None) -> list:
 
 
 def _signed(frames: list, sender: int = 7, counter: int = 0, key: bytes | None = None) -> list:
-    tag = auth.sign(auth.REQUEST, auth.nonce_of(sender, counter), frames, key)
-    return [tag, *[bytes(f) for f in frames]]
+    """``[tag + header, *data]`` as bytes, as a client with ``key`` sends it."""
+    return [bytes(f) for f in auth.seal(auth.REQUEST, auth.nonce_of(sender, counter), frames, key)]
 
 
 class Raw:
@@ -136,9 +136,10 @@ def test_a_signed_message_is_served_and_its_reply_is_signed(server):
     try:
         raw.send(_signed(_request(0)))
         (reply,) = raw.replies(1.0)
-        nonce = auth.verify(reply[0], auth.REPLY, reply[1:])
+        nonce, body = auth.unseal(auth.REPLY, reply)
         assert nonce == auth.nonce_of(7, 0)  # the reply names the request it answers
-        assert codec.decode(reply[1:]) == {"id": 0, "r": 1}
+        assert codec.decode(body) == {"id": 0, "r": 1}
+        assert auth.unseal(auth.REQUEST, reply) is None  # a reply is no request
         assert server.auth_failures == 0
     finally:
         raw.close()
@@ -147,18 +148,17 @@ def test_a_signed_message_is_served_and_its_reply_is_signed(server):
 BAD_MESSAGES = {
     "no tag (an old or foreign client)": lambda: [bytes(f) for f in _request(0)],
     "wrong key": lambda: _signed(_request(0), key=auth.generate_key()),
-    "tampered header": lambda: (lambda m: [m[0], m[1].replace(b'"n":1', b'"n":9'), *m[2:]])(
-        _signed(_request(0))),
-    "tampered tag": lambda: (lambda m: [_flip(m[0]), *m[1:]])(_signed(_request(0))),
-    "tampered small data frame": lambda: (lambda m: [*m[:2], _flip(m[2], 0)])(
+    "tampered header": lambda: (lambda m: [m[0].replace(b'"n":1', b'"n":9'), *m[1:]])(_signed(_request(0))),
+    "tampered MAC": lambda: (lambda m: [_flip(m[0], 30), *m[1:]])(_signed(_request(0))),
+    "tampered nonce": lambda: (lambda m: [_flip(m[0], 5), *m[1:]])(_signed(_request(0))),
+    "tampered small data frame": lambda: (lambda m: [m[0], _flip(m[1], 0)])(
         _signed(_request(0, data=torch.arange(10)))),
-    "data frame dropped": lambda: _signed(_request(0, data=torch.arange(10)))[:2],
+    "data frame dropped": lambda: _signed(_request(0, data=torch.arange(10)))[:1],
     "data frame added": lambda: [*_signed(_request(0)), b"extra"],
-    "tag only": lambda: _signed(_request(0))[:1],
-    "empty tag": lambda: [b"", *[bytes(f) for f in _request(0)]],
-    "header truncated": lambda: (lambda m: [m[0], m[1][:-3], *m[2:]])(_signed(_request(0))),
-    "a reply sent as a request": lambda: [auth.sign(auth.REPLY, auth.nonce_of(7, 0), _request(0)),
-                                          *[bytes(f) for f in _request(0)]],
+    "tag only": lambda: [_signed(_request(0))[0][:auth.TAG_BYTES]],
+    "empty frame": lambda: [b""],
+    "header truncated": lambda: (lambda m: [m[0][:-3], *m[1:]])(_signed(_request(0))),
+    "a reply sent as a request": lambda: [bytes(f) for f in auth.seal(auth.REPLY, auth.nonce_of(7, 0), _request(0))],
 }
 
 
@@ -204,14 +204,14 @@ def test_a_large_data_frame_is_covered_by_length_by_default_and_fully_on_request
     raw = Raw(server.address)
     try:
         msg = _signed(_request(0, data=big))
-        raw.send([*msg[:2], msg[2][:-4]])  # a length change is always caught
+        raw.send([msg[0], msg[1][:-4]])  # a length change is always caught
         _wait_for(lambda: server.auth_failures == 1, "the truncated frame to be refused")
-        raw.send([*msg[:2], _flip(msg[2], 5)])  # same length, other bytes: header-only MAC lets it by
+        raw.send([msg[0], _flip(msg[1], 5)])  # same length, other bytes: header-only MAC lets it by
         assert len(raw.replies(1.0)) == 1
         auth.set_cover_all(True)
         try:
             msg = _signed(_request(1, data=big), counter=1)
-            raw.send([*msg[:2], _flip(msg[2], 5)])
+            raw.send([msg[0], _flip(msg[1], 5)])
             _wait_for(lambda: server.auth_failures == 2, "the tampered frame to be refused")
             raw.send(_signed(_request(2, data=big), counter=2))
             assert len(raw.replies(1.0)) == 1
@@ -270,15 +270,15 @@ class FakeServer:
 
 
 def _answer(frames, key=None, result=1, nonce=None, rid=None):
-    msg = codec.decode(frames[1:])
-    nonce = nonce if nonce is not None else auth.verify(frames[0], auth.REQUEST, frames[1:])
+    got, request = auth.unseal(auth.REQUEST, frames)
+    msg = codec.decode(request)
     body = codec.encode({"id": msg["id"] if rid is None else rid, "r": result})
-    return [auth.sign(auth.REPLY, nonce, body, key), *body]
+    return auth.seal(auth.REPLY, nonce if nonce is not None else got, body, key)
 
 
 CLIENT_CASES = {
     "reply under another key": lambda f: [_answer(f, key=auth.generate_key())],
-    "reply without a tag": lambda f: [[bytes(x) for x in codec.encode({"id": codec.decode(f[1:])["id"], "r": 1})]],
+    "reply without a tag": lambda f: [codec.encode({"id": codec.decode(auth.unseal(auth.REQUEST, f)[1])["id"], "r": 1})],
     "reply to another sender's request": lambda f: [_answer(f, nonce=auth.nonce_of(12345, 0))],
 }
 

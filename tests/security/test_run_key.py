@@ -22,6 +22,7 @@ def fresh_key(monkeypatch):
     """This process as if no key had been made yet; restored afterwards."""
     monkeypatch.setattr(auth, "_key", None)
     monkeypatch.setattr(auth, "_key_used", False)
+    monkeypatch.setattr(auth, "_key_source", "")
     monkeypatch.delenv(auth.ENV_VAR, raising=False)
 
 
