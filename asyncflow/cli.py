@@ -1,8 +1,8 @@
 """The `asyncflow` command line.
 
 Each subcommand is one `_add_<name>(subparsers)` function that declares its
-arguments and sets `func`, the handler called with the parsed arguments. Benchmarks
-are scripts in perf/ rather than a subcommand.
+arguments and sets `func`, the handler called with the parsed arguments. `bench` runs
+the scripts of the checkout's perf/ directory (they are not part of the installed package).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from asyncflow import __version__
 
@@ -63,6 +64,43 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_cmd_report)
 
 
+def perf_scripts(perf_dir: Path) -> dict[str, Path]:
+    """Benchmark name -> script: perf/bench_<name>.py, and the other public scripts by stem."""
+    out = {}
+    for f in sorted(perf_dir.glob("*.py")) if perf_dir.is_dir() else []:
+        if not f.name.startswith("_"):
+            out[f.stem.removeprefix("bench_")] = f
+    return out
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    scripts = perf_scripts(repo / "perf")
+    if not scripts:
+        print(f"asyncflow bench: error: no perf/ directory next to the package ({repo}): the benchmarks live in "
+              "the source checkout; clone the repository and install it with `pip install -e .`", file=sys.stderr)
+        return 2
+    if args.name not in scripts:
+        print(f"asyncflow bench: error: unknown benchmark {args.name!r}; known: {', '.join(scripts)}",
+              file=sys.stderr)
+        return 2
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    return subprocess.call([sys.executable, str(scripts[args.name]), *args.args], cwd=repo, env=env)
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="run a benchmark of perf/ (e.g. asyncflow bench e2e --quick)",
+        description="asyncflow bench NAME [ARGS...]: runs perf/bench_NAME.py (or perf/NAME.py) with ARGS")
+    parser.add_argument("name", help="transfer_queue, rpc, rollout, weight_sync, e2e, auth, soak, convergence, "
+                                     "simulate_scale")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments (e.g. --quick)")
+    parser.set_defaults(func=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncflow",
@@ -73,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_version(subparsers)
     _add_train(subparsers)
     _add_report(subparsers)
+    _add_bench(subparsers)
     return parser
 
 
