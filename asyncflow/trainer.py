@@ -379,6 +379,11 @@ class Training:
         cfg = self.cfg
         resume = ckpts.find_resume(self.out, cfg.trainer.resume)
         state = ckpts.load_state(resume) if resume is not None else None
+        if state is None and ckpts.complete(self.out):  # a fresh run must not be pruned in favour of old steps
+            log.warning("starting afresh in %s: removing the checkpoints of an earlier run there (%s); pass "
+                        "trainer.resume=auto to continue it instead", self.out,
+                        ", ".join(p.name for p in ckpts.complete(self.out)))
+            ckpts.remove_all(self.out)
         (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         self.timeline = Timeline(self.out)
         resumed_at = 0.0

@@ -136,3 +136,7 @@ def prune(out_dir: str | Path, keep: int) -> list[Path]:
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
+
+
+def remove_all(out_dir: str | Path) -> None:
+    shutil.rmtree(root(out_dir), ignore_errors=True)

@@ -57,6 +57,12 @@ def test_prune_keeps_the_newest_and_removes_failed_writes(tmp_path):
     assert (ck.step_dir(tmp_path, 3) / "actor" / "weights").read_text() == "v3"
 
 
+def test_remove_all_clears_an_earlier_runs_checkpoints(tmp_path):
+    _save(tmp_path, 900)
+    ck.remove_all(tmp_path)
+    assert ck.complete(tmp_path) == [] and ck.find_resume(tmp_path, "auto") is None
+
+
 def test_saving_the_same_step_again_replaces_it_whole(tmp_path):
     _save(tmp_path, 5)
     _save(tmp_path, 5, in_flight=[19])
