@@ -6,16 +6,16 @@ storage unit started on its own reads it from that store or from ``ASYNCFLOW_RUN
 Every request and every reply travels as ``[tag + header, *data frames]``: ``tag`` is a
 MAC (keyed BLAKE2b; HMAC-SHA256 when every byte is covered) under the run key over the
 message's kind, a nonce, the number and length of every frame and the header (and, by
-option, every data byte). A receiver
-checks the tag before ``codec.decode`` sees a byte: a message that fails is dropped and
-counted, never decoded, never executed.
+option, every data byte). A receiver checks the tag before ``codec.decode`` sees a byte:
+a message that fails is dropped and counted, never decoded, never executed.
 
 What the MAC covers, and why not always every byte: the header carries the method, the
 arguments, the schema of every tensor frame and every JSON value (the only things ever
 turned into Python objects), and all frames up to ``SMALL_FRAME`` bytes are covered too
 (row ids of a BatchMeta, scalars). Large raw tensor frames (sample data) are by default
-covered by count and length only: hashing them costs ~0.6 ms per MB on each side, which
-would add about two thirds to a TransferQueue round trip (perf/RESULTS.md). A sender
+covered by count and length only: hashing them (~0.6 ms per MB, on each side of each
+hop) made a TransferQueue round trip 2.8x slower and its streaming throughput a third
+(perf/RESULTS.md), while the default costs ~90 us per 5.6 MB put. A sender
 without the key cannot make a valid tag at all, and ZMQ delivers a multipart message
 whole from one connection, so nobody can splice frames into another peer's message; only
 an attacker on the wire path could swap those bytes, and such an attacker already reads
