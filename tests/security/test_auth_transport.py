@@ -276,9 +276,13 @@ def _answer(frames, key=None, result=1, nonce=None, rid=None):
     return auth.seal(auth.REPLY, nonce if nonce is not None else got, body, key)
 
 
+def _untagged_answer(frames):
+    return codec.encode({"id": codec.decode(auth.unseal(auth.REQUEST, frames)[1])["id"], "r": 1})
+
+
 CLIENT_CASES = {
     "reply under another key": lambda f: [_answer(f, key=auth.generate_key())],
-    "reply without a tag": lambda f: [codec.encode({"id": codec.decode(auth.unseal(auth.REQUEST, f)[1])["id"], "r": 1})],
+    "reply without a tag": lambda f: [_untagged_answer(f)],
     "reply to another sender's request": lambda f: [_answer(f, nonce=auth.nonce_of(12345, 0))],
 }
 
