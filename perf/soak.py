@@ -12,7 +12,8 @@ which is local-rank order) and multiprocessing's resource tracker.
 What it reports:
 
 - memory: the least-squares slope of RSS against time, per process and of their sum, in
-  MB/hour (MB = 2**20 bytes), over the steady part of RL only. The supervised warm-up,
+  MB/hour (MB = 2**20 bytes), over the steady part of RL only, and again over the last
+  half of that window alone (a one-off release early on can hide a steady climb). The supervised warm-up,
   the first evaluation and model loading allocate on purpose, so the window starts at the
   RL start (the ``before_rl`` evaluation row of the run's metrics.jsonl, else its first RL
   step row) plus ``--settle`` (default 20%) of the RL time, and ends at the last RL step
@@ -286,12 +287,12 @@ def fit_memory(samples: Sequence[dict], t_from: float, t_to: float) -> dict[str,
 def tq_figures(metrics: Sequence[dict], rows_per_step: int | None) -> dict[str, Any]:
     """What the per-step ``tq/rows_held`` / ``tq/bytes_held`` say about rows being freed."""
     rows = [(int(r["step"]), r["tq/rows_held"]) for r in metrics if is_rl_step(r) and "tq/rows_held" in r]
-    nbytes = [r["tq/bytes_held"] for r in metrics if is_rl_step(r) and "tq/bytes_held" in r]
+    nbytes = [int(r["tq/bytes_held"]) for r in metrics if is_rl_step(r) and "tq/bytes_held" in r]
     n_steps = sum(1 for r in metrics if is_rl_step(r))
     if not rows:
         return {"logged": False, "note": f"metrics.jsonl has no tq/rows_held in its {n_steps} RL step rows: "
                                          "the trainer of this checkout does not log it; rows held not measured"}
-    vals = [v for _, v in rows]
+    vals = [int(v) for _, v in rows]
     half = len(vals) // 2
     first, second = (vals[:half], vals[half:]) if half else (vals, vals)
     slack = rows_per_step or 0
@@ -446,6 +447,8 @@ def analyse(res: dict, out: Path, run_dir: Path, settle: float) -> dict[str, Any
         b = offset + rl_end if rl_end is not None else (samples[-1]["t_s"] if samples else a)
         a = a + settle * max(b - a, 0.0)
     mem = fit_memory(samples, a, b)
+    # the second half on its own: a one-off release early in the window can hide a steady climb
+    late = fit_memory(samples, (a + b) / 2, b)
     if mem["partial"]:
         notes.append(f"left out of the total (not present through the whole window): {', '.join(mem['partial'])}")
     try:
@@ -457,7 +460,8 @@ def analyse(res: dict, out: Path, run_dir: Path, settle: float) -> dict[str, Any
     errors = count_errors(res["rc"], list(logs.values()), summary) + (1 if res["killed"] else 0)
     return {"offset_s": offset, "rl_start_s": None if offset is None or rl_start is None else offset + rl_start,
             "rl_end_s": None if offset is None or rl_end is None else offset + rl_end, "window": [a, b],
-            "steps": steps, "rl_steps_summary": summary.get("rl_steps"), "memory": mem, "tq": tq, "logs": logs,
+            "steps": steps, "rl_steps_summary": summary.get("rl_steps"), "memory": mem, "memory_last_half": late,
+            "tq": tq, "logs": logs,
             "errors": errors, "reward_errors": summary.get("reward/errors"),
             "reward_timeouts": summary.get("reward/timeouts"), "notes": notes,
             "eval_accuracy": [summary.get("eval_accuracy_before_rl"), summary.get("eval_accuracy_after_rl")]}
@@ -509,23 +513,27 @@ def machine_line() -> str:
             f"torch {torch_v}")
 
 
-def record(an: dict, cmd_line: str, minutes: float | None, interval: float | None, path: Path = RESULTS_MD) -> None:
+def record(an: dict, cmd_line: str, minutes: float | None, interval: float | None, path: Path = RESULTS_MD,
+           load_end: float | None = None) -> None:
     """Append this soak's section to perf/RESULTS.md."""
     mem, tq = an["memory"], an["tq"]
     lines = ["", f"## Soak (`perf/soak.py`), {dt.date.today().isoformat()}", "",
-             f"{machine_line()}; load average at the end {os.getloadavg()[0]:.1f} (other work may share the "
+             f"{machine_line()}; load average at the end of the run {fmt(load_end)} (other work may share the "
              f"machine). Command: `{cmd_line}` ({fmt(minutes, 'g')} min of RL, RSS sampled every "
              f"{fmt(interval, 'g')} s; the fit "
              f"window is RL after its first {an['settle'] * 100:.0f}%, {mem['samples']} samples, "
              f"{(an['window'][1] - an['window'][0]) / 60:.1f} min).", "",
-             "| process | RSS at window start MB | at end MB | slope MB/hour | anonymous memory slope MB/hour |",
-             "|---|---|---|---|---|"]
+             "| process | RSS at window start MB | at end MB | slope MB/hour | slope, last half of the window "
+             "| anonymous memory slope MB/hour |",
+             "|---|---|---|---|---|---|"]
+    late = an["memory_last_half"]
     for name, p in mem["processes"].items():
+        lp = late["processes"].get(name, {})
         lines.append(f"| {name} | {p['rss_mb_start']:.0f} | {p['rss_mb_end']:.0f} | {fmt(p['slope_mb_per_h'])} | "
-                     f"{fmt(p['anon_slope_mb_per_h'])} |")
+                     f"{fmt(lp.get('slope_mb_per_h'))} | {fmt(p['anon_slope_mb_per_h'])} |")
     met = mem["total"] is not None and mem["total"] < TARGET_MB_PER_H
     lines.append(f"| **total** | {fmt(mem.get('total_mb_start'), '.0f')} | {fmt(mem.get('total_mb_end'), '.0f')} | "
-                 f"**{fmt(mem['total'])}** | {fmt(mem['total_anon'])} |")
+                 f"**{fmt(mem['total'])}** | {fmt(late['total'])} | {fmt(mem['total_anon'])} |")
     lines += ["", f"Target: total under {TARGET_MB_PER_H:g} MB/hour: {'met' if met else '**not met**'}. "
                   f"RL steps: {an['steps']}; errors: {an['errors']} (exit code {an['rc']}, tracebacks "
                   f"{sum(x['tracebacks'] for x in an['logs'].values())}, error lines "
@@ -537,7 +545,7 @@ def record(an: dict, cmd_line: str, minutes: float | None, interval: float | Non
                      f"{tq['rows_held_final']}, max in the first half of RL {tq['rows_held_max_first_half']} vs "
                      f"second half {tq['rows_held_max_second_half']} ({tq['rows_per_step']} rows per step): "
                      f"{'bounded' if tq['bounded'] else '**growing**'}; bytes held max "
-                     f"{fmt(tq.get('bytes_held_max'), ',')}, final {fmt(tq.get('bytes_held_final'), ',')}.")
+                     f"{fmt(tq.get('bytes_held_max'), ',')} B, final {fmt(tq.get('bytes_held_final'), ',')} B.")
     else:
         lines.append(f"TransferQueue rows held: not measured ({tq['note']}).")
     lines += [f"Note: {n}." for n in an["notes"]]
@@ -551,12 +559,16 @@ def print_table(an: dict) -> None:
     print(f"fit window {an['window'][0] / 60:.1f}-{an['window'][1] / 60:.1f} min after launch "
           f"(RL start {fmt(None if an['rl_start_s'] is None else an['rl_start_s'] / 60, '.1f')} min), "
           f"{mem['samples']} samples")
-    print(f"{'process':32} {'start MB':>9} {'end MB':>9} {'max MB':>9} {'MB/hour':>9} {'anon MB/h':>9}")
+    late = an["memory_last_half"]
+    print(f"{'process':34} {'start MB':>9} {'end MB':>9} {'max MB':>9} {'MB/hour':>9} {'last half':>9} "
+          f"{'anon MB/h':>9}")
     for name, p in mem["processes"].items():
-        print(f"{name:32} {p['rss_mb_start']:9.1f} {p['rss_mb_end']:9.1f} {p['rss_mb_max']:9.1f} "
-              f"{fmt(p['slope_mb_per_h']):>9} {fmt(p['anon_slope_mb_per_h']):>9}")
-    print(f"{'total':32} {fmt(mem.get('total_mb_start')):>9} {fmt(mem.get('total_mb_end')):>9} {'':>9} "
-          f"{fmt(mem['total']):>9} {fmt(mem['total_anon']):>9}   (target < {TARGET_MB_PER_H:g} MB/hour)")
+        print(f"{name:34} {p['rss_mb_start']:9.1f} {p['rss_mb_end']:9.1f} {p['rss_mb_max']:9.1f} "
+              f"{fmt(p['slope_mb_per_h']):>9} {fmt(late['processes'].get(name, {}).get('slope_mb_per_h')):>9} "
+              f"{fmt(p['anon_slope_mb_per_h']):>9}")
+    print(f"{'total':34} {fmt(mem.get('total_mb_start')):>9} {fmt(mem.get('total_mb_end')):>9} {'':>9} "
+          f"{fmt(mem['total']):>9} {fmt(late['total']):>9} {fmt(mem['total_anon']):>9}   "
+          f"(target < {TARGET_MB_PER_H:g} MB/hour)")
     if tq["logged"]:
         print(f"TransferQueue rows held: max {tq['rows_held_max']}, final {tq['rows_held_final']}, first-half max "
               f"{tq['rows_held_max_first_half']}, second-half max {tq['rows_held_max_second_half']} "
@@ -623,7 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     res = run_and_sample(cmd, out, run_dir, interval, deadline)
     info = {"rc": res["rc"], "killed": res["killed"], "wall_s": res["wall_s"], "minutes": a.minutes,
-            "interval": interval, "settle": a.settle,
+            "interval": interval, "settle": a.settle, "load_end": os.getloadavg()[0],
             "cmd_line": " ".join(["python perf/soak.py", *(sys.argv[1:] if argv is None else argv)])}
     (out / "run.json").write_text(json.dumps(info, indent=2))  # what --reanalyse needs besides the files
     return report(out, res["samples"], info, record_it=not a.no_record)
@@ -665,7 +677,7 @@ def report(out: Path, samples: list[dict], info: dict, record_it: bool) -> int:
         except Exception as e:  # noqa: BLE001 - the figures stand without the plot
             print(f"RSS plot: not drawn ({type(e).__name__}: {e})")
     if record_it:
-        record(an, info["cmd_line"], info["minutes"], info["interval"])
+        record(an, info["cmd_line"], info["minutes"], info["interval"], load_end=info.get("load_end"))
         print(f"recorded in {RESULTS_MD}")
     mem, tq = an["memory"], an["tq"]
     result = {
@@ -676,6 +688,11 @@ def report(out: Path, samples: list[dict], info: dict, record_it: bool) -> int:
         "steps": an["steps"], "errors": an["errors"], "exit_code": info["rc"], "killed": info["killed"],
         "rss_slope_mb_per_h_by_process": {k: None if v["slope_mb_per_h"] is None else round(v["slope_mb_per_h"], 2)
                                           for k, v in mem["processes"].items()},
+        "rss_slope_mb_per_h_last_half": (None if an["memory_last_half"]["total"] is None
+                                         else round(an["memory_last_half"]["total"], 2)),
+        "rss_slope_mb_per_h_last_half_by_process": {
+            k: None if v["slope_mb_per_h"] is None else round(v["slope_mb_per_h"], 2)
+            for k, v in an["memory_last_half"]["processes"].items()},
         "rss_mb_end_by_process": {k: round(v["rss_mb_end"], 1) for k, v in mem["processes"].items()},
         "tq_rows_held_max": tq.get("rows_held_max"), "tq_rows_held_final": tq.get("rows_held_final"),
         "tq_bytes_held_max": tq.get("bytes_held_max"), "tq_bytes_held_final": tq.get("bytes_held_final"),

@@ -216,7 +216,7 @@ def test_record_appends_a_section(tmp_path):
     md = tmp_path / "RESULTS.md"
     md.write_text("# Benchmark results\n\n## Other\n\ntext\n")
     fit = soak.fit_memory(_samples(20, 0.0), 0.0, 190.0)
-    an = {"memory": fit, "tq": soak.tq_figures(METRICS, 256), "window": [0.0, 190.0], "settle": 0.2, "steps": 4,
+    an = {"memory": fit, "memory_last_half": fit, "tq": soak.tq_figures(METRICS, 256), "window": [0.0, 190.0], "settle": 0.2, "steps": 4,
           "errors": 0, "rc": 0, "logs": {"stdout": {"tracebacks": 0, "error_lines": 0}},
           "reward_errors": 0.0, "reward_timeouts": 0.0, "notes": []}
     soak.record(an, "python perf/soak.py --quick", 3, 2, path=md)
@@ -266,6 +266,7 @@ def test_reanalyse_an_out_dir_ends_with_the_json_line(tmp_path, capsys):
     assert soak.reanalyse(tmp_path, None, record_it=False) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["rss_slope_mb_per_h"] == pytest.approx(10.0)
+    assert last["rss_slope_mb_per_h_last_half"] == pytest.approx(10.0)
     assert last["steps"] == 17 and last["errors"] == 0
     assert last["tq_rows_held_max"] == 256.0 and last["tq_rows_bounded"] is True
     # RL from t = 20 s (before_rl at 15 s, plus the 5 s offset) to 190 s (the last step row at 185 s);
