@@ -360,15 +360,24 @@ class Executor:
             else:
                 log.warning("step %d: no rows left to train on; the policy is unchanged", t)
             self.actor_version = t + 1
-            self.ledger.step(t).uids.clear()  # trained: nothing to issue again
+            started = self._forget(t)
             await self.ledger.notify()
             self._sync_queue.put_nowait(t + 1)
             await self.tq.clear(partition_name(t))
             if self.on_step is not None:
                 now = time.monotonic()
                 await self.on_step(StepReport(t, metrics, dict(self.step_timing.pop(t, {})), n,
-                                              self.step_started.get(t, now), now))
+                                              started if started is not None else now, now))
             t += 1
+
+    def _forget(self, t: int) -> float | None:
+        """Step ``t`` is trained, so every stage is done with it: drop its bookkeeping (a run of
+        days has millions of steps) and return when it started."""
+        self.ledger.steps.pop(t, None)
+        for st in self.state.values():
+            st.taken.pop(t, None)
+            st.low = max(st.low, t + 1)
+        return self.step_started.pop(t, None)
 
     # ---- weight sync: publish each version, then every instance receives it in the background ----
     async def _weight_sync(self) -> None:

@@ -140,6 +140,15 @@ def test_every_prompt_trains_exactly_once(mode):
     assert sorted(actor.trained) == sorted(i for i in range(20) for _ in range(G))
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_trained_steps_leave_no_bookkeeping_behind(dynamic):
+    """A run of days has millions of steps: the driver's memory must not grow with them."""
+    ex, _, _, reports = run("async", steps=6, dynamic=dynamic)
+    assert len(reports) == 6 and all(r.started <= r.finished for r in reports)
+    assert ex.ledger.steps == {} and ex.step_started == {}
+    assert all(st.taken == {} and st.low == 6 for st in ex.state.values())
+
+
 @pytest.mark.parametrize("mode", ["sync", "stream"])
 def test_on_policy_modes_are_never_stale(mode):
     _, actor, _, _ = run(mode, rollout_delay=0.02, train_delay=0.05)
