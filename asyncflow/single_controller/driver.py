@@ -39,6 +39,108 @@ class DriverConfig:
     attach_timeout_s: float = 60.0  # every worker must answer a first ping within this
 
 
+class _RankLost(Exception):
+    """Set on the calls in flight to a rank declared dead; turned into WorkerDiedError."""
+
+    def __init__(self, err: WorkerDiedError):
+        super().__init__(str(err))
+        self.err = err
+
+
+def _failed(fut: asyncio.Future) -> bool:
+    """A finished rank call that raises when its result is taken (any failure at all)."""
+    if fut.cancelled() or fut.exception() is not None:
+        return True
+    msg = fut.result()
+    if "e" in msg:
+        return True
+    r = msg.get("r")
+    return isinstance(r, dict) and "err" in r
+
+
+class RankCall:
+    """One call in flight to one rank: its future holds the reply message."""
+
+    __slots__ = ("ep", "client", "rid", "fut", "op", "what", "role", "timeout")
+
+    def __init__(self, ep: "RankEndpoint", client: RpcClient, rid: int, fut: asyncio.Future, op: str, what: str,
+                 role: str | None, timeout: float):
+        self.ep, self.client, self.rid, self.fut = ep, client, rid, fut
+        self.op, self.what, self.role, self.timeout = op, what, role, timeout
+
+    def failed(self) -> bool:
+        return _failed(self.fut)
+
+    def cancel(self) -> None:
+        self.client.forget(self.rid)
+        self.fut.cancel()
+
+    async def wait(self) -> Any:
+        """The call's value, once its reply is in (or its error, raised)."""
+        try:
+            await self.fut
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        except Exception:  # noqa: BLE001 - result() raises it with the rank's name
+            pass
+        return self.result()
+
+    def result(self) -> Any:
+        """The value of a finished call, or its error (named after the method and the rank)."""
+        ep, what, role = self.ep, self.what, self.role
+        try:
+            reply = self.client.result(self.op, self.fut.result())
+        except _RankLost as e:
+            raise WorkerDiedError(f"{what} on {ep.where(role)} cannot finish: {e.err}",
+                                  rank=ep.rank, role=role or "", method=what) from None
+        except WorkerDiedError:  # the rank was dead before the call: its own error, as is
+            raise
+        except TransferQueueTimeout:
+            raise WorkerCallTimeout(
+                f"{what} on {ep.where(role)} got no reply within {self.timeout:.1f}s (the worker may still be "
+                "running it; later calls to this rank queue behind it)",
+                rank=ep.rank, role=role or "", method=what) from None
+        except RemoteError as e:  # the server could not run or encode the call at all
+            raise WorkerError(f"{what} on {ep.where(role)} failed in the control plane: {e}",
+                              rank=ep.rank, role=role or "", method=what) from None
+        if "err" in reply:
+            err = reply["err"]
+            raise WorkerError(f"{what} failed on {ep.where(role)}: {err['type']}: {err['msg']}\n"
+                              f"--- remote traceback (rank {ep.rank}) ---\n{err['tb']}",
+                              rank=ep.rank, role=role or "", method=what, remote_tb=err["tb"])
+        return from_wire(reply["ok"])
+
+
+async def wait_calls(calls: list[RankCall]) -> None:
+    """Until every call has its reply, or one has failed (whichever comes first).
+
+    One waiter future and a done-callback per call: no task per rank. Cancelling the
+    wait cancels the calls."""
+    pending = [c.fut for c in calls if not c.fut.done()]
+    if not pending or any(_failed(c.fut) for c in calls if c.fut.done()):
+        return
+    waiter = asyncio.get_running_loop().create_future()
+    left = len(pending)
+
+    def on_done(fut: asyncio.Future) -> None:
+        nonlocal left
+        left -= 1
+        if not waiter.done() and (left == 0 or _failed(fut)):
+            waiter.set_result(None)
+    for fut in pending:
+        fut.add_done_callback(on_done)
+    try:
+        await waiter
+    except asyncio.CancelledError:
+        for c in calls:
+            c.cancel()
+        raise
+    finally:
+        for fut in pending:
+            fut.remove_done_callback(on_done)
+
+
 class RankEndpoint:
     """One worker process as the driver sees it."""
 
@@ -51,57 +153,35 @@ class RankEndpoint:
         self._control = RpcClient(control, ctx)  # pings and the like, answered while a call runs
         self.dead: asyncio.Future = asyncio.get_running_loop().create_future()
         self.dead.add_done_callback(lambda f: f.exception())  # retrieved: no "never retrieved" noise
-        self._inflight: set[asyncio.Task] = set()
-        self._killed: set[asyncio.Task] = set()
 
     def where(self, role: str | None = None) -> str:
         roles = role or ",".join(self.roles) or "no role yet"
         host = f" pid {self.info['pid']} on {self.info['host']}" if self.info else ""
         return f"rank {self.rank} ({roles}{host}, {self.address})"
 
+    def start(self, op: str, what: str, role: str | None, timeout: float, args: list, *,
+              control: bool = False) -> RankCall:
+        """Send one RPC to this rank now (``args``: ``RpcClient.encode_args`` frames). A rank
+        already declared dead gets nothing: the call fails with its WorkerDiedError."""
+        client = self._control if control else self._rpc
+        if self.dead.done():
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(self.dead.exception())
+            return RankCall(self, client, -1, fut, op, what, role, timeout)
+        rid, fut = client.start(op, args, timeout)
+        return RankCall(self, client, rid, fut, op, what, role, timeout)
+
     async def request(self, op: str, what: str, role: str | None, timeout: float, /, *, control: bool = False,
                       **args: Any) -> Any:
         """One RPC to this rank, failing early if the rank is declared dead meanwhile."""
-        if self.dead.done():
-            raise self.dead.exception()
-        client = self._control if control else self._rpc
-        # The request runs in the caller's task (no extra task per call: this is the hot path);
-        # when the rank is declared dead, declare_dead() cancels the tasks listed here.
-        me = asyncio.current_task()
-        self._inflight.add(me)
-        try:
-            reply = await client.call(op, _timeout=timeout, **args)
-        except asyncio.CancelledError:
-            if me not in self._killed:
-                raise
-            self._killed.discard(me)
-            if hasattr(me, "uncancel"):  # 3.11+: this cancellation is consumed here
-                me.uncancel()
-            raise WorkerDiedError(f"{what} on {self.where(role)} cannot finish: {self.dead.exception()}",
-                                  rank=self.rank, role=role or "", method=what) from None
-        except TransferQueueTimeout:
-            raise WorkerCallTimeout(
-                f"{what} on {self.where(role)} got no reply within {timeout:.1f}s (the worker may still be "
-                "running it; later calls to this rank queue behind it)",
-                rank=self.rank, role=role or "", method=what) from None
-        except RemoteError as e:  # the server could not run or encode the call at all
-            raise WorkerError(f"{what} on {self.where(role)} failed in the control plane: {e}",
-                              rank=self.rank, role=role or "", method=what) from None
-        finally:
-            self._inflight.discard(me)
-        if "err" in reply:
-            err = reply["err"]
-            raise WorkerError(f"{what} failed on {self.where(role)}: {err['type']}: {err['msg']}\n"
-                              f"--- remote traceback (rank {self.rank}) ---\n{err['tb']}",
-                              rank=self.rank, role=role or "", method=what, remote_tb=err["tb"])
-        return from_wire(reply["ok"])
+        return await self.start(op, what, role, timeout, RpcClient.encode_args(args), control=control).wait()
 
     def declare_dead(self, err: WorkerDiedError) -> None:
         """Fail every call in flight to this rank now, and every later one at once."""
         self.dead.set_exception(err)
-        for task in list(self._inflight):
-            self._killed.add(task)
-            task.cancel()
+        lost = _RankLost(err)
+        self._rpc.fail_all(lost)
+        self._control.fail_all(lost)
 
     async def ping(self, timeout: float) -> dict:
         return await self._control.call("ping", _timeout=timeout)

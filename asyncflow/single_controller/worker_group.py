@@ -11,7 +11,9 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
+from ..transfer_queue.transport import RpcClient
 from .dispatch import MethodSpec, get_dispatch_mode, method_spec
+from .driver import RankCall, wait_calls
 from .layout import GroupLayout
 from .wire import to_wire
 
@@ -49,43 +51,50 @@ class WorkerGroup:
         mode = get_dispatch_mode(spec.mode)
         timeout = _timeout or spec.timeout_s or self.driver.config.call_timeout_s
         per_rank = mode.split(self.layout, args, kwargs)
-        what = f"{self.layout.role}.{method}"
-        # All rank calls are started back to back with no await in between, so every rank
+        role = self.layout.role
+        what = f"{role}.{method}"
+        # All rank calls are sent back to back with no await in between, so every rank
         # queues this call at the same place relative to other calls: collectives inside
         # methods of different groups sharing ranks then run in the same order everywhere.
-        payloads = [None if c is None else (to_wire(list(c[0])), to_wire(c[1])) for c in per_rank]
-        if sum(p is not None for p in payloads) == 1:  # one rank: no fan-out task needed
-            i = next(i for i, p in enumerate(payloads) if p is not None)
-            result = await self.driver.ranks[self.layout.ranks[i]].request(
-                "call", what, self.layout.role, timeout, role=self.layout.role, fn=method,
-                args=payloads[i][0], kwargs=payloads[i][1])
-            return mode.gather(self.layout, [result if j == i else None for j in range(len(payloads))])
-        tasks: list[asyncio.Future | None] = [
-            None if p is None else asyncio.ensure_future(self.driver.ranks[rank].request(
-                "call", what, self.layout.role, timeout, role=self.layout.role, fn=method,
-                args=p[0], kwargs=p[1]))
-            for rank, p in zip(self.layout.ranks, payloads)]
-        live = [t for t in tasks if t is not None]
-        try:
-            done, pending = await asyncio.wait(live, return_when=asyncio.FIRST_EXCEPTION)
-        except asyncio.CancelledError:
-            for t in live:
-                t.cancel()
-            raise
-        if any(t.exception() is not None for t in done):
+        # The same arguments (ONE_TO_ALL gives every rank the same pair) are encoded once.
+        encoded: dict[int, list] = {}
+        ranks = self.driver.ranks
+        calls: list[RankCall | None] = []
+        for rank, c in zip(self.layout.ranks, per_rank):
+            if c is None:
+                calls.append(None)
+                continue
+            frames = encoded.get(id(c))
+            if frames is None:
+                frames = encoded[id(c)] = RpcClient.encode_args(
+                    {"role": role, "fn": method, "args": to_wire(list(c[0])), "kwargs": to_wire(c[1])})
+            calls.append(ranks[rank].start("call", what, role, timeout, frames))
+        live = [c for c in calls if c is not None]
+        if len(live) == 1:  # one rank: its future is all there is to wait for
+            value = await live[0].wait()
+            return mode.gather(self.layout, [value if c is not None else None for c in calls])
+        await wait_calls(live)
+        if any(c.fut.done() and c.failed() for c in live):
             # Other ranks often fail the same way a moment later: wait briefly, then report
             # the lowest failing rank, so the error does not depend on which reply came first.
+            pending = [c.fut for c in live if not c.fut.done()]
             if pending:
                 await asyncio.wait(pending, timeout=0.5)
-            for t in live:
-                if not t.done():
-                    t.cancel()
-            failed = [t for t in live if t.done() and not t.cancelled() and t.exception() is not None]
-            first = failed[0].exception()
-            if len(failed) > 1 and hasattr(first, "add_note"):  # 3.11+
-                first.add_note(f"({len(failed) - 1} more rank(s) of {what} failed as well)")
+            for c in live:
+                if not c.fut.done():
+                    c.cancel()
+            errors = []
+            for c in live:
+                if not c.fut.cancelled() and c.failed():
+                    try:
+                        c.result()
+                    except Exception as e:  # noqa: BLE001 - collected, the first one raised
+                        errors.append(e)
+            first = errors[0]
+            if len(errors) > 1 and hasattr(first, "add_note"):  # 3.11+
+                first.add_note(f"({len(errors) - 1} more rank(s) of {what} failed as well)")
             raise first
-        return mode.gather(self.layout, [t.result() if t is not None else None for t in tasks])
+        return mode.gather(self.layout, [c.result() if c is not None else None for c in calls])
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.cls.__name__}, role={self.layout.role!r}, ranks={self.ranks})"

@@ -14,7 +14,10 @@ loop directly, with the same signature, for the in-process default.
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import itertools
+import json
 import logging
 import threading
 import time
@@ -30,6 +33,15 @@ from .errors import ERROR_TYPES, RemoteError, TransferQueueTimeout
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@functools.lru_cache(maxsize=1024)
+def _json_str(s: str) -> bytes:
+    return json.dumps(s).encode()
+
+
+def _mem_bytes(frame: Any) -> bytes:
+    return frame if isinstance(frame, bytes) else bytes(frame.buffer if hasattr(frame, "buffer") else frame)
 
 
 def _raise_remote(endpoint: str, method: str, err: dict) -> None:
@@ -242,69 +254,177 @@ class BlockingRpcServer:
 
 
 class RpcClient:
-    """One persistent DEALER connection to one server; calls are multiplexed by id."""
+    """One persistent DEALER connection to one server; calls are multiplexed by id.
 
-    def __init__(self, address: str, ctx: zmq.asyncio.Context, timeout: float = 60.0, *,
+    The hot path has no task and no zmq.asyncio future: a call is encoded, sealed and
+    sent at once (non-blocking: when the send queue is full the message waits in a
+    backlog, in order, until the socket takes it), then waits on one future. The event
+    loop watches the socket's file descriptor; one reader callback drains every reply
+    that has arrived, checks its tag and hands it to its call by id. A timer per call
+    fails it with TransferQueueTimeout, naming the method and the address.
+
+    ``call`` is the whole round trip. ``start``/``result`` split it, so a caller can have
+    one call in flight on each of several clients and wait for all of them on their
+    futures without a task per call (the driver's fan-out to a worker group).
+    """
+
+    def __init__(self, address: str, ctx: zmq.Context, timeout: float = 60.0, *,
                  key: bytes | None = None):
         self.address = address
         self.timeout = timeout
         self._key = key if key is not None else auth.run_key()
-        self._sock = ctx.socket(zmq.DEALER)
+        # A plain socket even from a zmq.asyncio context: the loop watches its fd itself.
+        self._sock = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
+        self._fd = self._sock.getsockopt(zmq.FD)
         # The request id is also the MAC nonce's counter; the sender id is this socket's.
         self._sender = auth.new_sender_id()
         self._ids = itertools.count()
-        self._pending: dict[int, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
+        # request id -> (future, method, timeout, timer)
+        self._pending: dict[int, tuple[asyncio.Future, str, float, asyncio.TimerHandle]] = {}
+        self._backlog: collections.deque = collections.deque()  # (request id, frames) not yet taken
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.auth = auth.FailureLog(f"client of {address}")
 
     @property
     def auth_failures(self) -> int:
         return self.auth.count
 
-    async def call(self, method: str, /, _timeout: float | None = None, **args: Any) -> Any:
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+    @staticmethod
+    def encode_args(args: dict) -> list:
+        """The arguments of a call as codec frames, for :meth:`start`; the same frames may
+        be given to several calls (to several clients), encoded once."""
+        return codec.encode(args)
+
+    def _watch(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._sock.closed:
+                raise RuntimeError(f"the client of {self.address} is closed")
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._fd)
+            loop.add_reader(self._fd, self._on_events)
+            self._loop = loop
+        return loop
+
+    def start(self, method: str, args: list, timeout: float | None = None) -> tuple[int, asyncio.Future]:
+        """Send a call now; ``(request id, future)``. ``args`` are :meth:`encode_args` frames.
+        The future gets the reply message (give it to :meth:`result`) or TransferQueueTimeout."""
+        loop = self._watch()
+        timeout = self.timeout if timeout is None else timeout
         rid = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
-        timeout = self.timeout if _timeout is None else _timeout
+        # The codec's header of {"id": rid, "m": method, "a": args}, byte for byte, around
+        # the arguments' header: their tensor frames keep their indices.
+        head = b'{"id":%d,"m":%b,"a":%b}' % (rid, _json_str(method), _mem_bytes(args[0]))
+        frames = auth.seal(auth.REQUEST, auth.nonce_of(self._sender, rid), [head, *args[1:]], self._key)
+        fut = loop.create_future()
+        self._pending[rid] = (fut, method, timeout, loop.call_at(loop.time() + timeout, self._expire, rid))
         try:
-            frames = codec.encode({"id": rid, "m": method, "a": args})
-            await self._sock.send_multipart(
-                auth.seal(auth.REQUEST, auth.nonce_of(self._sender, rid), frames, self._key), copy=False)
-            async with asyncio.timeout(timeout):  # unlike wait_for, never swallows a cancel()
-                msg = await fut
-        except asyncio.TimeoutError:
-            raise TransferQueueTimeout(
-                f"no reply to {method} from {self.address} within {timeout:.1f}s: {_no_reply_hint(self.address)}"
-            ) from None
-        finally:
-            self._pending.pop(rid, None)
+            if self._backlog or not self._send(frames):
+                self._backlog.append((rid, frames))
+        except BaseException:
+            self._pending.pop(rid)[3].cancel()
+            raise
+        # Sending may have consumed the fd's wake-up for a reply that came meanwhile.
+        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._on_events()
+        return rid, fut
+
+    def result(self, method: str, msg: dict) -> Any:
+        """The value of a reply message, or the remote error raised here."""
         if "e" in msg:
             _raise_remote(self.address, method, msg["e"])
         return msg.get("r")
 
-    async def _read(self) -> None:
+    async def call(self, method: str, /, _timeout: float | None = None, **args: Any) -> Any:
+        rid, fut = self.start(method, codec.encode(args), _timeout)
+        try:
+            msg = await fut
+        except asyncio.CancelledError:
+            self.forget(rid)
+            raise
+        return self.result(method, msg)
+
+    def forget(self, rid: int) -> None:
+        """Stop waiting for a call (cancelled): cancel its future; a late reply is dropped."""
+        entry = self._pending.pop(rid, None)
+        if entry is not None:
+            entry[3].cancel()
+            entry[0].cancel()
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every call still waiting with ``exc`` (e.g. the server is known dead)."""
+        pending, self._pending = self._pending, {}
+        for fut, _, _, timer in pending.values():
+            timer.cancel()
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _expire(self, rid: int) -> None:
+        entry = self._pending.pop(rid, None)
+        if entry is not None and not entry[0].done():
+            fut, method, timeout, _ = entry
+            fut.set_exception(TransferQueueTimeout(
+                f"no reply to {method} from {self.address} within {timeout:.1f}s: {_no_reply_hint(self.address)}"))
+
+    def _send(self, frames: list) -> bool:
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:  # the send queue is full (high-water mark): retried when there is room
+            return False
+
+    def _on_events(self) -> None:
+        """The socket's fd woke up: send what waits for room, hand every reply to its call."""
+        sock = self._sock
+        if sock.closed:
+            return
+        # Reading EVENTS lets libzmq take in what its I/O thread signalled; the fd wakes the
+        # loop again on the next change only once nothing is left to read here.
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            opened = _check_reply(self, self._sender, frames)
-            if opened is None:
-                continue
-            rid, body = opened
-            fut = self._pending.get(rid)
-            if fut is None or fut.done():  # a late reply to a timed-out call
-                continue
-            msg = _decode_reply(self, rid, body)
-            if msg is not None:
-                fut.set_result(msg)
+            events = sock.getsockopt(zmq.EVENTS)
+            if self._backlog and events & zmq.POLLOUT:
+                while self._backlog and self._backlog[0][0] not in self._pending:  # timed out or cancelled
+                    self._backlog.popleft()
+                if self._backlog and self._send(self._backlog[0][1]):
+                    self._backlog.popleft()
+                    continue
+            if not events & zmq.POLLIN:
+                return
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            try:
+                self._on_reply(frames)
+            except Exception:  # never let one bad message stop the reader
+                log.exception("%s: error handling a reply", self.auth.name)
+
+    def _on_reply(self, frames: list) -> None:
+        opened = _check_reply(self, self._sender, frames)
+        if opened is None:
+            return
+        rid, body = opened
+        entry = self._pending.get(rid)
+        if entry is None or entry[0].done():  # a late reply to a timed-out or cancelled call
+            return
+        msg = _decode_reply(self, rid, body)
+        if msg is None:  # malformed: dropped, the call goes on waiting (and times out)
+            return
+        del self._pending[rid]
+        entry[3].cancel()
+        entry[0].set_result(msg)
 
     async def close(self) -> None:
-        for fut in self._pending.values():
+        pending, self._pending = self._pending, {}
+        for fut, _, _, timer in pending.values():
+            timer.cancel()
             fut.cancel()
-        await _cancel([self._reader])
-        self._reader = None
+        self._backlog.clear()
+        if self._loop is not None and not self._loop.is_closed() and not self._sock.closed:
+            try:
+                self._loop.remove_reader(self._fd)
+            except Exception:  # noqa: BLE001 - the loop is going away anyway
+                pass
+        self._loop = None
         self._sock.close(linger=0)
 
 
