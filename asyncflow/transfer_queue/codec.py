@@ -127,7 +127,9 @@ def decode(frames: Sequence[Any]) -> Any:
             raise CodecError(f"tensor frame {i} has {mem.nbytes} bytes, header says {shape} of {spec['d']}")
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        t = torch.frombuffer(mem, dtype=dtype).view(shape)
+        t = torch.frombuffer(mem, dtype=dtype)
+        if len(shape) != 1:  # frombuffer is already 1-D: skip a view op per column (most are 1-D)
+            t = t.view(shape)
         if hasattr(frame, "buffer"):  # a zmq.Frame: remember it (views made later are new objects)
             _remember_frame(t, frame)
         return t

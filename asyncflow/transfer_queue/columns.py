@@ -284,6 +284,27 @@ def to_columns(data: Any) -> tuple[dict[str, Column], int]:
     return cols, next(iter(counts.values()))
 
 
+def _nested(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """A jagged nested tensor over ``values``/``offsets`` (no copy).
+
+    Built with NestedTensor's constructor: ``nested_tensor_from_jagged`` goes through
+    ``__torch_function__`` and a view op (~95 us per column here vs ~25 us). The result
+    reads the same; it is just not an autograd view of ``values``, which received data
+    never needs. Falls back to the public function if the private class moves."""
+    if _NestedTensor is not None and not values.requires_grad:
+        try:
+            return _NestedTensor(values, offsets)
+        except Exception:  # noqa: BLE001  (a torch whose constructor differs: use the public path)
+            pass
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
+try:
+    from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensor
+except Exception:  # noqa: BLE001
+    _NestedTensor = None
+
+
 def to_tensordict(cols: Mapping[str, Column], n_rows: int):
     """Columns -> TensorDict with ``batch_size=[n_rows]``; jagged columns become nested tensors."""
     from tensordict import NonTensorStack, TensorDict  # slow import: only when asked for
@@ -293,7 +314,7 @@ def to_tensordict(cols: Mapping[str, Column], n_rows: int):
         if isinstance(c, FixedColumn):
             out[k] = c.data
         elif isinstance(c, JaggedColumn):
-            out[k] = torch.nested.nested_tensor_from_jagged(c.values, c.offsets)
+            out[k] = _nested(c.values, c.offsets)
         else:
             out[k] = NonTensorStack.from_list(c.items) if c.items else NonTensorStack(batch_size=[0])
     # Every column already has n_rows rows (checked on put): skip TensorDict's re-validation.
