@@ -23,7 +23,8 @@ import zmq.asyncio
 from .columns import Column, column_from_wire, column_to_wire, concat, to_columns, to_tensordict
 from .errors import BadPutError, TransferQueueError, TransferQueueTimeout
 from .locality import local_node, local_unit
-from .meta import BatchMeta, ids_from_wire, ids_to_wire, unit_of
+from .meta import BatchMeta, ReadRequest as _Request, ids_from_wire, ids_to_wire, plan_reads as _plan_get
+from .meta import positions_by_unit as _positions_by_unit
 from .transport import BlockingRpcClient, RpcClient
 
 # Added to a server-side wait so the reply (or its error) can arrive before the client gives up.
@@ -31,15 +32,6 @@ _REPLY_MARGIN_S = 10.0
 
 
 # ---- planning shared by both clients ------------------------------------------------------
-
-def _positions_by_unit(rows: Sequence[int]) -> dict[int, list[int]]:
-    if rows and unit_of(min(rows)) == unit_of(max(rows)):  # one unit: skip the per-row walk
-        return {unit_of(rows[0]): list(range(len(rows)))}
-    out: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        out.setdefault(unit_of(r), []).append(i)
-    return out
-
 
 def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequence[int] | None,
               target: int | None = None) -> tuple[list[str], list[tuple[int | None, dict]]]:
@@ -74,10 +66,6 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequenc
     return names, calls
 
 
-# A read request to one unit: (unit, positions in the meta, column names).
-_Request = tuple[int, list[int], list[str]]
-
-
 def _get_names(meta: BatchMeta, columns: Sequence[str] | None) -> list[str]:
     names = list(meta.columns if columns is None else columns)
     if not meta.rows:
@@ -95,24 +83,6 @@ def _unlocated(meta: BatchMeta, names: list[str], n_units: int) -> list[str]:
     return [c for c in names if c not in meta.locations and c not in meta.columns]
 
 
-def _plan_get(meta: BatchMeta, names: list[str]) -> list[_Request]:
-    """Requests by unit; columns whose cells sit on the same units travel together."""
-    by_layout: dict[Any, list[str]] = {}
-    for c in names:
-        units = meta.locations.get(c)
-        by_layout.setdefault(None if units is None else tuple(units), []).append(c)
-    out: list[_Request] = []
-    for layout, cols in by_layout.items():
-        if layout is None:
-            by_unit = _positions_by_unit(meta.rows)
-        else:
-            by_unit = {}
-            for i, u in enumerate(layout):
-                by_unit.setdefault(u, []).append(i)
-        out += [(u, pos, cols) for u, pos in by_unit.items()]
-    return out
-
-
 def _assemble(names: list[str], requests: list[_Request], replies: list[dict]) -> dict[str, Column]:
     """Unit replies -> columns in the meta's row order."""
     if len(replies) == 1:
@@ -128,6 +98,24 @@ def _assemble(names: list[str], requests: list[_Request], replies: list[dict]) -
         inverse[torch.tensor(order)] = torch.arange(len(order))
         out[k] = concat([column_from_wire(w) for _, w in parts]).take(inverse.tolist())
     return out
+
+
+def _batch_names(columns: Sequence[str], data_columns: Sequence[str] | None) -> list[str]:
+    names = list(columns if data_columns is None else data_columns)
+    if not names:
+        raise BadPutError("get_batch of no data columns")
+    return names
+
+
+def _batch_reply(reply: dict, names: list[str]) -> tuple[BatchMeta, dict[str, Column] | None]:
+    """A get_batch reply -> (meta, its columns), columns None when the controller could not
+    read them itself (a unit in another process): the caller reads as get_columns does."""
+    meta = BatchMeta.from_wire(reply["meta"])
+    reads = reply.get("reads")
+    if reads is None or not meta.rows:
+        return meta, None
+    requests = [(int(r["unit"]), ids_from_wire(r["pos"]), list(r["cols"])) for r in reads]
+    return meta, _assemble(names, requests, [r["data"] for r in reads])
 
 
 def _unit_timeout(index: int, address: str, e: TransferQueueTimeout) -> TransferQueueTimeout:
@@ -280,6 +268,26 @@ class AsyncTransferQueueClient:
         return BatchMeta.from_wire(await self.controller.call("get_meta", _timeout=wait + _REPLY_MARGIN_S,
                                                               **args))
 
+    async def get_batch(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
+                        sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
+                        allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
+                        dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, Any]:
+        """``get_meta`` then ``get_data`` of its rows (``data_columns``, default ``columns``), in
+        one hop when the controller's process holds those rows (the in-process default), else
+        two. Same consumption as get_meta. Returns ``(meta, TensorDict)``; the data is None
+        for an empty meta (end of stream, or nothing ready with ``allow_partial``)."""
+        names = _batch_names(columns, data_columns)
+        wait = self.wait_timeout if timeout is None else timeout
+        args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
+                              dp_group, dp_rank, dp_size)
+        reply = await self.controller.call("get_batch", _timeout=wait + _REPLY_MARGIN_S, data_columns=names, **args)
+        meta, cols = _batch_reply(reply, names)
+        if not meta.rows:
+            return meta, None
+        if cols is None:
+            cols = await self.get_columns(meta, names)
+        return meta, to_tensordict(cols, len(meta))
+
     async def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]:
         """The requested columns of the meta's rows, in the meta's row order."""
         names = _get_names(meta, columns)
@@ -404,6 +412,22 @@ class TransferQueueClient:
         args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
                               dp_group, dp_rank, dp_size)
         return BatchMeta.from_wire(self.controller.call("get_meta", _timeout=wait + _REPLY_MARGIN_S, **args))
+
+    def get_batch(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
+                  sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
+                  allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
+                  dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, Any]:
+        names = _batch_names(columns, data_columns)
+        wait = self.wait_timeout if timeout is None else timeout
+        args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
+                              dp_group, dp_rank, dp_size)
+        reply = self.controller.call("get_batch", _timeout=wait + _REPLY_MARGIN_S, data_columns=names, **args)
+        meta, cols = _batch_reply(reply, names)
+        if not meta.rows:
+            return meta, None
+        if cols is None:
+            cols = self.get_columns(meta, names)
+        return meta, to_tensordict(cols, len(meta))
 
     def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]:
         names = _get_names(meta, columns)

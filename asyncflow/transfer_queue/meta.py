@@ -49,6 +49,38 @@ def ids_from_wire(x: Any, tensor: bool = False) -> Any:
     return list(x)
 
 
+def positions_by_unit(rows: Sequence[int]) -> dict[int, list[int]]:
+    if rows and unit_of(min(rows)) == unit_of(max(rows)):  # one unit: skip the per-row walk
+        return {unit_of(rows[0]): list(range(len(rows)))}
+    out: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        out.setdefault(unit_of(r), []).append(i)
+    return out
+
+
+# A read request to one unit: (unit, positions in the meta, column names).
+ReadRequest = tuple[int, list[int], list[str]]
+
+
+def plan_reads(meta: "BatchMeta", names: Sequence[str]) -> list[ReadRequest]:
+    """Read requests by unit for ``names`` of the meta's rows; columns whose cells sit on
+    the same units travel together. Shared by the clients and the controller's fused get."""
+    by_layout: dict[Any, list[str]] = {}
+    for c in names:
+        units = meta.locations.get(c)
+        by_layout.setdefault(None if units is None else tuple(units), []).append(c)
+    out: list[ReadRequest] = []
+    for layout, cols in by_layout.items():
+        if layout is None:
+            by_unit = positions_by_unit(meta.rows)
+        else:
+            by_unit = {}
+            for i, u in enumerate(layout):
+                by_unit.setdefault(u, []).append(i)
+        out += [(u, pos, cols) for u, pos in by_unit.items()]
+    return out
+
+
 @dataclass
 class BatchMeta:
     partition: str
