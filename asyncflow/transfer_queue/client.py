@@ -124,7 +124,11 @@ def _unit_timeout(index: int, address: str, e: TransferQueueTimeout) -> Transfer
 
 
 def _new_rows_meta(partition: str, names: list[str], groups: Any, reply: dict) -> BatchMeta:
-    return BatchMeta(partition, ids_from_wire(reply["rows"]), names,
+    if "first" in reply:  # new rows have consecutive ids
+        rows = list(range(reply["first"], reply["first"] + reply["n"]))
+    else:
+        rows = ids_from_wire(reply["rows"])
+    return BatchMeta(partition, rows, names,
                      ids_from_wire(groups) if groups is not None else [], ids_from_wire(reply["tokens"]))
 
 

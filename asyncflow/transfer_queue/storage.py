@@ -213,7 +213,8 @@ class StorageUnit:
                       node: int | None = None) -> dict:
         """Store columns for new rows (``rows`` None: this unit assigns ids) or add columns
         to existing rows, this unit's own or another unit's. ``node``: the writer's node
-        (counted in stats). Returns the row ids and per-row token counts."""
+        (counted in stats). Returns, for new rows, the first row id (the ids are consecutive),
+        their count and per-row token counts."""
         cols = {name: column_from_wire(w) for name, w in columns.items()}
         if not cols:
             raise BadPutError(f"put into {partition!r} carries no columns")
@@ -259,7 +260,10 @@ class StorageUnit:
         who = "-" if node is None else str(int(node))
         self.put_rows_by_node[who] = self.put_rows_by_node.get(who, 0) + n
         self.put_bytes_by_node[who] = self.put_bytes_by_node.get(who, 0) + nbytes
-        return {"rows": row_t, "tokens": tokens}
+        if not new_rows:
+            return {}  # the writer's meta already names the rows
+        # New rows get consecutive ids: two numbers, not an id tensor frame to encode, MAC and decode.
+        return {"first": int(make_row_id(self.index, first)), "n": n, "tokens": tokens}
 
     def _forget_if_empty(self, partition: str) -> None:
         ps = self.parts.get(partition)
