@@ -8,7 +8,8 @@ moves over the same hops three ways:
   pickle  the naive store: the TensorDict is pickled to the storage process, which unpickles
           it (a store must see columns and rows to serve them), pickles the requested
           columns on a get, and the consumer unpickles them
-  tq      TransferQueue put, then get_meta + get_data (controller + unit in the storage process)
+  tq      TransferQueue put, then get_batch: get_meta + get_data, in one hop when the
+          controller's process holds the rows, as here (controller + unit in the storage process)
 
 Then get_meta latency with 10k and 1M rows in the partition, and with 16 concurrent
 clients. The last line is one JSON object.
@@ -193,7 +194,7 @@ def consumer_main(mode: str, address: str, conn) -> None:
         import tensordict  # noqa: F401  (import cost is not transfer cost)
 
         def get(tag: str):
-            return client.get_data(client.get_meta(COLUMNS, ROWS, "bench", tag))
+            return client.get_batch(COLUMNS, ROWS, "bench", tag)[1]
     else:
         import zmq
         sock = zmq.Context().socket(zmq.DEALER)
