@@ -71,13 +71,10 @@ def share_run_key(store: dist.Store, rank: int, timeout_s: float) -> bytes:
 
 def wait_run_key(store: dist.Store, timeout_s: float, who: str = "this process") -> bytes:
     """The run key from the store, waiting up to ``timeout_s`` for rank 0 to put it there."""
-    deadline = time.monotonic() + timeout_s
-    while not store.check([auth.STORE_KEY]):
-        if time.monotonic() > deadline:
-            raise LaunchError(f"{who}: the run key ({auth.STORE_KEY!r}) did not appear in the TCPStore within "
-                              f"{timeout_s:.0f}s (rank 0 puts it there at start; did rank 0 start?)")
-        time.sleep(0.05)
-    return store.get(auth.STORE_KEY)
+    try:
+        return auth.wait_key_in_store(store, timeout_s, who)
+    except TimeoutError as e:
+        raise LaunchError(str(e)) from None
 
 
 def publish_address(store: dist.Store, rank: int, address: str) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from datetime import timedelta
 
 from . import auth
@@ -35,13 +34,10 @@ def key_from_store(address: str, timeout_s: float) -> bytes:
                               wait_for_workers=False)
     except Exception as e:  # noqa: BLE001 - say which store could not be reached
         raise SystemExit(f"cannot reach the TCPStore at {address} within {timeout_s:.0f}s: {e}") from e
-    deadline = time.monotonic() + timeout_s
-    while not store.check([auth.STORE_KEY]):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the run key ({auth.STORE_KEY!r}) did not appear in the TCPStore at {address} within "
-                             f"{timeout_s:.0f}s (rank 0 puts it there at start)")
-        time.sleep(0.05)
-    return store.get(auth.STORE_KEY)
+    try:
+        return auth.wait_key_in_store(store, timeout_s, f"storage unit (store {address})")
+    except TimeoutError as e:
+        raise SystemExit(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> None:
