@@ -256,12 +256,13 @@ class BlockingRpcServer:
 class RpcClient:
     """One persistent DEALER connection to one server; calls are multiplexed by id.
 
-    The hot path has no task and no zmq.asyncio future: a call is encoded, sealed and
-    sent at once (non-blocking: when the send queue is full the message waits in a
-    backlog, in order, until the socket takes it), then waits on one future. The event
-    loop watches the socket's file descriptor; one reader callback drains every reply
-    that has arrived, checks its tag and hands it to its call by id. A timer per call
-    fails it with TransferQueueTimeout, naming the method and the address.
+    The hot path has no task, no zmq.asyncio future and no timer per call: a call is
+    encoded, sealed and sent at once (non-blocking: when the send queue is full the
+    message waits in a backlog, in order, until the socket takes it), then waits on one
+    future. The event loop watches the socket's file descriptor; one reader callback
+    drains every reply that has arrived, checks its tag and hands it to its call by id.
+    One timer per client, armed at the earliest deadline of the calls in flight, fails
+    each overdue call with TransferQueueTimeout naming the method and the address.
 
     ``call`` is the whole round trip. ``start``/``result`` split it, so a caller can have
     one call in flight on each of several clients and wait for all of them on their
@@ -281,10 +282,11 @@ class RpcClient:
         # The request id is also the MAC nonce's counter; the sender id is this socket's.
         self._sender = auth.new_sender_id()
         self._ids = itertools.count()
-        # request id -> (future, method, timeout, timer)
-        self._pending: dict[int, tuple[asyncio.Future, str, float, asyncio.TimerHandle]] = {}
+        self._pending: dict[int, tuple[asyncio.Future, str, float, float]] = {}  # id -> fut, method, timeout, deadline
         self._backlog: collections.deque = collections.deque()  # (request id, frames) not yet taken
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self.auth = auth.FailureLog(f"client of {address}")
 
     @property
@@ -305,29 +307,32 @@ class RpcClient:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._fd)
             loop.add_reader(self._fd, self._on_events)
-            self._loop = loop
+            self._loop, self._timer = loop, None
         return loop
 
     def start(self, method: str, args: list, timeout: float | None = None) -> tuple[int, asyncio.Future]:
         """Send a call now; ``(request id, future)``. ``args`` are :meth:`encode_args` frames.
         The future gets the reply message (give it to :meth:`result`) or TransferQueueTimeout."""
         loop = self._watch()
-        timeout = self.timeout if timeout is None else timeout
         rid = next(self._ids)
         # The codec's header of {"id": rid, "m": method, "a": args}, byte for byte, around
         # the arguments' header: their tensor frames keep their indices.
         head = b'{"id":%d,"m":%b,"a":%b}' % (rid, _json_str(method), _mem_bytes(args[0]))
         frames = auth.seal(auth.REQUEST, auth.nonce_of(self._sender, rid), [head, *args[1:]], self._key)
+        if self._backlog or not self._send(frames):
+            self._backlog.append((rid, frames))
+        # The bookkeeping after the send, while the server works: replies are only read on
+        # this thread, by _on_events, so none can be missed meanwhile.
+        timeout = self.timeout if timeout is None else timeout
         fut = loop.create_future()
-        self._pending[rid] = (fut, method, timeout, loop.call_at(loop.time() + timeout, self._expire, rid))
-        try:
-            if self._backlog or not self._send(frames):
-                self._backlog.append((rid, frames))
-        except BaseException:
-            self._pending.pop(rid)[3].cancel()
-            raise
-        # Sending may have consumed the fd's wake-up for a reply that came meanwhile.
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        deadline = loop.time() + timeout
+        self._pending[rid] = (fut, method, timeout, deadline)
+        if self._timer is None or deadline < self._timer_at:
+            self._arm(loop, deadline)
+        # Sending may have consumed the fd's wake-up for a reply (or for room to send the
+        # backlog) that came meanwhile.
+        events = self._sock.getsockopt(zmq.EVENTS)
+        if events & zmq.POLLIN or (self._backlog and events & zmq.POLLOUT):
             self._on_events()
         return rid, fut
 
@@ -350,24 +355,38 @@ class RpcClient:
         """Stop waiting for a call (cancelled): cancel its future; a late reply is dropped."""
         entry = self._pending.pop(rid, None)
         if entry is not None:
-            entry[3].cancel()
             entry[0].cancel()
 
     def fail_all(self, exc: BaseException) -> None:
         """Fail every call still waiting with ``exc`` (e.g. the server is known dead)."""
         pending, self._pending = self._pending, {}
-        for fut, _, _, timer in pending.values():
-            timer.cancel()
+        for fut, _, _, _ in pending.values():
             if not fut.done():
                 fut.set_exception(exc)
 
-    def _expire(self, rid: int) -> None:
-        entry = self._pending.pop(rid, None)
-        if entry is not None and not entry[0].done():
-            fut, method, timeout, _ = entry
-            fut.set_exception(TransferQueueTimeout(
-                f"no reply to {method} from {self.address} within {timeout:.1f}s: {_no_reply_hint(self.address)}"))
+    # ---- deadlines: one timer per client, at the earliest deadline in flight ------------
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = loop.call_at(when, self._sweep), when
 
+    def _sweep(self) -> None:
+        self._timer = None
+        now = self._loop.time() + 1e-4  # call_at may fire a hair early
+        first = None
+        for rid, (fut, method, timeout, deadline) in list(self._pending.items()):
+            if fut.done():  # cancelled by its caller
+                del self._pending[rid]
+            elif deadline <= now:
+                del self._pending[rid]
+                fut.set_exception(TransferQueueTimeout(f"no reply to {method} from {self.address} within "
+                                                       f"{timeout:.1f}s: {_no_reply_hint(self.address)}"))
+            elif first is None or deadline < first:
+                first = deadline
+        if first is not None:
+            self._arm(self._loop, first)
+
+    # ---- the socket ---------------------------------------------------------------------
     def _send(self, frames: list) -> bool:
         try:
             self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -410,15 +429,16 @@ class RpcClient:
         if msg is None:  # malformed: dropped, the call goes on waiting (and times out)
             return
         del self._pending[rid]
-        entry[3].cancel()
         entry[0].set_result(msg)
 
     async def close(self) -> None:
         pending, self._pending = self._pending, {}
-        for fut, _, _, timer in pending.values():
-            timer.cancel()
+        for fut, _, _, _ in pending.values():
             fut.cancel()
         self._backlog.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._loop is not None and not self._loop.is_closed() and not self._sock.closed:
             try:
                 self._loop.remove_reader(self._fd)
