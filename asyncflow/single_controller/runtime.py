@@ -128,6 +128,7 @@ class WorkerRuntime:
         self.platform = platform
         self.config = config or RuntimeConfig()
         self.workers: dict[str, Worker] = {}
+        self._targets: dict[tuple[str, str], tuple] = {}  # (role, method) -> worker, bound method, execute
         self._active_role: str | None = None
         self._busy = ""
         self._tq_address: str | None = None
@@ -168,15 +169,20 @@ class WorkerRuntime:
             self._busy = ""
 
     def _call(self, role: str, method: str, args: list, kwargs: dict) -> Any:
-        worker = self.workers.get(role)
-        if worker is None:
-            raise KeyError(f"rank {self.rank} runs no worker of role {role!r} (it has {sorted(self.workers)})")
-        fn = getattr(worker, method, None)
-        spec = method_spec(fn)
-        if spec is None:
-            raise AttributeError(f"{type(worker).__name__}.{method} is not a method marked with @register")
-        self._switch_to(role)
-        return to_wire(get_dispatch_mode(spec.mode).execute(worker, fn, tuple(args), kwargs))
+        target = self._targets.get((role, method))
+        if target is None:
+            worker = self.workers.get(role)
+            if worker is None:
+                raise KeyError(f"rank {self.rank} runs no worker of role {role!r} (it has {sorted(self.workers)})")
+            fn = getattr(worker, method, None)
+            spec = method_spec(fn)
+            if spec is None:
+                raise AttributeError(f"{type(worker).__name__}.{method} is not a method marked with @register")
+            target = self._targets[(role, method)] = (worker, fn, get_dispatch_mode(spec.mode).execute)
+        worker, fn, execute = target
+        if self._active_role != role:
+            self._switch_to(role)
+        return to_wire(execute(worker, fn, tuple(args), kwargs))
 
     def _switch_to(self, role: str) -> None:
         """Colocated roles take turns on this rank: offload the last one, onload this one."""

@@ -329,8 +329,10 @@ class RpcClient:
         self._pending[rid] = (fut, method, timeout, deadline)
         if self._timer is None or deadline < self._timer_at:
             self._arm(loop, deadline)
-        # Sending may have consumed the fd's wake-up for a reply (or for room to send the
-        # backlog) that came meanwhile.
+        # A send lets libzmq take in what its I/O thread signalled, and so may consume the fd's
+        # wake-up for a reply that came meanwhile (or for room to send the backlog). And a
+        # pipe announces a message on the fd only once a read found it empty: a fresh one
+        # (after a (re)connect) never has. So look now, every time: the fd then covers the rest.
         events = self._sock.getsockopt(zmq.EVENTS)
         if events & zmq.POLLIN or (self._backlog and events & zmq.POLLOUT):
             self._on_events()
@@ -399,23 +401,27 @@ class RpcClient:
         sock = self._sock
         if sock.closed:
             return
-        # Reading EVENTS lets libzmq take in what its I/O thread signalled; the fd wakes the
+        # recv and EVENTS let libzmq take in what its I/O thread signalled; the fd wakes the
         # loop again on the next change only once nothing is left to read here.
         while True:
-            events = sock.getsockopt(zmq.EVENTS)
-            if self._backlog and events & zmq.POLLOUT:
-                while self._backlog and self._backlog[0][0] not in self._pending:  # timed out or cancelled
-                    self._backlog.popleft()
-                if self._backlog and self._send(self._backlog[0][1]):
-                    self._backlog.popleft()
-                    continue
-            if not events & zmq.POLLIN:
-                return
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # a wake-up for something else (room to send, or nothing)
+                break
             try:
                 self._on_reply(frames)
             except Exception:  # never let one bad message stop the reader
                 log.exception("%s: error handling a reply", self.auth.name)
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
+        if self._backlog:
+            while self._backlog and sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                rid, frames = self._backlog[0]
+                if rid in self._pending and not self._send(frames):
+                    break
+                self._backlog.popleft()
+            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # replies came while sending the backlog
+                self._loop.call_soon(self._on_events)
 
     def _on_reply(self, frames: list) -> None:
         opened = _check_reply(self, self._sender, frames)
