@@ -148,19 +148,15 @@ def _encode_reply(reply: dict) -> list:
         return codec.encode({"id": reply["id"], "e": {"type": "RemoteError", "msg": str(e), "tb": ""}})
 
 
-class RpcServer:
-    """Serves ``rpc_*`` coroutines of ``service`` on a bound ROUTER socket."""
+class _ServerBase:
+    """What both servers hold: the service, a bound ROUTER socket, the key and the counters."""
 
-    def __init__(self, service: Any, address: str, ctx: zmq.asyncio.Context, name: str, *,
-                 key: bytes | None = None):
+    def __init__(self, service: Any, address: str, ctx: Any, name: str, key: bytes | None):
         self.service = service
         self.name = name
-        self._ctx = ctx
         self._key = key if key is not None else auth.run_key()
         self._sock = ctx.socket(zmq.ROUTER)
         self.address = _bind(self._sock, address)
-        self._task: asyncio.Task | None = None
-        self._inflight: set[asyncio.Task] = set()
         self.bad_messages = 0  # authentic but undecodable
         self.auth = auth.FailureLog(name)
         self._replays = auth.ReplayWindow()
@@ -168,6 +164,17 @@ class RpcServer:
     @property
     def auth_failures(self) -> int:
         return self.auth.count
+
+
+class RpcServer(_ServerBase):
+    """Serves ``rpc_*`` coroutines of ``service`` on a bound ROUTER socket."""
+
+    def __init__(self, service: Any, address: str, ctx: zmq.asyncio.Context, name: str, *,
+                 key: bytes | None = None):
+        super().__init__(service, address, ctx, name, key)
+        self._ctx = ctx
+        self._task: asyncio.Task | None = None
+        self._inflight: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._serve(), name=f"rpc-server-{self.name}")
@@ -202,7 +209,7 @@ class RpcServer:
         self._sock.close(linger=0)
 
 
-class BlockingRpcServer:
+class BlockingRpcServer(_ServerBase):
     """The blocking twin of :class:`RpcServer`: serves ``rpc_*`` methods (plain functions)
     on the calling thread, one request at a time, in arrival order.
 
@@ -213,19 +220,8 @@ class BlockingRpcServer:
     """
 
     def __init__(self, service: Any, address: str, ctx: zmq.Context, name: str, *, key: bytes | None = None):
-        self.service = service
-        self.name = name
-        self._key = key if key is not None else auth.run_key()
-        self._sock = ctx.socket(zmq.ROUTER)
-        self.address = _bind(self._sock, address)
+        super().__init__(service, address, ctx, name, key)
         self.stopping = False  # a handler sets it; the loop ends after that reply is sent
-        self.bad_messages = 0  # authentic but undecodable
-        self.auth = auth.FailureLog(name)
-        self._replays = auth.ReplayWindow()
-
-    @property
-    def auth_failures(self) -> int:
-        return self.auth.count
 
     def serve_forever(self) -> None:
         """Handle requests until a handler sets ``stopping``. Blocks without a timeout on
