@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..transfer_queue import locality
+from ..transfer_queue.store_wait import wait_for_value
 from ..transfer_queue.transport import EventLoopThread
 from .errors import LaunchError
 from .rendezvous import KEY_PREFIX
@@ -148,13 +149,12 @@ def start_for_rank(cfg: UnitsConfig, store: Any, rank: int, local_rank: int, nod
     locality.set_locality(node, node if cfg.per_node else None)
     if not (cfg.per_node and local_rank == 0 and node != 0):
         return out
-    deadline = time.monotonic() + timeout_s
-    while not store.check([CONTROLLER_KEY]):
-        if time.monotonic() > deadline:
-            raise LaunchError(f"rank {rank} (node {node}): the TransferQueue controller's address did not appear "
-                              f"in the store within {timeout_s:.0f}s (rank 0 puts it there; did rank 0 start?)")
-        time.sleep(0.05)
-    out.unit = NodeUnit(store.get(CONTROLLER_KEY).decode(), node, host, cfg)
+    try:
+        controller = wait_for_value(store, CONTROLLER_KEY, timeout_s, f"rank {rank} (node {node})",
+                                    "the TransferQueue controller's address")
+    except TimeoutError as e:
+        raise LaunchError(str(e)) from None
+    out.unit = NodeUnit(controller.decode(), node, host, cfg)
     log.info("rank %d hosts the TransferQueue storage unit of node %d", rank, node)
     return out
 

@@ -43,6 +43,8 @@ import threading
 import time
 from typing import Any, Sequence
 
+from .store_wait import wait_for_value
+
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
@@ -137,13 +139,7 @@ def run_key() -> bytes:
 def wait_key_in_store(store: Any, timeout_s: float, who: str = "this process") -> bytes:
     """The run key from a torch.distributed Store, waiting up to ``timeout_s`` for rank 0 to put
     it there; TimeoutError naming the key and ``who`` waited."""
-    deadline = time.monotonic() + timeout_s
-    while not store.check([STORE_KEY]):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{who}: the run key ({STORE_KEY!r}) did not appear in the TCPStore within "
-                               f"{timeout_s:.0f}s (rank 0 puts it there at start; did rank 0 start?)")
-        time.sleep(0.05)
-    return store.get(STORE_KEY)
+    return wait_for_value(store, STORE_KEY, timeout_s, who, f"the run key ({STORE_KEY!r})")
 
 
 def key_source() -> str:
