@@ -134,7 +134,8 @@ class Training:
         for g in [*self.groups.values(), *self.instances]:
             for r in g.ranks:
                 roles.setdefault(r, []).append(g.role)
-        info = [{"rank": ep.rank, "host": ep.info.get("host"), "pid": ep.info.get("pid"), "roles": roles.get(ep.rank, [])}
+        info = [{"rank": ep.rank, "host": ep.info.get("host"), "pid": ep.info.get("pid"),
+                 "roles": roles.get(ep.rank, [])}
                 for ep in self.driver.ranks if getattr(ep, "info", None)]
         (self.out / "ranks.json").write_text(json.dumps(info, indent=1))
 
@@ -210,8 +211,7 @@ class Training:
     async def _resume_roles(self, path: Path, state: RunState) -> None:
         """What warm-up left behind: its outcome and the reference model."""
         self.warm_steps, self.before, self.reference = state.warmup_steps, state.accuracy_before_rl, state.reference
-        missing = sorted(set(state.roles) - set(self._trained_roles()))
-        if missing or set(self._trained_roles()) - set(state.roles):
+        if set(state.roles) != set(self._trained_roles()):
             raise ckpts.CheckpointError(
                 f"{path} holds the engines of {state.roles}, but this recipe trains {self._trained_roles()}: "
                 "resume with the recipe and algorithm the checkpoint was written with")
@@ -379,10 +379,10 @@ class Training:
         cfg = self.cfg
         resume = ckpts.find_resume(self.out, cfg.trainer.resume)
         state = ckpts.load_state(resume) if resume is not None else None
-        if state is None and ckpts.complete(self.out):  # a fresh run must not be pruned in favour of old steps
+        earlier = ckpts.complete(self.out) if state is None else []
+        if earlier:  # a fresh run must not be pruned in favour of an earlier run's later steps
             log.warning("starting afresh in %s: removing the checkpoints of an earlier run there (%s); pass "
-                        "trainer.resume=auto to continue it instead", self.out,
-                        ", ".join(p.name for p in ckpts.complete(self.out)))
+                        "trainer.resume=auto to continue it instead", self.out, ", ".join(p.name for p in earlier))
             ckpts.remove_all(self.out)
         (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         self.timeline = Timeline(self.out)
@@ -417,10 +417,9 @@ class Training:
             if self.final_version != self.saved_version:
                 await self.save_checkpoint(self.final_version, self.source.next_uid, [])
             await self._export(self.out / "hf_model")
-            before = self.before
             self.summary.update({
-                "eval_accuracy_before_rl": before, "eval_accuracy_after_rl": after,
-                "accuracy_gain": after - before, "warmup_steps": self.warm_steps,
+                "eval_accuracy_before_rl": self.before, "eval_accuracy_after_rl": after,
+                "accuracy_gain": after - self.before, "warmup_steps": self.warm_steps,
                 "wall_s": time.monotonic() - self.t0, "mode": cfg.workflow.mode, "recipe": recipe.name,
                 "placement": cfg.placement.mode, "nproc": cfg.trainer.nproc, "model_path": self.model_path,
                 "filtered_prompts": getattr(self.data, "filtered", 0), **await self.reward_failures(),

@@ -41,6 +41,7 @@ class RolloutWorker(Worker):
         else:
             raise ValueError(f"rollout worker rank {self.rank}: unknown engine {engine!r} (builtin | vllm)")
         self.engine.version = 0
+        self._eval_runners: dict[tuple, Any] = {}  # (reward, timeout, on_error) -> RewardRunner: one thread each
         self.params = SamplingParams(**sampling)
         self.partial = partial_rollout
         self.receiver: ws.WeightReceiver | None = None
@@ -173,9 +174,9 @@ class RolloutWorker(Worker):
                                    seeds=list(range(len(prompts))))
         texts = self.tokenizer.batch_decode([r.tolist() for r in gen.response_ids], skip_special_tokens=True)
         key = (reward, timeout_s, on_error)
-        if getattr(self, "_eval_runner", (None,))[0] != key:  # one runner (and thread) for the run
-            self._eval_runner = (key, RewardRunner(reward, timeout_s=timeout_s, on_error=on_error))
-        scores, stats = self._eval_runner[1].score(texts, answers)
+        if key not in self._eval_runners:
+            self._eval_runners[key] = RewardRunner(reward, timeout_s=timeout_s, on_error=on_error)
+        scores, stats = self._eval_runners[key].score(texts, answers)
         shown = [{"prompt": self.tokenizer.decode(prompts[i]), "response": texts[i], "answer": answers[i]}
                  for i in range(min(samples, len(prompts)))]
         return {"accuracy": sum(scores) / max(len(scores), 1), "version": int(self.engine.version),
