@@ -463,6 +463,7 @@ class StorageUnit:
         """Rows and bytes held, and who wrote here: rows/bytes put by each writer's node."""
         foreign = sum(int(fs.exists.sum()) for per in self.foreign.values() for fs in per.values())
         return {"unit": self.index, "rows": self.used_rows, "bytes": self.used_bytes,
-                "batches": len(self.batches), "partitions": len(self.parts.keys() | self.foreign.keys()), "foreign_rows": foreign,
+                "batches": len(self.batches), "partitions": len(self.parts.keys() | self.foreign.keys()),
+                "foreign_rows": foreign,
                 "put_rows_by_node": dict(self.put_rows_by_node),
                 "put_bytes_by_node": dict(self.put_bytes_by_node)}

@@ -111,7 +111,8 @@ def dist_child(rank: int, world: int, workdir: str) -> None:
         b_metrics = b.train_step(*second, ppo_loss)
         out["ckpt"] = {"a_metrics": a_metrics, "b_metrics": b_metrics, "a_state": a_state,
                        "b_state": b.full_state_dict(), "extra": extra, "b_step": b.step,
-                       "a_rand": a_rand, "b_rand": b_rand_after_load, "rank_files": sorted(os.listdir(Path(workdir) / "ckpt" / "rng"))}
+                       "a_rand": a_rand, "b_rand": b_rand_after_load,
+                       "rank_files": sorted(os.listdir(Path(workdir) / "ckpt" / "rng"))}
         out["nonfinite"] = _nonfinite_scenario(rank, group, platform, mine)
         out["ckpt_fail"] = _failed_save_scenario(rank, a, Path(workdir) / "ckpt")
         dist.destroy_process_group()

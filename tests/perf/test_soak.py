@@ -216,8 +216,8 @@ def test_record_appends_a_section(tmp_path):
     md = tmp_path / "RESULTS.md"
     md.write_text("# Benchmark results\n\n## Other\n\ntext\n")
     fit = soak.fit_memory(_samples(20, 0.0), 0.0, 190.0)
-    an = {"memory": fit, "memory_last_half": fit, "tq": soak.tq_figures(METRICS, 256), "window": [0.0, 190.0], "settle": 0.2, "steps": 4,
-          "errors": 0, "rc": 0, "logs": {"stdout": {"tracebacks": 0, "error_lines": 0}},
+    an = {"memory": fit, "memory_last_half": fit, "tq": soak.tq_figures(METRICS, 256), "window": [0.0, 190.0],
+          "settle": 0.2, "steps": 4, "errors": 0, "rc": 0, "logs": {"stdout": {"tracebacks": 0, "error_lines": 0}},
           "reward_errors": 0.0, "reward_timeouts": 0.0, "notes": []}
     soak.record(an, "python perf/soak.py --quick", 3, 2, path=md)
     text = md.read_text()

@@ -9,5 +9,5 @@ from asyncflow.engines.train.mindspeed import MindSpeedEngine
 from asyncflow.engines.train.schedule import lr_at
 from asyncflow.engines.train.value_model import ValueModel
 
-__all__ = ["FSDPEngine", "LossFn", "LossNorm", "MindSpeedEngine", "NonFiniteUpdateError", "OptimConfig", "TrainEngine", "ValueModel",
-           "lr_at"]
+__all__ = ["FSDPEngine", "LossFn", "LossNorm", "MindSpeedEngine", "NonFiniteUpdateError", "OptimConfig",
+           "TrainEngine", "ValueModel", "lr_at"]
