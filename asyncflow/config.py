@@ -139,7 +139,10 @@ class PlacementSettings:
     rollout_ranks: list[int] = field(default_factory=lambda: [1])  # disaggregated: rollout ranks
     actor_ranks: list[int] = field(default_factory=lambda: [0])  # disaggregated: training ranks
     reward_with: str = "actor"  # actor | rollout: the ranks the reward role shares
-    # reference and critic sit with the actor
+    # actor | rollout: the ranks the reference model shares. With the rollout ranks, its forward
+    # pass runs beside generation instead of in the training ranks' critical path (async mode's
+    # actor side is the busier one on small setups). The critic always sits with the actor.
+    ref_with: str = "actor"
 
 
 @dataclass
@@ -224,8 +227,10 @@ def _check(cfg: RunSettings) -> RunSettings:
         problems.append(f"data.task: expected addition or file, got {cfg.data.task!r}")
     if cfg.data.task == "file" and not cfg.data.path:
         problems.append("data.path: data.task=file needs a .jsonl or .parquet path")
-    if cfg.placement.reward_with not in ("actor", "rollout"):
-        problems.append(f"placement.reward_with: expected actor or rollout, got {cfg.placement.reward_with!r}")
+    for name in ("reward_with", "ref_with"):
+        where = getattr(cfg.placement, name)
+        if where not in ("actor", "rollout"):
+            problems.append(f"placement.{name}: expected actor or rollout, got {where!r}")
     if cfg.placement.mode == "disaggregated" and t.nproc > 1:
         both = set(cfg.placement.rollout_ranks) & set(cfg.placement.actor_ranks)
         if both:

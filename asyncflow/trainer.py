@@ -97,7 +97,8 @@ class Training:
         stage_roles = {s.role for s in self.stages}
         if "ref" in stage_roles:
             self.groups["ref"] = await d.create_group(
-                ReferenceWorker, "ref", ranks=place.actor, model_path=self.model_path,
+                ReferenceWorker, "ref", ranks=place.actor if cfg.placement.ref_with == "actor" else place.rollout,
+                model_path=self.model_path,
                 temperature=cfg.rollout.temperature, threads=threads, attn_implementation=attn, **train_common)
         if "critic" in stage_roles:
             self.groups["critic"] = await d.create_group(

@@ -11,6 +11,13 @@ and number of steps runs four times, one after another, each as its own
   stream          workflow.mode=stream, disaggregated (micro-batches flow as soon as ready)
   async           workflow.mode=async, max_staleness 1, disaggregated
 
+The three disaggregated modes share one placement: actor and reward on rank 0, rollout
+and the reference model on rank 1 (``placement.ref_with=rollout``). With the reference
+beside the actor, the actor rank carried update + reference + weight publish while the
+rollout rank idled about half of each async step; beside the rollout it balances the two
+ranks. Every mode makes the same rollout calls: ``--batch-prompts`` prompts each (default
+16, the GRPO recipe's default and the whole step here; sync always asks for the whole step).
+
 and then TRL's GRPOTrainer as a peer (perf/_trl_peer.py, run with its own venv,
 perf/.venv-trl, made here on first use) on the same model, prompts, batch, group size
 and completion length. TRL has no per-row budgets: its completions stop at EOS or at
@@ -34,8 +41,9 @@ staleness mean/max and the ideal throughput bound from those measured stage cost
   stream / async (overlapped): each group of ranks works through its own stages; stages
       on the same ranks add up, groups on different ranks overlap, so the busiest group
       sets the pace:  bound = rows_per_step / max_g sum_{s on g} c_s
-      disaggregated: g = actor ranks [0] (update, ref_log_prob, reward with
-      reward_with=actor, the weight_sync publish) and rollout ranks [1] (rollout);
+      disaggregated: g = actor ranks [0] (update, reward with reward_with=actor,
+      ref_log_prob with ref_with=actor, the weight_sync publish) and rollout ranks [1]
+      (rollout, and ref_log_prob with ref_with=rollout);
       colocated: one group holding every stage (the bound equals the sync one).
 
 where c_s is stage s's measured busy seconds per step. "Add up" counts once the time in
@@ -81,6 +89,8 @@ MODES = {
     "stream": ["workflow.mode=stream", "placement.mode=disaggregated"],
     "async": ["workflow.mode=async", "workflow.max_staleness=1", "placement.mode=disaggregated"],
 }
+# The placement every disaggregated mode shares (see the docstring); --ref-with overrides it.
+DISAGGREGATED_PLACEMENT = {"ref_with": "rollout"}
 OVERLAPPED = ("stream", "async")
 STAGES = ("rollout", "reward", "ref_log_prob", "update", "weight_sync")
 
@@ -98,13 +108,20 @@ def common_overrides(a: argparse.Namespace) -> list[str]:
     ]
 
 
+def placement_overrides(mode: list[str], a: argparse.Namespace) -> list[str]:
+    """The shared placement of the disaggregated modes (colocated puts every role everywhere)."""
+    if "placement.mode=disaggregated" not in mode:
+        return []
+    return [f"placement.ref_with={getattr(a, 'ref_with', DISAGGREGATED_PLACEMENT['ref_with'])}"]
+
+
 # ---- one AsyncFlow run ----------------------------------------------------------------------
 
 def run_mode(name: str, a: argparse.Namespace, out: Path) -> dict:
     """Run one mode as its own `asyncflow train` subprocess (one retry on failure)."""
     run_dir = out / name
     cmd = [sys.executable, "-m", "asyncflow.cli", "train", "grpo", *common_overrides(a), *MODES[name],
-           f"trainer.out_dir={run_dir}"]
+           *placement_overrides(MODES[name], a), f"trainer.out_dir={run_dir}"]
     err = ""
     for attempt in (1, 2):
         if run_dir.exists():
@@ -171,7 +188,8 @@ def analyse(run_dir: Path, name: str, a: argparse.Namespace) -> dict:
     # Which stages share ranks: disaggregated, the rollout ranks run rollout (and reward with
     # reward_with=rollout); the actor ranks run everything else. Colocated: one group, every stage.
     if disagg:
-        rollout_side = {"rollout"} | ({"reward"} if config["placement"]["reward_with"] == "rollout" else set())
+        rollout_side = ({"rollout"} | ({"reward"} if config["placement"]["reward_with"] == "rollout" else set())
+                        | ({"ref_log_prob"} if config["placement"].get("ref_with") == "rollout" else set()))
         groups = {"actor_ranks": [k for k in stage_s if k not in rollout_side],
                   "rollout_ranks": [k for k in stage_s if k in rollout_side]}
         lanes = {"actor_ranks": {f"rank{r}" for r in config["placement"]["actor_ranks"]},
@@ -341,7 +359,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default 8 quick, 32 full)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--group", type=int, default=4, help="responses per prompt (GRPO group)")
-    ap.add_argument("--batch-prompts", type=int, default=8,
+    ap.add_argument("--ref-with", choices=("actor", "rollout"), default=DISAGGREGATED_PLACEMENT["ref_with"],
+                    help="disaggregated modes: the ranks the reference model shares")
+    ap.add_argument("--batch-prompts", type=int, default=16,
                     help="prompts per rollout call in stream/async (sync: the whole step per call)")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="the length cap of the long tail")
     ap.add_argument("--seed", type=int, default=0)
@@ -366,7 +386,8 @@ def main() -> None:
     print(f"workload: GRPO + reference (kl_coef 0.01) + reward, tiny model ({a.warmup_steps} warm-up steps), "
           f"addition task; "
           f"{a.steps} steps x {a.prompts} prompts x {a.group} = {rows} rows/step; long-tailed budgets "
-          f"capped at {a.max_new_tokens} tokens; rollout calls of {a.batch_prompts} prompts (stream/async)",
+          f"capped at {a.max_new_tokens} tokens; rollout calls of {a.batch_prompts} prompts (stream/async); "
+          f"disaggregated: reference with the {a.ref_with} rank",
           flush=True)
     results: dict[str, dict] = {}
     for name in [m for m in a.modes.split(",") if m]:

@@ -35,18 +35,25 @@ def test_recipe_mode_placement(tmp_path, recipe, mode, placement):
 
 @pytest.mark.slow
 def test_sync_and_stream_give_the_same_samples_and_update(tmp_path):
+    """Also with the reference and reward roles moved to the rollout rank: placement changes
+    where a stage runs, never what it computes."""
     runs = {}
-    for mode in ("sync", "stream"):
-        out = tmp_path / mode
-        ok(train(out, "grpo", "trainer.steps=2", f"workflow.mode={mode}", "reward.name=digits",
-                 "trainer.eval_every=0", "algorithm.dynamic_sampling=false"))
-        runs[mode] = out
-    assert _samples(runs["sync"]) == _samples(runs["stream"])
+    for name, extra in (("sync", ["workflow.mode=sync"]), ("stream", ["workflow.mode=stream"]),
+                        ("stream_ref_on_rollout", ["workflow.mode=stream", "placement.ref_with=rollout",
+                                                   "placement.reward_with=rollout"])):
+        out = tmp_path / name
+        ok(train(out, "grpo", "trainer.steps=2", "reward.name=digits", "trainer.eval_every=0",
+                 "algorithm.dynamic_sampling=false", "algorithm.kl_coef=0.05", *extra))
+        runs[name] = out
+    roles = {r["rank"]: r["roles"] for r in json.loads((runs["stream_ref_on_rollout"] / "ranks.json").read_text())}
+    assert "ref" in roles[1] and "reward" in roles[1] and "ref" not in roles[0], roles
     from safetensors.torch import load_file
     a = load_file(runs["sync"] / "hf_model" / "model.safetensors")
-    b = load_file(runs["stream"] / "hf_model" / "model.safetensors")
-    assert a.keys() == b.keys()
-    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-    assert diff < 1e-5, diff
+    for other in ("stream", "stream_ref_on_rollout"):
+        assert _samples(runs["sync"]) == _samples(runs[other]), other
+        b = load_file(runs[other] / "hf_model" / "model.safetensors")
+        assert a.keys() == b.keys()
+        diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+        assert diff < 1e-5, (other, diff)
     metrics = [json.loads(x) for x in (runs["sync"] / "metrics.jsonl").read_text().splitlines()]
     assert any(abs(m.get("actor/grad_norm", 0.0)) > 0 for m in metrics), "the update changed nothing: weak test"
