@@ -79,6 +79,11 @@ def checksum(td_or_dict) -> float:
 # ---- the storage process ------------------------------------------------------------------
 
 def storage_main(mode: str, conn) -> None:
+    # Every method's storage process alike: the allocator keeps freed memory for the next
+    # messages, as a TransferQueue unit's own process does (asyncflow/transfer_queue/alloc.py).
+    # --default-malloc turns it off for all of them.
+    from asyncflow.transfer_queue.alloc import keep_freed_memory
+    keep_freed_memory()
     if mode == "tq":
         from asyncflow.transfer_queue import TransferQueueService
 
@@ -383,7 +388,12 @@ def latency(rows: int, clients: int, calls: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds; finishes in under a minute")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="storage processes keep glibc's default trimming (no keep_freed_memory)")
     args = ap.parse_args()
+    if args.default_malloc:
+        from asyncflow.transfer_queue import alloc
+        os.environ[alloc.ENV_VAR] = "0"  # inherited by the spawned storage processes
     seq_rounds, stream_rounds, k = (5, 3, 8) if args.quick else (20, 9, 16)
     calls = 200 if args.quick else 1000
     # The storage, producer and consumer processes are siblings: make the run key here, so
