@@ -78,11 +78,22 @@ def checksum(td_or_dict) -> float:
 
 # ---- the storage process ------------------------------------------------------------------
 
+def keep_freed_memory() -> bool:
+    """asyncflow/transfer_queue/alloc.py's keep_freed_memory, loaded from its file alone: the
+    raw and pickle stores must not import torch with the asyncflow package."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "asyncflow", "transfer_queue", "alloc.py")
+    spec = importlib.util.spec_from_file_location("_tq_alloc", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.keep_freed_memory()
+
+
 def storage_main(mode: str, conn) -> None:
     # Every method's storage process alike: the allocator keeps freed memory for the next
-    # messages, as a TransferQueue unit's own process does (asyncflow/transfer_queue/alloc.py).
-    # --default-malloc turns it off for all of them.
-    from asyncflow.transfer_queue.alloc import keep_freed_memory
+    # messages, as a TransferQueue unit's own process does. --default-malloc turns it off
+    # for all of them.
     keep_freed_memory()
     if mode == "tq":
         from asyncflow.transfer_queue import TransferQueueService
@@ -392,8 +403,7 @@ def main() -> None:
                     help="storage processes keep glibc's default trimming (no keep_freed_memory)")
     args = ap.parse_args()
     if args.default_malloc:
-        from asyncflow.transfer_queue import alloc
-        os.environ[alloc.ENV_VAR] = "0"  # inherited by the spawned storage processes
+        os.environ["ASYNCFLOW_TQ_KEEP_FREED_MB"] = "0"  # alloc.ENV_VAR, inherited by the storage processes
     seq_rounds, stream_rounds, k = (5, 3, 8) if args.quick else (20, 9, 16)
     calls = 200 if args.quick else 1000
     # The storage, producer and consumer processes are siblings: make the run key here, so
