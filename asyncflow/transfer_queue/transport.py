@@ -663,8 +663,9 @@ class LocalEndpoint:
         if _timeout is None:
             return await fn(**args)
         try:
-            async with asyncio.timeout(_timeout):
-                return await fn(**args)
+            # wait_for, not asyncio.timeout: a caller may be an RpcServer handler still in its
+            # eager first step, outside any Task, where asyncio.timeout cannot work.
+            return await asyncio.wait_for(fn(**args), _timeout)
         except asyncio.TimeoutError:
             raise TransferQueueTimeout(f"{method} on {self.address} took longer than {_timeout:.1f}s") from None
 

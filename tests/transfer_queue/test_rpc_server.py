@@ -173,3 +173,36 @@ def test_replies_to_a_peer_that_does_not_read_wait_in_order(served):
         assert not srv._backlog
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_handler_may_call_a_local_endpoint_with_a_timeout_in_its_eager_step():
+    """LocalEndpoint.call(_timeout=...) works outside a Task (the handler's first step)."""
+    from asyncflow.transfer_queue.transport import LocalEndpoint
+
+    class Inner:
+        async def rpc_twice(self, x: int) -> int:
+            return 2 * x
+
+    class Outer:
+        def __init__(self) -> None:
+            self.inner = LocalEndpoint(Inner(), "inner")
+
+        async def rpc_call_inner(self, x: int) -> int:
+            return await self.inner.call("twice", _timeout=WAIT_S, x=x)
+
+    loop = EventLoopThread("rpc-server-local")
+
+    async def scenario() -> int:
+        srv = RpcServer(Outer(), "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), "rpc-local")
+        srv.start()
+        c = RpcClient(srv.address, zmq.asyncio.Context.instance(), timeout=WAIT_S)
+        try:
+            return await c.call("call_inner", x=21)
+        finally:
+            await c.close()
+            await srv.close()
+
+    try:
+        assert loop.run(scenario(), timeout=10) == 42
+    finally:
+        loop.stop()
