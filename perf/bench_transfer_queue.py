@@ -78,7 +78,23 @@ def checksum(td_or_dict) -> float:
 
 # ---- the storage process ------------------------------------------------------------------
 
+def keep_freed_memory() -> bool:
+    """asyncflow/transfer_queue/alloc.py's keep_freed_memory, loaded from its file alone: the
+    raw and pickle stores must not import torch with the asyncflow package."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "asyncflow", "transfer_queue", "alloc.py")
+    spec = importlib.util.spec_from_file_location("_tq_alloc", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.keep_freed_memory()
+
+
 def storage_main(mode: str, conn) -> None:
+    # Every method's storage process alike: the allocator keeps freed memory for the next
+    # messages, as a TransferQueue unit's own process does. --default-malloc turns it off
+    # for all of them.
+    keep_freed_memory()
     if mode == "tq":
         from asyncflow.transfer_queue import TransferQueueService
 
@@ -383,7 +399,11 @@ def latency(rows: int, clients: int, calls: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds; finishes in under a minute")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="storage processes keep glibc's default trimming (no keep_freed_memory)")
     args = ap.parse_args()
+    if args.default_malloc:
+        os.environ["ASYNCFLOW_TQ_KEEP_FREED_MB"] = "0"  # alloc.ENV_VAR, inherited by the storage processes
     seq_rounds, stream_rounds, k = (5, 3, 8) if args.quick else (20, 9, 16)
     calls = 200 if args.quick else 1000
     # The storage, producer and consumer processes are siblings: make the run key here, so

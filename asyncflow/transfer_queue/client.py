@@ -114,7 +114,9 @@ def _batch_reply(reply: dict, names: list[str]) -> tuple[BatchMeta, dict[str, Co
     reads = reply.get("reads")
     if reads is None or not meta.rows:
         return meta, None
-    requests = [(int(r["unit"]), ids_from_wire(r["pos"]), list(r["cols"])) for r in reads]
+    every = list(range(len(meta.rows)))
+    requests = [(int(r["unit"]), every if r["pos"] is None else ids_from_wire(r["pos"]), list(r["cols"]))
+                for r in reads]
     return meta, _assemble(names, requests, [r["data"] for r in reads])
 
 

@@ -211,6 +211,11 @@ def _from_nested(nt: torch.Tensor, name: str) -> JaggedColumn:
     if getattr(nt, "layout", None) != torch.jagged:
         rows = nt.unbind()
         return _from_row_list(list(rows), name)
+    return _from_jagged(nt, name)
+
+
+def _from_jagged(nt: torch.Tensor, name: str) -> JaggedColumn:
+    """A jagged-layout nested tensor -> its column (no copy unless it has holes)."""
     if getattr(nt, "_lengths", None) is not None:  # holes in the buffer: gather rows
         return _from_row_list(list(nt.unbind()), name)
     # The private fields skip NestedTensor's __torch_function__ dispatch (~0.1 ms per call).
@@ -246,6 +251,10 @@ def to_column(name: str, value: Any) -> Column:
     if isinstance(value, Column):
         return value
     if isinstance(value, torch.Tensor):
+        # A NestedTensor is jagged by construction; asking it is_nested and layout would go
+        # through its __torch_function__ (~20 us each).
+        if _NestedTensor is not None and type(value) is _NestedTensor:
+            return _from_jagged(value, name)
         if value.is_nested:
             return _from_nested(value, name)
         if value.dim() == 0:

@@ -377,6 +377,13 @@ class Controller:
                            sampler: Any = "sequential", allow_partial: bool = False,
                            timeout: float | None = None, dp_group: str | None = None,
                            dp_rank: int = 0, dp_size: int = 1) -> dict:
+        return (await self._get_meta(partition, task, columns, batch_size, sampler, allow_partial, timeout,
+                                     dp_group, dp_rank, dp_size))[1]
+
+    async def _get_meta(self, partition: str, task: str, columns: Sequence[str], batch_size: int,
+                        sampler: Any, allow_partial: bool, timeout: float | None, dp_group: str | None,
+                        dp_rank: int, dp_size: int) -> tuple[BatchMeta | None, dict]:
+        """get_meta's ``(meta, wire)``; meta None when only the wire form is at hand (a DP share)."""
         if not isinstance(task, str) or not task:
             raise ValueError(f"task must be a non-empty string, got {task!r}")
         if not columns or not all(isinstance(c, str) for c in columns):
@@ -390,7 +397,7 @@ class Controller:
         if dp_group is None:
             meta = await self._next_batch(p, task, cols, batch_size, sampler, allow_partial, timeout)
             meta.columns = list(columns)
-            return meta.to_wire()
+            return meta, meta.to_wire()
         # Data-parallel representative: the first member to ask samples; the others get the same.
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside a group of size {dp_size}")
@@ -419,7 +426,7 @@ class Controller:
         while share.batches and len(share.batches[0][1]) == share.size:
             share.batches.pop(0)
             share.base += 1
-        return wire
+        return None, wire
 
     async def rpc_get_batch(self, partition: str, task: str, columns: Sequence[str], batch_size: int,
                             sampler: Any = "sequential", allow_partial: bool = False,
@@ -431,17 +438,19 @@ class Controller:
         get_data does) holds one unit reply per read request, as the client would plan it.
         The rows are consumed exactly as by get_meta; the bytes are views of the units'
         buffers passed through, never kept here."""
-        wire = await self.rpc_get_meta(partition, task, columns, batch_size, sampler, allow_partial, timeout,
-                                       dp_group, dp_rank, dp_size)
+        meta, wire = await self._get_meta(partition, task, columns, batch_size, sampler, allow_partial, timeout,
+                                          dp_group, dp_rank, dp_size)
         names = list(columns if data_columns is None else data_columns)
         if not len(wire["rows"]) or not names or not all(isinstance(c, str) for c in names):
             return {"meta": wire}  # nothing to read, or names get_data would refuse: the client says why
-        reads = await self._read_local(BatchMeta.from_wire(wire), names)
+        reads = self._read_local(meta if meta is not None else BatchMeta.from_wire(wire), names, wire["rows"])
         return {"meta": wire} if reads is None else {"meta": wire, "reads": reads}
 
-    async def _read_local(self, meta: BatchMeta, names: list[str]) -> list[dict] | None:
+    def _read_local(self, meta: BatchMeta, names: list[str], rows_wire: Any) -> list[dict] | None:
         """The unit replies for ``names`` of ``meta``'s rows, or None when a unit is in another
-        process or a read fails (the client's own read then reports it)."""
+        process or a read fails (the client's own read then reports it). Reads the units
+        directly, without suspending (``rows_wire``: the meta's row ids as sent, reused as
+        the read's ids when one read takes every row). ``pos`` None: all rows, in order."""
         from .transport import LocalEndpoint
 
         p = self.partitions.get(meta.partition)
@@ -451,17 +460,19 @@ class Controller:
         if extra:
             meta = replace(meta, locations={**meta.locations, **extra})
         requests = plan_reads(meta, names)
-        if not all(isinstance(self.units.get(u), LocalEndpoint) for u, _, _ in requests):
+        eps = [self.units.get(u) for u, _, _ in requests]
+        if not all(isinstance(ep, LocalEndpoint) and hasattr(ep.service, "read") for ep in eps):
             return None
+        whole = len(requests) == 1 and hasattr(rows_wire, "numel")  # (one unit holds every column)
+        out = []
         try:
-            replies = await asyncio.gather(*(
-                self.units[u].call("get", partition=meta.partition, rows=ids_to_wire([meta.rows[i] for i in pos]),
-                                   columns=cols)
-                for u, pos, cols in requests))
+            for ep, (u, pos, cols) in zip(eps, requests):
+                rows = rows_wire if whole else ids_to_wire([meta.rows[i] for i in pos])
+                out.append({"unit": u, "pos": None if whole else ids_to_wire(pos), "cols": cols,
+                            "data": ep.service.read(meta.partition, rows, cols)})
         except Exception:  # noqa: BLE001  (e.g. rows cleared meanwhile: get_data raises it with context)
             return None
-        return [{"unit": u, "pos": ids_to_wire(pos), "cols": cols, "data": r}
-                for (u, pos, cols), r in zip(requests, replies)]
+        return out
 
     def _unconsume(self, p: _Partition, task: str, rows: list[int]) -> None:
         p.consumed.get(task, set()).difference_update(rows)

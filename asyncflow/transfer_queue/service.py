@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from .alloc import keep_freed_memory
 from .controller import Controller
 from .storage import StorageUnit
 from .transport import EventLoopThread, LocalEndpoint, RpcClient, RpcServer
@@ -29,6 +30,9 @@ class TransferQueueConfig:
     max_rows_per_unit: int | None = None  # backpressure bounds (None: unbounded)
     max_bytes_per_unit: int | None = None
     wait_timeout_s: float = 300.0  # default wait of get_meta and of a put waiting for room
+    # Let this process's allocator keep freed message memory (alloc.keep_freed_memory): off
+    # here, as this service usually runs in the driver, which also trains.
+    keep_freed_memory: bool = False
 
 
 class TransferQueueService:
@@ -42,6 +46,8 @@ class TransferQueueService:
 
     async def start(self) -> "TransferQueueService":
         cfg = self.config
+        if cfg.keep_freed_memory:
+            keep_freed_memory()
         ctx = zmq.asyncio.Context.instance()
         self.controller = Controller(default_timeout=cfg.wait_timeout_s)
         server = RpcServer(self.controller, f"tcp://{cfg.host}:0", ctx, "tq-controller")

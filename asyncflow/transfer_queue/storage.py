@@ -339,11 +339,16 @@ class StorageUnit:
     # ---- reads --------------------------------------------------------------------------
 
     async def rpc_get(self, partition: str, rows: Any, columns: Sequence[str]) -> dict:
+        return self.read(partition, torch.as_tensor(ids_from_wire(rows, tensor=True), dtype=torch.long), columns)
+
+    def read(self, partition: str, row_t: torch.Tensor, columns: Sequence[str]) -> dict:
+        """``columns`` of the rows ``row_t`` (int64 ids), in that order, as wire columns. Never
+        suspends: the controller's fused get_batch calls it directly when the unit is in its
+        process, so a get_batch with rows ready is answered without a task."""
         if not self._holds(partition):
             if partition in self.dropped:
                 raise RowsClearedError(f"partition {partition!r} was cleared; its rows cannot be read")
             raise UnknownPartitionError(f"storage unit {self.index} holds no partition {partition!r}")
-        row_t = torch.as_tensor(ids_from_wire(rows, tensor=True), dtype=torch.long)
         if not row_t.numel():
             raise BadPutError(f"get of no rows from partition {partition!r}")
         parts = self._groups(row_t)

@@ -1,8 +1,8 @@
 """Request/reply over ZMQ with asyncio: persistent sockets, many calls in flight.
 
 A service object exposes coroutine methods named ``rpc_<name>``; ``RpcServer`` serves
-them on a ROUTER socket, one asyncio task per request so a call that waits (get_meta)
-never blocks the others. ``RpcClient`` keeps one DEALER socket per endpoint and
+them on a ROUTER socket, running each at once and giving it a task only when it suspends,
+so a call that waits (get_meta) never blocks the others. ``RpcClient`` keeps one DEALER socket per endpoint and
 matches replies to calls by id. Messages are ``codec`` frames: a JSON header plus raw
 tensor buffers, never pickle, with a tag in front of the header that authenticates the
 message under the run's key (``auth``): ``[tag + header, *buffers]``. A receiver checks the tag before
@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 import traceback
+import types
 from typing import Any, Coroutine, TypeVar
 
 import zmq
@@ -148,6 +149,29 @@ def _encode_reply(reply: dict) -> list:
         return codec.encode({"id": reply["id"], "e": {"type": "RemoteError", "msg": str(e), "tb": ""}})
 
 
+@types.coroutine
+def _resume(coro: Any, yielded: Any) -> Any:
+    """Drive on, inside a Task, a coroutine that was run by hand until it first suspended on
+    ``yielded`` (a future): the Task waits for what the coroutine waits for, then resumes it
+    (and throws cancellation into it), exactly as if the Task had run it from the start."""
+    while True:
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as e:  # noqa: BLE001 - cancellation goes into the coroutine
+            try:
+                yielded = coro.throw(e)
+            except StopIteration as done:
+                return done.value
+        else:
+            try:
+                yielded = coro.send(sent)
+            except StopIteration as done:
+                return done.value
+
+
 class _ServerBase:
     """What both servers hold: the service, a bound ROUTER socket, the key and the counters."""
 
@@ -155,7 +179,8 @@ class _ServerBase:
         self.service = service
         self.name = name
         self._key = key if key is not None else auth.run_key()
-        self._sock = ctx.socket(zmq.ROUTER)
+        # A plain socket even from a zmq.asyncio context: RpcServer's loop watches its fd itself.
+        self._sock = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         self.address = _bind(self._sock, address)
         self.bad_messages = 0  # authentic but undecodable
         self.auth = auth.FailureLog(name)
@@ -167,45 +192,138 @@ class _ServerBase:
 
 
 class RpcServer(_ServerBase):
-    """Serves ``rpc_*`` coroutines of ``service`` on a bound ROUTER socket."""
+    """Serves ``rpc_*`` coroutines of ``service`` on a bound ROUTER socket, on the running loop.
 
-    def __init__(self, service: Any, address: str, ctx: zmq.asyncio.Context, name: str, *,
+    Like :class:`RpcClient`, with no zmq.asyncio on the hot path: the loop watches the
+    socket's fd and one reader callback drains every request that has arrived. Each
+    request's tag is checked (before anything is decoded), then its handler is run at
+    once, by hand: a handler that finishes without suspending (most: a put, a get, a
+    get_meta with rows ready) is answered right there, with no task and no loop round.
+    Only a handler that really suspends (get_meta waiting for rows, a put waiting for
+    room) is handed to a Task from the point where it suspended, so a waiting call never
+    blocks the others. Replies are sent non-blocking; a reply its peer cannot take yet
+    (its pipe is at the high-water mark) waits in that peer's backlog, in order.
+
+    A handler's code up to its first suspension runs in the reader callback, outside any
+    Task: ``asyncio.current_task()`` is None there (``asyncio.timeout`` needs a Task; use
+    ``asyncio.wait_for``).
+    """
+
+    def __init__(self, service: Any, address: str, ctx: zmq.Context, name: str, *,
                  key: bytes | None = None):
         super().__init__(service, address, ctx, name, key)
-        self._ctx = ctx
-        self._task: asyncio.Task | None = None
+        # Without it a ROUTER drops a reply silently when the peer's pipe is full; with it the
+        # send says so (zmq.Again) and the reply waits in the backlog.
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._inflight: set[asyncio.Task] = set()
+        self._backlog: dict[bytes, collections.deque] = {}  # peer -> replies not yet taken, in order
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._serve(), name=f"rpc-server-{self.name}")
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._fd, self._on_events)
+        self._loop.call_soon(self._on_events)  # requests that came before the reader was set
 
-    async def _serve(self) -> None:
+    # ---- requests ------------------------------------------------------------------------
+    def _on_events(self) -> None:
+        """The fd woke up: run every request that has arrived, send what waits for room."""
+        sock = self._sock
+        if sock.closed:
+            return
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            # Checked here, in arrival order on the loop's thread: the replay window is not shared.
-            opened = _check_request(self, frames[1:])
-            if opened is None:
-                continue
-            t = asyncio.get_running_loop().create_task(self._handle(frames[0].bytes, *opened))
-            self._inflight.add(t)
-            t.add_done_callback(self._inflight.discard)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                self._on_request(frames)
+            except Exception:  # never let one message stop the reader
+                log.exception("%s: error handling a request", self.name)
+            if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
+        if self._backlog and not sock.closed:
+            self._flush()
 
-    async def _handle(self, ident: bytes, nonce: bytes, frames: list) -> None:
-        req = _parse_request(self, frames)
+    def _on_request(self, frames: list) -> None:
+        # Checked here, in arrival order on the loop's thread: the replay window is not shared.
+        opened = _check_request(self, frames[1:])
+        if opened is None:
+            return
+        nonce, body = opened
+        req = _parse_request(self, body)
         if req is None:
             return
+        ident = frames[0].bytes
         rid, method, fn, args = req
         try:
             if fn is None:
                 raise _no_method(self, method)
-            reply = {"id": rid, "r": await fn(**args)}
+            coro = fn(**args)
+            yielded = coro.send(None)  # run it now, up to its first suspension
+        except StopIteration as done:  # finished without suspending: answer at once
+            self._reply(ident, nonce, {"id": rid, "r": done.value})
+            return
+        except Exception as e:
+            self._reply(ident, nonce, _error_reply(rid, e))
+            return
+        t = self._loop.create_task(self._finish(ident, nonce, rid, coro, yielded), name=f"{self.name}-{method}")
+        self._inflight.add(t)
+        t.add_done_callback(self._inflight.discard)
+
+    async def _finish(self, ident: bytes, nonce: bytes, rid: Any, coro: Any, yielded: Any) -> None:
+        """The rest of a handler that suspended, in a Task; then its reply."""
+        try:
+            reply = {"id": rid, "r": await _resume(coro, yielded)}
         except Exception as e:
             reply = _error_reply(rid, e)
-        await self._sock.send_multipart([ident, *auth.seal(auth.REPLY, nonce, _encode_reply(reply), self._key)],
-                                        copy=False)
+        self._reply(ident, nonce, reply)
+        # A send lets libzmq take in what its I/O thread signalled, and so may consume the fd's
+        # wake-up for a request that came meanwhile: look now (the reader covers the rest).
+        if not self._sock.closed and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self._on_events)
+
+    # ---- replies -------------------------------------------------------------------------
+    def _reply(self, ident: bytes, nonce: bytes, reply: dict) -> None:
+        if self._sock.closed:
+            return
+        frames = [ident, *auth.seal(auth.REPLY, nonce, _encode_reply(reply), self._key)]
+        queue = self._backlog.get(ident)
+        if queue is not None:  # earlier replies to this peer still wait: keep the order
+            queue.append(frames)
+        elif not self._send(frames):
+            self._backlog[ident] = collections.deque([frames])
+
+    def _send(self, frames: list) -> bool:
+        """False when the peer's pipe is full (retried later); a reply to a peer that is gone
+        is dropped, as a ROUTER does."""
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            log.debug("%s: dropped a reply to a peer that has gone", self.name)
+        return True
+
+    def _flush(self) -> None:
+        """Send backlogged replies, each peer's in order, as far as their pipes take them."""
+        for ident in list(self._backlog):
+            queue = self._backlog[ident]
+            while queue and self._send(queue[0]):
+                queue.popleft()
+            if not queue:
+                del self._backlog[ident]
 
     async def close(self) -> None:
-        await _cancel([self._task, *self._inflight])
+        if self._loop is not None and not self._loop.is_closed() and not self._sock.closed:
+            try:
+                self._loop.remove_reader(self._fd)
+            except Exception:  # noqa: BLE001 - the loop is going away anyway
+                pass
+        await _cancel(list(self._inflight))
+        self._backlog.clear()
         self._sock.close(linger=0)
 
 
@@ -545,8 +663,9 @@ class LocalEndpoint:
         if _timeout is None:
             return await fn(**args)
         try:
-            async with asyncio.timeout(_timeout):
-                return await fn(**args)
+            # wait_for, not asyncio.timeout: a caller may be an RpcServer handler still in its
+            # eager first step, outside any Task, where asyncio.timeout cannot work.
+            return await asyncio.wait_for(fn(**args), _timeout)
         except asyncio.TimeoutError:
             raise TransferQueueTimeout(f"{method} on {self.address} took longer than {_timeout:.1f}s") from None
 

@@ -126,8 +126,39 @@ def test_a_failing_read_is_reported_by_the_second_hop(tq):
     tq.client.put(_data(3), "p")
     unit = tq.service.units[0]
 
-    async def gone(**_):
+    def gone(*_, **__):  # the unit's read, which the fused read and rpc_get both use
         raise RowsClearedError("rows [0] were cleared")
-    tq.on_loop(lambda: setattr(unit, "rpc_get", gone))
+    tq.on_loop(lambda: setattr(unit, "read", gone))
     with pytest.raises(RowsClearedError, match="were cleared"):
         tq.client.get_batch(["key"], 3, "t", "p")
+
+
+def _without_suspending(coro):
+    """The value of a coroutine that must finish without suspending once (as RpcServer then
+    answers it inline, with no task)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise AssertionError("the call suspended")
+
+
+def test_put_and_get_batch_with_rows_ready_never_suspend():
+    from asyncflow.transfer_queue.client import _batch_reply, _plan_put
+    from asyncflow.transfer_queue.codec import decode, encode
+    from asyncflow.transfer_queue.controller import Controller
+    from asyncflow.transfer_queue.storage import StorageUnit
+    from asyncflow.transfer_queue.transport import LocalEndpoint
+
+    controller = Controller()
+    unit = StorageUnit(0, LocalEndpoint(controller))
+    controller.attach_unit(0, LocalEndpoint(unit), "unit-0")
+    _without_suspending(controller.rpc_create_partition("p"))
+    _, calls = _plan_put(_data(6), "p", None, None)
+    put = _without_suspending(unit.rpc_put(**decode(encode(calls[0][1]))))
+    reply = _without_suspending(controller.rpc_get_batch("p", "t", ["key", "tok"], 6))
+    meta, cols = _batch_reply(decode(encode(reply)), ["key", "tok"])
+    assert meta.rows == list(range(put["first"], put["first"] + 6))
+    assert cols["key"].data.tolist() == list(range(6))
+    assert reply["reads"][0]["pos"] is None  # one read of every row: no positions to send

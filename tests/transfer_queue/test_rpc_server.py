@@ -1,0 +1,208 @@
+"""RpcServer runs a handler at once and gives it a Task only when it suspends: a handler
+that waits never blocks the others, replies keep their order per peer when a peer's pipe
+is full, and a handler's errors (before or after it suspends) come back as errors."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from asyncflow.transfer_queue import auth, codec, transport
+from asyncflow.transfer_queue.errors import RemoteError
+from asyncflow.transfer_queue.transport import EventLoopThread, RpcClient, RpcServer
+
+WAIT_S = 5.0
+
+
+class Service:
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.tasks: dict[str, asyncio.Task | None] = {}
+        self.cancelled = False
+
+    async def rpc_fast(self, x: int) -> int:
+        self.tasks["fast"] = asyncio.current_task()
+        return x + 1
+
+    async def rpc_slow(self, x: int) -> int:
+        self.tasks["slow_before"] = asyncio.current_task()
+        try:
+            await asyncio.wait_for(self.release.wait(), WAIT_S)
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        self.tasks["slow_after"] = asyncio.current_task()
+        return x * 10
+
+    async def rpc_fail_now(self) -> None:
+        raise ValueError("refused at once")
+
+    async def rpc_fail_later(self) -> None:
+        await asyncio.sleep(0)
+        raise LookupError("refused after a suspension")
+
+    async def rpc_blob(self, i: int, nbytes: int) -> dict:
+        return {"i": i, "data": torch.zeros(nbytes, dtype=torch.uint8)}
+
+
+@pytest.fixture
+def served(monkeypatch):
+    loop = EventLoopThread("rpc-server-test")
+    svc = Service()
+    bind = transport._bind
+
+    def small_pipes(sock: zmq.Socket, address: str) -> str:
+        # Before bind: a listener gives accepted connections the options it had when bound.
+        # A pipe of one message and a small kernel buffer fill at once when a peer does not read.
+        sock.setsockopt(zmq.SNDHWM, 1)
+        sock.setsockopt(zmq.SNDBUF, 1 << 16)
+        return bind(sock, address)
+    monkeypatch.setattr(transport, "_bind", small_pipes)
+
+    async def start() -> RpcServer:
+        s = RpcServer(svc, "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), "rpc-test")
+        s.start()
+        return s
+    srv = loop.run(start(), timeout=10)
+    yield loop, srv, svc
+    loop.run(srv.close(), timeout=10)
+    loop.stop()
+
+
+def _client(loop: EventLoopThread, srv: RpcServer) -> RpcClient:
+    return RpcClient(srv.address, zmq.asyncio.Context.instance(), timeout=WAIT_S)
+
+
+def test_handler_that_does_not_suspend_runs_without_a_task(served):
+    loop, srv, svc = served
+    c = _client(loop, srv)
+    assert loop.run(c.call("fast", x=1), timeout=10) == 2
+    assert svc.tasks["fast"] is None  # answered from the reader callback itself
+    assert not srv._inflight
+    loop.run(c.close(), timeout=10)
+
+
+def test_suspending_handler_does_not_block_a_fast_one(served):
+    loop, srv, svc = served
+    c = _client(loop, srv)
+
+    async def scenario() -> tuple:
+        slow = asyncio.ensure_future(c.call("slow", x=3))
+        await asyncio.sleep(0.05)
+        assert not slow.done()
+        assert len(srv._inflight) == 1  # the suspended handler now lives in a Task
+        t0 = time.monotonic()
+        fast = await c.call("fast", x=5)  # answered while slow still waits
+        fast_s = time.monotonic() - t0
+        assert not slow.done()
+        svc.release.set()
+        return fast, fast_s, await slow
+
+    fast, fast_s, slow = loop.run(scenario(), timeout=10)
+    assert (fast, slow) == (6, 30)
+    assert fast_s < 1.0
+    assert svc.tasks["slow_before"] is None  # ran eagerly until it waited ...
+    assert svc.tasks["slow_after"] is not None  # ... then went on in a Task
+    assert not srv._inflight
+    loop.run(c.close(), timeout=10)
+
+
+@pytest.mark.parametrize("method,exc,text", [("fail_now", ValueError, "refused at once"),
+                                             ("fail_later", RemoteError, "refused after a suspension"),
+                                             ("nope", ValueError, "no method 'nope'")])
+def test_errors_before_and_after_a_suspension_come_back(served, method, exc, text):
+    loop, srv, _ = served
+    c = _client(loop, srv)
+    with pytest.raises(exc, match=text):
+        loop.run(c.call(method), timeout=10)
+    assert loop.run(c.call("fast", x=0), timeout=10) == 1  # and it keeps serving
+    loop.run(c.close(), timeout=10)
+
+
+def test_close_cancels_a_suspended_handler(served):
+    loop, srv, svc = served
+    c = _client(loop, srv)
+
+    async def scenario() -> None:
+        call = asyncio.ensure_future(c.call("slow", x=1))
+        await asyncio.sleep(0.05)
+        assert len(srv._inflight) == 1
+        await srv.close()
+        call.cancel()
+
+    loop.run(scenario(), timeout=10)
+    assert svc.cancelled  # the cancellation reached the handler's own code
+    loop.run(c.close(), timeout=10)
+
+
+def test_replies_to_a_peer_that_does_not_read_wait_in_order(served):
+    """With the peer's pipe full, replies wait in that peer's backlog and leave in order once
+    it reads; meanwhile another peer is answered at once."""
+    loop, srv, _ = served
+    ctx = zmq.Context()
+    slow_peer = ctx.socket(zmq.DEALER)
+    slow_peer.setsockopt(zmq.RCVHWM, 1)
+    slow_peer.setsockopt(zmq.RCVBUF, 1 << 16)
+    slow_peer.setsockopt(zmq.LINGER, 0)
+    slow_peer.connect(srv.address)
+    sender, n, nbytes = auth.new_sender_id(), 40, 1 << 20
+    try:
+        for i in range(n):
+            frames = codec.encode({"id": i, "m": "blob", "a": {"i": i, "nbytes": nbytes}})
+            slow_peer.send_multipart(auth.seal(auth.REQUEST, auth.nonce_of(sender, i), frames), copy=False)
+        deadline = time.monotonic() + WAIT_S
+        while not srv._backlog:  # 40 MB of replies cannot all fit in the pipes and kernel buffers
+            assert time.monotonic() < deadline, "no reply was ever held back"
+            time.sleep(0.01)
+        other = _client(loop, srv)
+        assert loop.run(other.call("fast", x=7), timeout=10) == 8
+        loop.run(other.close(), timeout=10)
+        got = []
+        while len(got) < n:
+            assert slow_peer.poll(int(WAIT_S * 1000), zmq.POLLIN), f"only {len(got)} of {n} replies came"
+            opened = auth.unseal(auth.REPLY, slow_peer.recv_multipart(copy=False))
+            assert opened is not None
+            msg = codec.decode(opened[1])
+            got.append(msg["r"]["i"])
+            assert msg["r"]["data"].numel() == nbytes
+        assert got == list(range(n))
+        assert not srv._backlog
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_handler_may_call_a_local_endpoint_with_a_timeout_in_its_eager_step():
+    """LocalEndpoint.call(_timeout=...) works outside a Task (the handler's first step)."""
+    from asyncflow.transfer_queue.transport import LocalEndpoint
+
+    class Inner:
+        async def rpc_twice(self, x: int) -> int:
+            return 2 * x
+
+    class Outer:
+        def __init__(self) -> None:
+            self.inner = LocalEndpoint(Inner(), "inner")
+
+        async def rpc_call_inner(self, x: int) -> int:
+            return await self.inner.call("twice", _timeout=WAIT_S, x=x)
+
+    loop = EventLoopThread("rpc-server-local")
+
+    async def scenario() -> int:
+        srv = RpcServer(Outer(), "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), "rpc-local")
+        srv.start()
+        c = RpcClient(srv.address, zmq.asyncio.Context.instance(), timeout=WAIT_S)
+        try:
+            return await c.call("call_inner", x=21)
+        finally:
+            await c.close()
+            await srv.close()
+
+    try:
+        assert loop.run(scenario(), timeout=10) == 42
+    finally:
+        loop.stop()
