@@ -148,8 +148,17 @@ def storage_main(mode: str, conn) -> None:
 # Each serves commands from the parent: ("seq", tag) moves one payload and reports its
 # time; ("stream", tag, k) moves k payloads back to back and reports start or end time.
 
+def _one_torch_thread() -> None:
+    """Every method's producer and consumer alike: one torch thread. With the default pool,
+    the consumer's checksum (outside the timed part) left OpenMP threads spinning for tens of
+    milliseconds, stealing the 2 cores from the next round's processes."""
+    import torch
+    torch.set_num_threads(1)
+
+
 def producer_main(mode: str, address: str, conn) -> None:
     import torch
+    _one_torch_thread()
 
     p = make_payload()
     if mode == "tq":
@@ -200,6 +209,7 @@ def _tensordict(p: dict):
 
 def consumer_main(mode: str, address: str, conn) -> None:
     import torch
+    _one_torch_thread()
 
     ref = make_payload()
     shapes = [(b.dtype, b.shape) for b in payload_buffers(ref)]

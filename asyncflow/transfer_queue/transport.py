@@ -219,6 +219,10 @@ class RpcServer(_ServerBase):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inflight: set[asyncio.Task] = set()
         self._backlog: dict[bytes, collections.deque] = {}  # peer -> replies not yet taken, in order
+        # A peer that keeps calling but never reads must not grow the server's memory without
+        # bound: past this many held replies, its new ones are dropped (its calls time out).
+        self.max_backlog_per_peer = 256
+        self.dropped_replies = 0
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -290,6 +294,11 @@ class RpcServer(_ServerBase):
         frames = [ident, *auth.seal(auth.REPLY, nonce, _encode_reply(reply), self._key)]
         queue = self._backlog.get(ident)
         if queue is not None:  # earlier replies to this peer still wait: keep the order
+            if len(queue) >= self.max_backlog_per_peer:
+                self.dropped_replies += 1
+                log.warning("%s: dropped reply %r to a peer holding %d unread replies (it calls but does "
+                            "not read)", self.name, reply.get("id"), len(queue))
+                return
             queue.append(frames)
         elif not self._send(frames):
             self._backlog[ident] = collections.deque([frames])

@@ -175,6 +175,34 @@ def test_replies_to_a_peer_that_does_not_read_wait_in_order(served):
         ctx.destroy(linger=0)
 
 
+def test_a_peer_that_never_reads_holds_a_bounded_backlog(served):
+    """Replies held for a peer that keeps calling without reading stop at the cap; the rest
+    are dropped and counted, and other peers are still answered."""
+    loop, srv, _ = served
+    srv.max_backlog_per_peer = 3
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.RCVHWM, 1)
+    peer.setsockopt(zmq.RCVBUF, 1 << 16)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(srv.address)
+    sender, n = auth.new_sender_id(), 40
+    try:
+        for i in range(n):
+            frames = codec.encode({"id": i, "m": "blob", "a": {"i": i, "nbytes": 1 << 20}})
+            peer.send_multipart(auth.seal(auth.REQUEST, auth.nonce_of(sender, i), frames), copy=False)
+        deadline = time.monotonic() + WAIT_S
+        while srv.dropped_replies == 0:
+            assert time.monotonic() < deadline, "no reply was dropped"
+            time.sleep(0.01)
+        assert all(len(q) <= 3 for q in srv._backlog.values())
+        other = _client(loop, srv)
+        assert loop.run(other.call("fast", x=7), timeout=10) == 8
+        loop.run(other.close(), timeout=10)
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_a_handler_may_call_a_local_endpoint_with_a_timeout_in_its_eager_step():
     """LocalEndpoint.call(_timeout=...) works outside a Task (the handler's first step)."""
     from asyncflow.transfer_queue.transport import LocalEndpoint
