@@ -37,6 +37,10 @@ class DriverConfig:
     heartbeat_timeout_s: float = 2.0
     heartbeat_misses: int = 2  # dead after this many missed pings in a row (~5 s by default)
     attach_timeout_s: float = 60.0  # every worker must answer a first ping within this
+    # After sending a group call, poll for the replies up to this long before sleeping in the
+    # event loop, while that method's last call came back within it (transport.SpinPolicy).
+    # Saves a wake-up per call on idle vCPUs; 0 turns it off.
+    spin_us: float = 200.0
 
 
 class _RankLost(Exception):
@@ -110,6 +114,12 @@ class RankCall:
                               f"--- remote traceback (rank {ep.rank}) ---\n{err['tb']}",
                               rank=ep.rank, role=role or "", method=what, remote_tb=err["tb"])
         return from_wire(reply["ok"])
+
+
+def spin_calls(calls: list[RankCall], budget_s: float) -> bool:
+    """Busy-poll the calls' sockets until every call has its reply or ``budget_s`` has
+    passed (``RpcClient.spin``); True if all are done."""
+    return RpcClient.spin([c.client for c in calls], lambda: all(c.fut.done() for c in calls), budget_s)
 
 
 async def wait_calls(calls: list[RankCall]) -> None:
