@@ -22,7 +22,7 @@ from ..transfer_queue.transport import RpcClient
 from .errors import WorkerCallTimeout, WorkerDiedError, WorkerError
 from .layout import GroupLayout
 from .placement import PlacementConfig
-from .runtime import class_path, split_address
+from .runtime import calls_address, class_path, split_address
 from .wire import from_wire, to_wire
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,8 @@ class RankEndpoint:
 
     def __init__(self, rank: int, address: str, ctx: zmq.asyncio.Context):
         self.rank = rank
-        self.address, control = split_address(address)
+        _, control = split_address(address)
+        self.address = calls_address(address)  # a Unix socket for a rank on this host, else TCP
         self.roles: list[str] = []
         self.info: dict = {}
         self._rpc = RpcClient(self.address, ctx)  # calls, run in order by the worker's own thread

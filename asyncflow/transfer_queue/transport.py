@@ -293,6 +293,16 @@ class BlockingRpcServer(_ServerBase):
             self._sock.send_multipart([frames[0].bytes, *auth.seal(auth.REPLY, nonce, _encode_reply(reply), self._key)],
                                       copy=False)
 
+    def listen_also(self, address: str) -> str | None:
+        """Also take requests at ``address`` (e.g. an ``ipc://`` socket for processes on this
+        host: cheaper than TCP loopback); the address, or None (logged) if it cannot be bound."""
+        try:
+            self._sock.bind(address)
+            return address
+        except zmq.ZMQError as e:
+            log.warning("%s: cannot listen on %s too (%s); TCP only", self.name, address, e)
+            return None
+
     def close(self) -> None:
         self._sock.close(linger=0)
 

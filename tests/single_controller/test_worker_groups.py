@@ -171,3 +171,10 @@ def test_spin_before_sleeping_is_bounded(cluster3, groups):
     assert len(out) == 1 and wall >= 0.3
     assert cpu < 0.05  # the driver thread slept through the call: at most one 200 us spin
     assert budget_after == 0.0
+
+
+def test_driver_reaches_ranks_on_this_host_over_ipc(cluster3, groups):
+    # Every rank runs on this host: the driver's call connections use their Unix sockets.
+    assert all(ep.address.startswith("ipc://") for ep in cluster3.driver.ranks), \
+        [ep.address for ep in cluster3.driver.ranks]
+    assert cluster3.run(groups[0].whoami())
