@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, TypeVar
@@ -164,6 +165,11 @@ class RankEndpoint:
         self._control = RpcClient(control, ctx)  # pings and the like, answered while a call runs
         self.dead: asyncio.Future = asyncio.get_running_loop().create_future()
         self.dead.add_done_callback(lambda f: f.exception())  # retrieved: no "never retrieved" noise
+
+    @property
+    def in_process(self) -> bool:
+        """This rank's worker serves on a thread of this very process (rank 0 under the launcher)."""
+        return self.info.get("pid") == os.getpid() and self.info.get("host") == socket.gethostname()
 
     def where(self, role: str | None = None) -> str:
         roles = role or ",".join(self.roles) or "no role yet"
