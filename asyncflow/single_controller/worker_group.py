@@ -82,18 +82,17 @@ class WorkerGroup:
         if policy is None:
             policy = self._spin[method] = SpinPolicy(self._spin_s)
         budget = policy.budget()
-        if budget:
-            spin_calls(live, budget)
+        spun = spin_calls(live, budget) if budget else None
         if len(live) == 1:  # one rank: its future is all there is to wait for
             try:
                 value = await live[0].wait()
             finally:
-                policy.observe(time.perf_counter() - started)
+                policy.observe(time.perf_counter() - started, spun)
             return mode.gather(self.layout, [value if c is not None else None for c in calls])
         try:
             await wait_calls(live)
         finally:
-            policy.observe(time.perf_counter() - started)
+            policy.observe(time.perf_counter() - started, spun)
         if any(c.fut.done() and c.failed() for c in live):
             # Other ranks often fail the same way a moment later: wait briefly, then report
             # the lowest failing rank, so the error does not depend on which reply came first.

@@ -34,6 +34,24 @@ def test_policy_spins_only_after_a_short_wait():
     assert p.budget() == 0.0
     p.observe(50e-6)
     assert p.budget() == 200e-6
+    p.observe(300e-6, spun=False)  # the spin ran out: the next wait sleeps, then spin again
+    assert p.budget() == 0.0
+    assert p.budget() == 200e-6
+    p.observe(250e-6, spun=False)  # ran out again: back off longer (3 waits)
+    assert [p.budget() for _ in range(4)] == [0.0, 0.0, 0.0, 200e-6]
+    p.observe(100e-6, spun=True)  # a spin that got its reply resets the back-off
+    p.observe(280e-6, spun=False)
+    assert [p.budget() for _ in range(2)] == [0.0, 200e-6]
+    for _ in range(20):  # replies just after the budget, for ever: at most one spin in MAX_SKIP + 1 waits
+        p.observe(250e-6, spun=False)
+    spins = 0
+    for _ in range(2 * (SpinPolicy.MAX_SKIP + 1)):
+        if p.budget():
+            spins += 1
+            p.observe(250e-6, spun=False)
+        else:
+            p.observe(250e-6)
+    assert spins <= 2
     off = SpinPolicy(0.0)
     off.observe(0.0)
     assert off.budget() == 0.0
