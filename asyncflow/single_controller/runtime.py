@@ -15,6 +15,7 @@ import asyncio
 import importlib
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -38,16 +39,52 @@ from .worker import Worker, WorkerContext
 log = logging.getLogger(__name__)
 
 
-def join_address(calls: str, control: str) -> str:
-    """One string per rank in the store: ``<calls address>|<control address>``."""
-    return f"{calls}|{control}"
+def join_address(calls: str, control: str, local: str | None = None) -> str:
+    """One string per rank in the store: ``<calls address>|<control address>``, plus
+    ``|<host key> <ipc:// calls address>`` when the worker also takes calls on a Unix
+    socket, for a driver on the same host (see :func:`calls_address`)."""
+    key = host_key() if local else None
+    return f"{calls}|{control}" + (f"|{key} {local}" if key else "")
 
 
 def split_address(address: str) -> tuple[str, str]:
-    calls, sep, control = address.partition("|")
-    if not sep:
-        raise ValueError(f"worker address {address!r} must be '<calls>|<control>'")
-    return calls, control
+    """``(TCP calls address, control address)`` of a worker address."""
+    parts = address.split("|")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(f"worker address {address!r} must be '<calls>|<control>[|<host key> <ipc address>]'")
+    return parts[0], parts[1]
+
+
+def calls_address(address: str) -> str:
+    """Where this process should send calls to the worker at ``address``: its ``ipc://``
+    socket when that worker shares this kernel and network namespace (the same host key),
+    else its TCP address (other nodes, other containers)."""
+    calls, _ = split_address(address)
+    parts = address.split("|")
+    if len(parts) == 3:
+        key, _, local = parts[2].partition(" ")
+        if local.startswith("ipc://@") and key == host_key():
+            return local
+    return calls
+
+
+def host_key() -> str | None:
+    """This kernel (its boot id, random per boot and host) and network namespace (its inode):
+    processes with the same key reach each other's abstract Unix sockets. None off Linux."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return None
+
+
+def ipc_address() -> str | None:
+    """A fresh ``ipc://`` address in Linux's abstract socket namespace (no file: nothing is
+    left behind, even by a killed process), or None where that is unavailable."""
+    if not zmq.has("ipc") or host_key() is None:
+        return None
+    return f"ipc://@asyncflow-{os.getpid()}-{secrets.token_hex(8)}"
 
 
 @dataclass
@@ -55,6 +92,9 @@ class RuntimeConfig:
     collective_timeout_s: float = 300.0  # new_group and every collective of the groups it makes
     driver_timeout_s: float = 10.0  # exit when the driver's pings stop for this long
     attach_timeout_s: float = 300.0  # exit when no driver pinged at all within this long
+    # Also take calls on a Unix socket, which a driver on the same host uses instead of TCP
+    # loopback (measured ~5% off a small call's round trip); other nodes use TCP.
+    local_ipc: bool = True
 
 
 def import_class(path: str) -> type:
@@ -140,7 +180,9 @@ class WorkerRuntime:
         self._calls = BlockingRpcServer(_CallService(self), f"tcp://{host}:0", self._zmq, f"worker-{rank}")
         self._loop = EventLoopThread(f"worker-control-{rank}")
         self._control: RpcServer | None = None
-        self.address = join_address(self._calls.address, self._loop.run(self._start_control(host), timeout=30))
+        local = ipc_address() if self.config.local_ipc else None
+        local = self._calls.listen_also(local) if local else None
+        self.address = join_address(self._calls.address, self._loop.run(self._start_control(host), timeout=30), local)
         threading.Thread(target=self._watch_driver, name=f"driver-watchdog-{rank}", daemon=True).start()
 
     async def _start_control(self, host: str) -> str:

@@ -99,6 +99,12 @@ async def launch_demo_main(driver) -> None:
     who = await wg.whoami()
     assert [w["rank"] for w in who] == list(range(driver.world_size)), who
     assert len({w["pid"] for w in who}) == driver.world_size, who
+    # Rank 0 serves on a thread of this process: no spinning for its groups (the GIL); the
+    # other ranks' group may spin.
+    assert driver.ranks[0].in_process and not driver.ranks[1].in_process
+    assert wg._spin_s == 0.0
+    other = await driver.create_group(EchoWorker, "others", ranks=list(range(1, driver.world_size)))
+    assert other._spin_s > 0 and len(await other.whoami()) == driver.world_size - 1
     total = await wg.all_reduce(1.0)
     assert total == [float(driver.world_size)] * driver.world_size, total
     tq = AsyncTransferQueueClient(driver.transfer_queue_address)

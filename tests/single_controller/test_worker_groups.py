@@ -153,3 +153,28 @@ def test_concurrent_collectives_of_groups_sharing_ranks(cluster3, groups):
         return await asyncio.gather(*calls)
     out = cluster3.run(go())
     assert out == [v for i in range(6) for v in ([3.0 * i] * 3, [2.0 * i] * 2)]
+
+
+def test_spin_before_sleeping_is_bounded(cluster3, groups):
+    """After short calls the driver may poll for a reply (up to DriverConfig.spin_us) before
+    sleeping in the event loop; a long call costs at most that much driver CPU, and turns
+    spinning off for its method."""
+    gen = groups[2]
+
+    async def go():
+        for _ in range(5):
+            await gen.sleep(0.0)
+        cpu0, t0 = time.thread_time(), time.perf_counter()
+        out = await gen.sleep(0.3)
+        return out, time.thread_time() - cpu0, time.perf_counter() - t0, gen._spin["sleep"].budget()
+    out, cpu, wall, budget_after = cluster3.run(go())
+    assert len(out) == 1 and wall >= 0.3
+    assert cpu < 0.05  # the driver thread slept through the call: at most one 200 us spin
+    assert budget_after == 0.0
+
+
+def test_driver_reaches_ranks_on_this_host_over_ipc(cluster3, groups):
+    # Every rank runs on this host: the driver's call connections use their Unix sockets.
+    assert all(ep.address.startswith("ipc://") for ep in cluster3.driver.ranks), \
+        [ep.address for ep in cluster3.driver.ranks]
+    assert cluster3.run(groups[0].whoami())
