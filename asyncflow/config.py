@@ -109,6 +109,9 @@ class OptimSettings:
     grad_clip: float = 1.0
     min_lr_ratio: float = 1.0  # 1.0: constant after warm-up
     micro_batch_tokens: int = 8192
+    # Cut micro-batches to minimise padding + this per-pass charge (in padded tokens); -1: the
+    # fewest micro-batches within micro_batch_tokens.
+    micro_batch_overhead_tokens: int = 256
     # A step whose loss or gradient norm is NaN/inf is skipped (weights and optimizer untouched)
     # and reported; this many skipped in a row stop the run.
     max_nonfinite_in_row: int = 3

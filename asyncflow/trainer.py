@@ -144,6 +144,7 @@ class Training:
         total = max(self.cfg.trainer.steps, o.warmup_steps)  # the cosine (min_lr_ratio < 1) spans trainer.steps
         return {"lr": o.lr, "warmup_steps": o.warmup_steps, "weight_decay": o.weight_decay, "total_steps": total,
                 "grad_clip": o.grad_clip, "min_lr_ratio": o.min_lr_ratio, "micro_batch_tokens": o.micro_batch_tokens,
+                "micro_batch_overhead_tokens": o.micro_batch_overhead_tokens,
                 "max_nonfinite_in_row": o.max_nonfinite_in_row}
 
     async def sync_weights(self, version: int) -> None:

@@ -42,6 +42,45 @@ def test_plan_respects_budget_and_covers_every_sequence():
     assert len(plan_micro_batches(lengths, token_budget=10**6)) == 1
 
 
+def _padded_cost(lengths, groups, overhead):
+    return sum(len(g) * max(lengths[i] for i in g) for g in groups) + overhead * len(groups)
+
+
+def _best_cost(desc, budget, overhead):
+    """Brute force over every way to cut the descending lengths into runs."""
+    n, best = len(desc), float("inf")
+    for mask in range(1 << max(n - 1, 0)):
+        cuts = [0] + [k + 1 for k in range(n - 1) if mask >> k & 1] + [n]
+        runs = list(zip(cuts, cuts[1:]))
+        if all((b - a) * desc[a] <= budget or b - a == 1 for a, b in runs):
+            best = min(best, sum((b - a) * desc[a] for a, b in runs) + overhead * len(runs))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_padding_aware_plan_is_the_cheapest_cut(seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(1, 40, (10,), generator=g)]
+    budget, overhead = int(torch.randint(40, 200, (1,), generator=g)), int(torch.randint(0, 60, (1,), generator=g))
+    groups = plan_micro_batches(lengths, budget, overhead)
+    assert sorted(i for grp in groups for i in grp) == list(range(len(lengths)))
+    for grp in groups:
+        assert len(grp) * lengths[grp[0]] <= budget or len(grp) == 1
+        assert lengths[grp[0]] == max(lengths[i] for i in grp)
+    assert _padded_cost(lengths, groups, overhead) == _best_cost(sorted(lengths, reverse=True), budget, overhead)
+
+
+def test_padding_aware_plan_splits_a_long_tail():
+    """Mostly short rows and a few long ones: one micro-batch padded to the longest would be
+    mostly padding; the plan puts the long rows apart."""
+    lengths = [40, 38] + [6] * 30
+    assert plan_micro_batches(lengths, 8192) == [list(range(32))]  # greedy: one batch, 1280 padded
+    groups = plan_micro_batches(lengths, 8192, overhead_tokens=64)
+    assert groups == [[0, 1], list(range(2, 32))]  # 80 + 180 padded, + 2 x 64
+    with pytest.raises(ValueError, match="overhead_tokens"):
+        plan_micro_batches(lengths, 8192, overhead_tokens=-5)
+
+
 def test_micro_batch_layout():
     mb = build_micro_batch([torch.tensor([1, 2]), torch.tensor([3])],
                            [torch.tensor([4, 5, 6]), torch.tensor([7])], [0, 1])

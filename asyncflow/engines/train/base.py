@@ -34,6 +34,9 @@ class OptimConfig:
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
     grad_clip: float = 1.0  # max total grad norm; <= 0 => no clipping (norm still reported)
     micro_batch_tokens: int = 8192  # token budget per micro-batch (prompt+response, padded size)
+    # Micro-batches are cut to minimise padded tokens + this charge per micro-batch (the cost of
+    # one more forward/backward pass, in padded tokens); -1: fill each up to the budget.
+    micro_batch_overhead_tokens: int = 256
     # A step with a NaN/inf loss or gradient norm is skipped; this many in a row raise NonFiniteUpdateError.
     max_nonfinite_in_row: int = 3
 
@@ -56,6 +59,9 @@ class OptimConfig:
             raise ValueError(f"OptimConfig.max_nonfinite_in_row must be >= 1, got {self.max_nonfinite_in_row}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"OptimConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.micro_batch_overhead_tokens < -1:
+            raise ValueError(f"OptimConfig.micro_batch_overhead_tokens must be >= 0, or -1 to fill each "
+                             f"micro-batch up to the budget; got {self.micro_batch_overhead_tokens}")
         self.betas = (float(self.betas[0]), float(self.betas[1]))
 
 

@@ -139,7 +139,9 @@ class FSDPEngine(TrainEngine):
     def _plan(self, prompts: list[Tensor], responses: list[Tensor]) -> tuple[list[list[int]], int]:
         """This rank's micro-batches and the count every rank runs (max over ranks)."""
         lengths = [p.numel() + r.numel() for p, r in zip(prompts, responses)]
-        groups = plan_micro_batches(lengths, self.optim_config.micro_batch_tokens)
+        overhead = self.optim_config.micro_batch_overhead_tokens
+        groups = plan_micro_batches(lengths, self.optim_config.micro_batch_tokens,
+                                    overhead if overhead >= 0 else None)
         count = int(self._all_reduce([float(len(groups))], dist.ReduceOp.MAX)[0])
         return groups, count
 

@@ -1,9 +1,12 @@
 """Token-budget micro-batching and right-padding of variable-length sequences.
 
-Sequences are sorted by length (longest first) and packed greedily into
-micro-batches whose padded size (rows x longest row) stays within the budget, so
-sequences of similar length share a micro-batch and little compute goes to padding.
-A sequence longer than the budget gets a micro-batch of its own.
+Sequences are sorted by length (longest first) and cut into runs of neighbours, each
+run one micro-batch whose padded size (rows x longest row) stays within the budget. With
+``overhead_tokens`` the cut points minimise the padded tokens plus that fixed charge per
+micro-batch: under long-tailed lengths one micro-batch padded to the longest row spends
+most of its compute on padding, while one micro-batch per length pays the per-pass cost
+many times. Without it, runs are filled greedily (the fewest micro-batches). A sequence
+longer than the budget gets a micro-batch of its own.
 
 Layout of one micro-batch of b sequences, L = longest prompt+response, R = longest
 response: `input_ids` [b, L] right-padded; `position_ids` 0..len-1 per row; the
@@ -23,15 +26,23 @@ __all__ = ["MicroBatch", "build_micro_batch", "empty_micro_batch", "pad_right", 
            "slice_fields"]
 
 
-def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int], token_budget: int,
+                       overhead_tokens: int | None = None) -> list[list[int]]:
     """Group sequence indices into micro-batches of padded size <= token_budget.
 
     Longest first; within a micro-batch the first index is the longest, so the padded
-    size is len(group) * lengths[group[0]]. Deterministic (ties keep input order).
+    size is len(group) * lengths[group[0]]. ``overhead_tokens`` (>= 0): choose the cuts
+    that minimise sum(padded size) + overhead_tokens * micro-batches; None: fill greedily.
+    Deterministic (ties keep input order).
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    if overhead_tokens is not None and overhead_tokens < 0:
+        raise ValueError(f"overhead_tokens must be >= 0, got {overhead_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if overhead_tokens is not None:
+        return [[order[k] for k in range(a, b)] for a, b in _cheapest_cuts([lengths[i] for i in order],
+                                                                         token_budget, overhead_tokens)]
     groups: list[list[int]] = []
     for i in order:
         if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
@@ -39,6 +50,33 @@ def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
         else:
             groups.append([i])
     return groups
+
+
+def _cheapest_cuts(desc: list[int], budget: int, overhead: int) -> list[tuple[int, int]]:
+    """Runs ``[a, b)`` of the descending lengths ``desc`` minimising sum((b - a) * desc[a])
+    + overhead per run, each run within the budget (or a single sequence). Dynamic
+    programming over run ends, the candidate starts of each end scored at once."""
+    import numpy as np
+
+    n = len(desc)
+    if n == 0:
+        return []
+    length = np.asarray(desc, dtype=np.float64)
+    starts = np.arange(n, dtype=np.float64)
+    best = np.zeros(n + 1)
+    cut = np.zeros(n + 1, dtype=np.int64)
+    for end in range(1, n + 1):
+        size = (end - starts[:end]) * length[:end]  # padded size of the run [a, end) for every a
+        cost = best[:end] + size + overhead
+        cost[size > budget] = np.inf
+        cost[end - 1] = best[end - 1] + length[end - 1] + overhead  # one sequence always fits
+        a = int(np.argmin(cost))
+        best[end], cut[end] = cost[a], a
+    runs, end = [], n
+    while end > 0:
+        runs.append((int(cut[end]), end))
+        end = int(cut[end])
+    return runs[::-1]
 
 
 def pad_right(rows: list[Tensor], length: int, value: float | int | bool = 0) -> Tensor:
