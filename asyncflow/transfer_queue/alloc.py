@@ -35,7 +35,10 @@ def keep_freed_memory(trim_bytes: int = DEFAULT_TRIM_BYTES) -> bool:
     blocks up to 32 MiB from its heaps (reused) rather than fresh mappings. True when applied."""
     env = os.environ.get(ENV_VAR)
     if env is not None and env.strip():
-        trim_bytes = int(float(env) * (1 << 20))
+        try:
+            trim_bytes = int(float(env) * (1 << 20))
+        except ValueError:
+            raise ValueError(f"{ENV_VAR}={env!r}: expected a number of MiB (0 turns the tuning off)") from None
     if trim_bytes <= 0 or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
