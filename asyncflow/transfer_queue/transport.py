@@ -150,6 +150,41 @@ def _no_reply_hint(address: str) -> str:
             "with a wrong key is dropped without a reply; see the server's auth_failures)")
 
 
+def _send_nowait(sock: Any, frames: list) -> bool:
+    """Send without blocking; False when the pipe is full (the caller keeps the message)."""
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        return True
+    except zmq.Again:  # the high-water mark: retried when there is room
+        return False
+
+
+def _drain(sock: Any, handle: Callable[[list], None], name: str, kind: str) -> None:
+    """Hand every message that has arrived on ``sock`` to ``handle``, one by one, until none
+    is left. recv and EVENTS let libzmq take in what its I/O thread signalled; the fd wakes
+    the loop again on the next change only once nothing is left to read here."""
+    while True:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # a wake-up for something else (room to send, or nothing)
+            return
+        try:
+            handle(frames)
+        except Exception:  # never let one message stop the reader
+            log.exception("%s: error handling a %s", name, kind)
+        if sock.closed or not sock.getsockopt(_EVENTS) & _POLLIN:
+            return
+
+
+def _unwatch(loop: asyncio.AbstractEventLoop | None, sock: Any, fd: int) -> None:
+    """Stop the loop watching a socket's fd (before the socket is closed)."""
+    if loop is not None and not loop.is_closed() and not sock.closed:
+        try:
+            loop.remove_reader(fd)
+        except Exception:  # noqa: BLE001 - the loop is going away anyway
+            pass
+
+
 def _check_request(server: Any, frames: list) -> tuple[bytes, list] | None:
     """``(nonce, [header, *buffers])`` of a request whose tag is valid under the server's key
     and whose nonce is new; else None, counted and logged (rate-limited). Runs before any
@@ -305,17 +340,7 @@ class RpcServer(_ServerBase):
         sock = self._sock
         if sock.closed:
             return
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            try:
-                self._on_request(frames)
-            except Exception:  # never let one message stop the reader
-                log.exception("%s: error handling a request", self.name)
-            if sock.closed or not sock.getsockopt(_EVENTS) & _POLLIN:
-                break
+        _drain(sock, self._on_request, self.name, "request")
         if self._backlog and not sock.closed:
             self._flush()
 
@@ -377,9 +402,7 @@ class RpcServer(_ServerBase):
         """False when the peer's pipe is full (retried later); a reply to a peer that is gone
         is dropped, as a ROUTER does."""
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return False
+            return _send_nowait(self._sock, frames)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
@@ -396,11 +419,7 @@ class RpcServer(_ServerBase):
                 del self._backlog[ident]
 
     async def close(self) -> None:
-        if self._loop is not None and not self._loop.is_closed() and not self._sock.closed:
-            try:
-                self._loop.remove_reader(self._fd)
-            except Exception:  # noqa: BLE001 - the loop is going away anyway
-                pass
+        _unwatch(self._loop, self._sock, self._fd)
         await _cancel(list(self._inflight))
         self._backlog.clear()
         self._sock.close(linger=0)
@@ -609,31 +628,15 @@ class RpcClient:
 
     # ---- the socket ---------------------------------------------------------------------
     def _send(self, frames: list) -> bool:
-        try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:  # the send queue is full (high-water mark): retried when there is room
-            return False
+        return _send_nowait(self._sock, frames)
 
     def _on_events(self) -> None:
         """The socket's fd woke up: send what waits for room, hand every reply to its call."""
         sock = self._sock
         if sock.closed:
             return
-        # recv and EVENTS let libzmq take in what its I/O thread signalled; the fd wakes the
-        # loop again on the next change only once nothing is left to read here.
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # a wake-up for something else (room to send, or nothing)
-                break
-            try:
-                self._on_reply(frames)
-            except Exception:  # never let one bad message stop the reader
-                log.exception("%s: error handling a reply", self.auth.name)
-            if not sock.getsockopt(_EVENTS) & _POLLIN:
-                break
-        if self._backlog:
+        _drain(sock, self._on_reply, self.auth.name, "reply")
+        if self._backlog and not sock.closed:
             while self._backlog and sock.getsockopt(_EVENTS) & _POLLOUT:
                 rid, frames = self._backlog[0]
                 if rid in self._pending and not self._send(frames):
@@ -664,11 +667,7 @@ class RpcClient:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._loop is not None and not self._loop.is_closed() and not self._sock.closed:
-            try:
-                self._loop.remove_reader(self._fd)
-            except Exception:  # noqa: BLE001 - the loop is going away anyway
-                pass
+        _unwatch(self._loop, self._sock, self._fd)
         self._loop = None
         self._sock.close(linger=0)
 
