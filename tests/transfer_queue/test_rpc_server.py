@@ -139,21 +139,29 @@ def test_close_cancels_a_suspended_handler(served):
     loop.run(c.close(), timeout=10)
 
 
+def _blob_caller(ctx: zmq.Context, srv, n: int, nbytes: int):
+    """A raw peer with tiny receive buffers that sends ``n`` authentic ``blob`` calls (each
+    reply ``nbytes``) without reading: its replies pile up at the server."""
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.RCVHWM, 1)
+    peer.setsockopt(zmq.RCVBUF, 1 << 16)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(srv.address)
+    sender = auth.new_sender_id()
+    for i in range(n):
+        frames = codec.encode({"id": i, "m": "blob", "a": {"i": i, "nbytes": nbytes}})
+        peer.send_multipart(auth.seal(auth.REQUEST, auth.nonce_of(sender, i), frames), copy=False)
+    return peer
+
+
 def test_replies_to_a_peer_that_does_not_read_wait_in_order(served):
     """With the peer's pipe full, replies wait in that peer's backlog and leave in order once
     it reads; meanwhile another peer is answered at once."""
     loop, srv, _ = served
     ctx = zmq.Context()
-    slow_peer = ctx.socket(zmq.DEALER)
-    slow_peer.setsockopt(zmq.RCVHWM, 1)
-    slow_peer.setsockopt(zmq.RCVBUF, 1 << 16)
-    slow_peer.setsockopt(zmq.LINGER, 0)
-    slow_peer.connect(srv.address)
-    sender, n, nbytes = auth.new_sender_id(), 40, 1 << 20
+    n, nbytes = 40, 1 << 20
     try:
-        for i in range(n):
-            frames = codec.encode({"id": i, "m": "blob", "a": {"i": i, "nbytes": nbytes}})
-            slow_peer.send_multipart(auth.seal(auth.REQUEST, auth.nonce_of(sender, i), frames), copy=False)
+        slow_peer = _blob_caller(ctx, srv, n, nbytes)
         deadline = time.monotonic() + WAIT_S
         while not srv._backlog:  # 40 MB of replies cannot all fit in the pipes and kernel buffers
             assert time.monotonic() < deadline, "no reply was ever held back"
@@ -181,16 +189,8 @@ def test_a_peer_that_never_reads_holds_a_bounded_backlog(served):
     loop, srv, _ = served
     srv.max_backlog_per_peer = 3
     ctx = zmq.Context()
-    peer = ctx.socket(zmq.DEALER)
-    peer.setsockopt(zmq.RCVHWM, 1)
-    peer.setsockopt(zmq.RCVBUF, 1 << 16)
-    peer.setsockopt(zmq.LINGER, 0)
-    peer.connect(srv.address)
-    sender, n = auth.new_sender_id(), 40
     try:
-        for i in range(n):
-            frames = codec.encode({"id": i, "m": "blob", "a": {"i": i, "nbytes": 1 << 20}})
-            peer.send_multipart(auth.seal(auth.REQUEST, auth.nonce_of(sender, i), frames), copy=False)
+        peer = _blob_caller(ctx, srv, 40, 1 << 20)
         deadline = time.monotonic() + WAIT_S
         while srv.dropped_replies == 0:
             assert time.monotonic() < deadline, "no reply was dropped"
@@ -199,6 +199,7 @@ def test_a_peer_that_never_reads_holds_a_bounded_backlog(served):
         other = _client(loop, srv)
         assert loop.run(other.call("fast", x=7), timeout=10) == 8
         loop.run(other.close(), timeout=10)
+        assert not peer.closed  # still connected: the drops came from the cap, not a lost peer
     finally:
         ctx.destroy(linger=0)
 
