@@ -89,8 +89,8 @@ MODES = {
     "stream": ["workflow.mode=stream", "placement.mode=disaggregated"],
     "async": ["workflow.mode=async", "workflow.max_staleness=1", "placement.mode=disaggregated"],
 }
-# The placement every disaggregated mode shares (see the docstring); --ref-with overrides it.
-DISAGGREGATED_PLACEMENT = {"ref_with": "rollout"}
+# Where the reference model sits in every disaggregated mode (see the docstring); --ref-with overrides it.
+REF_WITH = "rollout"
 OVERLAPPED = ("stream", "async")
 STAGES = ("rollout", "reward", "ref_log_prob", "update", "weight_sync")
 
@@ -112,7 +112,7 @@ def placement_overrides(mode: list[str], a: argparse.Namespace) -> list[str]:
     """The shared placement of the disaggregated modes (colocated puts every role everywhere)."""
     if "placement.mode=disaggregated" not in mode:
         return []
-    return [f"placement.ref_with={getattr(a, 'ref_with', DISAGGREGATED_PLACEMENT['ref_with'])}"]
+    return [f"placement.ref_with={a.ref_with}"]
 
 
 # ---- one AsyncFlow run ----------------------------------------------------------------------
@@ -361,7 +361,7 @@ def main() -> None:
                     "after the last rollout) weigh on their samples/s as about one step in 'steps'")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--group", type=int, default=4, help="responses per prompt (GRPO group)")
-    ap.add_argument("--ref-with", choices=("actor", "rollout"), default=DISAGGREGATED_PLACEMENT["ref_with"],
+    ap.add_argument("--ref-with", choices=("actor", "rollout"), default=REF_WITH,
                     help="disaggregated modes: the ranks the reference model shares")
     ap.add_argument("--batch-prompts", type=int, default=16,
                     help="prompts per rollout call in stream/async (sync: the whole step per call)")
