@@ -52,6 +52,10 @@ class Placement:
             return Placement(list(range(n)), list(range(n)))
         return Placement(list(cfg.placement.actor_ranks), list(cfg.placement.rollout_ranks))
 
+    def beside(self, side: str) -> list[int]:
+        """The ranks of ``side`` ("actor" or "rollout"), for a role placed with it."""
+        return self.actor if side == "actor" else self.rollout
+
 
 def policy_loss_name(cfg: RunSettings) -> str:
     if cfg.algorithm.policy_loss != "auto":
@@ -97,8 +101,7 @@ class Training:
         stage_roles = {s.role for s in self.stages}
         if "ref" in stage_roles:
             self.groups["ref"] = await d.create_group(
-                ReferenceWorker, "ref", ranks=place.actor if cfg.placement.ref_with == "actor" else place.rollout,
-                model_path=self.model_path,
+                ReferenceWorker, "ref", ranks=place.beside(cfg.placement.ref_with), model_path=self.model_path,
                 temperature=cfg.rollout.temperature, threads=threads, attn_implementation=attn, **train_common)
         if "critic" in stage_roles:
             self.groups["critic"] = await d.create_group(
@@ -113,7 +116,7 @@ class Training:
                 RolloutWorker, f"rollout{k}", ranks=[r], model_path=self.model_path, sampling=sampling,
                 engine=cfg.rollout.engine, threads=threads, partial_rollout=cfg.rollout.partial_rollout,
                 attn_implementation=attn, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, **common))
-        reward_ranks = place.actor if cfg.placement.reward_with == "actor" else place.rollout
+        reward_ranks = place.beside(cfg.placement.reward_with)
         if cfg.reward.model_path:
             from .workers.reward_model import RewardModelWorker
             self.groups["reward"] = await d.create_group(
