@@ -250,6 +250,9 @@ def _check(cfg: RunSettings) -> RunSettings:
                         f"{t.save_every} and {t.keep_checkpoints}")
     if cfg.optim.max_nonfinite_in_row < 1:
         problems.append(f"optim.max_nonfinite_in_row: must be >= 1, got {cfg.optim.max_nonfinite_in_row}")
+    if cfg.optim.micro_batch_overhead_tokens < -1:
+        problems.append(f"optim.micro_batch_overhead_tokens: must be >= 0, or -1 for the fewest micro-batches; "
+                        f"got {cfg.optim.micro_batch_overhead_tokens}")
     tq = cfg.transfer_queue
     if tq.storage_units not in ("driver", "per_node"):
         problems.append(f"transfer_queue.storage_units: expected driver or per_node, got {tq.storage_units!r}")

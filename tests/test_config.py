@@ -29,6 +29,7 @@ def test_overrides_are_typed():
     ("placement.rollout_ranks=[0]", ["ranks [0]", "colocated"]),
     ("rollout.engine=tgi", ["rollout.engine"]),
     ("placement.ref_with=gpu", ["placement.ref_with", "actor or rollout"]),
+    ("optim.micro_batch_overhead_tokens=-7", ["optim.micro_batch_overhead_tokens", "-1"]),
     ("data.task=file", ["data.path"]),
     ("justaword", ["key=value"]),
     ("transfer_queue.storage_units=per_rank", ["transfer_queue.storage_units", "per_node"]),

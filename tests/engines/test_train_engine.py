@@ -79,6 +79,8 @@ def test_padding_aware_plan_splits_a_long_tail():
     assert groups == [[0, 1], list(range(2, 32))]  # 80 + 180 padded, + 2 x 64
     with pytest.raises(ValueError, match="overhead_tokens"):
         plan_micro_batches(lengths, 8192, overhead_tokens=-5)
+    with pytest.raises(ValueError, match="micro_batch_overhead_tokens must be >= 0, or -1"):
+        OptimConfig(lr=1e-3, micro_batch_overhead_tokens=-2)
 
 
 def test_micro_batch_layout():
