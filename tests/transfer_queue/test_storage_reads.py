@@ -1,0 +1,91 @@
+"""StorageUnit.read: rows read as they were put come back as views of the stored tensors;
+every other shape of request (ids across two puts, out of order, with a hole, a column
+added later in another order) comes back right, or fails naming the rows."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from asyncflow.transfer_queue.columns import column_from_wire, column_to_wire, to_column
+from asyncflow.transfer_queue.controller import Controller
+from asyncflow.transfer_queue.errors import RowsClearedError
+from asyncflow.transfer_queue.meta import make_row_id
+from asyncflow.transfer_queue.storage import StorageUnit
+from asyncflow.transfer_queue.transport import LocalEndpoint
+
+PART = "p"
+
+
+def _put_rows(unit: StorageUnit, lo: int, n: int) -> torch.Tensor:
+    """n new rows whose "ids" row i holds i+lo repeated (i % 5) + 1 times and "x" = i+lo."""
+    rows = [torch.full(((i % 5) + 1,), i, dtype=torch.long) for i in range(lo, lo + n)]
+    cols = {"ids": column_to_wire(to_column("ids", rows)),
+            "x": column_to_wire(to_column("x", torch.arange(lo, lo + n)))}
+    reply = asyncio.run(unit.rpc_put(PART, cols))
+    return torch.arange(reply["first"], reply["first"] + reply["n"])
+
+
+def _read(unit: StorageUnit, rows, columns=("ids", "x")) -> dict:
+    got = unit.read(PART, torch.as_tensor(rows, dtype=torch.long), list(columns))
+    return {k: column_from_wire(w) for k, w in got.items()}
+
+
+def _expect(cols: dict, values: list[int]) -> None:
+    assert cols["x"].data.tolist() == values
+    assert [cols["ids"].row(i).tolist() for i in range(len(values))] == [[v] * ((v % 5) + 1) for v in values]
+
+
+@pytest.fixture
+def unit():
+    ctrl = Controller(default_timeout=5.0)
+    u = StorageUnit(0, LocalEndpoint(ctrl, "controller"))
+    asyncio.run(ctrl.rpc_create_partition(PART))
+    return u
+
+
+def test_rows_read_as_put_are_views_of_the_stored_tensors(unit):
+    ids = _put_rows(unit, 0, 8)
+    stored = next(iter(unit.batches.values())).columns
+    whole = _read(unit, ids)
+    _expect(whole, list(range(8)))
+    assert whole["x"].data is stored["x"].data  # the put's own tensors: resent as received
+    middle = _read(unit, ids[2:6])
+    _expect(middle, [2, 3, 4, 5])
+    assert middle["ids"].values.data_ptr() == stored["ids"].values[stored["ids"].offsets[2]:].data_ptr()
+
+
+def test_consecutive_ids_across_two_puts_and_out_of_order(unit):
+    a = _put_rows(unit, 0, 4)
+    b = _put_rows(unit, 4, 4)
+    assert int(b[0]) == int(a[-1]) + 1  # one run of ids over two batches
+    _expect(_read(unit, torch.cat([a, b])[2:7]), [2, 3, 4, 5, 6])
+    _expect(_read(unit, torch.cat([a, b]).flip(0)), list(range(7, -1, -1)))
+
+
+def test_a_dropped_row_inside_a_run_is_named(unit):
+    ids = _put_rows(unit, 0, 6)
+    asyncio.run(unit.rpc_drop_rows(PART, ids[3:4]))
+    with pytest.raises(RowsClearedError, match=str(int(ids[3]))):
+        _read(unit, ids)
+    _expect(_read(unit, ids[:3]), [0, 1, 2])
+
+
+def test_a_column_added_in_another_order_reads_by_row(unit):
+    ids = _put_rows(unit, 0, 6)
+    order = ids.flip(0)
+    y = {"y": column_to_wire(to_column("y", order * 10))}
+    asyncio.run(unit.rpc_put(PART, y, rows=order))
+    got = _read(unit, ids, ("x", "y"))
+    assert got["x"].data.tolist() == list(range(6))
+    assert got["y"].data.tolist() == (ids * 10).tolist()
+
+
+def test_rows_of_another_unit_or_never_stored_fail_clearly(unit):
+    ids = _put_rows(unit, 0, 3)
+    with pytest.raises(RowsClearedError, match="never stored"):
+        _read(unit, torch.arange(int(ids[-1]) + 1, int(ids[-1]) + 4))
+    foreign = torch.tensor([make_row_id(1, 0), make_row_id(1, 1)])
+    with pytest.raises(RowsClearedError):
+        _read(unit, foreign)
