@@ -78,16 +78,26 @@ def checksum(td_or_dict) -> float:
 
 # ---- the storage process ------------------------------------------------------------------
 
-def keep_freed_memory() -> bool:
-    """asyncflow/transfer_queue/alloc.py's keep_freed_memory, loaded from its file alone: the
-    raw and pickle stores must not import torch with the asyncflow package."""
+def _alloc():
+    """asyncflow/transfer_queue/alloc.py, loaded from its file alone: the raw and pickle
+    stores must not import torch with the asyncflow package."""
     import importlib.util
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "asyncflow", "transfer_queue", "alloc.py")
     spec = importlib.util.spec_from_file_location("_tq_alloc", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.keep_freed_memory()
+    return mod
+
+
+def keep_freed_memory() -> bool:
+    return _alloc().keep_freed_memory()
+
+
+def freeze_gc_heap() -> None:
+    """Every method's processes alike, once their imports are done: the import-time heap is
+    kept out of garbage collections, as AsyncFlow's own worker and storage processes do."""
+    _alloc().freeze_gc_heap()
 
 
 def storage_main(mode: str, conn) -> None:
@@ -97,6 +107,7 @@ def storage_main(mode: str, conn) -> None:
     keep_freed_memory()
     if mode == "tq":
         from asyncflow.transfer_queue import TransferQueueService
+        freeze_gc_heap()
 
         async def run_tq():
             svc = await TransferQueueService().start()
@@ -110,6 +121,7 @@ def storage_main(mode: str, conn) -> None:
     import collections
 
     import zmq
+    freeze_gc_heap()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
@@ -184,6 +196,7 @@ def producer_main(mode: str, address: str, conn) -> None:
                 sock.send_multipart([b"put", pickle.dumps(td, protocol=5)], copy=False)
             sock.recv_multipart()
 
+    freeze_gc_heap()
     conn.send(("ready", payload_bytes(p)))
     while (msg := conn.recv())[0] != "stop":
         kind, tag, k = msg
@@ -235,6 +248,7 @@ def consumer_main(mode: str, address: str, conn) -> None:
                     [torch.frombuffer(f.buffer, dtype=dt).view(sh) for f, (dt, sh) in zip(frames, shapes)])}
             return pickle.loads(frames[0].buffer)
 
+    freeze_gc_heap()
     conn.send("ready")
     ok = True
     while (msg := conn.recv())[0] != "stop":

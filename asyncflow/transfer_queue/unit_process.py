@@ -19,7 +19,7 @@ import asyncio
 from datetime import timedelta
 
 from . import auth
-from .alloc import keep_freed_memory
+from .alloc import freeze_gc_heap, keep_freed_memory
 from .service import serve_storage_unit
 
 
@@ -57,8 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     elif auth.key_source() == "generated":  # nothing inherited: the key made at import is ours alone
         raise SystemExit(f"no run key: pass --store MASTER_ADDR:MASTER_PORT, or set {auth.ENV_VAR} (hex) in the "
                          "environment; a unit with a key of its own would drop every message of the run")
-    # A process that only stores: let it reuse the memory of cleared messages (alloc.py).
+    # A process that only stores: let it reuse the memory of cleared messages, and keep its
+    # imports out of every garbage collection (alloc.py).
     keep_freed_memory()
+    freeze_gc_heap()
     asyncio.run(serve_storage_unit(a.controller, a.index, a.host, a.max_rows, a.max_bytes))
 
 
