@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
+from ..transfer_queue.alloc import freeze_gc_heap
 from .driver import Driver, DriverConfig
 from .errors import LaunchError
 from .placement import PlacementConfig
@@ -73,6 +74,9 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
     tq = start_for_rank(cfg.tq_units, store, rank, local_rank, node, host, cfg.rendezvous_timeout_s,
                         driver=is_driver) if cfg.transfer_queue else None
     runtime = WorkerRuntime(rank, world_size, local_rank, platform, host, cfg.runtime)
+    # A rank's process is ours: its import-time heap (torch, zmq, the TQ service on rank 0)
+    # stays out of every later garbage collection, as in a storage unit's process.
+    freeze_gc_heap()
     publish_address(store, rank, runtime.address)
     code = 0
     try:
