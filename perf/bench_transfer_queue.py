@@ -11,8 +11,9 @@ moves over the same hops three ways:
   tq      TransferQueue put, then get_batch: get_meta + get_data, in one hop when the
           controller's process holds the rows, as here (controller + unit in the storage process)
 
-Then get_meta latency with 10k and 1M rows in the partition, and with 16 concurrent
-clients. The last line is one JSON object.
+Every method first moves one payload and streams two rounds untimed (warm-up), then the
+methods take turns, round by round. Then get_meta latency with 10k and 1M rows in the
+partition, and with 16 concurrent clients. The last line is one JSON object.
 
     python perf/bench_transfer_queue.py [--quick]
 """
@@ -31,6 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROWS = 1024
+WARM_STREAM_ROUNDS = 2
 COLUMNS = ["prompts", "responses", "reward", "version", "seq_len"]
 
 
@@ -329,6 +331,13 @@ def transfer(modes: list[str], seq_rounds: int, stream_rounds: int, k: int) -> d
             rigs[m] = Rig(m)
         for m, rig in rigs.items():
             rig.run("seq", "warmup", 1, False)
+        # Untimed streaming rounds first, for every method alike: the first rounds that hold k
+        # payloads at once fault in that memory in every process (measured: raw 0.31, pickle
+        # 0.17, TQ 0.20 GB/s in the first one or two such rounds vs ~1.4 / 0.35 / 1.0 after),
+        # and a median of three rounds would otherwise report that warm-up.
+        for i in range(WARM_STREAM_ROUNDS):
+            for m, rig in rigs.items():
+                rig.run("stream", f"warm_{i}", k, True)
         seq: dict = {m: ([], [], []) for m in modes}
         streams: dict = {m: [] for m in modes}
         for i in range(seq_rounds):
