@@ -437,7 +437,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.default_malloc:
         os.environ["ASYNCFLOW_TQ_KEEP_FREED_MB"] = "0"  # alloc.ENV_VAR, inherited by the storage processes
-    seq_rounds, stream_rounds, k = (5, 3, 8) if args.quick else (20, 9, 16)
+    seq_rounds, stream_rounds, k = (5, 5, 8) if args.quick else (20, 9, 16)
     calls = 200 if args.quick else 1000
     # The storage, producer and consumer processes are siblings: make the run key here, so
     # that each inherits it through the environment (TQ messages are signed with it).
