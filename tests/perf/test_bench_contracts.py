@@ -1,0 +1,50 @@
+"""The TransferQueue and RPC benchmarks run end to end and print what their issues ask of
+them: a last line that is one JSON object with the named figures, consistent ratios, and
+(for the TQ bench) every method's bytes arriving intact. Speeds are not asserted here:
+they are the benches' output, not a test's."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _last_json(args: list[str], timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, f"{args[0]} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    last = r.stdout.strip().splitlines()[-1]
+    return json.loads(last)
+
+
+def _positive(out: dict, keys: list[str]) -> None:
+    for k in keys:
+        assert k in out, f"{k} missing from the last line: {sorted(out)}"
+        assert isinstance(out[k], (int, float)) and math.isfinite(out[k]) and out[k] > 0, (k, out[k])
+
+
+@pytest.mark.slow
+def test_transfer_queue_bench_quick_prints_its_figures_and_moves_every_byte_intact():
+    out = _last_json(["perf/bench_transfer_queue.py", "--quick"], timeout=240)
+    _positive(out, ["tq_gbps", "raw_gbps", "pickle_gbps", "ratio_tq_vs_raw", "ratio_tq_vs_pickle",
+                    "get_meta_p50_us_10k", "get_meta_p50_us_1m", "get_meta_p99_us_16_clients"])
+    assert out["all_intact"] is True
+    assert out["ratio_tq_vs_raw"] == pytest.approx(out["tq_gbps"] / out["raw_gbps"], rel=2e-3)
+    assert out["ratio_tq_vs_pickle"] == pytest.approx(out["tq_gbps"] / out["pickle_gbps"], rel=2e-3)
+
+
+@pytest.mark.slow
+def test_rpc_bench_prints_ours_against_torch_rpc():
+    out = _last_json(["perf/bench_rpc.py", "--quick", "--calls", "40", "--blocks", "4"], timeout=240)
+    _positive(out, ["rpc_p50_us", "torch_rpc_p50_us", "ratio_torch_rpc_vs_ours", "rpc_4w_p50_us",
+                    "torch_rpc_4w_p50_us"])
+    assert out["calls"] == 40 and out["interleaved"] is True
+    assert out["ratio_torch_rpc_vs_ours"] == pytest.approx(out["torch_rpc_p50_us"] / out["rpc_p50_us"], rel=0.02)
