@@ -391,11 +391,12 @@ class StorageUnit:
         firsts = codes[:, 0].tolist()
         if min(firsts) < 0 or (n > 1 and not (np.diff(codes, axis=1) == 1).all()):
             return None
-        out = {}
-        for name, code in zip(columns, firsts):
-            pos = code & _POS_MASK
-            out[name] = self.batches[code >> _POS_BITS].columns[name].take(range(pos, pos + n))
-        return out
+        return {name: self._run_view(name, code, n) for name, code in zip(columns, firsts)}
+
+    def _run_view(self, name: str, code: int, n: int) -> Column:
+        """``n`` rows of column ``name`` lying in order in one batch from ``code`` on: a view."""
+        pos = code & _POS_MASK
+        return self.batches[code >> _POS_BITS].columns[name].take(range(pos, pos + n))
 
     def _read(self, partition: str, home: int, row_t: torch.Tensor, columns: Sequence[str]) -> dict[str, Column]:
         ps = self._store_of(partition, home)
@@ -418,8 +419,7 @@ class StorageUnit:
         out = {}
         for j, name in enumerate(columns):
             if runs[j]:  # one batch read as it was written: a view
-                pos = firsts[j] & _POS_MASK
-                out[name] = self.batches[firsts[j] >> _POS_BITS].columns[name].take(range(pos, pos + n))
+                out[name] = self._run_view(name, firsts[j], n)
             else:
                 out[name] = self._gather(name, codes[j])
         return out
