@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -80,8 +81,9 @@ def checksum(td_or_dict) -> float:
 
 # ---- the storage process ------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=1)
 def _alloc():
-    """asyncflow/transfer_queue/alloc.py, loaded from its file alone: the raw and pickle
+    """asyncflow/transfer_queue/alloc.py, loaded (once) from its file alone: the raw and pickle
     stores must not import torch with the asyncflow package."""
     import importlib.util
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
