@@ -77,6 +77,15 @@ def _client(loop: EventLoopThread, srv: RpcServer) -> RpcClient:
     return RpcClient(srv.address, zmq.asyncio.Context.instance(), timeout=WAIT_S)
 
 
+async def _slow_in_flight(c: RpcClient, srv: RpcServer, x: int) -> asyncio.Future:
+    """A "slow" call, sent and seen suspended on the server (its handler now in a Task)."""
+    slow = asyncio.ensure_future(c.call("slow", x=x))
+    await asyncio.sleep(0.05)
+    assert not slow.done()
+    assert len(srv._inflight) == 1
+    return slow
+
+
 def test_handler_that_does_not_suspend_runs_without_a_task(served):
     loop, srv, svc = served
     c = _client(loop, srv)
@@ -91,10 +100,7 @@ def test_suspending_handler_does_not_block_a_fast_one(served):
     c = _client(loop, srv)
 
     async def scenario() -> tuple:
-        slow = asyncio.ensure_future(c.call("slow", x=3))
-        await asyncio.sleep(0.05)
-        assert not slow.done()
-        assert len(srv._inflight) == 1  # the suspended handler now lives in a Task
+        slow = await _slow_in_flight(c, srv, 3)
         t0 = time.monotonic()
         fast = await c.call("fast", x=5)  # answered while slow still waits
         fast_s = time.monotonic() - t0
@@ -128,9 +134,7 @@ def test_close_cancels_a_suspended_handler(served):
     c = _client(loop, srv)
 
     async def scenario() -> None:
-        call = asyncio.ensure_future(c.call("slow", x=1))
-        await asyncio.sleep(0.05)
-        assert len(srv._inflight) == 1
+        call = await _slow_in_flight(c, srv, 1)
         await srv.close()
         call.cancel()
 
