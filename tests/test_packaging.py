@@ -1,0 +1,98 @@
+"""The foundation a fresh machine relies on: setup.py's metadata, the pinned requirements,
+README's commands and CI running exactly them, and a core that imports no optional or
+heavy package."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _setup_kwargs() -> dict:
+    """The literal keyword arguments of setup.py's setup(...) call, read without running it."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup"]
+    assert len(calls) == 1, "setup.py must call setup() exactly once"
+    out = {}
+    for kw in calls[0].keywords:
+        try:
+            out[kw.arg] = ast.literal_eval(kw.value)
+        except ValueError:
+            out[kw.arg] = ast.unparse(kw.value)  # computed (packages, install_requires)
+    return out
+
+
+def _requirements(name: str) -> list[str]:
+    lines = (ROOT / name).read_text().splitlines()
+    return [ln.split("#", 1)[0].strip() for ln in lines if ln.split("#", 1)[0].strip()]
+
+
+def _fenced_commands(text: str) -> list[str]:
+    """Every line of README's ```bash blocks."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return [ln.strip() for b in blocks for ln in b.splitlines() if ln.strip()]
+
+
+def test_setup_declares_package_console_script_and_extras():
+    kw = _setup_kwargs()
+    assert kw["name"] == "asyncflow"
+    assert "asyncflow" in kw["packages"], "packages must come from find_packages(include=['asyncflow', ...])"
+    assert kw["entry_points"]["console_scripts"] == ["asyncflow=asyncflow.cli:main"]
+    extras = kw["extras_require"]
+    assert set(extras) >= {"gpu", "npu", "dev"}
+    assert "vllm" in extras["gpu"]
+    assert {"torch_npu", "mindspeed", "vllm-ascend"} <= set(extras["npu"])
+    assert "pytest" in extras["dev"]
+    assert kw["install_requires"] == "read_requirements('requirements.txt')"
+
+
+def test_requirements_are_pinned_and_hold_torch_at_the_cpu_version():
+    reqs = _requirements("requirements.txt")
+    assert reqs[0] == "torch==2.13.0", "torch first and pinned exactly: the CPU build on this project's machines"
+    loose = [r for r in reqs if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[0-9][\w.+]*", r)]
+    assert not loose, f"every runtime requirement is pinned with ==: {loose}"
+    # Nothing optional (accelerator stacks) among the core requirements.
+    names = {r.split("==")[0].lower() for r in reqs}
+    assert not names & {"vllm", "torch_npu", "torch-npu", "mindspeed", "vllm-ascend"}
+    dev = _requirements("requirements-dev.txt")
+    assert dev[0] == "-r requirements.txt"
+    assert all("==" in r for r in dev[1:]), f"test tools pinned too: {dev[1:]}"
+
+
+def test_ci_runs_readme_install_and_exactly_its_test_command():
+    readme = _fenced_commands((ROOT / "README.md").read_text())
+    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+          if ln.strip() and not ln.strip().startswith("#")]
+    test_line = next(c for c in readme if c.endswith("python -m pytest -q tests") and "pip install" in c)
+    steps = [s.strip() for s in test_line.split("&&")]
+    # The README's one-line install-and-test command, step by step, in CI's order
+    # (CI makes its own venv under another name).
+    pip_steps = [s for s in steps if s.startswith("pip install")]
+    ci_pips = [c for c in ci if c.startswith("pip install")]
+    assert ci_pips == pip_steps, f"CI installs {ci_pips}, README says {pip_steps}"
+    assert ci[-1] == steps[-1] == "python -m pytest -q tests"
+
+
+def test_core_imports_no_optional_or_heavy_package():
+    """A CPU-only box without the accelerator extras can import and start the framework;
+    transformers, tensordict and matplotlib take seconds and load only when used."""
+    mods = ["asyncflow", "asyncflow.platform", "asyncflow.transfer_queue", "asyncflow.single_controller",
+            "asyncflow.cli", "asyncflow.trainer"]
+    banned = ["torch_npu", "vllm", "vllm_ascend", "mindspeed", "transformers", "tensordict", "matplotlib"]
+    code = (f"import sys\nfor m in {mods!r}: __import__(m)\n"
+            f"print(','.join(b for b in {banned!r} if b in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"imported at start-up: {out.stdout.strip()}"
+
+
+@pytest.mark.parametrize("name", ["requirements.txt", "requirements-dev.txt"])
+def test_requirement_files_have_no_duplicate_names(name):
+    names = [r.split("==")[0].lower() for r in _requirements(name) if not r.startswith("-r")]
+    assert len(names) == len(set(names))
