@@ -45,12 +45,16 @@ def test_torchrun_one_node(tmp_path):
     _check(out, [p])
 
 
-def _two_nodes(out, *extra: str) -> list[subprocess.CompletedProcess]:
+def _two_nodes(out, *extra: str, rdzv_endpoint: bool = False) -> list[subprocess.CompletedProcess]:
+    """``rdzv_endpoint``: README's form (``--rdzv-endpoint HOST:PORT``), else the launch
+    scripts' (``--master-addr HOST --master-port PORT``)."""
     port = _port()
+    where = ["--rdzv-endpoint", f"127.0.0.1:{port}"] if rdzv_endpoint else \
+        ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     procs = []
     for node in (0, 1):
         cmd = _torchrun("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                        "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "asyncflow.cli", "train",
+                        *where, "-m", "asyncflow.cli", "train",
                         "grpo", *TINY, *STEPS, f"trainer.out_dir={out}", *extra)
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
@@ -70,7 +74,7 @@ def _two_nodes(out, *extra: str) -> list[subprocess.CompletedProcess]:
 @pytest.mark.slow
 def test_torchrun_two_nodes_over_loopback(tmp_path):
     out = tmp_path / "run"
-    _check(out, _two_nodes(out))
+    _check(out, _two_nodes(out, rdzv_endpoint=True))
     units = json.loads((out / "tq_units.json").read_text())
     assert [u["unit"] for u in units] == [0]  # the default: one unit, in the driver's process
     assert set(units[0]["put_rows_by_node"]) == {"0", "1"}  # both nodes wrote into it
