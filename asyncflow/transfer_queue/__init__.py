@@ -6,8 +6,9 @@ See DESIGN.md, section "TransferQueue".
 """
 from .client import AsyncTransferQueueClient, TransferQueueClient
 from .columns import FieldSchema, FixedColumn, JaggedColumn, ObjectColumn
-from .errors import (BadPutError, CapacityError, RemoteError, RowsClearedError, SchemaMismatchError,
-                     TransferQueueError, TransferQueueTimeout, UnknownPartitionError, UnknownTaskError)
+from .errors import (BadPutError, CapacityError, MissingColumnError, RemoteError, RowsClearedError,
+                     SchemaMismatchError, TransferQueueError, TransferQueueTimeout, UnknownPartitionError,
+                     UnknownTaskError)
 from .meta import BatchMeta
 from .samplers import register_sampler
 from .service import TransferQueueConfig, TransferQueueService, serve_storage_unit
@@ -16,6 +17,6 @@ __all__ = [
     "AsyncTransferQueueClient", "TransferQueueClient", "TransferQueueService", "TransferQueueConfig",
     "serve_storage_unit", "BatchMeta", "FieldSchema", "FixedColumn", "JaggedColumn", "ObjectColumn",
     "register_sampler", "TransferQueueError", "UnknownPartitionError", "UnknownTaskError",
-    "SchemaMismatchError", "BadPutError", "RowsClearedError", "CapacityError", "TransferQueueTimeout",
+    "SchemaMismatchError", "BadPutError", "RowsClearedError", "MissingColumnError", "CapacityError", "TransferQueueTimeout",
     "RemoteError",
 ]

@@ -8,10 +8,13 @@ Three kinds:
   ground-truth answers, dicts of metadata). They travel as JSON, never as pickle.
 
 A column's *schema* (kind, dtype, per-element shape) is fixed on first write; later
-writes to the same column of a partition must match it.
+writes to the same column of a partition must match it. Columns are checked for being
+well formed (column_problem) where data enters: to_column of a user's Column, a storage
+unit's put; replies are not checked again.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -136,11 +139,57 @@ class ObjectColumn(Column):
 
     @property
     def nbytes(self) -> int:
-        return 64 * len(self.items)  # rough: only used for capacity accounting
+        """Capacity accounting: each item's content (see _object_nbytes) plus a fixed overhead.
+        A loop over the items: the storage unit computes it once per put."""
+        return _object_nbytes(self.items)
 
     def take(self, idx: Sequence[int]) -> "ObjectColumn":
         items = self.items
         return ObjectColumn([items[i] for i in idx])
+
+
+# What an object item holds beyond its content: CPython's header of a str (49 bytes) plus
+# its slot in the list (8), rounded. Keeps many tiny items (empty strings, ints) counted.
+_OBJECT_ITEM_OVERHEAD = 56
+
+
+def _object_nbytes(items: list) -> int:
+    """The content size of object items, cheaply: a string's UTF-8 length, bytes' length, 8
+    for a number, and for anything else (dicts, lists) the length of the JSON text it travels
+    as (codec.py); plus _OBJECT_ITEM_OVERHEAD each."""
+    total = _OBJECT_ITEM_OVERHEAD * len(items)
+    rest = []
+    for x in items:
+        t = type(x)
+        if t is str:
+            # isascii() reads a flag CPython keeps on the string (O(1)): ASCII text is counted
+            # by len() without encoding a copy. Lone surrogates (JSON can carry them) count too.
+            total += len(x) if x.isascii() else len(x.encode("utf-8", "surrogatepass"))
+        elif t is bytes or t is bytearray:
+            total += len(x)
+        elif t is int or t is float or t is bool or x is None:
+            total += 8
+        else:
+            rest.append(x)
+    if rest:  # one JSON encoding of them all (C speed), less the list's brackets and commas
+        total += _json_nbytes(rest) - len(rest) - 1
+    return total
+
+
+def _json_nbytes(x: Any) -> int:
+    """Length of ``x`` as its compact JSON travels (codec.encode: ASCII-escaped); tensors inside
+    (the codec sends those as frames) count their element bytes, anything else JSON cannot
+    write counts its repr."""
+    frames = 0
+
+    def other(o: Any) -> Any:
+        nonlocal frames
+        if isinstance(o, torch.Tensor):
+            frames += o.numel() * o.element_size()
+            return 0
+        return repr(o)
+
+    return len(json.dumps(x, separators=(",", ":"), default=other)) + frames
 
 
 def _as_run(idx: Sequence[int]) -> tuple[int, int] | None:
@@ -184,21 +233,84 @@ def column_to_wire(col: Column) -> dict:
     return {"k": "object", "items": col.items}
 
 
-def column_from_wire(w: Mapping[str, Any]) -> Column:
+def column_from_wire(w: Mapping[str, Any], check: bool = False) -> Column:
+    """A column from its wire form. ``check``: also refuse a column that is malformed (see
+    column_problem), for data about to be stored; replies a unit built from checked columns
+    are read with ``check`` off, so reads pay nothing for it."""
     kind = w.get("k") if isinstance(w, Mapping) else None
     try:
         if kind == "fixed":
-            return FixedColumn(w["data"])
-        if kind == "jagged":
+            col: Column = FixedColumn(w["data"])
+        elif kind == "jagged":
             col = JaggedColumn(w["values"], w["offsets"])
-            if col.offsets.dtype != torch.int64 or col.offsets.dim() != 1:
+            # (checked below in detail when asked; a reply's offsets only need to be usable)
+            if not check and (col.offsets.dtype != torch.int64 or col.offsets.dim() != 1):
                 raise CodecError("jagged offsets must be a 1-D int64 tensor")
-            return col
-        if kind == "object":
-            return ObjectColumn(list(w["items"]))
+        elif kind == "object":
+            items = w["items"]
+            if check and not isinstance(items, list):  # list() of a string would split it
+                raise CodecError(f"object column items must be a list, got a {type(items).__name__}")
+            return ObjectColumn(list(items))
+        else:
+            raise CodecError(f"unknown column kind {kind!r}")
     except KeyError as e:
         raise CodecError(f"column of kind {kind!r} lacks {e}") from None
-    raise CodecError(f"unknown column kind {kind!r}")
+    if check:
+        problem = column_problem(col)
+        if problem is not None:
+            raise CodecError(problem)
+    return col
+
+
+def column_problem(col: Column) -> str | None:
+    """What makes ``col`` unfit to store, with how to fix it; None when it is well formed.
+
+    Malformed columns must be refused where data enters (a unit's put, to_column of a user's
+    column): stored, they give wrong token counts and fail much later inside torch, naming
+    neither the column nor the cause. A few numpy ops on the offsets, no loop over rows: this
+    runs on every put."""
+    if isinstance(col, FixedColumn):
+        data = col.data
+        if not isinstance(data, torch.Tensor):
+            return f"fixed column data is a {type(data).__name__}, not a tensor of shape [rows, *shape]"
+        if data.dim() == 0:
+            return ("fixed column data is a 0-d tensor; a column needs one entry per row: "
+                    "a tensor of shape [rows, *shape] (e.g. x.reshape(1) for one row)")
+        return None
+    if isinstance(col, JaggedColumn):
+        return _jagged_problem(col.values, col.offsets)
+    if isinstance(col, ObjectColumn) and not isinstance(col.items, list):
+        return f"object column items must be a list, got a {type(col.items).__name__}"
+    return None
+
+
+_JAGGED_FIX = ("build it with to_column from a list of row tensors or a jagged nested tensor, "
+               "or give offsets [0, len0, len0+len1, ..., values.shape[0]]")
+
+
+def _jagged_problem(values: Any, offsets: Any) -> str | None:
+    if not isinstance(values, torch.Tensor) or not isinstance(offsets, torch.Tensor):
+        return (f"jagged column values and offsets must be tensors, got {type(values).__name__} and "
+                f"{type(offsets).__name__}; {_JAGGED_FIX}")
+    if values.dim() == 0:
+        return f"jagged column values is a 0-d tensor; it must be [total, *shape]; {_JAGGED_FIX}"
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.shape[0] == 0:
+        return (f"jagged column offsets must be a 1-D int64 tensor of rows + 1 entries, got "
+                f"{str(offsets.dtype).removeprefix('torch.')} of shape {list(offsets.shape)}; {_JAGGED_FIX}")
+    # numpy view of the int64 offsets: a few us per check where each torch op costs several.
+    o = (offsets if offsets.device.type == "cpu" else offsets.cpu()).numpy()
+    total = values.shape[0]
+    if o[0] != 0:
+        return f"jagged column offsets[0] is {int(o[0])}, must be 0; {_JAGGED_FIX}"
+    down = o[1:] < o[:-1]
+    if down.any():
+        i = int(down.argmax())
+        return (f"jagged column offsets decrease at row {i} ({int(o[i])} -> {int(o[i + 1])}); they must "
+                f"be non-decreasing (row i is values[offsets[i]:offsets[i+1]]); {_JAGGED_FIX}")
+    if o[-1] != total:
+        return (f"jagged column offsets end at {int(o[-1])} but values has {total} rows; offsets[-1] must "
+                f"equal values.shape[0]; {_JAGGED_FIX}")
+    return None
 
 
 # ---- user data -> columns -----------------------------------------------------------
@@ -248,7 +360,10 @@ def _from_row_list(rows: list, name: str) -> JaggedColumn:
 
 
 def to_column(name: str, value: Any) -> Column:
-    if isinstance(value, Column):
+    if isinstance(value, Column):  # a user's own column: the one kind not built (so checked) here
+        problem = column_problem(value)
+        if problem is not None:
+            raise ValueError(f"column {name!r}: {problem}")
         return value
     if isinstance(value, torch.Tensor):
         # A NestedTensor is jagged by construction; asking it is_nested and layout would go

@@ -32,6 +32,18 @@ class RowsClearedError(TransferQueueError, LookupError):
     """A read of rows (or a partition) that were already cleared."""
 
 
+class MissingColumnError(TransferQueueError, KeyError):
+    """A read of a column the partition does not hold, or that the rows do not have yet.
+
+    A KeyError, so a LookupError as RowsClearedError is: code that caught LookupError still
+    catches it. On purpose not a BadPutError nor a RowsClearedError (the classes these reads
+    raised before): nothing was put wrong and nothing was cleared, and keeping those as bases
+    would keep ``except RowsClearedError`` treating a typo'd column name as lost rows."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class CapacityError(TransferQueueError):
     """A storage unit stayed full for longer than the put's timeout, or a put can never fit."""
 
@@ -48,7 +60,7 @@ ERROR_TYPES: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (
         TransferQueueError, UnknownPartitionError, UnknownTaskError, SchemaMismatchError,
-        BadPutError, RowsClearedError, CapacityError, TransferQueueTimeout, RemoteError,
+        BadPutError, RowsClearedError, MissingColumnError, CapacityError, TransferQueueTimeout, RemoteError,
         ValueError, TypeError, KeyError,
     )
 }

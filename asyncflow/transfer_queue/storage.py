@@ -25,8 +25,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .codec import CodecError
 from .columns import Column, JaggedColumn, column_from_wire, column_to_wire, concat
-from .errors import BadPutError, CapacityError, RowsClearedError, UnknownPartitionError
+from .errors import BadPutError, CapacityError, MissingColumnError, RowsClearedError, UnknownPartitionError
 from .meta import LOCAL_MASK, MAX_UNITS, UNIT_SHIFT, ids_from_wire, make_row_id
 from .recent import RecentSet
 
@@ -39,6 +40,15 @@ class _Batch:
     columns: dict[str, Column]
     nbytes: int
     live: int  # (row, column) cells of this batch still indexed
+
+
+def _put_column(partition: str, name: str, w: Any) -> Column:
+    """One column of a put, decoded and checked (columns.column_problem): a malformed one is
+    refused here, before anything is stored, naming the column. Replies are not checked."""
+    try:
+        return column_from_wire(w, check=True)
+    except CodecError as e:
+        raise BadPutError(f"put into {partition!r}: column {name!r}: {e}; nothing was stored") from None
 
 
 class _PartitionStore:
@@ -216,7 +226,7 @@ class StorageUnit:
         to existing rows, this unit's own or another unit's. ``node``: the writer's node
         (counted in stats). Returns, for new rows, the first row id (the ids are consecutive),
         their count and per-row token counts."""
-        cols = {name: column_from_wire(w) for name, w in columns.items()}
+        cols = {name: _put_column(partition, name, w) for name, w in columns.items()}
         if not cols:
             raise BadPutError(f"put into {partition!r} carries no columns")
         counts = {k: len(c) for k, c in cols.items()}
@@ -242,7 +252,7 @@ class StorageUnit:
             self._check_column_put(partition, row_t, cols)
         # No await between the checks above and storing: the unit's view cannot change.
         fresh, was_dropped = not self._holds(partition), partition in self.dropped
-        bid = self._store(partition, row_t, cols, new_rows)
+        bid = self._store(partition, row_t, cols, new_rows, nbytes)
         lens = [c.lengths() for c in cols.values() if isinstance(c, JaggedColumn)]
         tokens = torch.stack(lens).sum(0) if lens else torch.zeros(n, dtype=torch.long)
         try:
@@ -277,10 +287,12 @@ class StorageUnit:
             if not per_home:
                 del self.foreign[partition]
 
-    def _store(self, partition: str, rows: torch.Tensor, cols: dict[str, Column], new_rows: bool) -> int:
+    def _store(self, partition: str, rows: torch.Tensor, cols: dict[str, Column], new_rows: bool,
+               nbytes: int) -> int:
+        """``nbytes``: the columns' size as the put counted it (an object column's is a loop over
+        its items: counted once)."""
         n = rows.numel()
         bid = next(self._batch_ids)
-        nbytes = sum(c.nbytes for c in cols.values())
         self.batches[bid] = _Batch(cols, nbytes, n * len(cols))
         self.dropped.discard(partition)
         codes = torch.arange(bid << _POS_BITS, (bid << _POS_BITS) + n)
@@ -405,14 +417,18 @@ class StorageUnit:
             raise self._missing_error(partition, ps, row_t, idx)
         missing = [n for n in columns if n not in ps.codes]
         if missing:
-            raise BadPutError(f"partition {partition!r} has no column {missing[0]!r} in unit {self.index}")
+            raise MissingColumnError(
+                f"partition {partition!r} has no column {missing[0]!r} in unit {self.index} (it holds "
+                f"{sorted(ps.codes)[:8]}); check the name, or put that column before reading it")
         # All columns' locations at once: one check for holes, one for contiguous runs.
         codes = torch.stack([ps.codes[n][idx] for n in columns])
         if bool((codes < 0).any()):
             name = columns[int(torch.nonzero((codes < 0).any(1))[0])]
             lacking = row_t[ps.codes[name][idx] < 0]
-            raise RowsClearedError(f"partition {partition!r}: rows {lacking[:5].tolist()} have no column "
-                                   f"{name!r} yet in unit {self.index}")
+            raise MissingColumnError(
+                f"partition {partition!r}: rows {lacking[:5].tolist()} have no column {name!r} yet in unit "
+                f"{self.index}; read them after it is put, or ask get_meta for {name!r} so that only rows "
+                "having it are handed out")
         n = row_t.numel()
         runs = (codes.diff(dim=1) == 1).all(1).tolist() if n > 1 else [True] * len(columns)
         firsts = codes[:, 0].tolist()

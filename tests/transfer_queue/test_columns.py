@@ -205,3 +205,65 @@ def test_recent_set_keeps_only_the_newest_names():
     assert "c" not in s and "b" in s
     s.discard("b")
     assert "b" not in s
+
+
+# ---- malformed columns are refused where data enters ---------------------------------------
+
+_BAD_COLUMNS = [
+    (JaggedColumn(torch.arange(3), torch.tensor([0, 2, 10])), r"offsets end at 10 but values has 3 rows"),
+    (JaggedColumn(torch.arange(3), torch.tensor([0, 3, 1, 3])), r"offsets decrease at row 1 \(3 -> 1\)"),
+    (JaggedColumn(torch.arange(3), torch.tensor([1, 3])), r"offsets\[0\] is 1, must be 0"),
+    (JaggedColumn(torch.arange(3), torch.tensor([0, 3], dtype=torch.int32)), r"1-D int64 .* got int32 of shape \[2\]"),
+    (JaggedColumn(torch.arange(3), torch.tensor([[0, 3]])), r"1-D int64 .* got int64 of shape \[1, 2\]"),
+    (JaggedColumn(torch.zeros(0), torch.zeros(0, dtype=torch.long)), r"rows \+ 1 entries, got int64 of shape \[0\]"),
+    (JaggedColumn(torch.tensor(5), torch.tensor([0])), r"values is a 0-d tensor"),
+    (JaggedColumn([1, 2], torch.tensor([0, 2])), r"must be tensors, got list and Tensor"),
+    (FixedColumn(torch.tensor(5)), r"0-d tensor; a column needs one entry per row"),
+    (FixedColumn([1, 2]), r"fixed column data is a list, not a tensor"),
+    (ObjectColumn("abc"), r"items must be a list, got a str"),
+]
+
+
+@pytest.mark.parametrize("col,err", _BAD_COLUMNS)
+def test_to_column_refuses_a_malformed_column_naming_it_and_the_cause(col, err):
+    with pytest.raises(ValueError, match=rf"column 'resp': .*{err}"):
+        to_column("resp", col)
+    with pytest.raises(ValueError, match=err):
+        to_columns({"k": torch.arange(2), "resp": col})
+
+
+@pytest.mark.parametrize("col,err", _BAD_COLUMNS)
+def test_checked_wire_column_refuses_what_to_column_refuses(col, err):
+    with pytest.raises(CodecError, match=err):
+        column_from_wire(column_to_wire(col), check=True)
+
+
+def test_well_formed_columns_pass_the_checks_unchanged():
+    good = [_jag(ROWS), _jag(PER_TOKEN), _jag([torch.zeros(0)]),
+            JaggedColumn(torch.zeros(0), torch.zeros(1, dtype=torch.long)),  # no rows: offsets [0]
+            FixedColumn(torch.zeros(0, 3)), ObjectColumn([]), ObjectColumn(["a", {"b": 1}])]
+    for col in good:
+        assert to_column("c", col) is col
+        back = column_from_wire(column_to_wire(col), check=True)
+        assert type(back) is type(col) and len(back) == len(col)
+
+
+def test_reply_path_does_not_check_offsets():
+    """Replies come from a unit that checked the columns on put: reading them stays as cheap
+    as before (only the offsets' dtype and rank), so the unchecked form still builds."""
+    col = column_from_wire({"k": "jagged", "values": torch.arange(3), "offsets": torch.tensor([0, 2, 10])})
+    assert col.offsets.tolist() == [0, 2, 10]
+
+
+def test_object_column_nbytes_counts_content():
+    over = 56  # the per-item overhead: a str header plus its list slot
+    assert ObjectColumn([]).nbytes == 0
+    assert ObjectColumn(["", "abc"]).nbytes == 2 * over + 3
+    assert ObjectColumn(["é€"]).nbytes == over + 2 + 3  # UTF-8 bytes, not characters
+    assert ObjectColumn(["\ud800"]).nbytes == over + 3  # a lone surrogate is still counted
+    assert ObjectColumn([b"xyz", 5, 1.5, None, True]).nbytes == 5 * over + 3 + 4 * 8
+    # anything else: its compact JSON as it travels, tensors inside by their bytes
+    assert ObjectColumn([{"a": [1, 2]}, ["x"]]).nbytes == 2 * over + len('{"a":[1,2]}') + len('["x"]')
+    assert ObjectColumn([{"t": torch.zeros(4)}]).nbytes == over + len('{"t":0}') + 16
+    big = "x" * 10_000_000
+    assert ObjectColumn([big]).nbytes == over + 10_000_000

@@ -10,7 +10,7 @@ import torch
 
 from asyncflow.transfer_queue.columns import column_from_wire, column_to_wire, to_column
 from asyncflow.transfer_queue.controller import Controller
-from asyncflow.transfer_queue.errors import RowsClearedError
+from asyncflow.transfer_queue.errors import BadPutError, MissingColumnError, RowsClearedError
 from asyncflow.transfer_queue.meta import make_row_id
 from asyncflow.transfer_queue.storage import StorageUnit
 from asyncflow.transfer_queue.transport import LocalEndpoint
@@ -89,3 +89,43 @@ def test_rows_of_another_unit_or_never_stored_fail_clearly(unit):
     foreign = torch.tensor([make_row_id(1, 0), make_row_id(1, 1)])
     with pytest.raises(RowsClearedError):
         _read(unit, foreign)
+
+
+def test_a_column_missing_or_not_yet_written_raises_missing_column_error(unit):
+    ids = _put_rows(unit, 0, 4)
+    asyncio.run(unit.rpc_put(PART, {"y": column_to_wire(to_column("y", torch.arange(2)))}, rows=ids[:2]))
+    with pytest.raises(MissingColumnError, match=r"'p' has no column 'nope' in unit 0 \(it holds \['ids', 'x', 'y'\]\)"):
+        _read(unit, ids, ("x", "nope"))
+    with pytest.raises(MissingColumnError, match=rf"rows \[{int(ids[2])}, {int(ids[3])}\] have no column 'y' yet"):
+        _read(unit, ids, ("x", "y"))
+    assert _read(unit, ids[:2], ("y",))["y"].data.tolist() == [0, 1]
+    # A KeyError (so a LookupError) that prints its message unquoted; not the old classes.
+    err = MissingColumnError("partition 'p' has no column 'j'")
+    assert isinstance(err, KeyError) and isinstance(err, LookupError)
+    assert not isinstance(err, (BadPutError, RowsClearedError))
+    assert str(err) == "partition 'p' has no column 'j'"
+
+
+def _state(unit: StorageUnit) -> tuple:
+    stats = asyncio.run(unit.rpc_stats())
+    return stats, {k: c.tolist() for ps in unit.parts.values() for k, c in ps.codes.items()}
+
+
+@pytest.mark.parametrize("wire,err", [
+    ({"k": "jagged", "values": torch.arange(3), "offsets": torch.tensor([0, 2, 10])}, "offsets end at 10"),
+    ({"k": "jagged", "values": torch.arange(3), "offsets": torch.tensor([0, 3, 1, 3])}, "offsets decrease at row 1"),
+    ({"k": "jagged", "values": torch.arange(3), "offsets": torch.tensor([0, 3], dtype=torch.int32)}, "int64"),
+    ({"k": "fixed", "data": torch.tensor(7)}, "0-d tensor"),
+    ({"k": "object", "items": "abc"}, "must be a list"),
+    ({"k": "sparse"}, "unknown column kind"),
+])
+def test_unit_refuses_a_malformed_put_column_and_stores_nothing(unit, wire, err):
+    ids = _put_rows(unit, 0, 3)
+    before = _state(unit)
+    good = {"x": column_to_wire(to_column("x", torch.arange(3)))}
+    with pytest.raises(BadPutError, match=rf"put into 'p': column 'bad': .*{err}.*nothing was stored"):
+        asyncio.run(unit.rpc_put(PART, {**good, "bad": wire}))
+    with pytest.raises(BadPutError, match=rf"column 'bad': .*{err}"):  # columns added to existing rows
+        asyncio.run(unit.rpc_put(PART, {"bad": wire}, rows=ids))
+    assert _state(unit) == before
+    _expect(_read(unit, ids), [0, 1, 2])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncflow.transfer_queue import BadPutError, RowsClearedError
+from asyncflow.transfer_queue import BadPutError, MissingColumnError, RowsClearedError
 
 
 def _data(n, base=0):
@@ -113,7 +113,7 @@ def test_bad_requests_fail_clearly_and_consume_nothing(tq):
         tq.client.get_batch(["key"], 0, "t", "p")
     # A data column that does not exist: the rows were handed out (as get_meta would), the
     # read says what is missing.
-    with pytest.raises(BadPutError, match="no column 'nope'"):
+    with pytest.raises(MissingColumnError, match="no column 'nope'"):
         tq.client.get_batch(["key"], 1, "t", "p", data_columns=["nope"])
     meta, td = tq.client.get_batch(["key"], 2, "t", "p")
     assert td["key"].tolist() == [1, 2]
