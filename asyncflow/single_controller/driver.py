@@ -66,12 +66,18 @@ def _failed(fut: asyncio.Future) -> bool:
 class RankCall:
     """One call in flight to one rank: its future holds the reply message."""
 
-    __slots__ = ("ep", "client", "rid", "fut", "op", "what", "role", "timeout")
+    __slots__ = ("ep", "client", "rid", "fut", "op", "what", "role", "timeout", "started")
 
     def __init__(self, ep: "RankEndpoint", client: RpcClient, rid: int, fut: asyncio.Future, op: str, what: str,
                  role: str | None, timeout: float):
         self.ep, self.client, self.rid, self.fut = ep, client, rid, fut
         self.op, self.what, self.role, self.timeout = op, what, role, timeout
+        self.started = time.monotonic()  # for the report of a run stopped mid-call (Driver.describe_in_flight)
+
+    def describe(self, now: float) -> str:
+        """``rank 1 (role train) train.sleep, running 2.1 s``: one call in flight, for a report."""
+        role = self.role or ",".join(self.ep.roles) or "no role yet"
+        return f"rank {self.ep.rank} (role {role}) {self.what}, running {now - self.started:.1f} s"
 
     def failed(self) -> bool:
         return _failed(self.fut)
@@ -165,6 +171,11 @@ class RankEndpoint:
         self._control = RpcClient(control, ctx)  # pings and the like, answered while a call runs
         self.dead: asyncio.Future = asyncio.get_running_loop().create_future()
         self.dead.add_done_callback(lambda f: f.exception())  # retrieved: no "never retrieved" noise
+        # The calls sent to the calls socket, so a run stopped from outside can say what it
+        # waited for. Finished ones are dropped lazily, in bulk (no callback per call: the
+        # hot path); ``_prune_at`` doubles with the calls truly in flight.
+        self._sent: dict[int, RankCall] = {}
+        self._prune_at = 64
 
     @property
     def in_process(self) -> bool:
@@ -186,7 +197,18 @@ class RankEndpoint:
             fut.set_exception(self.dead.exception())
             return RankCall(self, client, -1, fut, op, what, role, timeout)
         rid, fut = client.start(op, args, timeout)
-        return RankCall(self, client, rid, fut, op, what, role, timeout)
+        call = RankCall(self, client, rid, fut, op, what, role, timeout)
+        if not control:  # pings and the like are not what a run waits for
+            sent = self._sent
+            sent[rid] = call
+            if len(sent) > self._prune_at:
+                self._sent = {r: c for r, c in sent.items() if not c.fut.done()}
+                self._prune_at = max(64, 2 * len(self._sent))
+        return call
+
+    def in_flight(self) -> list[RankCall]:
+        """The calls to this rank (not control messages) that have no reply yet, oldest first."""
+        return [c for c in list(self._sent.values()) if not c.fut.done()]
 
     async def request(self, op: str, what: str, role: str | None, timeout: float, /, *, control: bool = False,
                       **args: Any) -> Any:
@@ -280,6 +302,16 @@ class Driver:
                     if not self.failed.done():
                         self.failed.set_exception(err)
                     return
+
+    def in_flight(self) -> list[RankCall]:
+        """Every call still waiting for its reply, by rank, oldest first."""
+        return [c for ep in self.ranks for c in ep.in_flight()]
+
+    def describe_in_flight(self) -> str:
+        """The calls in flight, as ``rank 1 (role train) train.sleep, running 2.1 s; ...``:
+        what a run stopped from outside (the launcher's SIGTERM) was waiting for."""
+        now = time.monotonic()
+        return "; ".join(c.describe(now) for c in self.in_flight()) or "no call in flight"
 
     def check(self) -> None:
         """Raise the first fatal error (a dead worker), if any."""

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 import threading
 import traceback
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..transfer_queue.alloc import freeze_gc_heap
 from .driver import Driver, DriverConfig
@@ -42,7 +44,10 @@ class RunConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     driver: DriverConfig = field(default_factory=DriverConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    rendezvous_timeout_s: float = 120.0  # store connection, address exchange, init_process_group
+    # Store connection, run key and address exchange. Not init_process_group's timeout: torch
+    # makes that the timeout of every collective on the default group too, so it is
+    # runtime.collective_timeout_s, as for the groups that new_group makes.
+    rendezvous_timeout_s: float = 120.0
     transfer_queue: bool = True  # rank 0 hosts a TransferQueueService and tells the workers
     tq_units: UnitsConfig = field(default_factory=UnitsConfig)  # where storage units run (tq_units.py)
 
@@ -85,7 +90,8 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
             serving.start()
             addresses = wait_addresses(store, world_size, cfg.rendezvous_timeout_s)
             nodes = nodes_of_ranks(store, world_size) if tq is not None else None
-            code = asyncio.run(run_driver(cfg, addresses, host, tq.service if tq else None, nodes))
+            code = asyncio.run(run_driver(cfg, addresses, host, tq.service if tq else None, nodes,
+                                          report_sigterm=True))
             serving.join(timeout=30)
             if serving.is_alive():  # still inside a call: its socket must not be closed under it
                 return code or 1
@@ -104,32 +110,74 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
     return code
 
 
+@contextlib.contextmanager
+def sigterm_report(driver: Driver) -> Iterator[None]:
+    """While in this block, a SIGTERM first writes to stderr which calls ``driver`` was waiting
+    for (rank, role, method, how long), then takes its course as before (this process dies of it).
+
+    When one rank exits, torch stops every other one with SIGTERM (SIGKILL 30 s later): under
+    torchrun its elastic agent, under launch_local torch.multiprocessing's spawn context. That
+    is usually seconds before the driver's heartbeats notice: without this, rank 0 dies without
+    a word and only the dead rank's number is ever printed. A plain ``signal.signal`` handler rather than the event loop's: it also runs
+    while ``main`` blocks the loop. It writes with ``os.write``, not ``print``: the handler may
+    interrupt a ``print`` on this thread, and a buffered stream is not reentrant. Main thread
+    only; a SIGTERM that is ignored here stays ignored."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        try:
+            what = driver.describe_in_flight()
+        except Exception as e:  # noqa: BLE001 - the report must not stop the exit
+            what = f"(unknown: {type(e).__name__}: {e})"
+        line = (f"asyncflow: stopped by the launcher (SIGTERM; another rank probably died) "
+                f"while waiting for: {what}\n")
+        try:
+            os.write(2, line.encode("utf-8", "replace"))
+        except OSError:
+            pass
+        # The previous disposition (the default: die of SIGTERM, a non-zero exit), re-raised.
+        signal.signal(signum, previous)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 async def run_driver(cfg: RunConfig, addresses: list[str], host: str, tq: Any = None,
-                     nodes: list[int] | None = None) -> int:
+                     nodes: list[int] | None = None, *, report_sigterm: bool = False) -> int:
     """Start the TransferQueue (unless ``tq``, a started service, is given), check every node's
     storage unit is registered (``nodes``: each rank's node), attach to the workers, run
-    ``main``; 0 on success, else 1."""
+    ``main``; 0 on success, else 1. ``report_sigterm``: this process is a launched rank 0,
+    whose launcher stops it with SIGTERM when another rank dies (:func:`sigterm_report`)."""
     if tq is None and cfg.transfer_queue:
         from ..transfer_queue import TransferQueueConfig, TransferQueueService
         tq = TransferQueueService(TransferQueueConfig(host=host)).start_in_thread()
     driver = Driver(addresses, placement=cfg.placement, config=cfg.driver,
                     transfer_queue_address=tq.controller_address if tq else None)
-    try:
-        main = import_function(cfg.main)
-        if tq is not None and nodes and cfg.tq_units.per_node:
-            await wait_for_node_units(tq.controller_address, nodes, cfg.tq_units.register_timeout_s)
-        await driver.start()
-        await driver.run(main(driver))
-        return 0
-    except Exception:  # noqa: BLE001 - the run's failure: print it whole, exit non-zero
-        print(f"asyncflow driver failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        if tq is not None:  # while every node's unit still runs
-            await write_unit_stats(tq.controller_address, cfg.tq_units.stats_path)
-        await driver.shutdown()
-        if tq is not None:
-            tq.stop_in_thread()
+    report = sigterm_report(driver) if report_sigterm else contextlib.nullcontext()
+    with report:
+        try:
+            main = import_function(cfg.main)
+            if tq is not None and nodes and cfg.tq_units.per_node:
+                await wait_for_node_units(tq.controller_address, nodes, cfg.tq_units.register_timeout_s)
+            await driver.start()
+            await driver.run(main(driver))
+            return 0
+        except Exception:  # noqa: BLE001 - the run's failure: print it whole, exit non-zero
+            print(f"asyncflow driver failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            if tq is not None:  # while every node's unit still runs
+                await write_unit_stats(tq.controller_address, cfg.tq_units.stats_path)
+            await driver.shutdown()
+            if tq is not None:
+                tq.stop_in_thread()
 
 
 def run_from_env(cfg: RunConfig) -> int:

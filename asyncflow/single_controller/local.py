@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
@@ -38,7 +38,12 @@ class LocalWorkers:
         # The driver (and any TransferQueue) lives here: the ranks take this process's key.
         self.store.set(auth.STORE_KEY, auth.run_key())
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_child, args=(self.config, r, self.world_size, self.store.port, self.env),
+        # The ranks exit as soon as this process is gone, even before any driver pings them
+        # (else they would wait out runtime.attach_timeout_s as orphans). A parent-pid check in
+        # their watchdog rather than PR_SET_PDEATHSIG: that fires when the starting *thread*
+        # exits (this may be a short-lived thread of a live process) and is Linux-only.
+        cfg = replace(self.config, runtime=replace(self.config.runtime, parent_pid=os.getpid()))
+        self.procs = [ctx.Process(target=_child, args=(cfg, r, self.world_size, self.store.port, self.env),
                                   name=f"asyncflow-rank{r}", daemon=True) for r in range(self.world_size)]
         for p in self.procs:
             p.start()

@@ -7,7 +7,8 @@ compute is plain synchronous code, calls never overlap on a rank, and collective
 in the same order on every rank of a group (the driver sends a group call to all its
 ranks back to back). Control messages (heartbeat pings, the TransferQueue address,
 "exit now") go to a ``transport.RpcServer`` on a private event-loop thread, so they are
-answered while a method runs. A watchdog exits the process when the driver's pings stop.
+answered while a method runs. A watchdog exits the process when the driver's pings stop
+(or, for LocalWorkers' ranks, when the process that started it is gone).
 """
 from __future__ import annotations
 
@@ -92,6 +93,9 @@ class RuntimeConfig:
     collective_timeout_s: float = 300.0  # new_group and every collective of the groups it makes
     driver_timeout_s: float = 10.0  # exit when the driver's pings stop for this long
     attach_timeout_s: float = 300.0  # exit when no driver pinged at all within this long
+    # Exit when this process is no longer a child of that pid: set by LocalWorkers, whose
+    # process holds the driver, so its workers go with it even before the first ping.
+    parent_pid: int | None = None
     # Also take calls on a Unix socket, which a driver on the same host uses instead of TCP
     # loopback (measured ~5% off a small call's round trip); other nodes use TCP.
     local_ipc: bool = True
@@ -286,7 +290,9 @@ class WorkerRuntime:
             now, last = time.monotonic(), self._last_ping
             if self._closing:
                 return
-            if last is None and now - self._started > cfg.attach_timeout_s:
+            if cfg.parent_pid is not None and os.getppid() != cfg.parent_pid:  # reparented: it died
+                why = f"the process that started it (pid {cfg.parent_pid}) is gone"
+            elif last is None and now - self._started > cfg.attach_timeout_s:
                 why = f"no driver pinged within {cfg.attach_timeout_s:.0f}s of start"
             elif last is not None and now - last > cfg.driver_timeout_s:
                 why = f"the driver's heartbeat stopped {now - last:.1f}s ago"

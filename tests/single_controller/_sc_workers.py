@@ -120,3 +120,11 @@ async def launch_demo_main(driver) -> None:
 async def launch_failing_main(driver) -> None:
     wg = await driver.create_group(EchoWorker, "echo")
     await wg.fail("from the launch test")
+
+
+async def launch_sleeping_main(driver) -> None:
+    """For a kill test: rank 1 alone runs ``train.sleep(60)``; its pid is printed first."""
+    train = await driver.create_group(EchoWorker, "train", ranks=[1])
+    [who] = await train.whoami()
+    print("RANK1-PID", who["pid"], flush=True)
+    await train.sleep(60.0)

@@ -1,9 +1,15 @@
 """Failures: a worker killed mid-call is reported within 10 s naming its rank and role;
-workers exit when the driver's heartbeat stops (no orphans)."""
+workers exit when the driver's heartbeat stops, or when the process that started them
+dies before any driver pinged (no orphans)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +61,43 @@ def test_workers_exit_when_driver_heartbeat_stops():
         assert time.monotonic() - t0 < 8
     finally:
         stop_cluster(c)
+
+
+_ORPHANS = """
+from asyncflow.single_controller.local import LocalWorkers
+from _sc_cluster import run_config
+w = LocalWorkers(2, run_config())
+print(*(p.pid for p in w.procs), flush=True)
+import time; time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: whoever reaps orphans here may not be quick about it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_exit_when_their_starter_dies_before_any_ping():
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), str(here)]), "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-c", _ORPHANS], env=env, stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+        assert len(pids) == 2, f"LocalWorkers did not start (exit {p.poll()})"
+        p.kill()  # SIGKILL: no atexit, no close(); the workers have never been pinged
+        p.wait()
+        t0 = time.monotonic()
+        while not all(_gone(q) for q in pids) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert all(_gone(q) for q in pids), f"workers {pids} outlived their starter by 10 s"
+    finally:
+        p.kill()
+        p.wait()
+        for q in pids:
+            if not _gone(q):
+                os.kill(q, signal.SIGKILL)

@@ -3,8 +3,10 @@ elastic launcher underneath) and torchrun. Rank 0 runs the driver and a worker."
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,38 @@ def test_torchrun_failing_main_exits_nonzero_with_remote_traceback():
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
     assert "echo.fail failed on rank 0" in out and "_deep_failure" in out, out
+
+
+SELF_LAUNCH = ["-m", "asyncflow.single_controller.launch", "--nproc", "2"]
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "asyncflow.single_controller.launch"]
+
+
+@pytest.mark.parametrize("launcher", [SELF_LAUNCH, TORCHRUN], ids=["self-launch", "torchrun"])
+def test_rank_killed_mid_call_names_rank_role_and_method(launcher):
+    """The launcher stops rank 0 (the driver) with SIGTERM as soon as rank 1 dies, before the
+    driver's heartbeats notice: rank 0 still says which call it was waiting for."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]), "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, *launcher, "--platform", "cpu", "--main", "_sc_workers:launch_sleeping_main"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # its own process group: nothing outlives the test
+    try:
+        for line in p.stdout:  # rank 1 is inside train.sleep(60) once its pid is printed
+            if line.startswith("RANK1-PID"):
+                break
+        else:
+            raise AssertionError(f"the run ended (exit {p.wait()}) before its call:\n{p.stderr.read()[-4000:]}")
+        time.sleep(0.3)
+        os.kill(int(line.split()[1]), signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = p.communicate(timeout=30)
+        stopped = time.monotonic() - killed
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode != 0, err
+    assert stopped < 10, f"{stopped:.1f} s to stop after rank 1 died"
+    assert "while waiting for: rank 1 (role train) train.sleep, running" in err, err[-4000:]  # rank 0's line
+    if launcher is SELF_LAUNCH:  # launch_local's line: which rank died (torchrun prints its own table)
+        assert "rank 1 was killed by SIGKILL" in err, err[-4000:]
