@@ -66,6 +66,25 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequenc
     return names, calls
 
 
+def _put_check(meta: BatchMeta | None, calls: list[tuple[int | None, dict]]) -> dict | None:
+    """The controller's ``check_put`` args for a put that adds columns to rows of several
+    units, else None. Each unit validates and rolls back only its own part, so such a put is
+    checked whole first: a part refused later would leave the other parts stored. A put to
+    one unit skips this round trip (the hot path): that unit's notify validates it whole."""
+    if meta is None or len(calls) < 2:
+        return None
+    wire = calls[0][1]["columns"]
+    return {"partition": meta.partition, "rows": ids_to_wire(meta.rows),
+            "columns": {k: column_from_wire(w).schema.to_wire() for k, w in wire.items()}}
+
+
+def _task_list(partition: str, tasks: Sequence[str]) -> list[str]:
+    if isinstance(tasks, str):  # list("train") would declare the tasks 't', 'r', 'a', ...
+        raise ValueError(f"create_partition {partition!r}: tasks must be a list of names, got the string "
+                         f"{tasks!r}; write tasks=[{tasks!r}]")
+    return list(tasks)
+
+
 def _get_names(meta: BatchMeta, columns: Sequence[str] | None) -> list[str]:
     names = list(meta.columns if columns is None else columns)
     if not meta.rows:
@@ -217,7 +236,7 @@ class AsyncTransferQueueClient:
         return replace(meta, locations={**meta.locations, **{c: ids_from_wire(u) for c, u in got.items()}})
 
     async def create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
-        await self.controller.call("create_partition", partition=partition, tasks=list(tasks))
+        await self.controller.call("create_partition", partition=partition, tasks=_task_list(partition, tasks))
 
     async def close_partition(self, partition: str) -> None:
         """End of stream: consumers drain what is left, then get an empty meta with end_of_stream."""
@@ -248,6 +267,9 @@ class AsyncTransferQueueClient:
             target = self._units.preferred
         names, calls = _plan_put(data, partition, meta, groups, target)
         wait = self.wait_timeout if timeout is None else timeout
+        check = _put_check(meta, calls)
+        if check is not None:
+            await self.controller.call("check_put", **check)
         if not self._endpoints:
             await self._refresh_units()
         idx = [self._units.pick() if u is None else u for u, _ in calls]
@@ -372,7 +394,7 @@ class TransferQueueClient:
         return replace(meta, locations={**meta.locations, **{c: ids_from_wire(u) for c, u in got.items()}})
 
     def create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
-        self.controller.call("create_partition", partition=partition, tasks=list(tasks))
+        self.controller.call("create_partition", partition=partition, tasks=_task_list(partition, tasks))
 
     def close_partition(self, partition: str) -> None:
         self.controller.call("close_partition", partition=partition)
@@ -398,6 +420,9 @@ class TransferQueueClient:
         target = self._units.preferred if meta is not None else None
         names, calls = _plan_put(data, partition, meta, groups, target)
         wait = self.wait_timeout if timeout is None else timeout
+        check = _put_check(meta, calls)
+        if check is not None:
+            self.controller.call("check_put", **check)
         sent = []
         if not self._endpoints:
             self._refresh_units()

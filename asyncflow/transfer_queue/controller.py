@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from itertools import repeat
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -22,7 +23,7 @@ from .errors import (BadPutError, RowsClearedError, SchemaMismatchError, Transfe
                      UnknownPartitionError, UnknownTaskError)
 from .meta import BatchMeta, ids_from_wire, ids_to_wire, plan_reads, unit_of
 from .recent import RecentSet
-from .samplers import Sampler, build_sampler
+from .samplers import ReadyRows, Sampler, build_sampler
 
 
 @dataclass
@@ -30,7 +31,9 @@ class _Subscription:
     task: str
     columns: tuple[str, ...]
     mask: int
-    ready: dict[int, None] = field(default_factory=dict)  # insertion-ordered set
+    # Rows with all the columns that the task has not consumed, in the order they became ready;
+    # changed only through its add / remove (they keep grouped samplers' indexes in step).
+    ready: ReadyRows = field(default_factory=ReadyRows)
 
 
 @dataclass
@@ -51,6 +54,9 @@ class _Partition:
         self.groups: dict[int, int] = {}
         self.tokens: dict[int, int] = {}
         self.consumed: dict[str, set[int]] = {}
+        # Consumer tasks declared by create_partition; when any are, only they are served
+        # (a typo'd task name would otherwise start a new consumer and take rows silently).
+        self.tasks: set[str] = set()
         self.subs: dict[str, dict[tuple[str, ...], _Subscription]] = {}
         self.subs_by_column: dict[str, list[_Subscription]] = {}
         self.dp_shares: dict[tuple[str, str], _DPShare] = {}
@@ -142,10 +148,23 @@ class Controller:
     async def rpc_create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
         if not isinstance(partition, str) or not partition:
             raise ValueError(f"partition name must be a non-empty string, got {partition!r}")
+        if isinstance(tasks, str) or not all(isinstance(t, str) and t for t in tasks):
+            raise ValueError(f"create_partition {partition!r}: tasks must be a list of non-empty strings, "
+                             f"got {tasks!r}")
         if partition not in self.partitions:
             self.partitions[partition] = _Partition(partition)
             self.cleared.discard(partition)
+        self.partitions[partition].tasks.update(tasks)  # calling again declares more tasks
         self.tasks.update(tasks)
+
+    @staticmethod
+    def _check_task(p: _Partition, task: str) -> None:
+        """A partition created with tasks serves only those; one created without serves any."""
+        if p.tasks and task not in p.tasks:
+            raise UnknownTaskError(
+                f"unknown task {task!r} for partition {p.name!r}: it serves only the tasks declared for it, "
+                f"{sorted(p.tasks)}; fix the task name, or declare it with "
+                f"create_partition({p.name!r}, tasks=[{task!r}])")
 
     async def rpc_close_partition(self, partition: str) -> None:
         """End of stream: no new rows will come (columns of existing rows still may)."""
@@ -168,16 +187,15 @@ class Controller:
         p = self._partition(partition)
         rows = ids_from_wire(rows)
         gone = [r for r in rows if r in p.rows]
+        for per_task in p.subs.values():  # first: a group index looks up the rows' groups
+            for sub in per_task.values():
+                sub.ready.remove(gone)
         for r in gone:
             del p.rows[r]
             p.groups.pop(r, None)
             p.tokens.pop(r, None)
         for consumed in p.consumed.values():
             consumed.difference_update(gone)
-        for per_task in p.subs.values():
-            for sub in per_task.values():
-                for r in gone:
-                    sub.ready.pop(r, None)
         by_unit: dict[int, set[int]] = {}
         for r in gone:
             by_unit.setdefault(unit_of(r), set()).add(r)
@@ -193,6 +211,7 @@ class Controller:
 
     async def rpc_reset_consumption(self, partition: str, task: str) -> None:
         p = self._partition(partition)
+        self._check_task(p, task)
         if task not in self.tasks:
             raise UnknownTaskError(f"unknown task {task!r}; known tasks: {sorted(self.tasks)}")
         p.consumed.pop(task, None)
@@ -211,6 +230,7 @@ class Controller:
             "partition": partition,
             "rows": len(p.rows),
             "closed": p.closed,
+            "tasks": sorted(p.tasks),  # declared ones; empty: any task is served
             "columns": {c: s.to_wire() for c, s in p.schema.items()},
             "column_rows": {c: sum(1 for m in p.rows.values() if m >> b & 1) for c, b in p.bit.items()},
             "consumed": {t: len(s) for t, s in p.consumed.items()},
@@ -219,6 +239,56 @@ class Controller:
         }
 
     # ---- writes (called by storage units after they stored the bytes) ------------------
+
+    @staticmethod
+    def _check_write(p: _Partition, rows: list[int], schemas: dict[str, FieldSchema], new_rows: bool,
+                     groups: list[int] | None) -> None:
+        """Raise if recording ``schemas`` for ``rows`` would be refused; changes nothing.
+        The one validation of a write: rpc_notify runs it before applying, rpc_check_put
+        before a multi-unit put sends any bytes."""
+        for c, s in schemas.items():
+            old = p.schema.get(c)
+            if old is not None and old != s:
+                raise SchemaMismatchError(
+                    f"partition {p.name!r}, column {c!r}: holds {old.describe()} but this put sends "
+                    f"{s.describe()}; convert the data or use another column name")
+        if groups is not None and len(groups) != len(rows):
+            raise BadPutError(f"partition {p.name!r}: {len(groups)} group ids for {len(rows)} rows")
+        if new_rows:
+            if p.closed:
+                raise BadPutError(f"partition {p.name!r} is closed (end of stream): no new rows can be added")
+            if any(map(p.rows.__contains__, rows)):
+                dup = [r for r in rows if r in p.rows]
+                raise BadPutError(f"partition {p.name!r}: rows {dup[:5]} already exist")
+            return
+        if groups is not None:
+            raise BadPutError("group ids are given when rows are created, not when columns are added")
+        missing = [r for r in rows if r not in p.rows]
+        if missing:
+            raise RowsClearedError(f"partition {p.name!r}: rows {missing[:5]} do not exist (cleared, or never "
+                                   f"created); put the columns of the other rows only")
+        for c in schemas:
+            b = p.bit.get(c)
+            if b is not None:
+                again = [r for r in rows if p.rows[r] >> b & 1]
+                if again:
+                    raise BadPutError(f"partition {p.name!r}: rows {again[:5]} already have column "
+                                      f"{c!r}; columns are written once per row (leave those rows out, "
+                                      f"or use another column name)")
+
+    async def rpc_check_put(self, partition: str, rows: Any, columns: dict) -> None:
+        """Refuse now a put of ``columns`` ({name: schema}) to existing ``rows`` that notify
+        would refuse. A client calls it before a put split over several storage units: each
+        unit rolls back only its own part, so without this check a part refused in one unit
+        would leave the others' parts stored. Stores nothing. What it cannot rule out: a
+        clear of these rows (or of the partition) between this check and the units' puts;
+        the unit whose rows were cleared then refuses its part and the others keep theirs."""
+        p = self._partition(partition)
+        rows = ids_from_wire(rows)
+        if len(set(rows)) != len(rows):  # a unit checks this only for its own part
+            dup = sorted(r for r, n in Counter(rows).items() if n > 1)
+            raise BadPutError(f"put into {partition!r} names rows {dup[:5]} more than once; name each row once")
+        self._check_write(p, rows, {c: FieldSchema.from_wire(w) for c, w in columns.items()}, False, None)
 
     async def rpc_notify(self, partition: str, rows: Any, columns: dict, new_rows: bool,
                          tokens: Any = None, groups: Any = None, unit: int | None = None) -> None:
@@ -230,34 +300,7 @@ class Controller:
         tokens = ids_from_wire(tokens) if tokens is not None else None
         groups = ids_from_wire(groups) if groups is not None else None
         schemas = {c: FieldSchema.from_wire(w) for c, w in columns.items()}
-        for c, s in schemas.items():
-            old = p.schema.get(c)
-            if old is not None and old != s:
-                raise SchemaMismatchError(
-                    f"partition {partition!r}, column {c!r}: holds {old.describe()} but this put sends "
-                    f"{s.describe()}; convert the data or use another column name")
-        if groups is not None and len(groups) != len(rows):
-            raise BadPutError(f"partition {partition!r}: {len(groups)} group ids for {len(rows)} rows")
-        if new_rows:
-            if p.closed:
-                raise BadPutError(f"partition {partition!r} is closed (end of stream): no new rows can be added")
-            if any(map(p.rows.__contains__, rows)):
-                dup = [r for r in rows if r in p.rows]
-                raise BadPutError(f"partition {partition!r}: rows {dup[:5]} already exist")
-        else:
-            if groups is not None:
-                raise BadPutError("group ids are given when rows are created, not when columns are added")
-            missing = [r for r in rows if r not in p.rows]
-            if missing:
-                raise RowsClearedError(f"partition {partition!r}: rows {missing[:5]} do not exist "
-                                       f"(cleared, or never created)")
-            for c in schemas:
-                b = p.bit.get(c)
-                if b is not None:
-                    again = [r for r in rows if p.rows[r] >> b & 1]
-                    if again:
-                        raise BadPutError(f"partition {partition!r}: rows {again[:5]} already have column "
-                                          f"{c!r}; columns are written once per row")
+        self._check_write(p, rows, schemas, new_rows, groups)
         # --- nothing was changed above; apply -------------------------------------------
         add = 0
         for c, s in schemas.items():
@@ -280,7 +323,7 @@ class Controller:
             fresh = dict.fromkeys(rows)  # new rows: no task has consumed them
             for sub in touched.values():
                 if add & sub.mask == sub.mask:
-                    sub.ready.update(fresh)
+                    sub.ready.add(fresh)
         else:
             olds = [rows_map[r] for r in rows]
             for r, old in zip(rows, olds):
@@ -291,9 +334,8 @@ class Controller:
             for sub in touched.values():
                 m = sub.mask
                 consumed = p.consumed.get(sub.task, ())
-                for r, old in zip(rows, olds):
-                    if old & m != m and (old | add) & m == m and r not in consumed:
-                        sub.ready[r] = None
+                sub.ready.add([r for r, old in zip(rows, olds)
+                               if old & m != m and (old | add) & m == m and r not in consumed])
         if not new_rows and unit is not None:
             self._record_where(p, rows, schemas, int(unit))
         self.stats["notify"] += 1
@@ -323,9 +365,9 @@ class Controller:
         consumed = p.consumed.get(task, ())
         # The one scan of the partition, when a (task, columns) pair is first asked for.
         if consumed:
-            sub.ready = dict.fromkeys([r for r, m in p.rows.items() if m & mask == mask and r not in consumed])
+            sub.ready = ReadyRows.fromkeys([r for r, m in p.rows.items() if m & mask == mask and r not in consumed])
         else:
-            sub.ready = dict.fromkeys([r for r, m in p.rows.items() if m & mask == mask])
+            sub.ready = ReadyRows.fromkeys([r for r, m in p.rows.items() if m & mask == mask])
         per_task[columns] = sub
         for c in columns:
             p.subs_by_column.setdefault(c, []).append(sub)
@@ -334,12 +376,7 @@ class Controller:
     def _consume(self, p: _Partition, task: str, rows: list[int]) -> None:
         p.consumed.setdefault(task, set()).update(rows)
         for sub in p.subs.get(task, {}).values():
-            ready = sub.ready
-            if len(ready) == len(rows) and ready.keys() == set(rows):
-                ready.clear()  # the batch took every ready row (the common streaming case)
-                continue
-            for r in rows:
-                ready.pop(r, None)
+            sub.ready.remove(rows)
 
     def _meta(self, p: _Partition, rows: list[int], columns: Sequence[str], dp_parts: list[int]) -> BatchMeta:
         groups = [p.groups.get(r, -1) for r in rows] if p.groups else []
@@ -391,6 +428,7 @@ class Controller:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         p = self._partition(partition)
+        self._check_task(p, task)  # before anything is consumed
         self.tasks.add(task)
         self.stats["get_meta"] += 1
         cols = tuple(sorted(set(columns)))
@@ -477,10 +515,8 @@ class Controller:
     def _unconsume(self, p: _Partition, task: str, rows: list[int]) -> None:
         p.consumed.get(task, set()).difference_update(rows)
         for sub in p.subs.get(task, {}).values():
-            for r in rows:
-                m = p.rows.get(r)
-                if m is not None and m & sub.mask == sub.mask:
-                    sub.ready[r] = None
+            mask = sub.mask
+            sub.ready.add([r for r in rows if (m := p.rows.get(r)) is not None and m & mask == mask])
         p.wake()
 
     async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,

@@ -3,8 +3,9 @@
 A sampler runs inside the controller. It sees the task's ready rows in the order they
 became ready (an insertion-ordered dict used as an ordered set) and reads per-row
 groups and token counts from the partition; it returns the chosen rows in batch
-order, or None when no acceptable batch is ready yet. Its cost grows with the batch
-(and, for grouped sampling, with the ready rows it looks at), never with the partition.
+order, or None when no acceptable batch is ready yet. Its cost grows with the batch,
+never with the partition: grouped sampling reads an index of the ready rows by group
+(``GroupIndex``), which the controller keeps in step with every change of them.
 
 Samplers are named in requests (``"sequential"`` or ``{"name": "grpo_group",
 "group_size": 8}``) because the controller may live in another process.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 from .balance import karmarkar_karp
 
@@ -27,6 +28,91 @@ class RowInfo(Protocol):
 class Sample:
     rows: list[int]
     dp_parts: list[int]
+
+
+class GroupIndex:
+    """Ready rows by group, and the groups holding at least ``size`` of them in the order
+    they got there (a FIFO of complete groups), so a grouped batch is taken from the FIFO
+    instead of walking every ready row of the incomplete groups."""
+
+    def __init__(self, size: int, group_of: Mapping[int, int]):
+        self.size = size
+        self.group_of = group_of  # the partition's row -> group id (read, never written here)
+        self.members: dict[int, dict[int, None]] = {}  # group -> its ready rows, in ready order
+        self.complete: dict[int, None] = {}  # groups with >= size ready rows, oldest first
+        self.ungrouped: dict[int, None] = {}  # ready rows put without a group id (a caller's error)
+
+    def add(self, rows: Iterable[int]) -> None:
+        n, get, members = self.size, self.group_of.get, self.members
+        for r in rows:
+            g = get(r)
+            if g is None:
+                self.ungrouped[r] = None
+                continue
+            m = members.get(g)
+            if m is None:
+                m = members[g] = {}
+            m[r] = None
+            if len(m) == n:
+                self.complete[g] = None
+
+    def remove(self, rows: Iterable[int]) -> None:
+        """Forget ``rows``; call before the partition forgets their groups (clear_rows)."""
+        n, get, members = self.size, self.group_of.get, self.members
+        for r in rows:
+            g = get(r)
+            m = members.get(g) if g is not None else None
+            if m is None or r not in m:
+                self.ungrouped.pop(r, None)
+                continue
+            del m[r]
+            if len(m) == n - 1:
+                self.complete.pop(g, None)
+            if not m:
+                del members[g]
+
+    def clear(self) -> None:
+        self.members.clear()
+        self.complete.clear()
+        self.ungrouped.clear()
+
+
+class ReadyRows(dict):
+    """A subscription's ready rows: an insertion-ordered set (row -> None) that samplers read
+    as a Mapping. The controller changes it only through ``add`` and ``remove``, which keep
+    the group indexes that grouped samplers asked for (``group_index``) in step."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.indexes: dict[int, GroupIndex] = {}  # group size -> index; empty unless grouped sampling ran
+
+    def add(self, rows: Sequence[int] | Mapping[int, None]) -> None:
+        """Make ``rows`` (not ready yet) ready, after the ones already ready."""
+        self.update(rows if isinstance(rows, dict) else dict.fromkeys(rows))
+        for ix in self.indexes.values():
+            ix.add(rows)
+
+    def remove(self, rows: Sequence[int]) -> None:
+        """``rows`` are no longer ready (consumed or cleared); rows not ready are ignored."""
+        if len(self) == len(rows) and self.keys() == set(rows):
+            self.clear()  # a batch took every ready row (the common streaming case)
+            for ix in self.indexes.values():
+                ix.clear()
+            return
+        pop = self.pop
+        for r in rows:
+            pop(r, None)
+        for ix in self.indexes.values():
+            ix.remove(rows)
+
+    def group_index(self, size: int, group_of: Mapping[int, int]) -> GroupIndex:
+        """The index for groups of ``size``, built with one walk of the ready rows the first
+        time a grouped sampler asks, then kept up to date by ``add`` and ``remove``."""
+        ix = self.indexes.get(size)
+        if ix is None or ix.group_of is not group_of:
+            ix = self.indexes[size] = GroupIndex(size, group_of)
+            ix.add(self)
+        return ix
 
 
 class Sampler:
@@ -67,29 +153,32 @@ class GroupSampler(Sampler):
         if len(ready) < batch_size and not (partial or ended):
             return None
         need = batch_size // n
-        groups = info.groups
-        buckets: dict[int, list[int]] = {}
-        done: list[int] = []
-        for row in ready:
-            g = groups.get(row)
-            if g is None:
-                raise ValueError(f"grpo_group sampler: row {row} has no group id; put rows with groups=[...]")
-            b = buckets.setdefault(g, [])
-            b.append(row)
-            if len(b) == n:
-                done.append(g)
-                if len(done) == need:
-                    break
-        if len(done) == need:
-            return Sample([r for g in done for r in buckets[g]], [])
-        if partial and done and not ended:  # fewer rows now, but only whole groups
-            return Sample([r for g in done for r in buckets[g]], [])
+        # Ready rows handed over as a plain mapping (not the controller's) get a throwaway index.
+        index = ready.group_index(n, info.groups) if isinstance(ready, ReadyRows) else None
+        if index is None:
+            index = GroupIndex(n, info.groups)
+            index.add(ready)
+        if index.ungrouped:
+            row = next(iter(index.ungrouped))
+            raise ValueError(f"grpo_group sampler: row {row} has no group id; put rows with groups=[...]")
+        done = list(islice(index.complete, need))
+        if len(done) == need or (partial and done and not ended):  # partial: fewer rows, whole groups
+            return Sample([r for g in done for r in islice(index.members[g], n)], [])
         if ended and ready:  # end of stream: whole groups first, then what is left
-            whole = set(done)
-            rows = [r for g in done for r in buckets[g]]
-            rest = [r for g, b in buckets.items() if g not in whole for r in b]
-            return Sample((rows + rest)[:batch_size], [])
+            rows = [r for g in done for r in islice(index.members[g], n)]
+            return Sample(rows + list(islice(self._rest(ready, index, set(done)), batch_size - len(rows))), [])
         return None
+
+    @staticmethod
+    def _rest(ready: Mapping[int, None], index: GroupIndex, taken: set[int]) -> Iterator[int]:
+        """The rows of the groups not ``taken``, group by group, groups in the order of their
+        oldest ready row. Lazy: the drain at end of stream walks only as far as it takes."""
+        group_of, members = index.group_of, index.members
+        for r in ready:
+            g = group_of[r]
+            if g not in taken:
+                taken.add(g)
+                yield from members[g]
 
 
 class TokenBalancedSampler(Sampler):

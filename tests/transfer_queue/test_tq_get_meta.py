@@ -11,6 +11,7 @@ import torch
 
 import _tq_helpers as H
 from asyncflow.transfer_queue import RowsClearedError, TransferQueueTimeout
+from asyncflow.transfer_queue.samplers import ReadyRows
 
 WAKE_S = 0.5  # "promptly": a waiter must return well within this after the event
 
@@ -266,3 +267,56 @@ def test_get_meta_of_a_few_rows_does_not_scan_a_large_partition(tq):
         assert tq.on_loop(lambda: len(sub.ready)) == 0
     assert _CountingRows.scans == 0, "a write or get_meta iterated over every row of the partition"
     assert tq.on_loop(lambda: len(part.rows)) == n + 24
+
+
+class _CountingReady(ReadyRows):
+    """A subscription's ready rows, counting walks over them."""
+    scans = 0
+
+    def __iter__(self):
+        type(self).scans += 1
+        return super().__iter__()
+
+    def items(self):
+        type(self).scans += 1
+        return super().items()
+
+    def keys(self):
+        type(self).scans += 1
+        return super().keys()
+
+    def values(self):
+        type(self).scans += 1
+        return super().values()
+
+
+def test_grouped_get_meta_does_not_walk_the_ready_rows_of_incomplete_groups(tq):
+    """Many ready rows in incomplete groups: a grouped get_meta takes complete groups from
+    the subscription's index, at a cost that grows with the batch, not with the ready rows."""
+    c = tq.client
+    c.create_partition("p")
+    n, grpo = 60_000, {"name": "grpo_group", "group_size": 4}
+    base = c.put({"k": torch.arange(n)}, "p", groups=[i // 3 for i in range(n)])  # 3 of 4 rows per group
+    # The first grouped request indexes the ready rows once; nothing is complete yet.
+    assert c.get_meta(["k"], 8, "t", "p", grpo, allow_partial=True, timeout=1).rows == []
+    part = tq.on_loop(lambda: tq.controller.partitions["p"])
+    sub = tq.on_loop(lambda: part.subs["t"][("k",)])
+
+    def instrument():
+        counting = _CountingReady(sub.ready)
+        counting.indexes = sub.ready.indexes
+        sub.ready = counting
+    tq.on_loop(instrument)
+    _CountingReady.scans = 0
+    first = n // 3
+    for i in range(3):
+        put = c.put(_keys(8, n + 8 * i), "p", groups=[first + 2 * i] * 4 + [first + 2 * i + 1] * 4)
+        assert c.get_meta(["k"], 8, "t", "p", grpo, timeout=2).rows == put.rows
+        assert c.get_meta(["k"], 8, "t", "p", grpo, allow_partial=True, timeout=1).rows == []
+    # A ready row cleared (group 0 keeps 2), and a row that completes an old group.
+    c.clear_rows(base.select([0]))
+    late = c.put(_keys(1, 2 * n), "p", groups=[5])
+    got = c.get_meta(["k"], 4, "t", "p", grpo, timeout=2)
+    assert got.groups == [5] * 4 and got.rows[-1] == late.rows[0]
+    assert _CountingReady.scans == 0, "a grouped get_meta walked the ready rows"
+    assert tq.on_loop(lambda: len(sub.ready)) == n - 4

@@ -110,7 +110,7 @@ def _take(c, dp_group, rank, n=4, **kw):
 
 def test_dp_representative_every_member_of_a_group_gets_the_same_batch(tq):
     c = tq.client
-    c.create_partition("p", tasks=["train"])
+    c.create_partition("p", tasks=["train", "other"])
     c.put({"key": torch.arange(24)}, "p")
     batches = {"g0": [], "g1": []}
     # Members ask in varied interleavings; rank 1 sometimes asks first (and so samples).
@@ -171,3 +171,62 @@ def test_grpo_group_partial_on_an_open_partition_returns_whole_groups_only(tq):
     c.close_partition("p")  # at end of stream the incomplete group drains too
     rest = c.get_meta(["k"], 4, "t", "p", {"name": "grpo_group", "group_size": 2}, timeout=2)
     assert rest.groups == [1]
+
+
+def _reference_group_batch(ready, groups, n, batch_size, partial, ended):
+    """Grouped sampling as a walk of every ready row in order (the definition the index must
+    match): groups in the order their n-th ready row came; at end of stream, the rest."""
+    buckets, done = {}, []
+    for r in ready:
+        b = buckets.setdefault(groups[r], [])
+        b.append(r)
+        if len(b) == n:
+            done.append(groups[r])
+    done = done[:batch_size // n]
+    rows = [r for g in done for r in buckets[g]]
+    if len(done) == batch_size // n or (partial and done and not ended):
+        return rows
+    if ended and ready:
+        rest = [r for g, b in buckets.items() if g not in done for r in b]
+        return (rows + rest)[:batch_size]
+    return None
+
+
+def test_grouped_sampling_from_the_kept_index_matches_a_walk_of_the_ready_rows():
+    """Random arrivals, consumption, clears and hand-backs: the index kept in step by
+    ReadyRows.add/remove gives the batches a full walk of the ready rows would give."""
+    from types import SimpleNamespace
+
+    from asyncflow.transfer_queue.samplers import GroupSampler, ReadyRows
+    rng = random.Random(3)
+    n, sampler = 4, GroupSampler(4)
+    info = SimpleNamespace(groups={}, tokens={})
+    ready, next_row, taken = ReadyRows(), 0, []
+    for step in range(600):
+        op = rng.random()
+        if op < 0.4:  # rows of random groups arrive (a group never exceeds n rows)
+            rows = []
+            for _ in range(rng.randint(1, 6)):
+                g = rng.randrange(40)
+                if sum(1 for h in info.groups.values() if h == g) < n:
+                    info.groups[next_row] = g
+                    rows.append(next_row)
+                    next_row += 1
+            ready.add(rows)
+        elif op < 0.5 and ready:  # a clear of some ready rows: they and their group ids go
+            gone = rng.sample(list(ready), min(len(ready), rng.randint(1, 3)))
+            ready.remove(gone)
+            for r in gone:
+                del info.groups[r]
+        elif op < 0.6 and taken:  # a DP peer hands rows back
+            back = taken.pop(rng.randrange(len(taken)))
+            ready.add([r for r in back if r in info.groups and r not in ready])
+        else:
+            size = n * rng.randint(1, 3)
+            partial, ended = rng.random() < 0.3, rng.random() < 0.1
+            want = _reference_group_batch(list(ready), info.groups, n, size, partial, ended)
+            got = sampler.sample(ready, size, info, partial=partial, ended=ended)
+            assert (got.rows if got else None) == (want or None), (step, partial, ended)
+            if got:
+                ready.remove(got.rows)
+                taken.append(got.rows)
