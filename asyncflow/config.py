@@ -146,6 +146,10 @@ class PlacementSettings:
     # pass runs beside generation instead of in the training ranks' critical path (async mode's
     # actor side is the busier one on small setups). The critic always sits with the actor.
     ref_with: str = "actor"
+    # colocated: the roles that are not running free memory (training roles: gradients, and on
+    # accelerators parameters and optimizer state to host; rollout on accelerators: weights to
+    # host and the cached blocks returned), as verl's hybrid engine does.
+    offload_idle: bool = True
 
 
 @dataclass

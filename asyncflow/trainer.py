@@ -90,7 +90,9 @@ class Training:
         threads = cfg.trainer.threads
         attn = cfg.model.attn_implementation or None
         common = {"imports": list(cfg.imports)}
-        train_common = {**common, "train_engine": cfg.model.train_engine}
+        # Colocated: roles take turns on every rank, so the idle ones free their memory.
+        offload = cfg.placement.mode == "colocated" and cfg.placement.offload_idle
+        train_common = {**common, "train_engine": cfg.model.train_engine, "offload": offload}
         algo = to_dict(cfg)["algorithm"]
         algo["policy_loss"] = policy_loss_name(cfg)
         self.groups: dict[str, Any] = {}
@@ -115,7 +117,8 @@ class Training:
             self.instances.append(await d.create_group(
                 RolloutWorker, f"rollout{k}", ranks=[r], model_path=self.model_path, sampling=sampling,
                 engine=cfg.rollout.engine, threads=threads, partial_rollout=cfg.rollout.partial_rollout,
-                attn_implementation=attn, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, **common))
+                attn_implementation=attn, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                offload=offload, **common))
         reward_ranks = place.beside(cfg.placement.reward_with)
         if cfg.reward.model_path:
             from .workers.reward_model import RewardModelWorker

@@ -9,7 +9,7 @@ import torch
 from ..single_controller import Dispatch, Worker, register
 from ..workflow import weight_sync as ws
 from .actor_loss import AlgoSettings, compute_advantages, policy_loss_fn, sft_loss_fn
-from .common import (EngineCheckpoints, import_modules, model_factory, per_token_column,
+from .common import (EngineCheckpoints, EngineOffload, import_modules, model_factory, per_token_column,
                      rows, set_threads, train_engine_class)
 
 
@@ -19,11 +19,11 @@ def _share(n: int, dp_rank: int, dp_size: int) -> range:
     return range(start, start + q + (1 if dp_rank < r else 0))
 
 
-class ActorWorker(EngineCheckpoints, Worker):
+class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
     def __init__(self, model_path: str, optim: dict, algorithm: dict, temperature: float = 1.0,
                  threads: int = 0, attn_implementation: str | None = None, imports: list[str] = (),
                  train_engine: str = "fsdp", seed: int = 0,
-                 sync_timeout_s: float = 300.0):
+                 sync_timeout_s: float = 300.0, offload: bool = False):
         from ..engines.train import OptimConfig
 
         set_threads(threads)
@@ -37,6 +37,7 @@ class ActorWorker(EngineCheckpoints, Worker):
         self.sender: ws.WeightSender | None = None
         self.sync_timeout_s = sync_timeout_s
         self.published = 0
+        self.start_idle(offload)  # colocated placement: free the device while other roles run
 
     # ---- optimisation ----------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)

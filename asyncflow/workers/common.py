@@ -107,3 +107,32 @@ class EngineCheckpoints:
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
         return self.engine.load_checkpoint(path)
+
+
+class EngineOffload:
+    """Colocated roles take turns on a rank (the runtime calls ``offload`` on the role that
+    ran last and ``onload`` on the next): the idle role's training engine frees its device
+    memory (``TrainEngine.offload``). Mixed into the workers that hold a training engine.
+
+    Only when the worker was built with ``offload=True`` (``offload_idle``), i.e. colocated
+    placement: in disaggregated placement the reference and reward roles share ranks with the
+    actor or the rollout too, and moving memory at each of those switches would cost time to
+    free memory that no one is waiting for.
+    """
+
+    engine: Any
+    offload_idle: bool = False
+
+    def offload(self) -> None:
+        if self.offload_idle:
+            self.engine.offload()
+
+    def onload(self) -> None:
+        if self.offload_idle:
+            self.engine.onload()
+
+    def start_idle(self, offload: bool) -> None:
+        """End of ``__init__``: with ``offload``, start offloaded. A role that has not run yet
+        is idle too, and the runtime onloads a role before its first method runs."""
+        self.offload_idle = bool(offload)
+        self.offload()

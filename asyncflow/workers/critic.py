@@ -8,14 +8,15 @@ import torch
 from ..single_controller import Dispatch, Worker, register
 from .actor import _share
 from .actor_loss import AlgoSettings, compute_advantages
-from .common import (EngineCheckpoints, import_modules, model_factory, rows,
+from .common import (EngineCheckpoints, EngineOffload, import_modules, model_factory, rows,
                      per_token_column, set_threads, train_engine_class)
 
 
-class CriticWorker(EngineCheckpoints, Worker):
+class CriticWorker(EngineCheckpoints, EngineOffload, Worker):
     def __init__(self, model_path: str, optim: dict, algorithm: dict, threads: int = 0,
                  attn_implementation: str | None = None, imports: list[str] = (),
-                 train_engine: str = "fsdp", value_loss: str = "clipped", value_clip: float = 0.2):
+                 train_engine: str = "fsdp", value_loss: str = "clipped", value_clip: float = 0.2,
+                 offload: bool = False):
         from ..engines.train import OptimConfig
 
         set_threads(threads)
@@ -25,6 +26,7 @@ class CriticWorker(EngineCheckpoints, Worker):
         self.value_clip = value_clip
         self.engine = train_engine_class(train_engine)(model_factory(model_path, attn_implementation), OptimConfig(**optim),
                                  process_group=self.process_group, platform=self.platform, value_head=True)
+        self.start_idle(offload)  # colocated placement: free the device while other roles run
 
     @register(Dispatch.ONE_TO_ALL)
     def compute_values(self, meta: Any) -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..single_controller import Dispatch, Worker, register
-from .common import import_modules, model_factory, per_token_column, set_threads, train_engine_class
+from .common import EngineOffload, import_modules, model_factory, per_token_column, set_threads, train_engine_class
 
 
-class ReferenceWorker(Worker):
+class ReferenceWorker(EngineOffload, Worker):
     def __init__(self, model_path: str, temperature: float = 1.0, threads: int = 0,
                  attn_implementation: str | None = None, imports: list[str] = (),
-                 train_engine: str = "fsdp"):
+                 train_engine: str = "fsdp", offload: bool = False):
         from ..engines.train import OptimConfig
 
         set_threads(threads)
@@ -20,6 +20,7 @@ class ReferenceWorker(Worker):
         # and log-prob code as the actor.
         self.engine = train_engine_class(train_engine)(model_factory(model_path, attn_implementation), OptimConfig(lr=1.0),
                                  process_group=self.process_group, platform=self.platform)
+        self.start_idle(offload)  # colocated placement: free the device while other roles run
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state(self, path: str) -> None:

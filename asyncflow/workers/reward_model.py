@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..single_controller import Dispatch, Worker, register
-from .common import import_modules, set_threads, share_column, train_engine_class
+from .common import EngineOffload, import_modules, set_threads, share_column, train_engine_class
 
 
 def score_sequences(engine: Any, prompts: list[torch.Tensor], responses: list[torch.Tensor],
@@ -19,9 +19,10 @@ def score_sequences(engine: Any, prompts: list[torch.Tensor], responses: list[to
     return [float(v[-1]) for v in engine.compute_values(prompts, padded)]
 
 
-class RewardModelWorker(Worker):
+class RewardModelWorker(EngineOffload, Worker):
     def __init__(self, model_path: str, reward_model_path: str, threads: int = 0,
-                 attn_implementation: str | None = None, imports: list[str] = (), train_engine: str = "fsdp"):
+                 attn_implementation: str | None = None, imports: list[str] = (), train_engine: str = "fsdp",
+                 offload: bool = False):
         from ..engines.train import OptimConfig
         from ..models.loading import load_reward_model, load_tokenizer
 
@@ -32,6 +33,7 @@ class RewardModelWorker(Worker):
         self.engine = train_engine_class(train_engine)(
             lambda: load_reward_model(reward_model_path, attn_implementation=attn_implementation),
             OptimConfig(lr=1.0), process_group=self.process_group, platform=self.platform, value_head=True)
+        self.start_idle(offload)  # colocated placement: free the device while other roles run
 
     @register(Dispatch.ONE_TO_ALL)
     def compute(self, meta: Any) -> None:

@@ -18,10 +18,12 @@ def continuation_seed(seed: int, done: int) -> int:
 
 
 class RolloutWorker(Worker):
+    offload_idle = False  # set by __init__'s offload: release the engine's memory while another role runs
+
     def __init__(self, model_path: str, sampling: dict, engine: str = "builtin", threads: int = 0,
                  partial_rollout: bool = False, attn_implementation: str | None = None,
                  sync_timeout_s: float = 300.0, gpu_memory_utilization: float = 0.5,
-                 imports: list[str] = ()):
+                 imports: list[str] = (), offload: bool = False):
         from ..engines.rollout import SamplingParams
         from ..models.loading import load_tokenizer
 
@@ -50,6 +52,22 @@ class RolloutWorker(Worker):
         self.swaps = 0
         self.aborts = 0
         self.seq = 0  # publish counter of the weights held
+        # Colocated placement (see EngineOffload for why only there): while another role runs,
+        # the engine gives back its generation memory. A role that has not run yet is idle too.
+        self.offload_idle = bool(offload)
+        self.offload()
+
+    # ---- colocation --------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Free the engine's generation memory (the builtin engine's freed KV cache and decode
+        buffers, and its weights to host on an accelerator; vLLM's sleep: KV cache dropped,
+        weights to host). Weights are kept: load_weights still takes new ones meanwhile."""
+        if self.offload_idle:
+            self.engine.release_memory()
+
+    def onload(self) -> None:
+        if self.offload_idle:
+            self.engine.resume_memory()
 
     # ---- weights in --------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)

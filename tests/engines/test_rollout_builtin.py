@@ -253,3 +253,57 @@ def test_bad_arguments_raise(engine):
         engine.generate(prompts, SamplingParams(stop_token_ids=(999,)), seeds=[0, 1])
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_release_frees_the_kv_cache_and_resume_gives_the_same_samples(engine):
+    """memory_held() counts the KV buffers of a generation in progress (sampled from inside
+    generate through should_abort, polled after every decode step); none are left once
+    generate returns or after release_memory, and none stay reachable (weak references die).
+    After resume_memory sampling is unchanged for the same seeds."""
+    import gc
+    import weakref
+
+    from asyncflow.engines.rollout.kv_cache import RowKVCache
+
+    prompts = _prompts(6, seed=5)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    seeds = [11, 12, 13, 14, 15, 16]
+    polls: list[int] = []
+    buffers: list[weakref.ref] = []
+    real_update = RowKVCache.update
+
+    def update(cache, *args, **kwargs):
+        out = real_update(cache, *args, **kwargs)
+        buffers.extend(weakref.ref(t) for t in (*cache.keys, *cache.values) if t is not None)
+        return out
+
+    def poll() -> bool:
+        polls.append(engine.memory_held()["kv_cache"])
+        return False
+
+    RowKVCache.update = update
+    try:
+        before = engine.generate(prompts, params, seeds=seeds, should_abort=poll)
+    finally:
+        RowKVCache.update = real_update
+    cfg = engine.model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    capacity = max(p.numel() for p in prompts) + params.max_new_tokens
+    per_row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * capacity * head_dim * 4  # K and V, fp32
+    # First poll: the prefill poll comes before the cache exists; after step 1, the rows still
+    # generating are those with more than one token.
+    assert polls[0] == 0
+    assert polls[1] == per_row * sum(len(r) > 1 for r in before.response_ids) > 0
+    assert engine.memory_held()["kv_cache"] == 0
+    weights = engine.memory_held()["weights"]
+    assert weights == sum(p.numel() * 4 for p in engine.model.parameters()) + sum(
+        b.numel() * b.element_size() for b in engine.model.buffers())
+
+    engine.release_memory()
+    gc.collect()
+    assert engine.memory_held() == {"weights": weights, "kv_cache": 0}  # weights stay, for weight sync
+    assert buffers and all(ref() is None for ref in buffers)
+    engine.resume_memory()
+    after = engine.generate(prompts, params, seeds=seeds)
+    assert [r.tolist() for r in after.response_ids] == [r.tolist() for r in before.response_ids]
+    assert all(torch.equal(a, b) for a, b in zip(after.log_probs, before.log_probs))

@@ -15,6 +15,7 @@ position ids count real tokens only, so padding never changes a row's result.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch
@@ -69,6 +70,9 @@ class BuiltinRolloutEngine(RolloutEngine):
         self.version = 0
         self._released = False
         self._vhash = vocab_hash(self.vocab_size, self.device)
+        # The KV caches of generations running now (one per generate call, dropped when it
+        # returns): weak, so that counting them for memory_held() never keeps one alive.
+        self._live_caches: weakref.WeakSet[RowKVCache] = weakref.WeakSet()
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -139,6 +143,7 @@ class BuiltinRolloutEngine(RolloutEngine):
         next_pos = plens.to(dev)  # position of the first generated token of each row
         cache = RowKVCache(self.num_layers, capacity)
         cache.allocate_rows(a)
+        self._live_caches.add(cache)
         hidden = self._prefill(rows, prompts, plens, p_max, valid, cache)
 
         is_stop = torch.zeros(self.vocab_size, dtype=torch.bool, device=dev)
@@ -242,9 +247,24 @@ class BuiltinRolloutEngine(RolloutEngine):
                 target[k].copy_(v)  # in place: converts dtype and device as needed
         self.version = int(version)
 
+    def memory_held(self) -> dict[str, int]:
+        """Bytes this engine holds now: ``weights`` (parameters and buffers, wherever they are)
+        and ``kv_cache`` (the KV buffers of generations in progress; 0 between generate calls)."""
+        weights = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+        return {"weights": weights, "kv_cache": sum(c.nbytes for c in list(self._live_caches))}
+
     def release_memory(self) -> None:
-        """Move the weights off an accelerator. On CPU there is nothing to free: the KV cache
-        lives only inside generate(); the engine just refuses to generate until resumed."""
+        """Give back what generation used, for a colocated trainer; weights are kept (load_weights
+        works while released) and generate refuses to run until resume_memory().
+
+        The KV cache and the other decode buffers exist only inside generate() (a RowKVCache per
+        call), so between calls they are already freed, but to an allocator that keeps them.
+        On an accelerator the caching allocator holds the freed blocks: the weights go to host
+        memory and empty_cache returns every free block to the device. On the CPU the colocated
+        roles share this process's heap, so what generation freed is already reused by the next
+        role; returning it to the OS (malloc_trim) only made the next generate fault it back in
+        (measured: 6% slower sync colocated GRPO steps), so nothing more is done there.
+        """
         if self.device.type != "cpu":
             self.model.to("cpu")
             self._vhash = self._vhash.cpu()

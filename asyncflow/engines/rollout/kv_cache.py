@@ -78,3 +78,8 @@ class RowKVCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers allocated so far (what the engine reports as held)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)

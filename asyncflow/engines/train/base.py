@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["LossFn", "LossNorm", "NonFiniteUpdateError", "OptimConfig", "TrainEngine"]
+__all__ = ["LossFn", "LossNorm", "NonFiniteUpdateError", "OptimConfig", "TrainEngine", "move_train_state"]
 
 
 @dataclass
@@ -167,6 +167,16 @@ class TrainEngine(ABC):
     def export_hf(self, path: str | Path, tokenizer: Any = None) -> None:
         """Write a directory that AutoModelForCausalLM.from_pretrained loads."""
 
+    # Colocated roles take turns on a device: the idle one frees what it can. An engine with
+    # nothing to free keeps these defaults.
+    def offload(self) -> int:
+        """Free device memory while another role runs; returns the bytes moved to host."""
+        return 0
+
+    def onload(self) -> int:
+        """Undo offload before the next call; returns the bytes moved back to the device."""
+        return 0
+
 
 def check_batch(prompts: list[Tensor], responses: list[Tensor]) -> None:
     """Raise ValueError (naming the sequence) unless prompts/responses are 1-D int tensors."""
@@ -181,3 +191,53 @@ def check_batch(prompts: list[Tensor], responses: list[Tensor]) -> None:
                 raise ValueError(f"{name} {i} must hold integer token ids, got {t.dtype}")
         if p.numel() == 0:
             raise ValueError(f"prompt {i} is empty: the first response token needs a preceding token")
+
+
+def _on(t: Tensor, device: torch.device) -> bool:
+    """Whether ``t`` lives on ``device`` (a device without an index matches any of its type)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def _local_nbytes(t: Tensor) -> int:
+    """Bytes this rank holds for ``t``: a DTensor's local shard, else the tensor itself."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def move_train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                     device: torch.device | str) -> int:
+    """Move a module's parameters, gradients and buffers and the optimizer's state tensors to
+    ``device``; return the bytes moved (per rank: DTensors count their local shard).
+
+    The module moves with ``module.to``: with FSDP2 that is the supported route, since
+    ``FSDPModule._apply`` reshards first and re-points FSDP's sharded parameters at the moved
+    local tensors afterwards (per-parameter ``.data`` moves would leave FSDP reading the old
+    storage). It runs with torch's swap-on-conversion semantics, which keep every Parameter
+    object (its contents are swapped): by default torch keeps them only where it can assign
+    ``.data`` (cpu <-> cuda) and elsewhere (another device type such as an out-of-tree
+    accelerator, or 'meta') makes new ones, which would untie tied weights and leave the
+    optimizer stepping the old tensors. Scalar optimizer state (Adam's ``step``) stays where
+    it is: bookkeeping, not memory, and a non-capturable Adam wants it on the host. When
+    nothing is elsewhere this costs one pass over the tensors and no ``.to``.
+    """
+    device = torch.device(device)
+    params = list(module.parameters())
+    held = [*params, *(p.grad for p in params if p.grad is not None), *module.buffers()]
+    moved = sum(_local_nbytes(t) for t in held if not _on(t, device))
+    if moved:
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            module.to(device)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
+        if any(a is not b for a, b in zip(params, module.parameters())):  # swap semantics promise this
+            raise RuntimeError(f"move_train_state: moving {type(module).__name__} to {device} replaced "
+                               "parameter objects; the optimizer would no longer update the model")
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.dim() > 0 and not _on(value, device):
+                    moved += _local_nbytes(value)
+                    state[key] = value.to(device)
+    return moved

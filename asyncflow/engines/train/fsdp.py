@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from asyncflow.engines.train import checkpoint as ckpt
 from asyncflow.engines.train.base import (LossFn, LossNorm, NonFiniteUpdateError, OptimConfig, TrainEngine,
-                                          check_batch)
+                                          check_batch, move_train_state)
 from asyncflow.engines.train.microbatch import (MicroBatch, build_micro_batch, empty_micro_batch,
                                                 plan_micro_batches, slice_fields)
 from asyncflow.engines.train.schedule import build_scheduler
@@ -316,6 +316,25 @@ class FSDPEngine(TrainEngine):
                 total[key] = total.get(key, 0.0) + value
                 count[key] = count.get(key, 0) + rank_n
         return {k: total[k] / count[k] for k in sorted(total)}
+
+    # ---------------------------------------------------------------- colocation
+    def offload(self) -> int:
+        """Another role is about to use this device. The last step's gradients go first (every
+        train_step starts from none: zero_grad(set_to_none=True)), which frees memory on the CPU
+        too; on an accelerator the parameters and optimizer state then move to host memory and
+        the freed blocks go back to the device. On the CPU there is nothing to move."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cpu":
+            return 0
+        moved = move_train_state(self.model, self.optimizer, torch.device("cpu"))
+        getattr(torch, self.device.type).empty_cache()
+        return moved
+
+    def onload(self) -> int:
+        """Parameters and optimizer state back onto the device (nothing to do on the CPU)."""
+        if self.device.type == "cpu":
+            return 0
+        return move_train_state(self.model, self.optimizer, self.device)
 
     # ---------------------------------------------------------------- weights & checkpoints
     def full_state_dict(self) -> dict[str, Tensor]:

@@ -1,0 +1,75 @@
+"""Colocated placement on a real 2-rank cluster: the actor (FSDP2 over both ranks) and a
+builtin-engine rollout instance per rank take turns. While the actor runs, the rollout engines
+that were built with offload=True are released (generate refuses, no KV cache held, weights
+kept); when the rollout role runs again they generate as before, and weight sync from the
+actor still reaches them. A rollout built without offload (disaggregated placement) is left
+alone by the same role switches."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "single_controller"))
+from _sc_cluster import start_cluster, stop_cluster  # noqa: E402
+
+import _offload_workers as W  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster2():
+    c = start_cluster(2)
+    yield c
+    stop_cluster(c)
+
+
+def _model_path() -> str:
+    from asyncflow.config import load_config
+    from asyncflow.trainer import resolve_model
+    return resolve_model(load_config())
+
+
+def test_rollout_memory_is_released_while_the_actor_runs(cluster2):
+    from asyncflow.config import load_config, to_dict
+
+    d, path = cluster2.driver, _model_path()
+    algo = {**to_dict(load_config())["algorithm"], "policy_loss": "ppo_clip"}
+    sampling = {"max_new_tokens": 6, "temperature": 1.0}
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+    async def go():
+        actor = await d.create_group(W.ProbingActor, "actor", model_path=path, optim={"lr": 1e-2},
+                                     algorithm=algo, threads=1, offload=True)
+        insts = [await d.create_group(W.ProbedRollout, f"rollout{r}", ranks=[r], model_path=path,
+                                      sampling=sampling, threads=1, offload=True) for r in (0, 1)]
+        plain = await d.create_group(W.ProbedRollout, "plain", ranks=[0], model_path=path, sampling=sampling,
+                                     threads=1)  # offload=False: disaggregated placement
+        await asyncio.gather(actor.init_weight_sync([[0], [1]]), *(i.init_weight_sync(0) for i in insts))
+        before = [await i.evaluate(prompts, ["0"] * 3, samples=3) for i in insts]
+        await plain.version()
+        seen = await actor.look_at_rollouts()
+        again = [await i.evaluate(prompts, ["0"] * 3, samples=3) for i in insts]
+        # Train, publish (the actor is onloaded for it), take the weights on the rollout side.
+        await actor.sft_step([[5, 6], [7, 8]], [[9], [10]])
+        await actor.publish_weights(1)
+        await asyncio.gather(*(i.receive_weights(1) for i in insts))
+        synced = [await i.evaluate(prompts, ["0"] * 3, samples=3) for i in insts]
+        await actor.wait_weights_sent()
+        sums = [(await i.weights_checksum())[0] for i in insts]
+        return before, seen, again, synced, sums, (await actor.weights_checksum())[0]
+
+    before, seen, again, synced, sums, actor_sum = cluster2.run(go(), timeout=120)
+    by_rank = {r: {s["role"]: s for s in seen[r]} for r in (0, 1)}
+    assert set(by_rank[0]) == {"rollout0", "plain"} and set(by_rank[1]) == {"rollout1"}
+    for r in (0, 1):
+        held = by_rank[r][f"rollout{r}"]
+        assert held["refused"] and held["kv_cache"] == 0 and held["weights"] > 0
+    assert not by_rank[0]["plain"]["refused"]  # built without offload: the switches leave it alone
+    # Resumed: the same (greedy) responses as before the actor ran.
+    assert [b["examples"] for b in before] == [a["examples"] for a in again]
+    assert [s["version"] for s in synced] == [1, 1]
+    assert sums == pytest.approx([actor_sum] * 2, rel=1e-6)  # the trained weights arrived on both ranks
