@@ -294,9 +294,14 @@ class Driver:
             except TransferQueueTimeout:  # the timeout already spent the interval: ping again now
                 misses += 1
                 if misses >= cfg.heartbeat_misses:
+                    now = time.monotonic()
+                    # Name what it was running: the run's own error may come from a call to another rank.
+                    busy = ep.in_flight()
+                    doing = "; it was running " + "; ".join(c.describe(now) for c in busy) if busy else ""
                     err = WorkerDiedError(
-                        f"worker {ep.where()} stopped answering heartbeats {time.monotonic() - last_ok:.1f}s "
-                        "ago: its process died or hangs", rank=ep.rank, role=",".join(ep.roles))
+                        f"worker {ep.where()} stopped answering heartbeats {now - last_ok:.1f}s "
+                        f"ago: its process died or hangs{doing}", rank=ep.rank, role=",".join(ep.roles),
+                        method=busy[0].what if busy else "")
                     log.error("%s", err)
                     ep.declare_dead(err)
                     if not self.failed.done():

@@ -44,6 +44,9 @@ def test_worker_killed_mid_call_is_reported_fast():
             assert isinstance(err, WorkerDiedError), repr(err)
             assert "rank 1" in str(err) and "train" in str(err)
         assert "train.sleep on rank 1" in str(err_call)
+        # The run awaited rank 0; its error still says what the dead rank was running.
+        assert "it was running rank 1 (role train) train.sleep" in str(err_run), str(err_run)
+        assert err_run.method == "train.sleep"
         with pytest.raises(WorkerDiedError):
             d.check()
     finally:
