@@ -226,25 +226,33 @@ def test_consumer_waiting_across_reset_consumption_gets_each_row_once(tq):
     H.run_async(main())
 
 
-class _CountingRows(dict):
-    """The controller's row table, counting full scans (iteration over every row)."""
-    scans = 0
+def _counting(base: type) -> type:
+    """``base`` (a dict type) counting full walks over it in the class attribute ``scans``."""
 
-    def __iter__(self):
-        type(self).scans += 1
-        return super().__iter__()
+    class Counting(base):
+        scans = 0
 
-    def items(self):
-        type(self).scans += 1
-        return super().items()
+        def __iter__(self):
+            type(self).scans += 1
+            return super().__iter__()
 
-    def keys(self):
-        type(self).scans += 1
-        return super().keys()
+        def items(self):
+            type(self).scans += 1
+            return super().items()
 
-    def values(self):
-        type(self).scans += 1
-        return super().values()
+        def keys(self):
+            type(self).scans += 1
+            return super().keys()
+
+        def values(self):
+            type(self).scans += 1
+            return super().values()
+
+    Counting.__name__ = f"Counting{base.__name__}"
+    return Counting
+
+
+_CountingRows = _counting(dict)  # the controller's row table
 
 
 def test_get_meta_of_a_few_rows_does_not_scan_a_large_partition(tq):
@@ -269,25 +277,7 @@ def test_get_meta_of_a_few_rows_does_not_scan_a_large_partition(tq):
     assert tq.on_loop(lambda: len(part.rows)) == n + 24
 
 
-class _CountingReady(ReadyRows):
-    """A subscription's ready rows, counting walks over them."""
-    scans = 0
-
-    def __iter__(self):
-        type(self).scans += 1
-        return super().__iter__()
-
-    def items(self):
-        type(self).scans += 1
-        return super().items()
-
-    def keys(self):
-        type(self).scans += 1
-        return super().keys()
-
-    def values(self):
-        type(self).scans += 1
-        return super().values()
+_CountingReady = _counting(ReadyRows)  # a subscription's ready rows
 
 
 def test_grouped_get_meta_does_not_walk_the_ready_rows_of_incomplete_groups(tq):
