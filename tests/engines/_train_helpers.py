@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 from torch import Tensor
 
 VOCAB = 64
@@ -70,55 +71,88 @@ RANK_SHARES = {0: [0, 1, 2, 3, 4], 1: [5, 6]}  # uneven on purpose
 BUDGETS = {"big": 100_000, "tiny": 8}
 
 
-def dist_child(rank: int, world: int, workdir: str) -> None:
-    """Runs every 2-rank scenario; rank r writes its results to workdir/rank{r}.pt."""
+def spawn_ranks(child, world: int, workdir: Path, timeout: float) -> list[dict]:
+    """Runs ``child(rank, world, str(workdir))`` in ``world`` spawned processes (any still alive
+    when this fails is killed) and returns what each rank saved, none of which may be an error."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=child, args=(r, world, str(workdir))) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=timeout)
+            assert p.exitcode == 0, f"child {p.pid} exited with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    results = [torch.load(Path(workdir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    return results
+
+
+def _run_rank(rank: int, world: int, workdir: str, body) -> None:
+    """One spawned rank: one thread, a gloo group of all ranks, then ``body(rank, group, workdir)``;
+    rank r writes the dict it returns (or the traceback of its failure) to workdir/rank{r}.pt."""
     torch.set_num_threads(1)
-    out: dict = {}
     import torch.distributed as dist
 
     try:
         dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
-        from asyncflow.engines.train import FSDPEngine, OptimConfig
-        from asyncflow.platform import get_platform
-
         group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
-        platform = get_platform("cpu")
-        prompts, responses, fields = make_batch(GLOBAL_N, seed=1)
-        mine = split_batch(prompts, responses, fields, RANK_SHARES[rank])
-        for name, budget in BUDGETS.items():
-            cfg = OptimConfig(lr=1e-3, warmup_steps=2, micro_batch_tokens=budget)
-            # Different seed per rank: the engine must broadcast rank 0's weights.
-            engine = FSDPEngine(lambda: tiny_model(seed=rank), cfg, process_group=group, platform=platform)
-            metrics = engine.train_step(*mine, ppo_loss, with_entropy=True)
-            lp, _ = engine.compute_log_probs(mine[0], mine[1])
-            out[name] = {"metrics": metrics, "state": engine.full_state_dict(), "log_probs": lp}
-
-        # Checkpoint: step, save, step  vs  fresh engine, load, step.
-        p2, r2, f2 = make_batch(GLOBAL_N, seed=2)
-        second = split_batch(p2, r2, f2, RANK_SHARES[rank])
-        cfg = OptimConfig(lr=1e-3, warmup_steps=3, micro_batch_tokens=24)
-        a = FSDPEngine(lambda: tiny_model(seed=0), cfg, process_group=group, platform=platform)
-        a.train_step(*mine, ppo_loss)
-        a.save_checkpoint(Path(workdir) / "ckpt", extra={"data_pos": 7})
-        a_rand = torch.rand(3)  # what the RNG gives right after the save
-        a_metrics = a.train_step(*second, ppo_loss)
-        a_state = a.full_state_dict()
-        torch.manual_seed(999)
-        b = FSDPEngine(lambda: tiny_model(seed=5), cfg, process_group=group, platform=platform)
-        extra = b.load_checkpoint(Path(workdir) / "ckpt")
-        b_rand_after_load = torch.rand(3)
-        b_metrics = b.train_step(*second, ppo_loss)
-        out["ckpt"] = {"a_metrics": a_metrics, "b_metrics": b_metrics, "a_state": a_state,
-                       "b_state": b.full_state_dict(), "extra": extra, "b_step": b.step,
-                       "a_rand": a_rand, "b_rand": b_rand_after_load,
-                       "rank_files": sorted(os.listdir(Path(workdir) / "ckpt" / "rng"))}
-        out["nonfinite"] = _nonfinite_scenario(rank, group, platform, mine)
-        out["ckpt_fail"] = _failed_save_scenario(rank, a, Path(workdir) / "ckpt")
+        out = body(rank, group, Path(workdir))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         out = {"error": traceback.format_exc()}
     torch.save(out, Path(workdir) / f"rank{rank}.pt")
+
+
+def dist_child(rank: int, world: int, workdir: str) -> None:
+    """Runs every 2-rank scenario; rank r writes its results to workdir/rank{r}.pt."""
+    _run_rank(rank, world, workdir, _dist_scenarios)
+
+
+def _dist_scenarios(rank: int, group, workdir: Path) -> dict:
+    from asyncflow.engines.train import FSDPEngine, OptimConfig
+    from asyncflow.platform import get_platform
+
+    out: dict = {}
+    platform = get_platform("cpu")
+    prompts, responses, fields = make_batch(GLOBAL_N, seed=1)
+    mine = split_batch(prompts, responses, fields, RANK_SHARES[rank])
+    for name, budget in BUDGETS.items():
+        cfg = OptimConfig(lr=1e-3, warmup_steps=2, micro_batch_tokens=budget)
+        # Different seed per rank: the engine must broadcast rank 0's weights.
+        engine = FSDPEngine(lambda: tiny_model(seed=rank), cfg, process_group=group, platform=platform)
+        metrics = engine.train_step(*mine, ppo_loss, with_entropy=True)
+        lp, _ = engine.compute_log_probs(mine[0], mine[1])
+        out[name] = {"metrics": metrics, "state": engine.full_state_dict(), "log_probs": lp}
+
+    # Checkpoint: step, save, step  vs  fresh engine, load, step.
+    p2, r2, f2 = make_batch(GLOBAL_N, seed=2)
+    second = split_batch(p2, r2, f2, RANK_SHARES[rank])
+    cfg = OptimConfig(lr=1e-3, warmup_steps=3, micro_batch_tokens=24)
+    a = FSDPEngine(lambda: tiny_model(seed=0), cfg, process_group=group, platform=platform)
+    a.train_step(*mine, ppo_loss)
+    a.save_checkpoint(Path(workdir) / "ckpt", extra={"data_pos": 7})
+    a_rand = torch.rand(3)  # what the RNG gives right after the save
+    a_metrics = a.train_step(*second, ppo_loss)
+    a_state = a.full_state_dict()
+    torch.manual_seed(999)
+    b = FSDPEngine(lambda: tiny_model(seed=5), cfg, process_group=group, platform=platform)
+    extra = b.load_checkpoint(Path(workdir) / "ckpt")
+    b_rand_after_load = torch.rand(3)
+    b_metrics = b.train_step(*second, ppo_loss)
+    out["ckpt"] = {"a_metrics": a_metrics, "b_metrics": b_metrics, "a_state": a_state,
+                   "b_state": b.full_state_dict(), "extra": extra, "b_step": b.step,
+                   "a_rand": a_rand, "b_rand": b_rand_after_load,
+                   "rank_files": sorted(os.listdir(Path(workdir) / "ckpt" / "rng"))}
+    out["nonfinite"] = _nonfinite_scenario(rank, group, platform, mine)
+    out["ckpt_fail"] = _failed_save_scenario(rank, a, Path(workdir) / "ckpt")
+    return out
 
 
 def nan_on_rank1(rank: int):
@@ -176,3 +210,41 @@ def _failed_save_scenario(rank: int, engine, path: Path) -> dict:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     leftovers = sorted(p.name for p in path.parent.iterdir() if p.name.startswith("."))
     return {"error": error, "same": before == digest() and bool(before), "leftovers": leftovers}
+
+
+def fsdp2_move_child(rank: int, world: int, workdir: str) -> None:
+    """The 2-rank child of test_train_offload; rank r writes what it saw to workdir/rank{r}.pt."""
+    _run_rank(rank, world, workdir, _fsdp2_move)
+
+
+def _fsdp2_move(rank: int, group, workdir: Path) -> dict:
+    """FSDP2 (DTensor parameters and optimizer state) through move_train_state: to the same
+    device (nothing moves), then one way to 'meta', the only other device a CPU machine has."""
+    from asyncflow.engines.train import FSDPEngine, OptimConfig
+    from asyncflow.engines.train.base import move_train_state
+    from asyncflow.platform import get_platform
+
+    out: dict = {}
+    engine = FSDPEngine(lambda: tiny_model(seed=0), OptimConfig(lr=1e-3), process_group=group,
+                        platform=get_platform("cpu"))
+    prompts, responses, fields = make_batch(6, seed=1)
+    engine.train_step(*split_batch(prompts, responses, fields, [rank, rank + 2, rank + 4]), ppo_loss)
+    params = list(engine.model.parameters())
+    out["dtensor"] = all(hasattr(p, "to_local") for p in params)
+    out["same_device"] = move_train_state(engine.model, engine.optimizer, "cpu")
+    local = [p.to_local() for p in params] + [p.grad.to_local() for p in params if p.grad is not None]
+    state = [v for s in engine.optimizer.state.values() for v in s.values() if v.dim() > 0]
+    out["expected"] = (sum(t.numel() * t.element_size() for t in local)
+                       + sum(v.to_local().numel() * v.element_size() for v in state)
+                       + sum(b.numel() * b.element_size() for b in engine.model.buffers()))
+    out["moved"] = move_train_state(engine.model, engine.optimizer, "meta")
+    now = list(engine.model.parameters())
+    out["devices"] = sorted({str(p.to_local().device) for p in now}
+                            | {str(p.grad.to_local().device) for p in now if p.grad is not None}
+                            | {str(v.device) for s in engine.optimizer.state.values()
+                               for v in s.values() if v.dim() > 0})
+    out["steps_on"] = sorted({str(s["step"].device) for s in engine.optimizer.state.values()})
+    in_opt = [p for g in engine.optimizer.param_groups for p in g["params"]]
+    out["optimizer_follows"] = (len(in_opt) == len(now) and all(a is b for a, b in zip(in_opt, now))
+                                and {id(p) for p in engine.optimizer.state} == {id(p) for p in now})
+    return out

@@ -7,11 +7,10 @@ test checks one part of its results.
 from __future__ import annotations
 
 import torch
-import torch.multiprocessing as mp
 import pytest
 
 from tests.engines._train_helpers import (BUDGETS, GLOBAL_N, RANK_SHARES, dist_child, make_batch, ppo_loss,
-                                          tiny_model)
+                                          spawn_ranks, tiny_model)
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -29,23 +28,7 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("fsdp2")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=dist_child, args=(r, WORLD, str(workdir))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=240)
-            assert p.exitcode == 0, f"child {p.pid} exited with {p.exitcode}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    results = [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
-    return results
+    return spawn_ranks(dist_child, WORLD, workdir, timeout=240)
 
 
 def _one_rank_step(budget: int):

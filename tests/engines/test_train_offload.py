@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from asyncflow.engines.train import FSDPEngine, OptimConfig
 from asyncflow.engines.train.base import move_train_state
-from tests.engines._train_helpers import make_batch, ppo_loss, tiny_model
+from tests.engines._train_helpers import fsdp2_move_child, make_batch, ppo_loss, spawn_ranks, tiny_model
 
 
 class _TiedLM(nn.Module):
@@ -102,24 +101,7 @@ def test_fsdp_engine_offload_on_cpu_frees_the_gradients_and_changes_no_step():
 
 @pytest.mark.slow
 def test_fsdp2_dtensor_parameters_and_optimizer_state_move(tmp_path):
-    from tests.engines._offload_helpers import fsdp2_move_child
-
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=fsdp2_move_child, args=(r, 2, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=180)
-            assert p.exitcode == 0, f"child {p.pid} exited with {p.exitcode}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    for r in range(2):
-        out = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
-        assert "error" not in out, f"rank {r} failed:\n{out['error']}"
+    for out in spawn_ranks(fsdp2_move_child, 2, tmp_path, timeout=180):
         assert out["dtensor"] and out["same_device"] == 0
         assert out["moved"] == out["expected"] > 0
         assert out["devices"] == ["meta"] and out["steps_on"] == ["cpu"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from asyncflow.single_controller import Driver, DriverConfig, PlacementConfig, RunConfig, RuntimeConfig
 from asyncflow.transfer_queue import AsyncTransferQueueClient, TransferQueueService
 from asyncflow.transfer_queue.transport import EventLoopThread
@@ -55,3 +57,14 @@ def stop_cluster(c: Cluster) -> None:
         c.loop.stop()
         c.workers.close(timeout=15)
         c.tq.stop_in_thread()
+
+
+def cluster_fixture(world_size: int, placement: PlacementConfig | None = None, driver_timeout_s: float = 10.0):
+    """A module-scoped fixture with a cluster of ``world_size`` ranks, stopped after the module's
+    tests; its name is the name it is assigned to (``cluster4 = cluster_fixture(4)``)."""
+    @pytest.fixture(scope="module")
+    def cluster():
+        c = start_cluster(world_size, placement, driver_timeout_s)
+        yield c
+        stop_cluster(c)
+    return cluster

@@ -9,16 +9,10 @@ import pytest
 import torch
 
 import _dp_workers as D
-from _sc_cluster import start_cluster, stop_cluster
+from _sc_cluster import cluster_fixture
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cluster4():
-    c = start_cluster(4)
-    yield c
-    stop_cluster(c)
+cluster4 = cluster_fixture(4)
 
 
 class _CountReads:

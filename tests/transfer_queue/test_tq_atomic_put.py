@@ -30,22 +30,28 @@ class _Blocking:
         pass  # the fixture closes it
 
 
-@pytest.fixture(params=["blocking", "async"])
-def two_units(request, tq_factory):
-    """``(tq, make_client)``: a service with two units; clients have no preferred unit."""
-    tq = tq_factory(num_local_units=2)
-
-    def make():
-        return _Blocking(tq.client) if request.param == "blocking" else tq.async_client()
-    return tq, make
-
-
 async def _six_rows_on_two_units(c) -> BatchMeta:
     await c.create_partition("p")
     m0 = await c.put({"k": torch.arange(3)}, "p")
     m1 = await c.put({"k": torch.arange(3, 6)}, "p")  # round robin: the next unit
     assert {r >> 40 for r in m0.rows} == {0} and {r >> 40 for r in m1.rows} == {1}
     return BatchMeta.concat([m0, m1])
+
+
+@pytest.fixture(params=["blocking", "async"])
+def on_two_units(request, tq_factory):
+    """``run(scenario)``: awaits ``scenario(c, meta)`` with a client ``c`` of a service with two
+    units (clients have no preferred unit) and ``meta``, the rows of ``_six_rows_on_two_units``;
+    the client is closed after."""
+    tq = tq_factory(num_local_units=2)
+
+    async def main(scenario):
+        c = _Blocking(tq.client) if request.param == "blocking" else tq.async_client()
+        try:
+            await scenario(c, await _six_rows_on_two_units(c))
+        finally:
+            await c.close()
+    return lambda scenario: H.run_async(main(scenario))
 
 
 async def _state(c):
@@ -58,86 +64,58 @@ def _scores(n, dtype=torch.float32):
     return {"score": values + 0.5 if dtype.is_floating_point else values}
 
 
-def test_put_to_two_units_with_a_cleared_row_stores_nothing_and_a_retry_without_it_succeeds(two_units):
-    tq, make = two_units
-
-    async def main():
-        c = make()
-        try:
-            meta = await _six_rows_on_two_units(c)
-            gone = meta.rows[4]  # a row of unit 1
-            assert await c.clear_rows(meta.select([4])) == 1
-            before = await _state(c)
-            with pytest.raises(RowsClearedError, match=rf"partition 'p': rows \[{gone}\] do not exist"):
-                await c.put(_scores(6), "p", meta)
-            after = await _state(c)
-            assert after == before
-            assert "score" not in after[0]["column_rows"]  # unit 0 kept no half
-            keep = meta.select([0, 1, 2, 3, 5])
-            await c.put(_scores(5), "p", keep)
-            assert (await c.status("p"))["column_rows"]["score"] == 5
-            got = await c.get_columns(keep.with_columns(["score"]))
-            assert got["score"].data.tolist() == [0.5, 1.5, 2.5, 3.5, 4.5]
-        finally:
-            await c.close()
-    H.run_async(main())
+def test_put_to_two_units_with_a_cleared_row_stores_nothing_and_a_retry_without_it_succeeds(on_two_units):
+    async def scenario(c, meta):
+        gone = meta.rows[4]  # a row of unit 1
+        assert await c.clear_rows(meta.select([4])) == 1
+        before = await _state(c)
+        with pytest.raises(RowsClearedError, match=rf"partition 'p': rows \[{gone}\] do not exist"):
+            await c.put(_scores(6), "p", meta)
+        after = await _state(c)
+        assert after == before
+        assert "score" not in after[0]["column_rows"]  # unit 0 kept no half
+        keep = meta.select([0, 1, 2, 3, 5])
+        await c.put(_scores(5), "p", keep)
+        assert (await c.status("p"))["column_rows"]["score"] == 5
+        got = await c.get_columns(keep.with_columns(["score"]))
+        assert got["score"].data.tolist() == [0.5, 1.5, 2.5, 3.5, 4.5]
+    on_two_units(scenario)
 
 
-def test_put_to_two_units_with_a_schema_mismatch_stores_nothing(two_units):
-    tq, make = two_units
-
-    async def main():
-        c = make()
-        try:
-            meta = await _six_rows_on_two_units(c)
-            await c.put(_scores(1), "p", meta.select([0]))  # fixes 'score' as float32
-            before = await _state(c)
-            rest = meta.select([1, 2, 3, 4, 5])
-            with pytest.raises(SchemaMismatchError,
-                               match=re.escape("'score': holds fixed float32[] but this put sends fixed int64[]")):
-                await c.put(_scores(5, torch.int64), "p", rest)
-            assert await _state(c) == before
-            await c.put(_scores(5), "p", rest)
-            assert (await c.status("p"))["column_rows"]["score"] == 6
-        finally:
-            await c.close()
-    H.run_async(main())
+def test_put_to_two_units_with_a_schema_mismatch_stores_nothing(on_two_units):
+    async def scenario(c, meta):
+        await c.put(_scores(1), "p", meta.select([0]))  # fixes 'score' as float32
+        before = await _state(c)
+        rest = meta.select([1, 2, 3, 4, 5])
+        with pytest.raises(SchemaMismatchError,
+                           match=re.escape("'score': holds fixed float32[] but this put sends fixed int64[]")):
+            await c.put(_scores(5, torch.int64), "p", rest)
+        assert await _state(c) == before
+        await c.put(_scores(5), "p", rest)
+        assert (await c.status("p"))["column_rows"]["score"] == 6
+    on_two_units(scenario)
 
 
-def test_put_to_two_units_where_one_units_rows_already_have_the_column_stores_nothing(two_units):
-    tq, make = two_units
-
-    async def main():
-        c = make()
-        try:
-            meta = await _six_rows_on_two_units(c)
-            await c.put(_scores(3), "p", meta.select([3, 4, 5]))  # unit 1's rows have it
-            before = await _state(c)
-            with pytest.raises(BadPutError, match=r"rows \[.*\] already have column 'score'; columns are written "
-                                                  r"once per row"):
-                await c.put(_scores(6), "p", meta)
-            assert await _state(c) == before
-            assert (await c.status("p"))["column_rows"]["score"] == 3
-        finally:
-            await c.close()
-    H.run_async(main())
+def test_put_to_two_units_where_one_units_rows_already_have_the_column_stores_nothing(on_two_units):
+    async def scenario(c, meta):
+        await c.put(_scores(3), "p", meta.select([3, 4, 5]))  # unit 1's rows have it
+        before = await _state(c)
+        with pytest.raises(BadPutError, match=r"rows \[.*\] already have column 'score'; columns are written "
+                                              r"once per row"):
+            await c.put(_scores(6), "p", meta)
+        assert await _state(c) == before
+        assert (await c.status("p"))["column_rows"]["score"] == 3
+    on_two_units(scenario)
 
 
-def test_put_to_two_units_naming_a_row_twice_stores_nothing(two_units):
-    tq, make = two_units
-
-    async def main():
-        c = make()
-        try:
-            meta = await _six_rows_on_two_units(c)
-            twice = BatchMeta.concat([meta, meta.select([0])])
-            before = await _state(c)
-            with pytest.raises(BadPutError, match=rf"names rows \[{meta.rows[0]}\] more than once"):
-                await c.put(_scores(7), "p", twice)
-            assert await _state(c) == before
-        finally:
-            await c.close()
-    H.run_async(main())
+def test_put_to_two_units_naming_a_row_twice_stores_nothing(on_two_units):
+    async def scenario(c, meta):
+        twice = BatchMeta.concat([meta, meta.select([0])])
+        before = await _state(c)
+        with pytest.raises(BadPutError, match=rf"names rows \[{meta.rows[0]}\] more than once"):
+            await c.put(_scores(7), "p", twice)
+        assert await _state(c) == before
+    on_two_units(scenario)
 
 
 def test_only_a_put_split_over_units_asks_the_controller_first(tq_factory):

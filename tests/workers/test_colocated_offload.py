@@ -7,24 +7,14 @@ alone by the same role switches."""
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "single_controller"))
-from _sc_cluster import start_cluster, stop_cluster  # noqa: E402
-
-import _offload_workers as W  # noqa: E402
+import _offload_workers as W
+from _sc_cluster import cluster_fixture
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cluster2():
-    c = start_cluster(2)
-    yield c
-    stop_cluster(c)
+cluster2 = cluster_fixture(2)
 
 
 def _model_path() -> str:
