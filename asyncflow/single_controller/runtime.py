@@ -231,12 +231,17 @@ class WorkerRuntime:
         return to_wire(execute(worker, fn, tuple(args), kwargs))
 
     def _switch_to(self, role: str) -> None:
-        """Colocated roles take turns on this rank: offload the last one, onload this one."""
-        if self._active_role == role:
+        """Colocated roles take turns on this rank: offload the last one, onload this one. A
+        role that does not ``needs_device`` runs beside the loaded one: nothing moves."""
+        worker = self.workers[role]
+        if self._active_role == role or not worker.needs_device:
             return
         if self._active_role is not None:
             self.workers[self._active_role].offload()
-        self.workers[role].onload()
+            # None until the onload below succeeds: if it raises, the next call of either role
+            # onloads again instead of running on state that was moved away.
+            self._active_role = None
+        worker.onload()
         self._active_role = role
 
     def _create(self, layout: GroupLayout, cls_path: str, init_kwargs: dict, member: bool) -> dict:

@@ -33,6 +33,9 @@ class WorkerContext:
 
 class Worker:
     _ctx: WorkerContext
+    # Colocated roles take turns on a rank. A role that holds no device memory (e.g. a rule-based
+    # reward) sets this False: it then runs beside whichever role is loaded, and no state moves.
+    needs_device: bool = True
 
     # ---- identity ------------------------------------------------------------------------
     @property
@@ -108,7 +111,8 @@ class Worker:
 
     # ---- colocation hooks ----------------------------------------------------------------
     def onload(self) -> None:
-        """Called before this role runs a method after another role ran on this rank."""
+        """Called before this role runs a method after another role (one that
+        ``needs_device``) ran on this rank."""
 
     def offload(self) -> None:
-        """Called when another role is about to run on this rank."""
+        """Called when another role that ``needs_device`` is about to run on this rank."""

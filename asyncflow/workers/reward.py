@@ -10,6 +10,8 @@ from .common import import_modules, rows, values
 
 
 class RewardWorker(Worker):
+    needs_device = False  # a rule over decoded text: the roles beside it stay loaded
+
     def __init__(self, model_path: str, reward: str = "number", timeout_s: float = 10.0, on_error: str = "zero",
                  imports: list[str] = ()):
         from ..models.loading import load_tokenizer

@@ -89,6 +89,27 @@ class RoleB(RoleA):
     pass
 
 
+class RoleWithEvents(RoleA):
+    @register(Dispatch.ONE_TO_ALL)
+    def clear_events(self) -> None:
+        EVENTS.clear()
+
+
+class DevicelessRole(RoleA):
+    needs_device = False  # runs beside the loaded role: its hooks must never be called
+
+
+class FragileRole(RoleA):
+    """Its first onload on each rank fails (e.g. out of memory moving state back)."""
+    failures_left = 1
+
+    def onload(self) -> None:
+        super().onload()
+        if self.failures_left:
+            self.failures_left -= 1
+            raise RuntimeError("onload failed on purpose")
+
+
 # ---- driver mains for the launch tests -------------------------------------------------
 
 async def launch_demo_main(driver) -> None:

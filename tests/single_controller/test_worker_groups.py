@@ -141,6 +141,35 @@ def test_colocated_roles_take_turns(cluster3):
                           "work:rollout"]
 
 
+def test_role_without_device_state_runs_beside_the_loaded_one(cluster3):
+    d = cluster3.driver
+
+    async def go():
+        heavy = await d.create_group(W.RoleWithEvents, "heavy")
+        free = await d.create_group(W.DevicelessRole, "free")
+        await heavy.clear_events()  # heavy is loaded now
+        await free.work()
+        return await heavy.work()
+    for _, events in cluster3.run(go()):
+        assert events == ["work:free", "work:heavy"]  # nothing offloaded or onloaded
+
+
+def test_failed_onload_leaves_no_role_loaded(cluster3):
+    """heavy was offloaded for fragile, whose onload failed: heavy's next call must onload it
+    again, not run on state that was moved away."""
+    d = cluster3.driver
+
+    async def go():
+        heavy = await d.create_group(W.RoleWithEvents, "heavy2")
+        fragile = await d.create_group(W.FragileRole, "fragile")
+        await heavy.clear_events()
+        with pytest.raises(WorkerError, match="onload failed on purpose"):
+            await fragile.work()
+        return await heavy.work()
+    for _, events in cluster3.run(go()):
+        assert events == ["offload:heavy2", "onload:fragile", "onload:heavy2", "work:heavy2"]
+
+
 def test_concurrent_collectives_of_groups_sharing_ranks(cluster3, groups):
     """echo (ranks 0-2) and tp (ranks 1-2) share ranks 1 and 2: their calls must reach both
     ranks in the same order, or the all_reduces would wait on each other (deadlock)."""
