@@ -148,8 +148,10 @@ class PlacementSettings:
     ref_with: str = "actor"
     # colocated: the roles that are not running free memory (training roles: gradients, and on
     # accelerators parameters and optimizer state to host; rollout on accelerators: weights to
-    # host and the cached blocks returned), as verl's hybrid engine does.
-    offload_idle: bool = True
+    # host and the cached blocks returned), as verl's hybrid engine does. auto: in sync mode
+    # only, where roles switch once per stage of a step; stream and async switch roles per
+    # micro-batch, where moving that state at every switch would cost more than it frees.
+    offload_idle: str = "auto"  # auto | on | off
 
 
 @dataclass
@@ -202,6 +204,17 @@ class RunSettings:
     transfer_queue: TransferQueueSettings = field(default_factory=TransferQueueSettings)
 
 
+OFFLOAD_IDLE = {"auto": None, "on": True, "true": True, "off": False, "false": False}
+
+
+def offload_idle(cfg: RunSettings) -> bool:
+    """Whether the idle roles of a colocated rank offload (``placement.offload_idle``)."""
+    if cfg.placement.mode != "colocated":
+        return False
+    forced = OFFLOAD_IDLE[str(cfg.placement.offload_idle).lower()]
+    return cfg.workflow.mode == "sync" if forced is None else forced
+
+
 def _check(cfg: RunSettings) -> RunSettings:
     w, r, t = cfg.workflow, cfg.rollout, cfg.trainer
     problems = []
@@ -234,6 +247,8 @@ def _check(cfg: RunSettings) -> RunSettings:
         problems.append(f"data.task: expected addition or file, got {cfg.data.task!r}")
     if cfg.data.task == "file" and not cfg.data.path:
         problems.append("data.path: data.task=file needs a .jsonl or .parquet path")
+    if str(cfg.placement.offload_idle).lower() not in OFFLOAD_IDLE:
+        problems.append(f"placement.offload_idle: expected auto, on or off, got {cfg.placement.offload_idle!r}")
     for name in ("reward_with", "ref_with"):
         where = getattr(cfg.placement, name)
         if where not in ("actor", "rollout"):

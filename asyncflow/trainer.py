@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import RunSettings, load_config, to_dict
+from .config import RunSettings, load_config, offload_idle, to_dict
 from .workflow import checkpoints as ckpts
 from .workflow.checkpoints import RunState
 
@@ -91,7 +91,7 @@ class Training:
         attn = cfg.model.attn_implementation or None
         common = {"imports": list(cfg.imports)}
         # Colocated: roles take turns on every rank, so the idle ones free their memory.
-        offload = cfg.placement.mode == "colocated" and cfg.placement.offload_idle
+        offload = offload_idle(cfg)
         train_common = {**common, "train_engine": cfg.model.train_engine, "offload": offload}
         algo = to_dict(cfg)["algorithm"]
         algo["policy_loss"] = policy_loss_name(cfg)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncflow.config import ConfigError, load_config
+from asyncflow.config import ConfigError, load_config, offload_idle
 from asyncflow.launcher import parse_train_args
 from asyncflow.workflow.recipe import available, find_recipe
 from asyncflow.workflow.stages import check_graph
@@ -34,6 +34,7 @@ def test_overrides_are_typed():
     ("justaword", ["key=value"]),
     ("transfer_queue.storage_units=per_rank", ["transfer_queue.storage_units", "per_node"]),
     ("transfer_queue.max_rows_per_unit=-1", ["transfer_queue.max_rows_per_unit", "0: unbounded"]),
+    ("placement.offload_idle=sometimes", ["placement.offload_idle", "auto, on or off"]),
 ])
 def test_bad_config_names_the_key(override, words):
     with pytest.raises(ConfigError) as e:
@@ -64,3 +65,16 @@ def test_recipes_declare_valid_graphs(name, extra):
 def test_unknown_recipe_lists_the_known_ones():
     with pytest.raises(FileNotFoundError, match="grpo"):
         find_recipe("nope")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["placement.mode=colocated", "workflow.mode=sync"], True),  # auto: roles switch once per stage
+    (["placement.mode=colocated", "workflow.mode=async"], False),  # auto: they switch per micro-batch
+    (["placement.mode=colocated", "workflow.mode=stream"], False),
+    (["placement.mode=colocated", "workflow.mode=async", "placement.offload_idle=on"], True),
+    (["placement.mode=colocated", "workflow.mode=sync", "placement.offload_idle=off"], False),
+    (["placement.mode=colocated", "workflow.mode=async", "placement.offload_idle=true"], True),
+    (["placement.mode=disaggregated", "workflow.mode=sync", "placement.offload_idle=on"], False),
+])
+def test_offload_idle_resolves_by_placement_and_mode(overrides, expected):
+    assert offload_idle(load_config(None, overrides)) is expected
