@@ -189,7 +189,10 @@ def _json_nbytes(x: Any) -> int:
             return 0
         return repr(o)
 
-    return len(json.dumps(x, separators=(",", ":"), default=other)) + frames
+    try:
+        return len(json.dumps(x, separators=(",", ":"), default=other)) + frames
+    except (TypeError, ValueError):  # e.g. a dict with tuple keys: only in-process puts get here
+        return len(repr(x))
 
 
 def _as_run(idx: Sequence[int]) -> tuple[int, int] | None:

@@ -267,3 +267,5 @@ def test_object_column_nbytes_counts_content():
     assert ObjectColumn([{"t": torch.zeros(4)}]).nbytes == over + len('{"t":0}') + 16
     big = "x" * 10_000_000
     assert ObjectColumn([big]).nbytes == over + 10_000_000
+    # what JSON cannot write (tuple keys; only an in-process put carries it) counts its repr
+    assert ObjectColumn([{(1, 2): 3}]).nbytes == over + len(repr({(1, 2): 3}))
