@@ -111,8 +111,9 @@ class EngineCheckpoints:
 
 class EngineOffload:
     """Colocated roles take turns on a rank (the runtime calls ``offload`` on the role that
-    ran last and ``onload`` on the next): the idle role's training engine frees its device
-    memory (``TrainEngine.offload``). Mixed into the workers that hold a training engine.
+    ran last and ``onload`` on the next): the idle role's engine frees its device memory
+    (``_free_engine``: a training engine's ``offload``, a rollout engine overrides it).
+    Mixed into the workers that hold an engine.
 
     Only when the worker was built with ``offload=True`` (``offload_idle``), i.e. colocated
     placement: in disaggregated placement the reference and reward roles share ranks with the
@@ -125,11 +126,17 @@ class EngineOffload:
 
     def offload(self) -> None:
         if self.offload_idle:
-            self.engine.offload()
+            self._free_engine()
 
     def onload(self) -> None:
         if self.offload_idle:
-            self.engine.onload()
+            self._restore_engine()
+
+    def _free_engine(self) -> None:
+        self.engine.offload()
+
+    def _restore_engine(self) -> None:
+        self.engine.onload()
 
     def start_idle(self, offload: bool) -> None:
         """End of ``__init__``: with ``offload``, start offloaded. A role that has not run yet

@@ -9,7 +9,7 @@ import torch
 
 from ..single_controller import Dispatch, Worker, register
 from ..workflow import weight_sync as ws
-from .common import import_modules, rows, set_threads
+from .common import EngineOffload, import_modules, rows, set_threads
 
 
 def continuation_seed(seed: int, done: int) -> int:
@@ -17,9 +17,7 @@ def continuation_seed(seed: int, done: int) -> int:
     return (seed * 1_000_003 + done * 7919 + 17) % (2 ** 31 - 1)
 
 
-class RolloutWorker(Worker):
-    offload_idle = False  # set by __init__'s offload: release the engine's memory while another role runs
-
+class RolloutWorker(EngineOffload, Worker):
     def __init__(self, model_path: str, sampling: dict, engine: str = "builtin", threads: int = 0,
                  partial_rollout: bool = False, attn_implementation: str | None = None,
                  sync_timeout_s: float = 300.0, gpu_memory_utilization: float = 0.5,
@@ -52,22 +50,17 @@ class RolloutWorker(Worker):
         self.swaps = 0
         self.aborts = 0
         self.seq = 0  # publish counter of the weights held
-        # Colocated placement (see EngineOffload for why only there): while another role runs,
-        # the engine gives back its generation memory. A role that has not run yet is idle too.
-        self.offload_idle = bool(offload)
-        self.offload()
+        self.start_idle(offload)  # colocated placement: free the device while other roles run
 
     # ---- colocation --------------------------------------------------------------------------
-    def offload(self) -> None:
-        """Free the engine's generation memory (the builtin engine's freed KV cache and decode
-        buffers, and its weights to host on an accelerator; vLLM's sleep: KV cache dropped,
-        weights to host). Weights are kept: load_weights still takes new ones meanwhile."""
-        if self.offload_idle:
-            self.engine.release_memory()
+    def _free_engine(self) -> None:
+        """The engine's generation memory (the builtin engine's weights to host and cached blocks
+        back on an accelerator; vLLM's sleep: KV cache dropped, weights to host). Weights are
+        kept: load_weights still takes new ones meanwhile."""
+        self.engine.release_memory()
 
-    def onload(self) -> None:
-        if self.offload_idle:
-            self.engine.resume_memory()
+    def _restore_engine(self) -> None:
+        self.engine.resume_memory()
 
     # ---- weights in --------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
