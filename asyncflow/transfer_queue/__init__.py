@@ -17,6 +17,6 @@ __all__ = [
     "AsyncTransferQueueClient", "TransferQueueClient", "TransferQueueService", "TransferQueueConfig",
     "serve_storage_unit", "BatchMeta", "FieldSchema", "FixedColumn", "JaggedColumn", "ObjectColumn",
     "register_sampler", "TransferQueueError", "UnknownPartitionError", "UnknownTaskError",
-    "SchemaMismatchError", "BadPutError", "RowsClearedError", "MissingColumnError", "CapacityError", "TransferQueueTimeout",
-    "RemoteError",
+    "SchemaMismatchError", "BadPutError", "RowsClearedError", "MissingColumnError", "CapacityError",
+    "TransferQueueTimeout", "RemoteError",
 ]

@@ -10,14 +10,19 @@ class TransferQueueError(RuntimeError):
     """Base class of every TransferQueue error."""
 
 
-class UnknownPartitionError(TransferQueueError, KeyError):
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
+class _LookupByName(TransferQueueError, KeyError):
+    """An error about a name that is not there; printed as its message (KeyError quotes it)."""
 
-
-class UnknownTaskError(TransferQueueError, KeyError):
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class UnknownPartitionError(_LookupByName):
+    pass
+
+
+class UnknownTaskError(_LookupByName):
+    pass
 
 
 class SchemaMismatchError(TransferQueueError, TypeError):
@@ -32,16 +37,13 @@ class RowsClearedError(TransferQueueError, LookupError):
     """A read of rows (or a partition) that were already cleared."""
 
 
-class MissingColumnError(TransferQueueError, KeyError):
+class MissingColumnError(_LookupByName):
     """A read of a column the partition does not hold, or that the rows do not have yet.
 
     A KeyError, so a LookupError as RowsClearedError is: code that caught LookupError still
     catches it. On purpose not a BadPutError nor a RowsClearedError (the classes these reads
     raised before): nothing was put wrong and nothing was cleared, and keeping those as bases
     would keep ``except RowsClearedError`` treating a typo'd column name as lost rows."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 class CapacityError(TransferQueueError):
@@ -60,7 +62,7 @@ ERROR_TYPES: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (
         TransferQueueError, UnknownPartitionError, UnknownTaskError, SchemaMismatchError,
-        BadPutError, RowsClearedError, MissingColumnError, CapacityError, TransferQueueTimeout, RemoteError,
-        ValueError, TypeError, KeyError,
+        BadPutError, RowsClearedError, MissingColumnError, CapacityError, TransferQueueTimeout,
+        RemoteError, ValueError, TypeError, KeyError,
     )
 }
