@@ -79,6 +79,12 @@ class RankCall:
         role = self.role or ",".join(self.ep.roles) or "no role yet"
         return f"rank {self.ep.rank} (role {role}) {self.what}, running {now - self.started:.1f} s"
 
+    @staticmethod
+    def describe_all(calls: list["RankCall"]) -> str:
+        """Calls in flight, ``; ``-joined (empty for none)."""
+        now = time.monotonic()
+        return "; ".join(c.describe(now) for c in calls)
+
     def failed(self) -> bool:
         return _failed(self.fut)
 
@@ -294,12 +300,11 @@ class Driver:
             except TransferQueueTimeout:  # the timeout already spent the interval: ping again now
                 misses += 1
                 if misses >= cfg.heartbeat_misses:
-                    now = time.monotonic()
                     # Name what it was running: the run's own error may come from a call to another rank.
                     busy = ep.in_flight()
-                    doing = "; it was running " + "; ".join(c.describe(now) for c in busy) if busy else ""
+                    doing = "; it was running " + RankCall.describe_all(busy) if busy else ""
                     err = WorkerDiedError(
-                        f"worker {ep.where()} stopped answering heartbeats {now - last_ok:.1f}s "
+                        f"worker {ep.where()} stopped answering heartbeats {time.monotonic() - last_ok:.1f}s "
                         f"ago: its process died or hangs{doing}", rank=ep.rank, role=",".join(ep.roles),
                         method=busy[0].what if busy else "")
                     log.error("%s", err)
@@ -315,8 +320,7 @@ class Driver:
     def describe_in_flight(self) -> str:
         """The calls in flight, as ``rank 1 (role train) train.sleep, running 2.1 s; ...``:
         what a run stopped from outside (the launcher's SIGTERM) was waiting for."""
-        now = time.monotonic()
-        return "; ".join(c.describe(now) for c in self.in_flight()) or "no call in flight"
+        return RankCall.describe_all(self.in_flight()) or "no call in flight"
 
     def check(self) -> None:
         """Raise the first fatal error (a dead worker), if any."""

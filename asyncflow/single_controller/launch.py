@@ -118,10 +118,11 @@ def sigterm_report(driver: Driver) -> Iterator[None]:
     When one rank exits, torch stops every other one with SIGTERM (SIGKILL 30 s later): under
     torchrun its elastic agent, under launch_local torch.multiprocessing's spawn context. That
     is usually seconds before the driver's heartbeats notice: without this, rank 0 dies without
-    a word and only the dead rank's number is ever printed. A plain ``signal.signal`` handler rather than the event loop's: it also runs
-    while ``main`` blocks the loop. It writes with ``os.write``, not ``print``: the handler may
-    interrupt a ``print`` on this thread, and a buffered stream is not reentrant. Main thread
-    only; a SIGTERM that is ignored here stays ignored."""
+    a word and only the dead rank's number is ever printed. A plain ``signal.signal`` handler
+    rather than the event loop's: it also runs while ``main`` blocks the loop. It writes with
+    ``os.write``, not ``print``: the handler may interrupt a ``print`` on this thread, and a
+    buffered stream is not reentrant. Main thread only; a SIGTERM that is ignored here stays
+    ignored."""
     previous = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
         yield
