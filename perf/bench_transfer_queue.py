@@ -15,6 +15,12 @@ Every method first moves one payload and streams two rounds untimed (warm-up), t
 methods take turns, round by round. Then get_meta latency with 10k and 1M rows in the
 partition, and with 16 concurrent clients. The last line is one JSON object.
 
+Beside throughput, each method's CPU per payload in the streaming rounds (every thread of
+its three processes, from /proc on Linux; the bench's own checksum left out). On a machine
+with fewer cores than busy threads, throughput follows that total, and it moves far less
+from run to run than the throughput does: ``ratio_cpu_raw_vs_tq`` tells what TQ's own work
+costs next to the floor's when the machine's noise hides it in the GB/s.
+
     python perf/bench_transfer_queue.py [--quick]
 """
 from __future__ import annotations
@@ -262,10 +268,13 @@ def consumer_main(mode: str, address: str, conn) -> None:
         t0 = time.perf_counter()
         got = [get(tag) for _ in range(k)]
         t1 = time.perf_counter()
+        c0 = time.thread_time()
         ok = ok and all(abs(checksum(g) - want) < 1e-6 * max(1.0, abs(want)) for g in got)
         if mode == "tq":
             client.clear(tag)
-        conn.send((t0, t1))
+        # The checksum and the clear are the bench's, not the transfer's: the parent takes
+        # this thread's CPU for them out of the round's CPU.
+        conn.send((t0, t1, time.thread_time() - c0))
     conn.send(ok)
     if mode == "tq":
         client.close()
@@ -290,19 +299,28 @@ class Rig:
         _, self.nbytes = _recv(self.p_conn, 120, f"{mode} producer")
         _recv(self.c_conn, 120, f"{mode} consumer")
 
+    def cpu_s(self) -> float | None:
+        """CPU time of every thread of this method's three processes so far (Linux), or None."""
+        return process_cpu_s([p.pid for p in self.procs])
+
     def run(self, kind: str, tag: str, n: int, overlap: bool) -> tuple:
-        """n payloads; ``overlap``: gets run while puts do (streaming), else after them."""
+        """n payloads; ``overlap``: gets run while puts do (streaming), else after them.
+        ``(p0, p1, c0, c1, cpu_s)``: the producer's and the consumer's start and end times, and
+        the CPU the round took in the three processes (None where it cannot be read)."""
         self.p_conn.send((kind, tag, n))
         self.c_conn.send((kind, tag, n))
         _recv(self.p_conn, 60, "producer"), _recv(self.c_conn, 60, "consumer")
+        cpu0 = self.cpu_s()
         self.p_conn.send("go")
         if overlap:
             self.c_conn.send("go")
         p0, p1 = _recv(self.p_conn, 120, f"{self.mode} producer puts")
         if not overlap:
             self.c_conn.send("go")
-        c0, c1 = _recv(self.c_conn, 120, f"{self.mode} consumer gets")
-        return p0, p1, c0, c1
+        c0, c1, bench_cpu = _recv(self.c_conn, 120, f"{self.mode} consumer gets")
+        cpu1 = self.cpu_s()
+        cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0 - bench_cpu
+        return p0, p1, c0, c1, cpu
 
     def close(self) -> bool:
         self.p_conn.send(("stop", "", 0))
@@ -342,15 +360,18 @@ def transfer(modes: list[str], seq_rounds: int, stream_rounds: int, k: int) -> d
                 rig.run("stream", f"warm_{i}", k, True)
         seq: dict = {m: ([], [], []) for m in modes}
         streams: dict = {m: [] for m in modes}
+        cpus: dict = {m: [] for m in modes}
         for i in range(seq_rounds):
             for m, rig in rigs.items():
-                p0, p1, c0, c1 = rig.run("seq", f"seq_{i}", 1, False)
+                p0, p1, c0, c1, _ = rig.run("seq", f"seq_{i}", 1, False)
                 for lst, v in zip(seq[m], ((p1 - p0) + (c1 - c0), p1 - p0, c1 - c0)):
                     lst.append(v)
         for i in range(stream_rounds):
             for m, rig in rigs.items():
-                p0, p1, c0, c1 = rig.run("stream", f"stream_{i}", k, True)
+                p0, p1, c0, c1, cpu = rig.run("stream", f"stream_{i}", k, True)
                 streams[m].append(k * rig.nbytes / (max(p1, c1) - min(p0, c0)) / 1e9)
+                if cpu is not None:
+                    cpus[m].append(cpu / k * 1e3)
         intact = {m: rig.close() for m, rig in rigs.items()}
     finally:
         for rig in rigs.values():
@@ -358,7 +379,24 @@ def transfer(modes: list[str], seq_rounds: int, stream_rounds: int, k: int) -> d
     med = statistics.median
     return {m: {"mode": m, "bytes": rigs[m].nbytes, "intact": intact[m], "gbps": med(streams[m]),
                 "roundtrip_ms": med(seq[m][0]) * 1e3, "put_ms": med(seq[m][1]) * 1e3,
-                "get_ms": med(seq[m][2]) * 1e3} for m in modes}
+                "get_ms": med(seq[m][2]) * 1e3, "cpu_ms": med(cpus[m]) if cpus[m] else None} for m in modes}
+
+
+def process_cpu_s(pids: list[int]) -> float | None:
+    """Seconds on CPU of every thread of ``pids`` (/proc/PID/task/*/schedstat, in ns: far finer
+    than the 10 ms ticks of /proc/PID/stat), or None where /proc does not have it."""
+    total = 0
+    try:
+        for pid in pids:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0])
+                except FileNotFoundError:  # a thread that ended meanwhile: its time is lost
+                    continue
+    except (FileNotFoundError, NotADirectoryError, ValueError, IndexError):
+        return None
+    return total / 1e9
 
 
 def _recv(conn, timeout: float, what: str):
@@ -450,9 +488,14 @@ def main() -> None:
     print(f"payload: {ROWS} rows, {res['raw']['bytes'] / 1e6:.1f} MB, producer -> storage -> consumer")
     print(f"throughput: {k} payloads streamed with puts and gets running at once (median of {stream_rounds}); "
           f"round trip: one put, then its get (median of {seq_rounds}); methods take turns each round")
-    print(f"{'method':8} {'GB/s':>7} {'round trip ms':>14} {'put ms':>8} {'get ms':>8} {'intact':>7}")
+    print("CPU ms/payload: on-CPU time of every thread of the three processes during the streaming "
+          "rounds, per payload (median; the consumer's checksum left out): what the 2-core throughput "
+          "follows, with a fraction of the noise")
+    print(f"{'method':8} {'GB/s':>7} {'round trip ms':>14} {'put ms':>8} {'get ms':>8} {'CPU ms/payload':>15} "
+          f"{'intact':>7}")
     for m, r in res.items():
-        print(f"{m:8} {r['gbps']:7.3f} {r['roundtrip_ms']:14.2f} {r['put_ms']:8.2f} {r['get_ms']:8.2f} "
+        cpu = "n/a" if r["cpu_ms"] is None else f"{r['cpu_ms']:.2f}"
+        print(f"{m:8} {r['gbps']:7.3f} {r['roundtrip_ms']:14.2f} {r['put_ms']:8.2f} {r['get_ms']:8.2f} {cpu:>15} "
               f"{str(r['intact']):>7}")
     l10k = latency(10_000, 1, calls)
     l1m = latency(1_000_000, 1, calls)
@@ -466,6 +509,12 @@ def main() -> None:
         "pickle_gbps": round(res["pickle"]["gbps"], 4),
         "ratio_tq_vs_raw": round(res["tq"]["gbps"] / res["raw"]["gbps"], 3),
         "ratio_tq_vs_pickle": round(res["tq"]["gbps"] / res["pickle"]["gbps"], 3),
+        "cpu_ms_per_payload": {m: None if r["cpu_ms"] is None else round(r["cpu_ms"], 3) for m, r in res.items()},
+        # CPU the floor needs per payload over CPU TQ needs (higher is better; None off Linux).
+        "ratio_cpu_raw_vs_tq": (round(res["raw"]["cpu_ms"] / res["tq"]["cpu_ms"], 3)
+                                if res["raw"]["cpu_ms"] and res["tq"]["cpu_ms"] else None),
+        "ratio_cpu_pickle_vs_tq": (round(res["pickle"]["cpu_ms"] / res["tq"]["cpu_ms"], 3)
+                                   if res["pickle"]["cpu_ms"] and res["tq"]["cpu_ms"] else None),
         "roundtrip_ms": {m: round(r["roundtrip_ms"], 2) for m, r in res.items()},
         "ratio_tq_vs_raw_roundtrip": round(res["raw"]["roundtrip_ms"] / res["tq"]["roundtrip_ms"], 3),
         "ratio_tq_vs_pickle_roundtrip": round(res["pickle"]["roundtrip_ms"] / res["tq"]["roundtrip_ms"], 3),
