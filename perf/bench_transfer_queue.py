@@ -17,9 +17,10 @@ partition, and with 16 concurrent clients. The last line is one JSON object.
 
 Beside throughput, each method's CPU per payload in the streaming rounds (every thread of
 its three processes, from /proc on Linux; the bench's own checksum left out). On a machine
-with fewer cores than busy threads, throughput follows that total, and it moves far less
-from run to run than the throughput does: ``ratio_cpu_raw_vs_tq`` tells what TQ's own work
-costs next to the floor's when the machine's noise hides it in the GB/s.
+with fewer cores than busy threads, throughput follows that total: ``ratio_cpu_raw_vs_tq``
+says how much of TQ's gap to the floor is its own work. The CPU figures move with the
+machine's state too (a memory-bound copy costs more CPU when other tenants load the
+host), so compare methods within one run, as the throughputs.
 
     python perf/bench_transfer_queue.py [--quick]
 """
@@ -489,8 +490,8 @@ def main() -> None:
     print(f"throughput: {k} payloads streamed with puts and gets running at once (median of {stream_rounds}); "
           f"round trip: one put, then its get (median of {seq_rounds}); methods take turns each round")
     print("CPU ms/payload: on-CPU time of every thread of the three processes during the streaming "
-          "rounds, per payload (median; the consumer's checksum left out): what the 2-core throughput "
-          "follows, with a fraction of the noise")
+          "rounds, per payload (median; the consumer's checksum left out): what throughput follows "
+          "when busy threads outnumber cores")
     print(f"{'method':8} {'GB/s':>7} {'round trip ms':>14} {'put ms':>8} {'get ms':>8} {'CPU ms/payload':>15} "
           f"{'intact':>7}")
     for m, r in res.items():
