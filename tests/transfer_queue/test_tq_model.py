@@ -1,17 +1,20 @@
 """A random walk over the TransferQueue's client API, checked step by step against a plain
 Python model of what the service must hold.
 
-The model knows, per partition, every live row (its key, the columns it has) and, per
-consumer task, the rows that task consumed. Each step is one client call on a real service
-with two storage units: new rows, a column added to rows chosen at random (often across
-both units), get_meta with allow_partial, reads of the bytes, clear_rows,
-reset_consumption, status, and refused writes (a column written twice, a write touching a
-cleared row, a column of another dtype); at the end, every task drains every column set,
-then each partition is closed (end of stream) and cleared. After every step the service must agree with the
-model: get_meta hands out only rows that have the columns and that the task has not
-consumed, never one twice, and as many as the model has ready; reads return the bytes the
-row's key defines; a refused write changes nothing (the rows it did not refuse can still
-take the column afterwards); reads of cleared rows fail.
+The model knows, per partition, every live row (its key, its columns, its GRPO group in
+partition "g") and, per consumer task, the rows that task consumed. Each step is one
+client call on a real service with two storage units: new rows, a column added to rows
+chosen at random (often across both units), get_meta with allow_partial (whole groups
+only in "g"), reads of the bytes, clear_rows, reset_consumption, status, and refused
+writes (a column written twice, a write touching a cleared row, a column of another
+dtype). At the end every task drains every column set, then each partition is closed
+(end of stream) and cleared.
+
+After every step the service must agree with the model: get_meta hands out only rows
+that have the columns and that the task has not consumed, never one twice, as many as
+the model has ready, and in "g" only whole groups, as many as are whole; reads return
+the bytes the row's key defines; a refused write changes nothing (the rows it did not
+refuse can still take the column afterwards); reads of cleared rows fail.
 """
 from __future__ import annotations
 
