@@ -4,6 +4,8 @@ errors and call timeouts. One cluster serves the whole module (start-up is the c
 from __future__ import annotations
 
 import asyncio
+import collections
+import random
 import time
 
 import pytest
@@ -207,3 +209,40 @@ def test_driver_reaches_ranks_on_this_host_over_ipc(cluster3, groups):
     assert all(ep.address.startswith("ipc://") for ep in cluster3.driver.ranks), \
         [ep.address for ep in cluster3.driver.ranks]
     assert cluster3.run(groups[0].whoami())
+
+
+def test_a_storm_of_mixed_calls_gets_every_answer_right(cluster3, groups):
+    """Waves of concurrent calls on the three groups (which share ranks), each at random an
+    answer, a remote error or a timeout: every call gets its own result or its own error (a
+    late reply of a timed-out call answers nothing else), nothing stays in flight, and every
+    group still works afterwards."""
+    rng = random.Random(11)
+    seen = collections.Counter()
+
+    async def one(i: int) -> None:
+        wg = rng.choice(groups)
+        kind = rng.choices(["ok", "fail", "timeout"], [6, 2, 1])[0]
+        seen[kind] += 1
+        if kind == "ok":
+            out = await wg.whoami(x=i)
+            assert [w["x"] for w in out] == [i] * len(wg.ranks) and [w["rank"] for w in out] == wg.ranks
+            assert {w["role"] for w in out} == {wg.role}
+        elif kind == "fail":
+            with pytest.raises(WorkerError, match=rf"{wg.role}\.fail failed on rank {wg.ranks[0]}\b.*boom {i}\b"):
+                await wg.fail(f"boom {i}")
+        else:
+            with pytest.raises(WorkerCallTimeout, match=rf"{wg.role}\.sleep on rank"):
+                await wg.sleep(0.2, _timeout=0.05)
+
+    async def storm() -> list:
+        for wave in range(6):
+            await asyncio.gather(*(one(100 * wave + i) for i in range(12)))
+        await asyncio.sleep(1.0)  # the timed-out sleeps end on the workers; their replies come late
+        return cluster3.driver.in_flight()
+
+    assert cluster3.run(storm(), timeout=120) == []
+    assert seen["ok"] and seen["fail"] and seen["timeout"], seen
+    for ep in cluster3.driver.ranks:
+        assert not ep._rpc._pending, f"rank {ep.rank}: replies still awaited {list(ep._rpc._pending)}"
+    for wg in groups:
+        assert [w["x"] for w in cluster3.run(wg.whoami(x="after"))] == ["after"] * len(wg.ranks)
