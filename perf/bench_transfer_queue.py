@@ -273,8 +273,9 @@ def consumer_main(mode: str, address: str, conn) -> None:
         ok = ok and all(abs(checksum(g) - want) < 1e-6 * max(1.0, abs(want)) for g in got)
         if mode == "tq":
             client.clear(tag)
-        # The checksum and the clear are the bench's, not the transfer's: the parent takes
-        # this thread's CPU for them out of the round's CPU.
+        # The checksum is the bench's, not the transfer's: the parent takes this thread's CPU
+        # for it (and for asking TQ to clear) out of the round's. What the storage process
+        # spends freeing stays counted, as raw's and pickle's stores free theirs in the round.
         conn.send((t0, t1, time.thread_time() - c0))
     conn.send(ok)
     if mode == "tq":
