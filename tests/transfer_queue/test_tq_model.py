@@ -4,11 +4,11 @@ Python model of what the service must hold.
 The model knows, per partition, every live row (its key, its columns, its GRPO group in
 partition "g") and, per consumer task, the rows that task consumed. Each step is one
 client call on a real service with two storage units: new rows, a column added to rows
-chosen at random (often across both units), get_meta with allow_partial (whole groups
-only in "g"), reads of the bytes, clear_rows, reset_consumption, status, and refused
-writes (a column written twice, a write touching a cleared row, a column of another
-dtype). At the end every task drains every column set, then each partition is closed
-(end of stream) and cleared.
+chosen at random (often across both units), get_meta or get_batch with allow_partial
+(whole groups only in "g"), reads of the bytes, clear_rows, reset_consumption, status,
+and refused writes (a column written twice, a write touching a cleared row, a column of
+another dtype). At the end every task drains every column set, then each partition is
+closed (end of stream) and cleared.
 
 After every step the service must agree with the model: get_meta hands out only rows
 that have the columns and that the task has not consumed, never one twice, as many as
@@ -26,7 +26,7 @@ import torch
 
 from asyncflow.transfer_queue import BadPutError, BatchMeta, RowsClearedError, SchemaMismatchError
 
-from _tq_helpers import check_rows, make_rows, make_scores, row_score
+from _tq_helpers import check_rows, make_rows, make_scores, row_feat, row_score, row_text, row_tokens
 
 PARTITIONS = ("p0", "p1", "g")  # "g": rows put with GRPO group ids, read whole groups only
 GROUPED = "g"
@@ -151,12 +151,13 @@ class _Walk:
         cols = self.rng.choice(READS)
         part = self.parts[p]
         want = part.ready(task, cols)
-        if p == GROUPED:
-            n = GROUP * self.rng.randint(1, 4)
-            meta = self.c.get_meta(list(cols), n, task, p, GROUP_SAMPLER, allow_partial=True, timeout=5)
+        n = GROUP * self.rng.randint(1, 4) if p == GROUPED else self.rng.randint(1, 16)
+        sampler = GROUP_SAMPLER if p == GROUPED else "sequential"
+        fused = self.rng.random() < 0.5  # get_batch: the same consumption, the data in the same hop
+        if fused:
+            meta, td = self.c.get_batch(list(cols), n, task, p, sampler, allow_partial=True, timeout=5)
         else:
-            n = self.rng.randint(1, 16)
-            meta = self.c.get_meta(list(cols), n, task, p, allow_partial=True, timeout=5)
+            meta = self.c.get_meta(list(cols), n, task, p, sampler, allow_partial=True, timeout=5)
         self.tasks_used.add(task)
         got = meta.rows
         assert len(got) == len(set(got)), f"a row twice in one batch: {got}"
@@ -169,8 +170,26 @@ class _Walk:
         else:
             assert len(got) == min(n, len(want)), f"task {task} got {len(got)} of {len(want)} ready (asked {n})"
         part.consumed.setdefault(task, set()).update(got)
-        if got:
+        if fused and got:
+            self._check_batch(p, got, cols, td)
+        elif fused:
+            assert td is None
+        elif got:
             self._check_read(p, got, cols)
+
+    def _check_batch(self, p: str, rows: list[int], cols: tuple[str, ...], td) -> None:
+        """A get_batch's TensorDict: the meta's rows, in its order, with the keys' bytes."""
+        keys = [self.parts[p].key[r] for r in rows]
+        assert td.batch_size[0] == len(rows) and sorted(td.keys()) == sorted(cols)
+        assert td["key"].tolist() == keys, "get_batch data in another order than its meta"
+        for name in cols:
+            if name in ("tokens", "feat"):
+                want = [row_tokens(k) if name == "tokens" else row_feat(k) for k in keys]
+                assert all(torch.equal(a, b) for a, b in zip(td[name].unbind(), want)), name
+            elif name == "score":
+                assert td["score"].tolist() == [row_score(k) for k in keys]
+            elif name == "text":
+                assert td["text"].tolist() == [row_text(k) for k in keys]
 
     def _check_read(self, p: str, rows: list[int], cols: tuple[str, ...]) -> None:
         part = self.parts[p]
