@@ -60,6 +60,18 @@ def make_scores(keys: list[int]) -> dict:
     return {"score": torch.tensor([row_score(k) for k in keys], dtype=torch.float64)}
 
 
+def plain_column(col) -> tuple:
+    """A received Column as plain Python values (kind, dtype, contents), to compare whole
+    states: what the service holds before and after a request it must refuse."""
+    from asyncflow.transfer_queue.columns import FixedColumn, JaggedColumn
+
+    if isinstance(col, FixedColumn):
+        return ("fixed", str(col.data.dtype), col.data.tolist())
+    if isinstance(col, JaggedColumn):
+        return ("jagged", str(col.values.dtype), col.values.tolist(), col.offsets.tolist())
+    return ("object", col.items)
+
+
 def check_rows(keys: list[int], cols: dict) -> list[str]:
     """Compare received columns with the payload derived from ``keys``; return mismatches."""
     bad = []

@@ -12,6 +12,8 @@ from asyncflow.transfer_queue import (BadPutError, RowsClearedError, SchemaMisma
                                       UnknownTaskError)
 from asyncflow.transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn, column_to_wire
 
+from _tq_helpers import plain_column
+
 
 def _data(n, start=0):
     return {
@@ -19,14 +21,6 @@ def _data(n, start=0):
         "ids": [torch.arange(1 + i % 4, dtype=torch.int64) + 10 * i for i in range(start, start + n)],
         "text": [f"t{i}" for i in range(start, start + n)],
     }
-
-
-def _plain(col):
-    if isinstance(col, FixedColumn):
-        return ("fixed", str(col.data.dtype), col.data.tolist())
-    if isinstance(col, JaggedColumn):
-        return ("jagged", str(col.values.dtype), col.values.tolist(), col.offsets.tolist())
-    return ("object", col.items)
 
 
 @pytest.fixture
@@ -41,7 +35,7 @@ def filled(tq):
         cols = c.get_columns(meta.with_columns(["k", "ids", "text"]))
         scores = c.get_columns(meta.select([0, 1, 2], ["score"]))
         return (c.status("p"), c.unit_stats(), c.status()["partitions"],
-                {k: _plain(v) for k, v in {**cols, **scores}.items()})
+                {k: plain_column(v) for k, v in {**cols, **scores}.items()})
 
     before = state()
     return tq, meta, state, before
@@ -163,7 +157,7 @@ def test_get_data_of_cleared_rows_is_refused_and_other_rows_stay_readable(filled
     left = meta.select([0, 2, 3, 5], ["k", "ids", "text"])
     got = c.get_columns(left)
     assert got["k"].data.tolist() == [0, 2, 3, 5]
-    assert _plain(got["ids"]) == _plain(JaggedColumn(*_ids_of([0, 2, 3, 5])))
+    assert plain_column(got["ids"]) == plain_column(JaggedColumn(*_ids_of([0, 2, 3, 5])))
     assert got["text"].items == ["t0", "t2", "t3", "t5"]
     assert c.status("p")["rows"] == 4
 

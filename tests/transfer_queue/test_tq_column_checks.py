@@ -14,17 +14,11 @@ from asyncflow.transfer_queue import BadPutError, CapacityError
 from asyncflow.transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn, column_to_wire
 from asyncflow.transfer_queue.errors import MissingColumnError
 
+from _tq_helpers import plain_column
+
 
 def _data(n: int) -> dict:
     return {"k": torch.arange(n), "ids": [torch.arange(1 + i % 3) + 10 * i for i in range(n)]}
-
-
-def _plain(col) -> tuple:
-    if isinstance(col, FixedColumn):
-        return ("fixed", col.data.tolist())
-    if isinstance(col, JaggedColumn):
-        return ("jagged", col.values.tolist(), col.offsets.tolist())
-    return ("object", col.items)
 
 
 @pytest.fixture
@@ -36,7 +30,7 @@ def filled(tq):
 
     def state():
         cols = c.get_columns(meta.with_columns(["k", "ids"]))
-        return c.status("p"), c.unit_stats(), {k: _plain(v) for k, v in cols.items()}
+        return c.status("p"), c.unit_stats(), {k: plain_column(v) for k, v in cols.items()}
 
     return tq, meta, state, state()
 
