@@ -11,6 +11,12 @@ moves over the same hops three ways:
   tq      TransferQueue put, then get_batch: get_meta + get_data, in one hop when the
           controller's process holds the rows, as here (controller + unit in the storage process)
 
+and, to tell TQ's own work from its transport's, a fourth method that is not a store:
+
+  transport  TQ's RPC layer alone (RpcServer, BlockingRpcClient, the codec's header + tensor
+          frames, the MAC) carrying the same buffers: the storage keeps each put's decoded
+          tensors and answers a get with the oldest; no controller, no unit, no TensorDict
+
 Every method first moves one payload and streams two rounds untimed (warm-up), then the
 methods take turns, round by round. Then get_meta latency with 10k and 1M rows in the
 partition, and with 16 concurrent clients. The last line is one JSON object.
@@ -18,7 +24,8 @@ partition, and with 16 concurrent clients. The last line is one JSON object.
 Beside throughput, each method's CPU per payload in the streaming rounds (every thread of
 its three processes, from /proc on Linux; the bench's own checksum left out). On a machine
 with fewer cores than busy threads, throughput follows that total: ``ratio_cpu_raw_vs_tq``
-says how much of TQ's gap to the floor is its own work. The CPU figures move with the
+says how much of TQ's gap to the floor is its own work, and ``ratio_cpu_transport_vs_tq``
+how much of that is TQ's logic on top of its transport. The CPU figures move with the
 machine's state too (a memory-bound copy costs more CPU when other tenants load the
 host), so compare methods within one run, as the throughputs.
 
@@ -128,6 +135,10 @@ def storage_main(mode: str, conn) -> None:
 
         asyncio.run(run_tq())
         return
+    if mode == "transport":
+        freeze_gc_heap()
+        asyncio.run(_serve_transport(conn))
+        return
 
     import collections
 
@@ -167,6 +178,41 @@ def storage_main(mode: str, conn) -> None:
     ctx.term()
 
 
+class _TransportStore:
+    """The transport method's service: each put's tensors as decoded (views of the received
+    frames), answered oldest first; a get before any put waits for one."""
+
+    def __init__(self) -> None:
+        self.stored: list = []
+        self.arrived = asyncio.Event()
+
+    async def rpc_put(self, columns: dict) -> None:
+        self.stored.append(columns)
+        self.arrived.set()
+
+    async def rpc_get(self) -> dict:
+        while not self.stored:
+            self.arrived.clear()
+            await asyncio.wait_for(self.arrived.wait(), 120)
+        return self.stored.pop(0)
+
+
+async def _serve_transport(conn) -> None:
+    import zmq.asyncio
+    from asyncflow.transfer_queue.transport import RpcServer
+    server = RpcServer(_TransportStore(), "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), "bench-transport")
+    server.start()
+    conn.send(server.address)
+    await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
+    await server.close()
+
+
+def _transport_client(address: str):
+    import zmq
+    from asyncflow.transfer_queue.transport import BlockingRpcClient
+    return BlockingRpcClient(address, zmq.Context.instance())
+
+
 # ---- producer / consumer processes -----------------------------------------------------
 # Each serves commands from the parent: ("seq", tag) moves one payload and reports its
 # time; ("stream", tag, k) moves k payloads back to back and reports start or end time.
@@ -191,6 +237,13 @@ def producer_main(mode: str, address: str, conn) -> None:
 
         def put(tag: str) -> None:
             client.put(td, tag)
+    elif mode == "transport":
+        rpc = _transport_client(address)
+        wire = {k: {"values": p[k].values(), "offsets": p[k].offsets()} if p[k].is_nested else p[k]
+                for k in COLUMNS}
+
+        def put(tag: str) -> None:
+            rpc.call("put", columns=wire)
     else:
         import zmq
         sock = zmq.Context().socket(zmq.DEALER)
@@ -221,6 +274,8 @@ def producer_main(mode: str, address: str, conn) -> None:
         conn.send((t0, time.perf_counter()))
     if mode == "tq":
         client.close()
+    elif mode == "transport":
+        rpc.close()
     else:
         sock.send_multipart([b"stop"])
         sock.recv_multipart()
@@ -245,6 +300,12 @@ def consumer_main(mode: str, address: str, conn) -> None:
 
         def get(tag: str):
             return client.get_batch(COLUMNS, ROWS, "bench", tag)[1]
+    elif mode == "transport":
+        rpc = _transport_client(address)
+
+        def get(tag: str):  # the decoded tensors as they come, like raw's: no nested tensors
+            got = rpc.call("get")
+            return {k: got[k]["values"] if isinstance(got[k], dict) else got[k] for k in COLUMNS}
     else:
         import zmq
         sock = zmq.Context().socket(zmq.DEALER)
@@ -280,6 +341,8 @@ def consumer_main(mode: str, address: str, conn) -> None:
     conn.send(ok)
     if mode == "tq":
         client.close()
+    elif mode == "transport":
+        rpc.close()
 
 
 class Rig:
@@ -329,7 +392,7 @@ class Rig:
         self.c_conn.send(("stop", "", 0))
         try:
             ok = _recv(self.c_conn, 60, "consumer checksum")
-            if self.mode == "tq":
+            if self.mode in ("tq", "transport"):
                 self.s_conn.send("stop")
             for pr in self.procs:
                 pr.join(30)
@@ -486,18 +549,20 @@ def main() -> None:
     from asyncflow.transfer_queue import auth
     auth.run_key()
     t0 = time.time()
-    res = transfer(["raw", "pickle", "tq"], seq_rounds, stream_rounds, k)
+    res = transfer(["raw", "pickle", "tq", "transport"], seq_rounds, stream_rounds, k)
     print(f"payload: {ROWS} rows, {res['raw']['bytes'] / 1e6:.1f} MB, producer -> storage -> consumer")
     print(f"throughput: {k} payloads streamed with puts and gets running at once (median of {stream_rounds}); "
           f"round trip: one put, then its get (median of {seq_rounds}); methods take turns each round")
     print("CPU ms/payload: on-CPU time of every thread of the three processes during the streaming "
           "rounds, per payload (median; the consumer's checksum left out): what throughput follows "
           "when busy threads outnumber cores")
-    print(f"{'method':8} {'GB/s':>7} {'round trip ms':>14} {'put ms':>8} {'get ms':>8} {'CPU ms/payload':>15} "
+    print("transport: TQ's RPC layer alone, carrying the same buffers with no controller, unit or "
+          "TensorDict (not a store: it tells TQ's logic from its transport)")
+    print(f"{'method':9} {'GB/s':>7} {'round trip ms':>14} {'put ms':>8} {'get ms':>8} {'CPU ms/payload':>15} "
           f"{'intact':>7}")
     for m, r in res.items():
         cpu = "n/a" if r["cpu_ms"] is None else f"{r['cpu_ms']:.2f}"
-        print(f"{m:8} {r['gbps']:7.3f} {r['roundtrip_ms']:14.2f} {r['put_ms']:8.2f} {r['get_ms']:8.2f} {cpu:>15} "
+        print(f"{m:9} {r['gbps']:7.3f} {r['roundtrip_ms']:14.2f} {r['put_ms']:8.2f} {r['get_ms']:8.2f} {cpu:>15} "
               f"{str(r['intact']):>7}")
     l10k = latency(10_000, 1, calls)
     l1m = latency(1_000_000, 1, calls)
@@ -517,6 +582,11 @@ def main() -> None:
                                 if res["raw"]["cpu_ms"] and res["tq"]["cpu_ms"] else None),
         "ratio_cpu_pickle_vs_tq": (round(res["pickle"]["cpu_ms"] / res["tq"]["cpu_ms"], 3)
                                    if res["pickle"]["cpu_ms"] and res["tq"]["cpu_ms"] else None),
+        # TQ's transport alone against the floor, and against TQ: where TQ's gap to raw goes.
+        "transport_gbps": round(res["transport"]["gbps"], 4),
+        "ratio_transport_vs_raw": round(res["transport"]["gbps"] / res["raw"]["gbps"], 3),
+        "ratio_cpu_transport_vs_tq": (round(res["transport"]["cpu_ms"] / res["tq"]["cpu_ms"], 3)
+                                      if res["transport"]["cpu_ms"] and res["tq"]["cpu_ms"] else None),
         "roundtrip_ms": {m: round(r["roundtrip_ms"], 2) for m, r in res.items()},
         "ratio_tq_vs_raw_roundtrip": round(res["raw"]["roundtrip_ms"] / res["tq"]["roundtrip_ms"], 3),
         "ratio_tq_vs_pickle_roundtrip": round(res["pickle"]["roundtrip_ms"] / res["tq"]["roundtrip_ms"], 3),

@@ -40,8 +40,12 @@ def test_transfer_queue_bench_quick_prints_its_figures_and_moves_every_byte_inta
     assert out["ratio_tq_vs_raw"] == pytest.approx(out["tq_gbps"] / out["raw_gbps"], rel=2e-3)
     assert out["ratio_tq_vs_pickle"] == pytest.approx(out["tq_gbps"] / out["pickle_gbps"], rel=2e-3)
     cpu = out["cpu_ms_per_payload"]  # read from /proc: the tests run on Linux
-    _positive(cpu, ["raw", "pickle", "tq"])
+    _positive(cpu, ["raw", "pickle", "tq", "transport"])
     assert out["ratio_cpu_raw_vs_tq"] == pytest.approx(cpu["raw"] / cpu["tq"], rel=1e-2)
+    # TQ's transport alone, beside it: what of TQ's gap is its logic rather than its RPC layer
+    _positive(out, ["transport_gbps", "ratio_transport_vs_raw", "ratio_cpu_transport_vs_tq"])
+    assert out["ratio_transport_vs_raw"] == pytest.approx(out["transport_gbps"] / out["raw_gbps"], rel=2e-3)
+    assert out["ratio_cpu_transport_vs_tq"] == pytest.approx(cpu["transport"] / cpu["tq"], rel=1e-2)
 
 
 @pytest.mark.slow
