@@ -118,7 +118,6 @@ def left_pad(prompts: list):
 
 def count_until_eos(resp) -> int:
     """Generated tokens of one row up to and including its first EOS (all of them if none)."""
-    import torch
     hits = (resp == EOS).nonzero()
     return int(hits[0, 0]) + 1 if hits.numel() else int(resp.numel())
 

@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, TypeVar
 
 import zmq.asyncio
 
@@ -25,6 +25,9 @@ from .layout import GroupLayout
 from .placement import PlacementConfig
 from .runtime import calls_address, class_path, split_address
 from .wire import from_wire, to_wire
+
+if TYPE_CHECKING:  # a runtime import would be circular: worker_group imports this module
+    from .worker_group import WorkerGroup
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

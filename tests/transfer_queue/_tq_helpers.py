@@ -11,7 +11,6 @@ import asyncio
 import collections
 import random
 import traceback
-from typing import Any
 
 import torch
 

@@ -8,7 +8,6 @@ overlaps rollout of the next step with the update; dynamic sampling refills drop
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 import torch
@@ -36,7 +35,7 @@ class Rollout(Group):
         assert self.version >= min_version, (self.version, min_version)
         self.log.append(("gen", meta.partition, asyncio.get_running_loop().time()))
         await asyncio.sleep(self.delay * len(meta) / 8)
-        data = await self.tq.get_data(meta, ["prompt_ids", "seed"])
+        await self.tq.get_data(meta, ["prompt_ids", "seed"])  # reads its inputs, as a real rollout does
         n = len(meta)
         await self.tq.put({"response_ids": [torch.arange(3) for _ in range(n)],
                            "gen_version": torch.full((n,), self.version, dtype=torch.long),

@@ -2,7 +2,6 @@
 versions in order, packed views equal the original tensors; a missing sender times out."""
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
