@@ -570,6 +570,11 @@ def main() -> None:
     print(f"get_meta (16 rows): 10k rows p50 {l10k['p50_us']:.0f} us, p99 {l10k['p99_us']:.0f} us; "
           f"1M rows p50 {l1m['p50_us']:.0f} us, p99 {l1m['p99_us']:.0f} us; "
           f"16 clients p50 {l16['p50_us']:.0f} us, p99 {l16['p99_us']:.0f} us")
+    def cpu_ratio(a: str, b: str) -> float | None:
+        """Method a's CPU per payload over method b's; None where /proc could not be read."""
+        x, y = res[a]["cpu_ms"], res[b]["cpu_ms"]
+        return round(x / y, 3) if x and y else None
+
     out = {
         "tq_gbps": round(res["tq"]["gbps"], 4),
         "raw_gbps": round(res["raw"]["gbps"], 4),
@@ -577,16 +582,13 @@ def main() -> None:
         "ratio_tq_vs_raw": round(res["tq"]["gbps"] / res["raw"]["gbps"], 3),
         "ratio_tq_vs_pickle": round(res["tq"]["gbps"] / res["pickle"]["gbps"], 3),
         "cpu_ms_per_payload": {m: None if r["cpu_ms"] is None else round(r["cpu_ms"], 3) for m, r in res.items()},
-        # CPU the floor needs per payload over CPU TQ needs (higher is better; None off Linux).
-        "ratio_cpu_raw_vs_tq": (round(res["raw"]["cpu_ms"] / res["tq"]["cpu_ms"], 3)
-                                if res["raw"]["cpu_ms"] and res["tq"]["cpu_ms"] else None),
-        "ratio_cpu_pickle_vs_tq": (round(res["pickle"]["cpu_ms"] / res["tq"]["cpu_ms"], 3)
-                                   if res["pickle"]["cpu_ms"] and res["tq"]["cpu_ms"] else None),
+        # CPU another method needs per payload over CPU TQ needs (higher is better for TQ).
+        "ratio_cpu_raw_vs_tq": cpu_ratio("raw", "tq"),
+        "ratio_cpu_pickle_vs_tq": cpu_ratio("pickle", "tq"),
         # TQ's transport alone against the floor, and against TQ: where TQ's gap to raw goes.
         "transport_gbps": round(res["transport"]["gbps"], 4),
         "ratio_transport_vs_raw": round(res["transport"]["gbps"] / res["raw"]["gbps"], 3),
-        "ratio_cpu_transport_vs_tq": (round(res["transport"]["cpu_ms"] / res["tq"]["cpu_ms"], 3)
-                                      if res["transport"]["cpu_ms"] and res["tq"]["cpu_ms"] else None),
+        "ratio_cpu_transport_vs_tq": cpu_ratio("transport", "tq"),
         "roundtrip_ms": {m: round(r["roundtrip_ms"], 2) for m, r in res.items()},
         "ratio_tq_vs_raw_roundtrip": round(res["raw"]["roundtrip_ms"] / res["tq"]["roundtrip_ms"], 3),
         "ratio_tq_vs_pickle_roundtrip": round(res["pickle"]["roundtrip_ms"] / res["tq"]["roundtrip_ms"], 3),
