@@ -126,6 +126,7 @@ def consumer_main(address: str, partition: str, task: str, columns: list[str], s
     """Consume ``task`` until end of stream with random batch sizes; check every byte. Reports
     the (row id, key) pairs it read; stops at the first row it sees twice."""
     from asyncflow.transfer_queue import TransferQueueClient
+    from asyncflow.transfer_queue.meta import unit_of
     keys: list[tuple[int, int]] = []
     seen: set[int] = set()
     errors: list[str] = []
@@ -144,7 +145,7 @@ def consumer_main(address: str, partition: str, task: str, columns: list[str], s
                 got = cols["key"].data.tolist()
                 errors += check_rows(got, cols)[:5]
                 keys += zip(meta.rows, got)
-                mixed += len({r >> 40 for r in meta.rows}) > 1
+                mixed += len({unit_of(r) for r in meta.rows}) > 1
                 again = sorted(seen.intersection(meta.rows)) + [
                     r for r, n in collections.Counter(meta.rows).items() if n > 1]
                 seen.update(meta.rows)

@@ -11,6 +11,7 @@ import torch
 
 import _tq_helpers as H
 from asyncflow.transfer_queue import BadPutError, BatchMeta, RowsClearedError, SchemaMismatchError
+from asyncflow.transfer_queue.meta import unit_of
 
 
 class _Blocking:
@@ -34,7 +35,7 @@ async def _six_rows_on_two_units(c) -> BatchMeta:
     await c.create_partition("p")
     m0 = await c.put({"k": torch.arange(3)}, "p")
     m1 = await c.put({"k": torch.arange(3, 6)}, "p")  # round robin: the next unit
-    assert {r >> 40 for r in m0.rows} == {0} and {r >> 40 for r in m1.rows} == {1}
+    assert {unit_of(r) for r in m0.rows} == {0} and {unit_of(r) for r in m1.rows} == {1}
     return BatchMeta.concat([m0, m1])
 
 

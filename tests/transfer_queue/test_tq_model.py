@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from asyncflow.transfer_queue import BadPutError, BatchMeta, RowsClearedError, SchemaMismatchError
+from asyncflow.transfer_queue.meta import unit_of
 
 from _tq_helpers import check_rows, make_rows, make_scores, row_feat, row_score, row_text, row_tokens
 
@@ -292,5 +293,5 @@ def test_random_walk_over_the_api_matches_the_model(tq_factory, seed):
     walk.drain()
     walk.end()
     # Rows of both units were written across in one put (the multi-unit path was taken).
-    units = {r >> 40 for part in walk.parts.values() for r in part.key}
+    units = {unit_of(r) for part in walk.parts.values() for r in part.key}
     assert units == {0, 1}

@@ -11,6 +11,7 @@ from tensordict import NonTensorStack, TensorDict
 from asyncflow.transfer_queue import BatchMeta, JaggedColumn
 from asyncflow.transfer_queue.codec import encode
 from asyncflow.transfer_queue.columns import column_to_wire, to_column
+from asyncflow.transfer_queue.meta import unit_of
 
 
 def _rows(lengths, dtype=torch.int64, tail=(), seed=0):
@@ -125,7 +126,7 @@ def test_reads_in_any_order_across_two_units_follow_the_meta_order(tq_factory):
                       "name": [f"k{k}" for k in keys]}, "p")
 
     m0, m1 = put(to0, keys0), put(to1, keys1)
-    assert {r >> 40 for r in m0.rows} == {0} and {r >> 40 for r in m1.rows} == {1}
+    assert {unit_of(r) for r in m0.rows} == {0} and {unit_of(r) for r in m1.rows} == {1}
     both = BatchMeta.concat([m0, m1])
     rng = random.Random(7)
     for _ in range(3):

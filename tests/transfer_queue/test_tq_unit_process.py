@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncflow.transfer_queue import TransferQueueClient
+from asyncflow.transfer_queue.meta import unit_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,7 +32,7 @@ def test_unit_process_registers_and_serves_puts_and_gets(tq):
             node1.create_partition("p")
             rows = [torch.arange(n) for n in (3, 0, 5)]
             meta = node1.put({"ids": rows, "tag": ["a", "b", "c"]}, "p")
-            assert all(r >> 40 == 1 for r in meta.rows)  # stored on the unit of "node 1"
+            assert all(unit_of(r) == 1 for r in meta.rows)  # stored on the unit of "node 1"
             got = tq.client.get_columns(tq.client.get_meta(["ids", "tag"], 3, "t", "p"))
             assert [got["ids"].row(i).tolist() for i in range(3)] == [r.tolist() for r in rows]
             assert got["tag"].items == ["a", "b", "c"]
