@@ -9,16 +9,9 @@ import torch
 from asyncflow.engines.rollout import SamplingParams
 from asyncflow.engines.rollout.sampling import SeedKeys, sample_step, vocab_hash
 
-VOCAB, EOS, PAD = 64, 1, 0
-
-
-def _tiny_model(tie: bool = True, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM  # lazy: ~7 s, once per process
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
-                      attn_implementation="eager", pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS)
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(cfg).eval()
+from tests.engines._rollout_helpers import EOS, PAD, VOCAB
+from tests.engines._rollout_helpers import prompts as _prompts
+from tests.engines._rollout_helpers import tiny_model as _tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +25,6 @@ def model():
 def engine(model):
     from asyncflow.engines.rollout import BuiltinRolloutEngine
     return BuiltinRolloutEngine(model, eos_token_ids=[EOS], pad_token_id=PAD)
-
-
-def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 20) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g)
-            for _ in range(n)]
 
 
 def _hf_greedy(model, prompts, max_new: int, eos: list[int]) -> list[torch.Tensor]:
@@ -79,15 +66,15 @@ def test_greedy_matches_hf_generate(model, engine):
 
 
 def test_stop_token_ends_row_and_row_leaves_batch(model, engine, monkeypatch):
-    from asyncflow.engines.rollout import kv_cache
+    from asyncflow.engines.rollout import slot_cache
     prompts = _prompts(8, seed=3)
     greedy = SamplingParams(max_new_tokens=10, temperature=0)
     free = engine.generate(prompts, greedy, seeds=[0] * 8)
     stop_tok = int(free.response_ids[2][3])  # row 2 will stop at or before its 4th token
     sizes = []
-    real_keep = kv_cache.RowKVCache.keep_rows
-    monkeypatch.setattr(kv_cache.RowKVCache, "keep_rows", lambda self, rows: (sizes.append(rows.numel()),
-                                                                            real_keep(self, rows))[1])
+    real_compact = slot_cache.SlotKVCache.compact
+    monkeypatch.setattr(slot_cache.SlotKVCache, "compact", lambda self, keep: (sizes.append(int(keep.sum())),
+                                                                              real_compact(self, keep))[1])
     out = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=(stop_tok,)),
                           seeds=[0] * 8)
     ref = _hf_greedy(model, prompts, 10, [EOS, stop_tok])
@@ -256,45 +243,30 @@ def test_bad_arguments_raise(engine):
 
 
 def test_release_frees_the_kv_cache_and_resume_gives_the_same_samples(engine):
-    """memory_held() counts the KV buffers of a generation in progress (sampled from inside
-    generate through should_abort, polled after every decode step); none are left once
-    generate returns or after release_memory, and none stay reachable (weak references die).
-    After resume_memory sampling is unchanged for the same seeds."""
+    """memory_held() counts the running batch's KV buffers (polled from inside generate through
+    should_abort, before every step); they are kept between calls for the next rows, and
+    release_memory drops them (no reference stays). After resume_memory sampling is unchanged."""
     import gc
     import weakref
-
-    from asyncflow.engines.rollout.kv_cache import RowKVCache
 
     prompts = _prompts(6, seed=5)
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     seeds = [11, 12, 13, 14, 15, 16]
     polls: list[int] = []
-    buffers: list[weakref.ref] = []
-    real_update = RowKVCache.update
-
-    def update(cache, *args, **kwargs):
-        out = real_update(cache, *args, **kwargs)
-        buffers.extend(weakref.ref(t) for t in (*cache.keys, *cache.values) if t is not None)
-        return out
 
     def poll() -> bool:
         polls.append(engine.memory_held()["kv_cache"])
         return False
 
-    RowKVCache.update = update
-    try:
-        before = engine.generate(prompts, params, seeds=seeds, should_abort=poll)
-    finally:
-        RowKVCache.update = real_update
+    before = engine.generate(prompts, params, seeds=seeds, should_abort=poll)
     cfg = engine.model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    capacity = max(p.numel() for p in prompts) + params.max_new_tokens
+    capacity = max(p.numel() + params.max_new_tokens for p in prompts)
     per_row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * capacity * head_dim * 4  # K and V, fp32
-    # First poll: the prefill poll comes before the cache exists; after step 1, the rows still
-    # generating are those with more than one token.
-    assert polls[0] == 0
-    assert polls[1] == per_row * sum(len(r) > 1 for r in before.response_ids) > 0
-    assert engine.memory_held()["kv_cache"] == 0
+    assert polls[0] == 0  # before the first step no cache exists
+    assert polls[1] == per_row * len(prompts)  # one slot per row, all admitted in step 1
+    assert engine.memory_held()["kv_cache"] == polls[1]  # kept for the next rows
+    buffers = [weakref.ref(t) for t in (*engine._cache.keys, *engine._cache.values)]
     weights = engine.memory_held()["weights"]
     assert weights == sum(p.numel() * 4 for p in engine.model.parameters()) + sum(
         b.numel() * b.element_size() for b in engine.model.buffers())

@@ -9,6 +9,11 @@ Contract shared by every engine:
   trainer recomputes for importance ratios;
 - a generation can be aborted between decode steps; the partial rows come back with
   finish reason "abort" and can be continued later with prompt + partial as the prompt.
+
+Request level (``RequestEngine``): a request is submitted alone and its result comes back
+as soon as that row finishes; the engine keeps a running batch full (continuous
+batching) and swaps new weights in between decode steps without dropping running rows.
+Every generated token records the policy version of the weights that produced it.
 """
 from __future__ import annotations
 
@@ -18,9 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FINISH_REASONS", "GenerationOutput", "RolloutEngine", "SamplingParams", "check_generate_args"]
+__all__ = ["FINISH_REASONS", "GenerationOutput", "GenerationRequest", "RequestEngine", "RequestResult",
+           "RolloutEngine", "SamplingParams", "SWAP_MODES", "check_generate_args"]
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # "error": that request alone was refused
+# How running rows continue after new weights are swapped in mid-generation:
+# keep: on the KV cache computed so far (old weights); recompute: re-prefill it with the new weights.
+SWAP_MODES = ("keep", "recompute")
 
 
 @dataclass
@@ -56,6 +65,77 @@ class GenerationOutput:
     response_ids: list[torch.Tensor]  # 1-D int64; includes the stop token if one was produced
     log_probs: list[torch.Tensor]  # 1-D float32, same length as response_ids
     finish_reasons: list[str]  # "stop" | "length" | "abort"
+
+
+@dataclass
+class GenerationRequest:
+    """One row to generate. ``max_new_tokens`` (when set) overrides ``params.max_new_tokens``;
+    ``min_version``: the row is admitted only once the engine holds weights of at least this
+    policy version (the staleness bound, enforced per row at admission)."""
+
+    request_id: int | str
+    prompt_ids: torch.Tensor  # 1-D int64
+    params: SamplingParams
+    seed: int = 0
+    max_new_tokens: int | None = None
+    min_version: int = 0
+
+    @property
+    def budget(self) -> int:
+        return self.params.max_new_tokens if self.max_new_tokens is None else int(self.max_new_tokens)
+
+
+@dataclass
+class RequestResult:
+    """A finished request. ``token_versions[i]`` is the policy version that sampled token i;
+    ``error`` says why a request was refused (finish_reason "error", no tokens)."""
+
+    request_id: int | str
+    response_ids: torch.Tensor  # 1-D int64
+    log_probs: torch.Tensor  # 1-D float32, behaviour log-probs
+    token_versions: torch.Tensor  # 1-D int64
+    finish_reason: str
+    error: str | None = None
+
+    @property
+    def gen_version(self) -> int | None:
+        """The version of the row's oldest token (None for a row with no tokens)."""
+        return int(self.token_versions.min()) if self.token_versions.numel() else None
+
+
+class RequestEngine(ABC):
+    """An engine driven request by request (continuous batching). Not thread-safe: one
+    thread drives ``step``; other threads go through a ``RolloutService``."""
+
+    version: int
+
+    @abstractmethod
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request. A request that cannot run (prompt over the context, bad ids) is
+        not raised: its result comes back from the next ``step`` with finish reason "error"."""
+
+    @abstractmethod
+    def abort(self, request_id: int | str) -> bool:
+        """Finish a queued or running request at the next step with what it has ("abort").
+        An unknown id is a no-op that returns False (and is counted in ``stats``)."""
+
+    @abstractmethod
+    def step(self) -> list[RequestResult]:
+        """One scheduling iteration: admit, prefill, decode one token; return what finished."""
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """Requests are queued or running."""
+
+    @abstractmethod
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> None:
+        """Swap new weights in now (call between steps); running rows continue (``SWAP_MODES``).
+        Wrong names, shapes or dtypes, or a version older than the one held, raise and leave
+        the weights held unchanged."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters: running, waiting, finished, aborted, unknown_aborts, errors, swaps, ..."""
 
 
 class RolloutEngine(ABC):

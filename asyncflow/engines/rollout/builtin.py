@@ -1,45 +1,80 @@
-"""The built-in rollout engine: batched KV-cache decoding of a Hugging Face causal LM.
+"""The built-in rollout engine: continuous batching of a Hugging Face causal LM with a KV cache.
 
-Made for CPU (it is AsyncFlow's default engine on a laptop) and correct on any device.
-What makes it faster than `model.generate` on the same model:
-- finished rows leave the batch (KV cache, masks, positions and keys shrink), so the
-  compute follows the rows still generating instead of the longest one;
-- the KV cache is preallocated and written in place (`RowKVCache`), no torch.cat per step;
-- the attention masks are built by the engine once per generate and sliced per step
-  (HF models accept an already prepared mask dict), skipping transformers' mask
-  construction on every forward;
-- only the last position's hidden state goes through the LM head;
-- sampling is a handful of whole-batch tensor ops (`sampling.sample_step`).
-Prompts are left padded so that all rows write the same cache position each step;
-position ids count real tokens only, so padding never changes a row's result.
+Made for CPU (AsyncFlow's default engine on a laptop) and correct on any device. It is
+driven request by request (``RequestEngine``): each ``step()`` decodes one token for
+every running row, admits waiting requests into the slots that finished rows left
+(their prefill runs in the same step, a long prompt in chunks over several steps), and
+returns the rows that finished. So the compute follows the rows that are generating,
+and a row never waits for the longest row of its batch. ``generate()`` (the batch API)
+submits its prompts and steps until they are all done.
+
+What else makes it fast on small models: a preallocated cache written in place
+(``SlotKVCache``), masks built by the engine (HF models accept a prepared mask dict), the
+LM head on the last position only, and sampling as a few whole-batch tensor ops with
+per-row counter-based noise (``sampling.sample_step``), so a row's tokens depend on its
+own seed and token index only, never on which rows share the batch.
+
+New weights are swapped in between steps (``load_weights``): running rows continue on
+the cache they have (``keep``) or have it recomputed with the new weights
+(``recompute``); every token records the version that sampled it.
 """
 from __future__ import annotations
 
-import weakref
+from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
-from asyncflow.engines.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, check_generate_args
-from asyncflow.engines.rollout.kv_cache import RowKVCache
-from asyncflow.engines.rollout.sampling import SeedKeys, sample_step, vocab_hash
+from asyncflow.engines.rollout.base import (SWAP_MODES, GenerationOutput, GenerationRequest, RequestEngine,
+                                            RequestResult, RolloutEngine, SamplingParams, check_generate_args)
+from asyncflow.engines.rollout.sampling import SeedKeys, _splitmix64, sample_step, vocab_hash
+from asyncflow.engines.rollout.slot_cache import PrefillCache, SlotKVCache
 
 __all__ = ["BuiltinRolloutEngine"]
 
 # Config attributes that make a model's logits more than `lm_head(hidden)`; the engine
 # computes logits itself, so it refuses such models rather than sample from wrong ones.
 _HEAD_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_MASK32 = 0xFFFFFFFF
 
 
-class BuiltinRolloutEngine(RolloutEngine):
+@dataclass
+class _Row:
+    """Python-side state of a running row (its tensors live in the engine's per-slot columns)."""
+    req: GenerationRequest
+    plen: int
+    versions: list[tuple[int, int]]  # (first token index, policy version) segments
+
+
+@dataclass
+class _Chunked:
+    """A long prompt being prefilled chunk by chunk, outside the running batch."""
+    req: GenerationRequest
+    cache: PrefillCache
+    done: int = 0  # prompt tokens prefilled so far
+
+
+def _params_key(p: SamplingParams) -> tuple:
+    return (p.temperature, p.top_k, p.top_p, p.stop_token_ids)
+
+
+class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
     """Rollout engine over an in-process Hugging Face causal LM (Qwen2, Llama-style decoders).
 
     The engine takes the model over: it moves it to `device`, puts it in eval mode and
     updates its weights in place in `load_weights`.
+
+    max_running_rows: rows decoded together; max_kv_tokens: the cache positions the
+    running rows may reserve (prompt + budget each; 0 = no limit besides the rows);
+    prefill_chunk: prompt tokens prefilled per step (a longer prompt is split over steps);
+    max_context: prompt + budget limit of one request (default: the model's
+    max_position_embeddings).
     """
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: list[int], pad_token_id: int,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, max_running_rows: int = 256, max_kv_tokens: int = 0,
+                 prefill_chunk: int = 2048, max_context: int | None = None) -> None:
         cfg = model.config
         attn = getattr(cfg, "_attn_implementation", None)
         if attn not in ("eager", "sdpa"):
@@ -52,6 +87,9 @@ class BuiltinRolloutEngine(RolloutEngine):
             if getattr(cfg, name, None) not in (None, 1, 1.0):
                 raise ValueError(f"BuiltinRolloutEngine computes logits as lm_head(hidden); the model sets "
                                  f"config.{name}={getattr(cfg, name)!r}, which it does not apply")
+        if max_running_rows < 1 or prefill_chunk < 1 or max_kv_tokens < 0:
+            raise ValueError(f"BuiltinRolloutEngine: max_running_rows ({max_running_rows}) and prefill_chunk "
+                             f"({prefill_chunk}) must be >= 1, max_kv_tokens ({max_kv_tokens}) >= 0")
         self.model = model
         self.base = getattr(model, model.base_model_prefix)  # the decoder stack without the LM head
         self.head = model.get_output_embeddings()
@@ -67,162 +105,457 @@ class BuiltinRolloutEngine(RolloutEngine):
         self._check_ids(self.eos_token_ids, "eos_token_ids")
         self.pad_token_id = int(pad_token_id)
         self._check_ids((self.pad_token_id,), "pad_token_id")
+        self.max_running_rows = int(max_running_rows)
+        self.max_kv_tokens = int(max_kv_tokens)
+        self.prefill_chunk = int(prefill_chunk)
+        self.max_context = int(max_context if max_context is not None
+                               else getattr(cfg, "max_position_embeddings", None) or 1 << 30)
         self.version = 0
         self._released = False
         self._vhash = vocab_hash(self.vocab_size, self.device)
-        # The KV caches of generations running now (one per generate call, dropped when it
-        # returns): weak, so that counting them for memory_held() never keeps one alive.
-        self._live_caches: weakref.WeakSet[RowKVCache] = weakref.WeakSet()
+        self._dtype = self.head.weight.dtype
+        self._neg = torch.finfo(self._dtype).min
+        # the scheduler's state
+        self._waiting: deque[GenerationRequest] = deque()
+        self._chunked: _Chunked | None = None
+        self._rows: list[_Row] = []  # slot order
+        self._cache = SlotKVCache(self.num_layers)
+        self._col: dict[str, torch.Tensor] = {}  # per-slot int64 columns: steps, budget, key_a, key_b, pending
+        self._out_tok = torch.zeros((0, 0), dtype=torch.int64, device=self.device)
+        self._out_lp = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
+        self._abort_ids: set = set()
+        self._known: set = set()  # ids waiting, prefilling or running
+        self._ready: list[RequestResult] = []  # finished outside a decode (errors, aborts, zero budgets)
+        self._stop_masks: dict[tuple, torch.Tensor] = {}
+        self._reserved_kv = 0
+        self._admitting = True
+        self.counters = {"finished": 0, "aborted": 0, "unknown_aborts": 0, "errors": 0, "swaps": 0,
+                         "tokens": 0, "steps": 0, "prefill_tokens": 0, "recomputed_rows": 0}
 
-    # ---- generation ---------------------------------------------------------------------
+    # ---- the request API -----------------------------------------------------------------
+    def add_request(self, request: GenerationRequest) -> None:
+        if request.request_id in self._known:
+            raise ValueError(f"add_request: request id {request.request_id!r} is already queued or running")
+        if not isinstance(request.params, SamplingParams):
+            raise TypeError(f"request {request.request_id!r}: params must be a SamplingParams, "
+                            f"got {type(request.params).__name__}")
+        problem = self._request_problem(request)
+        if problem is not None:
+            self.counters["errors"] += 1
+            self._ready.append(self._empty(request, "error", f"request {request.request_id!r}: {problem}"))
+            return
+        self._known.add(request.request_id)
+        self._waiting.append(request)
 
+    def abort(self, request_id: int | str) -> bool:
+        if request_id not in self._known:
+            self.counters["unknown_aborts"] += 1
+            return False
+        self._abort_ids.add(request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._chunked is not None or self._rows or self._ready)
+
+    def stats(self) -> dict:
+        return {**self.counters, "running": len(self._rows), "waiting": len(self._waiting),
+                "prefilling": int(self._chunked is not None),
+                "version": int(self.version), "kv_reserved_tokens": self._reserved_kv,
+                "kv_cache_bytes": self._cache.nbytes}
+
+    def admit(self, on: bool) -> None:
+        """Let waiting requests join the batch (the default), or hold them in the queue (a service
+        draining the batch before a weight swap)."""
+        self._admitting = bool(on)
+
+    @property
+    def free_rows(self) -> int:
+        """Rows that could join the running batch now (slots not taken by running or queued rows)."""
+        return max(0, self.max_running_rows - len(self._rows) - len(self._waiting) - (self._chunked is not None))
+
+    def step(self) -> list[RequestResult]:
+        if self._released:
+            raise RuntimeError("BuiltinRolloutEngine.step after release_memory(): call resume_memory() first")
+        with torch.inference_mode():
+            return self._step()
+
+    # ---- one scheduling iteration --------------------------------------------------------
+    def _step(self) -> list[RequestResult]:
+        done, self._ready = self._ready, []
+        if self._abort_ids:
+            done += self._abort_queued()
+        parts = []
+        if self._rows:  # decode: feed each row's last sampled token
+            parts.append(self._decode_running())
+        new_hidden = self._admit(done)
+        if new_hidden is not None:
+            parts.append(new_hidden)
+        if not parts:
+            return done
+        hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
+        done += self._sample(hidden)
+        self.counters["steps"] += 1
+        return done
+
+    def _decode_running(self) -> torch.Tensor:
+        cache = self._cache
+        width = cache.begin_decode()
+        lens = cache.lens
+        mask = torch.zeros((cache.n, 1, 1, width), dtype=self._dtype, device=self.device)
+        mask.masked_fill_(torch.arange(width, device=self.device)[None, None, None, :] > lens[:, None, None, None],
+                          self._neg)
+        hidden = self._forward(self._col["pending"][:, None], mask, lens[:, None], cache)
+        cache.end_decode()
+        return hidden
+
+    def _sample(self, hidden: torch.Tensor) -> list[RequestResult]:
+        """Sample one token per running row, record it, and retire the rows that finished."""
+        col, n = self._col, len(self._rows)
+        logits = self.head(hidden).float()
+        groups: dict[tuple, list[int]] = {}
+        for j, r in enumerate(self._rows):
+            groups.setdefault(_params_key(r.req.params), []).append(j)
+        if len(groups) == 1:
+            params = self._rows[0].req.params
+            tok, lp = self._sample_rows(logits, params, col["key_a"], col["key_b"], col["steps"])
+            stopped = self._stop_mask(params)[tok]
+        else:
+            tok = torch.empty(n, dtype=torch.int64, device=self.device)
+            lp = torch.empty(n, dtype=torch.float32, device=self.device)
+            stopped = torch.empty(n, dtype=torch.bool, device=self.device)
+            for rows in groups.values():
+                idx = torch.tensor(rows, device=self.device)
+                params = self._rows[rows[0]].req.params
+                t, l = self._sample_rows(logits[idx], params, col["key_a"][idx], col["key_b"][idx], col["steps"][idx])
+                tok[idx], lp[idx], stopped[idx] = t, l, self._stop_mask(params)[t]
+        slots = torch.arange(n, device=self.device)
+        self._out_tok[slots, col["steps"]] = tok
+        self._out_lp[slots, col["steps"]] = lp
+        col["steps"] = col["steps"] + 1
+        col["pending"] = tok
+        self.counters["tokens"] += n
+        done = stopped | (col["steps"] >= col["budget"])
+        if not bool(done.any()):
+            return []
+        finished = [self._result(self._rows[j], j, steps, "stop" if s else "length")
+                    for j, (d, s, steps) in enumerate(zip(done.tolist(), stopped.tolist(), col["steps"].tolist())) if d]
+        self._retire(~done)
+        return finished
+
+    def _sample_rows(self, logits: torch.Tensor, params: SamplingParams, key_a: torch.Tensor, key_b: torch.Tensor,
+                     steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = None if params.greedy else SeedKeys.of(key_a, key_b)
+        return sample_step(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                           keys=keys, step=steps, vhash=self._vhash)
+
+    def _stop_mask(self, params: SamplingParams) -> torch.Tensor:
+        key = params.stop_token_ids
+        m = self._stop_masks.get(key)
+        if m is None:
+            m = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            m[list(self.eos_token_ids) + list(key)] = True
+            self._stop_masks[key] = m
+        return m
+
+    def _retire(self, keep: torch.Tensor) -> None:
+        """Drop the finished rows from the batch; survivors move into their slots."""
+        order = self._cache.compact(keep)
+        for row, k in zip(self._rows, keep.tolist()):
+            if not k:
+                self._reserved_kv -= row.plen + row.req.budget
+                self._known.discard(row.req.request_id)
+                self._abort_ids.discard(row.req.request_id)
+        self._rows = [self._rows[int(i)] for i in order]
+        o = order.to(self.device)
+        self._col = {k: v[o] for k, v in self._col.items()}
+        m = o.numel()
+        self._out_tok[:m] = self._out_tok[o]
+        self._out_lp[:m] = self._out_lp[o]
+
+    def _result(self, row: _Row, slot: int, steps: int, reason: str) -> RequestResult:
+        versions = torch.empty(steps, dtype=torch.int64)
+        bounds = [s for s, _ in row.versions[1:]] + [steps]
+        for (start, v), end in zip(row.versions, bounds):
+            versions[start:end] = v
+        if reason == "abort":
+            self.counters["aborted"] += 1
+        else:
+            self.counters["finished"] += 1
+        # copy=True: on the CPU .cpu() would return a view of buffers the next rows overwrite
+        return RequestResult(row.req.request_id, self._out_tok[slot, :steps].to("cpu", copy=True),
+                             self._out_lp[slot, :steps].to("cpu", copy=True), versions, reason)
+
+    def _empty(self, req: GenerationRequest, reason: str, error: str | None = None) -> RequestResult:
+        return RequestResult(req.request_id, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32),
+                             torch.empty(0, dtype=torch.int64), reason, error)
+
+    def _abort_queued(self) -> list[RequestResult]:
+        """Aborted requests finish now: running rows with the tokens they have, queued ones empty."""
+        out = []
+        hit = [r.req.request_id in self._abort_ids for r in self._rows]
+        if any(hit):
+            steps = self._col["steps"].tolist()
+            out += [self._result(r, j, steps[j], "abort") for j, r in enumerate(self._rows) if hit[j]]
+            self._retire(~torch.tensor(hit, device=self.device))
+        if any(r.request_id in self._abort_ids for r in self._waiting):
+            keep: deque[GenerationRequest] = deque()
+            for r in self._waiting:
+                if r.request_id in self._abort_ids:
+                    out.append(self._forget_queued(r))
+                else:
+                    keep.append(r)
+            self._waiting = keep
+        if self._chunked is not None and self._chunked.req.request_id in self._abort_ids:
+            out.append(self._forget_queued(self._chunked.req))
+            self._reserved_kv -= self._chunked.req.prompt_ids.numel() + self._chunked.req.budget
+            self._chunked = None
+        return out
+
+    def _forget_queued(self, req: GenerationRequest) -> RequestResult:
+        self._known.discard(req.request_id)
+        self._abort_ids.discard(req.request_id)
+        self.counters["aborted"] += 1
+        return self._empty(req, "abort")
+
+    # ---- admission and prefill -----------------------------------------------------------
+    def _request_problem(self, req: GenerationRequest) -> str | None:
+        p = req.prompt_ids
+        if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.numel() == 0:
+            return f"prompt must be a non-empty 1-D token tensor, got {tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}"
+        if p.dtype.is_floating_point or p.dtype == torch.bool:
+            return f"prompt must hold integer token ids, got dtype {p.dtype}"
+        lo, hi = int(p.min()), int(p.max())
+        if lo < 0 or hi >= self.vocab_size:
+            return f"prompt has token ids in [{lo}, {hi}], outside the vocab [0, {self.vocab_size})"
+        if req.budget < 0:
+            return f"max_new_tokens must be >= 0, got {req.budget}"
+        bad = [t for t in req.params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"stop_token_ids {bad} outside the vocab [0, {self.vocab_size})"
+        need = p.numel() + req.budget
+        if need > self.max_context:
+            return (f"prompt ({p.numel()} tokens) + max_new_tokens ({req.budget}) = {need} exceeds the context of "
+                    f"{self.max_context} tokens; shorten the prompt or lower the budget")
+        if self.max_kv_tokens and need > self.max_kv_tokens:
+            return (f"prompt + max_new_tokens = {need} tokens exceeds rollout max_kv_tokens={self.max_kv_tokens}; "
+                    "raise it or lower the budget")
+        return None
+
+    def _admit(self, done: list[RequestResult]) -> torch.Tensor | None:
+        """Move waiting requests into free slots (prefilling them); return their last hidden states."""
+        hidden_parts, seqs, taken = [], [], []
+        budget_tokens = self.prefill_chunk
+        if self._chunked is not None:  # a long prompt in progress has this step's prefill budget first
+            h = self._prefill_chunk_step()
+            budget_tokens = 0
+            if h is not None:
+                hidden_parts.append(h)
+        while self._waiting and budget_tokens > 0 and self._admitting:
+            req = self._waiting[0]
+            if req.min_version > self.version:
+                break  # staleness bound: wait for newer weights (rows keep their order)
+            plen = req.prompt_ids.numel()
+            if req.budget == 0:
+                self._waiting.popleft()
+                self._known.discard(req.request_id)
+                self.counters["finished"] += 1
+                done.append(self._empty(req, "length"))
+                continue
+            rows = len(self._rows) + len(taken) + (self._chunked is not None)
+            need = plen + req.budget
+            if rows >= self.max_running_rows or (self.max_kv_tokens and self._reserved_kv + need > self.max_kv_tokens):
+                break
+            self._waiting.popleft()
+            self._reserved_kv += need
+            if plen > budget_tokens:
+                if taken or self._chunked is not None:  # next step: it starts with a full budget
+                    self._waiting.appendleft(req)
+                    self._reserved_kv -= need
+                    break
+                self._chunked = _Chunked(req, PrefillCache(self.num_layers, 1, plen))
+                h = self._prefill_chunk_step()
+                if h is not None:
+                    hidden_parts.append(h)
+                break
+            taken.append(req)
+            seqs.append(req.prompt_ids)
+            budget_tokens -= plen
+        if taken:
+            hidden_parts.append(self._join(taken, seqs))
+        if not hidden_parts:
+            return None
+        return torch.cat(hidden_parts) if len(hidden_parts) > 1 else hidden_parts[0]
+
+    def _join(self, reqs: list[GenerationRequest], seqs: list[torch.Tensor]) -> torch.Tensor:
+        """Prefill new rows and append them to the running batch."""
+        hidden, staged = self._prefill(seqs)
+        plens = [s.numel() for s in seqs]
+        self._append(reqs, plens, staged, hidden)
+        return hidden
+
+    def _append(self, reqs: list[GenerationRequest], plens: list[int],
+                staged: list[tuple[PrefillCache, list[int]]], hidden: torch.Tensor) -> None:
+        n0, m = len(self._rows), len(reqs)
+        cap = max(p + r.budget for p, r in zip(plens, reqs))
+        gen_cap = max(r.budget for r in reqs)
+        self._cache.reserve(n0 + m, cap, staged[0][0], self.max_running_rows)
+        self._reserve_out(n0 + m, gen_cap)
+        for cache, idx in staged:  # in request order (see _prefill)
+            rows = torch.tensor([pos for pos, _ in idx], device=self.device)
+            self._cache.append(cache, rows, torch.tensor([plens[i] for _, i in idx]))
+        mixed = [_splitmix64(int(r.seed)) for r in reqs]
+        new = {"steps": torch.zeros(m, dtype=torch.int64),
+               "budget": torch.tensor([r.budget for r in reqs], dtype=torch.int64),
+               "key_a": torch.tensor([x & _MASK32 for x in mixed], dtype=torch.int64),
+               "key_b": torch.tensor([x >> 32 for x in mixed], dtype=torch.int64),
+               "pending": torch.zeros(m, dtype=torch.int64)}
+        for k, v in new.items():
+            v = v.to(self.device)
+            self._col[k] = torch.cat([self._col[k][:n0], v]) if n0 else v
+        self._rows += [_Row(r, p, [(0, int(self.version))]) for r, p in zip(reqs, plens)]
+        self.counters["prefill_tokens"] += sum(plens)
+
+    def _reserve_out(self, rows: int, gen_cap: int) -> None:
+        r, c = self._out_tok.shape
+        if rows <= r and gen_cap <= c:
+            return
+        nr = max(rows, r) if rows <= r else min(max(rows, r * 3 // 2), max(self.max_running_rows, rows))
+        nc = max(gen_cap, c)
+        tok = torch.zeros((nr, nc), dtype=torch.int64, device=self.device)
+        lp = torch.zeros((nr, nc), dtype=torch.float32, device=self.device)
+        n = len(self._rows)
+        tok[:n, :c] = self._out_tok[:n]
+        lp[:n, :c] = self._out_lp[:n]
+        self._out_tok, self._out_lp = tok, lp
+
+    def _prefill(self, seqs: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[PrefillCache, list[tuple[int, int]]]]]:
+        """Run whole sequences through the model, right padded, in chunks of similar length (padding
+        is compute thrown away). Return the last real token's hidden state per sequence (in the
+        order given) and the staging caches with, per cache, (row in cache, sequence index) pairs,
+        ordered so that concatenating them gives the sequences in the order given."""
+        m = len(seqs)
+        n_chunks = 1 if m < 16 else 4
+        by_len = sorted(range(m), key=lambda i: seqs[i].numel())
+        bounds = [round(i * m / n_chunks) for i in range(n_chunks + 1)]
+        pieces: list[tuple[list[int], PrefillCache, torch.Tensor]] = []
+        for c0, c1 in zip(bounds[:-1], bounds[1:]):
+            if c0 == c1:
+                continue
+            members = by_len[c0:c1]
+            width = seqs[members[-1]].numel()
+            ids = torch.full((len(members), width), self.pad_token_id, dtype=torch.int64)
+            for j, i in enumerate(members):
+                ids[j, :seqs[i].numel()] = seqs[i]
+            cache = PrefillCache(self.num_layers, len(members), width)
+            mask = self._causal(width, 0, len(members))
+            positions = torch.arange(width, device=self.device)[None].expand(len(members), width)
+            out = self.base(input_ids=ids.to(self.device), attention_mask={"full_attention": mask},
+                            position_ids=positions, cache=cache, use_cache=True).last_hidden_state
+            last = torch.tensor([seqs[i].numel() - 1 for i in members], device=self.device)
+            pieces.append((members, cache, out[torch.arange(len(members), device=self.device), last]))
+        # Back to the order given: one staging cache per chunk; rows reordered by their index.
+        where = {}
+        for p, (members, _, _) in enumerate(pieces):
+            for j, i in enumerate(members):
+                where[i] = (p, j)
+        staged: list[tuple[PrefillCache, list[tuple[int, int]]]] = []
+        for i in range(m):  # runs of consecutive sequences that live in the same chunk
+            p, j = where[i]
+            if staged and staged[-1][0] is pieces[p][1]:
+                staged[-1][1].append((j, i))
+            else:
+                staged.append((pieces[p][1], [(j, i)]))
+        hidden = torch.stack([pieces[where[i][0]][2][where[i][1]] for i in range(m)])
+        return hidden, staged
+
+    def _prefill_chunk_step(self) -> torch.Tensor | None:
+        """Prefill the next chunk of the long prompt in progress; when it is complete, the row joins
+        the batch and its last hidden state is returned."""
+        ch = self._chunked
+        prompt = ch.req.prompt_ids
+        plen = prompt.numel()
+        end = min(plen, ch.done + self.prefill_chunk)
+        q = end - ch.done
+        ids = prompt[ch.done:end].to(self.device, torch.int64)[None]
+        mask = self._causal(q, ch.done, 1)
+        positions = torch.arange(ch.done, end, device=self.device)[None]
+        ch.cache.offset = ch.done
+        out = self.base(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=positions,
+                        cache=ch.cache, use_cache=True).last_hidden_state
+        ch.done = end
+        if end < plen:
+            return None
+        self._chunked = None
+        hidden = out[:, -1]
+        self._append([ch.req], [plen], [(ch.cache, [(0, 0)])], hidden)
+        return hidden
+
+    def _causal(self, q: int, offset: int, rows: int) -> torch.Tensor:
+        """Additive mask [rows, 1, q, offset + q]: query i (at position offset + i) sees keys <= it."""
+        keys = torch.arange(offset + q, device=self.device)
+        queries = torch.arange(offset, offset + q, device=self.device)
+        mask = torch.zeros((q, offset + q), dtype=self._dtype, device=self.device)
+        mask.masked_fill_(keys[None, :] > queries[:, None], self._neg)
+        return mask[None, None].expand(rows, 1, q, offset + q)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Run the decoder stack; return the last position's hidden state [rows, hidden]."""
+        out = self.base(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=positions,
+                        cache=cache, use_cache=True)
+        return out.last_hidden_state[:, -1]
+
+    # ---- the batch API, over the request API ---------------------------------------------
     def generate(self, prompts: list[torch.Tensor], params: SamplingParams, *, seeds: list[int],
                  max_new_tokens: list[int] | None = None,
                  should_abort: Callable[[], bool] | None = None) -> GenerationOutput:
         budgets = check_generate_args(prompts, params, seeds, max_new_tokens)
         if self._released:
             raise RuntimeError("BuiltinRolloutEngine.generate after release_memory(): call resume_memory() first")
+        if self.has_work():
+            raise RuntimeError("BuiltinRolloutEngine.generate while requests are queued or running "
+                               "(a RolloutService drives this engine; submit through it)")
         self._check_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
         for i, p in enumerate(prompts):
             lo, hi = int(p.min()), int(p.max())
             if lo < 0 or hi >= self.vocab_size:
                 raise ValueError(f"generate: prompt {i} has token ids in [{lo}, {hi}], outside the vocab [0, {self.vocab_size})")
-        with torch.inference_mode():
-            return self._generate(prompts, params, seeds, budgets, should_abort)
+        ids = [("generate", i) for i in range(len(prompts))]
+        for i, p in enumerate(prompts):
+            self.add_request(GenerationRequest(ids[i], p, params, seeds[i], budgets[i], min_version=0))
+        results: dict = {}
+        aborted = False
+        while len(results) < len(prompts):
+            if not aborted and should_abort is not None and should_abort():
+                aborted = True
+                for rid in ids:
+                    if rid not in results:
+                        self.abort(rid)
+            for r in self.step():
+                if r.finish_reason == "error":
+                    self._drop_all()
+                    raise ValueError(f"generate: prompt {r.request_id[1]}: {r.error}")
+                results[r.request_id] = r
+        out = [results[rid] for rid in ids]
+        return GenerationOutput([r.response_ids for r in out], [r.log_probs for r in out],
+                                [r.finish_reason for r in out])
 
-    def _generate(self, prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int], budgets: list[int],
-                  should_abort: Callable[[], bool] | None) -> GenerationOutput:
-        n = len(prompts)
-        lengths = [0] * n
-        reasons = ["length"] * n
-        rows = [i for i in range(n) if budgets[i] > 0]  # a zero budget is already finished
-        if rows and should_abort is not None and should_abort():
-            for i in rows:
-                reasons[i] = "abort"
-            rows = []
-        tokens_buf = lp_buf = None
-        if rows:
-            tokens_buf, lp_buf = self._decode(rows, prompts, params, seeds, budgets, should_abort, lengths, reasons)
-        buf_row = {r: j for j, r in enumerate(rows)}  # prompt index -> row of the decode buffers
-        responses, log_probs = [], []
-        for i in range(n):
-            if lengths[i] == 0:
-                responses.append(torch.empty(0, dtype=torch.int64))
-                log_probs.append(torch.empty(0, dtype=torch.float32))
-            else:
-                j = buf_row[i]
-                responses.append(tokens_buf[j, :lengths[i]].clone())
-                log_probs.append(lp_buf[j, :lengths[i]].clone())
-        return GenerationOutput(responses, log_probs, reasons)
-
-    def _decode(self, rows: list[int], prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int],
-                budgets: list[int], should_abort: Callable[[], bool] | None, lengths: list[int], reasons: list[str]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode the rows with a positive budget; fill lengths/reasons; return CPU token and log-prob buffers
-        (one buffer row per entry of `rows`)."""
-        dev = self.device
-        # Rows sorted by prompt length (stable), so that prefill chunks of neighbouring rows
-        # carry little padding. `rows` is rebound: buffer row j holds prompt rows[j].
-        rows[:] = sorted(rows, key=lambda r: prompts[r].numel())
-        a = len(rows)
-        plens = torch.tensor([prompts[r].numel() for r in rows], dtype=torch.int64)
-        p_max = int(plens[-1])
-        budget = torch.tensor([budgets[r] for r in rows], dtype=torch.int64)
-        n_max = int(budget.max())
-        capacity = p_max + n_max
-
-        # Left padding to a common right edge: row j's prompt occupies [p_max - len_j, p_max).
-        valid = torch.zeros((a, capacity), dtype=torch.bool)
-        valid[:, p_max:] = True  # generated tokens are always attended to
-        for j in range(a):
-            valid[j, p_max - int(plens[j]):p_max] = True
-        dtype = self.head.weight.dtype
-        neg = torch.finfo(dtype).min
-        # Additive mask over all cache positions: 0 where attended, dtype-min where padding.
-        pad_bias = torch.zeros((a, capacity), dtype=dtype).masked_fill_(~valid, neg).to(dev)
-        next_pos = plens.to(dev)  # position of the first generated token of each row
-        cache = RowKVCache(self.num_layers, capacity)
-        cache.allocate_rows(a)
-        self._live_caches.add(cache)
-        hidden = self._prefill(rows, prompts, plens, p_max, valid, cache)
-
-        is_stop = torch.zeros(self.vocab_size, dtype=torch.bool, device=dev)
-        is_stop[list(self.eos_token_ids) + list(params.stop_token_ids)] = True
-        keys = None if params.greedy else SeedKeys([seeds[r] for r in rows], dev)
-        tokens_buf = torch.zeros((a, n_max), dtype=torch.int64, device=dev)
-        lp_buf = torch.zeros((a, n_max), dtype=torch.float32, device=dev)
-        active = torch.arange(a, device=dev)  # buffer row of each row still in the batch
-        budget = budget.to(dev)
-        step = 0
-        while True:
-            logits = self.head(hidden).float()
-            tok, lp = sample_step(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                  keys=keys, step=step, vhash=self._vhash)
-            tokens_buf[active, step] = tok
-            lp_buf[active, step] = lp
-            step += 1
-            stopped = is_stop[tok]
-            done = stopped | (budget <= step)
-            n_done = int(done.sum())
-            if n_done:
-                done_rows = active[done].tolist()
-                done_stop = stopped[done].tolist()
-                for j, s in zip(done_rows, done_stop):
-                    lengths[rows[j]] = step
-                    reasons[rows[j]] = "stop" if s else "length"
-                if n_done == active.numel():
-                    break
-                keep = (~done).nonzero().squeeze(1)
-                # Finished rows leave the batch: every per-row tensor shrinks alike.
-                cache.keep_rows(keep)
-                active, tok, budget, next_pos, pad_bias = active[keep], tok[keep], budget[keep], next_pos[keep], pad_bias[keep]
-                if keys is not None:
-                    keys = keys.select(keep)
-            if should_abort is not None and should_abort():
-                for j in active.tolist():
-                    lengths[rows[j]] = step
-                    reasons[rows[j]] = "abort"
-                break
-            kv_len = p_max + step  # cache length once this step's token is written
-            hidden = self._forward(tok[:, None], pad_bias[:, None, None, :kv_len], (next_pos + (step - 1))[:, None], cache)
-        return tokens_buf.cpu(), lp_buf.cpu()
-
-    def _prefill(self, rows: list[int], prompts: list[torch.Tensor], plens: torch.Tensor, p_max: int,
-                 valid: torch.Tensor, cache: RowKVCache) -> torch.Tensor:
-        """Run the prompts through the model in chunks of rows sorted by length, each padded only to
-        its own longest prompt (padding is compute thrown away); return last hidden states [rows, hidden]."""
-        a = len(rows)
-        n_chunks = 1 if a < 16 else 4
-        bounds = [round(i * a / n_chunks) for i in range(n_chunks + 1)]
-        dtype = self.head.weight.dtype
-        neg = torch.finfo(dtype).min
-        outs = []
-        for r0, r1 in zip(bounds[:-1], bounds[1:]):
-            width = int(plens[r1 - 1])  # the longest prompt of the chunk (rows are sorted)
-            off = p_max - width
-            ids = torch.full((r1 - r0, width), self.pad_token_id, dtype=torch.int64)
-            for j in range(r0, r1):
-                ids[j - r0, width - int(plens[j]):] = prompts[rows[j]]
-            v = valid[r0:r1, off:p_max]
-            causal = torch.ones((width, width), dtype=torch.bool).tril_()
-            mask = torch.zeros((r1 - r0, 1, width, width), dtype=dtype).masked_fill_(
-                ~(causal[None, None] & v[:, None, None, :]), neg)
-            # Position ids count real tokens; padded slots get 0 (they are masked anyway).
-            positions = (v.cumsum(1) - 1).clamp_(min=0)
-            cache.prefill_target(r0, r1, off)
-            outs.append(self._forward(ids.to(self.device), mask.to(self.device), positions.to(self.device), cache))
-        cache.end_prefill(p_max)
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: RowKVCache) -> torch.Tensor:
-        """Run the decoder stack; return the last position's hidden state [rows, hidden]."""
-        out = self.base(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=positions,
-                        cache=cache, use_cache=True)
-        return out.last_hidden_state[:, -1]
+    def _drop_all(self) -> None:
+        """Forget every request (after a refused batch call)."""
+        self._waiting.clear()
+        self._chunked = None
+        if self._rows:
+            self._retire(torch.zeros(len(self._rows), dtype=torch.bool, device=self.device))
+        self._ready.clear()
+        self._known.clear()
+        self._abort_ids.clear()
+        self._reserved_kv = 0
 
     # ---- weights and memory -------------------------------------------------------------
-
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def check_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Raise (naming the key) for weights this engine would refuse; changes nothing."""
+        if int(version) < self.version:
+            raise ValueError(f"load_weights: version {version} is older than the version held ({self.version}); "
+                             "refused, the engine keeps its weights")
         target = self.model.state_dict()
         unknown = sorted(k for k in state_dict if k not in target)
         if unknown:
@@ -234,6 +567,9 @@ class BuiltinRolloutEngine(RolloutEngine):
             if tuple(v.shape) != tuple(target[k].shape):
                 raise ValueError(f"load_weights: shape mismatch for {k!r}: got {tuple(v.shape)}, "
                                  f"the model has {tuple(target[k].shape)}")
+            if v.dtype != target[k].dtype:
+                raise TypeError(f"load_weights: dtype mismatch for {k!r}: got {v.dtype}, the model holds "
+                                f"{target[k].dtype} (send weights in the rollout dtype)")
         # Tied weights (embeddings / LM head) are one tensor under two names: either name will do.
         groups: dict[tuple[int, tuple[int, ...]], list[str]] = {}
         for k, t in target.items():
@@ -242,29 +578,70 @@ class BuiltinRolloutEngine(RolloutEngine):
         if missing:
             raise KeyError(f"load_weights: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                            f"({len(missing)} in all; a full state_dict is required)")
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> None:
+        if mode not in SWAP_MODES:
+            raise ValueError(f"load_weights: mode must be one of {SWAP_MODES}, got {mode!r}")
+        self.check_weights(state_dict, version)
+        target = self.model.state_dict()
         with torch.no_grad():
             for k, v in state_dict.items():
-                target[k].copy_(v)  # in place: converts dtype and device as needed
+                target[k].copy_(v)  # in place: moves to the device as needed
+        changed = int(version) != self.version
         self.version = int(version)
+        self.counters["swaps"] += 1
+        if changed:
+            # the next token of every running row is the new version's
+            steps = self._col["steps"].tolist() if self._rows else []
+            for row, s in zip(self._rows, steps):
+                row.versions.append((s, self.version))
+        if mode == "recompute" and self._rows:
+            with torch.inference_mode():
+                self._recompute()
+        if mode == "recompute" and self._chunked is not None:
+            self._chunked.done = 0  # its prompt is prefilled again from the start, with the new weights
+
+    def _recompute(self) -> None:
+        """Re-prefill every running row (prompt + tokens fed so far) with the weights now held."""
+        steps = self._col["steps"].tolist()
+        seqs = []
+        for j, (row, s) in enumerate(zip(self._rows, steps)):
+            fed = self._out_tok[j, :s - 1].cpu()  # the last sampled token is fed by the next decode
+            seqs.append(torch.cat([row.req.prompt_ids.to(torch.int64), fed]))
+        _, staged = self._prefill(seqs)
+        for cache, idx in staged:
+            slots = torch.tensor([i for _, i in idx], device=self.device)
+            rows = torch.tensor([j for j, _ in idx], device=self.device)
+            lengths = torch.tensor([seqs[i].numel() for _, i in idx])
+            sub = PrefillCache(self.num_layers, len(idx), cache.capacity)
+            sub.keys = [k[rows] for k in cache.keys]
+            sub.values = [v[rows] for v in cache.values]
+            self._cache.overwrite(slots, sub, lengths)
+        self.counters["recomputed_rows"] += len(seqs)
 
     def memory_held(self) -> dict[str, int]:
         """Bytes this engine holds now: ``weights`` (parameters and buffers, wherever they are)
-        and ``kv_cache`` (the KV buffers of generations in progress; 0 between generate calls)."""
+        and ``kv_cache`` (the running batch's cache buffers, kept between steps for reuse)."""
         weights = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
-        return {"weights": weights, "kv_cache": sum(c.nbytes for c in list(self._live_caches))}
+        kv = self._cache.nbytes + (sum(t.numel() * t.element_size() for t in self._chunked.cache.keys + self._chunked.cache.values
+                                       if t is not None) if self._chunked is not None else 0)
+        return {"weights": weights, "kv_cache": kv}
 
     def release_memory(self) -> None:
         """Give back what generation used, for a colocated trainer; weights are kept (load_weights
-        works while released) and generate refuses to run until resume_memory().
+        works while released) and step/generate refuse to run until resume_memory().
 
-        The KV cache and the other decode buffers exist only inside generate() (a RowKVCache per
-        call), so between calls they are already freed, but to an allocator that keeps them.
-        On an accelerator the caching allocator holds the freed blocks: the weights go to host
-        memory and empty_cache returns every free block to the device. On the CPU the colocated
-        roles share this process's heap, so what generation freed is already reused by the next
-        role; returning it to the OS (malloc_trim) only made the next generate fault it back in
-        (measured: 6% slower sync colocated GRPO steps), so nothing more is done there.
+        The cache buffers are dropped (they are kept between steps otherwise). On an
+        accelerator the weights go to host memory and empty_cache returns every free block to
+        the device. On the CPU the colocated roles share this process's heap, so what
+        generation freed is reused by the next role; returning it to the OS (malloc_trim)
+        only made the next generate fault it back in, so nothing more is done there.
         """
+        if self.has_work():
+            raise RuntimeError("BuiltinRolloutEngine.release_memory while requests are queued or running")
+        self._cache.release()
+        self._out_tok = self._out_tok.new_zeros((0, 0))
+        self._out_lp = self._out_lp.new_zeros((0, 0))
         if self.device.type != "cpu":
             self.model.to("cpu")
             self._vhash = self._vhash.cpu()

@@ -49,13 +49,20 @@ class SeedKeys:
         self.b = torch.tensor([m >> 32 for m in mixed], dtype=torch.int64, device=device)
 
     def select(self, rows: torch.Tensor) -> "SeedKeys":
+        return SeedKeys.of(self.a[rows], self.b[rows])
+
+    @staticmethod
+    def of(a: torch.Tensor, b: torch.Tensor) -> "SeedKeys":
+        """Keys from their two int64 halves (rows kept elsewhere, e.g. in a running batch)."""
         out = SeedKeys.__new__(SeedKeys)
-        out.a, out.b = self.a[rows], self.b[rows]
+        out.a, out.b = a, b
         return out
 
 
-def gumbel_noise(keys: SeedKeys, step: int, vocab_hash: torch.Tensor) -> torch.Tensor:
+def gumbel_noise(keys: SeedKeys, step: int | torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise [rows, vocab], a pure function of (row key, step, token id).
+
+    step: one int for all rows, or an int64 tensor [rows] (each row's own token index).
 
     vocab_hash: `_mix32(arange(V) + const)`, computed once per generate (see `vocab_hash`).
     """
@@ -93,7 +100,7 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 
 def sample_step(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float, keys: SeedKeys | None,
-                step: int, vhash: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                step: int | torch.Tensor, vhash: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row from float32 logits [rows, vocab]; return (tokens int64, log-probs float32).
 
     Greedy (temperature 0): argmax, log-prob under softmax(logits). Otherwise the token is

@@ -1,0 +1,177 @@
+"""KV caches for continuous batching with Hugging Face decoder layers.
+
+``SlotKVCache`` holds the running batch: one buffer per layer [slots, kv_heads, capacity,
+head_dim]; the running rows occupy slots [0, n) and each row has its own length (no
+padding on the left: row r's tokens sit at positions [0, len_r)). A decode step writes
+each row's new key at its own position. Rows join at the end and leave by compaction:
+survivors past the new end move into the holes, so a finished row costs one row copy,
+not a copy of the whole batch.
+
+``PrefillCache`` is a staging cache for prompts entering the batch: rows right padded to
+a common width (the causal mask keeps real queries off the padding), or one long prompt
+filled chunk by chunk across engine steps. Its rows are then copied into slots.
+
+The attention layers only call ``update(key, value, layer_idx, ...)``; the engine builds
+the attention masks itself (HF models take a dict mask as already prepared).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PrefillCache", "SlotKVCache"]
+
+
+class PrefillCache:
+    """Staging cache: writes at positions [offset, offset + q) for all its rows."""
+
+    def __init__(self, num_layers: int, rows: int, capacity: int) -> None:
+        self.rows, self.capacity = rows, capacity
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.offset = 0  # where the next chunk's states go
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        if k is None:
+            _, h, _, d = key_states.shape
+            k = self.keys[layer_idx] = key_states.new_zeros((self.rows, h, self.capacity, d))
+            v = self.values[layer_idx] = value_states.new_zeros((self.rows, value_states.shape[1], self.capacity,
+                                                                 value_states.shape[3]))
+        end = self.offset + key_states.shape[2]
+        if end > self.capacity:
+            raise RuntimeError(f"prefill cache overflow in layer {layer_idx}: {end} positions > {self.capacity}")
+        k[:, :, self.offset:end] = key_states
+        v[:, :, self.offset:end] = value_states
+        return k[:, :, :end], v[:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.offset
+
+
+class SlotKVCache:
+    """The running batch's cache; ``lens[r]`` positions of row r are filled."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.n = 0  # running rows (slots [0, n))
+        self.lens: torch.Tensor | None = None  # int64 [n], on the cache's device
+        self._rows_idx: torch.Tensor | None = None  # arange(n), for the decode write
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
+    # ---- growth --------------------------------------------------------------------------
+    def reserve(self, slots: int, capacity: int, like: PrefillCache, max_slots: int) -> None:
+        """Make room for ``slots`` rows of ``capacity`` positions (grown geometrically up to
+        ``max_slots`` rows; kept between steps, so growth stops once the batch is at its size)."""
+        if self.keys[0] is not None and slots <= self.slots and capacity <= self.capacity:
+            return
+        new_slots = self.slots if slots <= self.slots else min(max(slots, self.slots * 3 // 2), max(max_slots, slots))
+        new_cap = max(capacity, self.capacity + self.capacity // 4) if capacity > self.capacity else self.capacity
+        for i in range(self.num_layers):
+            for store, src in ((self.keys, like.keys[i]), (self.values, like.values[i])):
+                old = store[i]
+                proto = old if old is not None else src
+                buf = proto.new_zeros((new_slots, proto.shape[1], new_cap, proto.shape[3]))
+                if old is not None and self.n:
+                    buf[:self.n, :, :old.shape[2]] = old[:self.n]
+                store[i] = buf
+
+    # ---- rows in and out -----------------------------------------------------------------
+    def append(self, staged: PrefillCache, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Copy rows ``rows`` of a staging cache (``lengths`` positions each) into slots [n, n + m)."""
+        m = rows.numel()
+        width = int(lengths.max())
+        for i in range(self.num_layers):
+            self.keys[i][self.n:self.n + m, :, :width] = staged.keys[i][rows, :, :width]
+            self.values[i][self.n:self.n + m, :, :width] = staged.values[i][rows, :, :width]
+        lens = lengths.to(self.keys[0].device, torch.int64)
+        self.lens = lens if self.lens is None or self.n == 0 else torch.cat([self.lens[:self.n], lens])
+        self.n += m
+        self._rows_idx = None
+
+    def overwrite(self, slots: torch.Tensor, staged: PrefillCache, lengths: torch.Tensor) -> None:
+        """Replace the cache of running rows ``slots`` with a staging cache's (recompute after a swap)."""
+        width = int(lengths.max())
+        for i in range(self.num_layers):
+            self.keys[i][slots, :, :width] = staged.keys[i][:, :, :width]
+            self.values[i][slots, :, :width] = staged.values[i][:, :, :width]
+        self.lens[slots] = lengths.to(self.lens.device, torch.int64)
+
+    def compact(self, keep: torch.Tensor) -> torch.Tensor:
+        """Keep the rows where bool ``keep`` [n] is set; return ``order``: new slot j holds the row
+        that was in slot order[j] (the caller reorders its own per-row state alike)."""
+        n = self.n
+        order = torch.arange(n)
+        keep_cpu = keep.cpu()
+        n_new = int(keep_cpu.sum())
+        holes = (~keep_cpu[:n_new]).nonzero().squeeze(1)  # finished rows inside the new range
+        movers = n_new + keep_cpu[n_new:].nonzero().squeeze(1)  # survivors past it
+        if holes.numel():
+            dev = self.keys[0].device
+            h, mv = holes.to(dev), movers.to(dev)
+            for store in (self.keys, self.values):
+                for i in range(self.num_layers):
+                    store[i].index_copy_(0, h, store[i].index_select(0, mv))
+            self.lens[h] = self.lens[mv]
+            order[holes] = movers
+        self.n = n_new
+        self.lens = self.lens[:n_new]
+        self._rows_idx = None
+        return order[:n_new]
+
+    def clear(self) -> None:
+        """No running rows; buffers are kept for the next ones."""
+        self.n = 0
+        self.lens = None
+        self._rows_idx = None
+
+    def release(self) -> None:
+        """Drop the buffers (memory back to the allocator)."""
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self.clear()
+
+    # ---- what the attention layers call during a decode step -----------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one token [n, kv_heads, 1, head_dim] per row at its own position ``lens[r]``;
+        return the keys/values of positions [0, max(lens) + 1) (masked per row by the engine)."""
+        n = self.n
+        if self._rows_idx is None or self._rows_idx.numel() != n:
+            self._rows_idx = torch.arange(n, device=key_states.device)
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k[self._rows_idx, :, self.lens] = key_states[:, :, 0]
+        v[self._rows_idx, :, self.lens] = value_states[:, :, 0]
+        end = self.decode_width
+        return k[:n, :, :end], v[:n, :, :end]
+
+    @property
+    def decode_width(self) -> int:
+        """Positions a decode step attends to: the longest row plus the token being written."""
+        return self._width
+
+    def begin_decode(self) -> int:
+        """Fix the width of this decode step (before the forward) and return it."""
+        self._width = int(self.lens.max()) + 1
+        if self._width > self.capacity:
+            raise RuntimeError(f"KV cache overflow: a row needs {self._width} positions, capacity {self.capacity}")
+        return self._width
+
+    def end_decode(self) -> None:
+        self.lens = self.lens + 1
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.lens is None or self.n == 0 else int(self.lens.max())
