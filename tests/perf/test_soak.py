@@ -1,9 +1,11 @@
-"""The soak script's pure parts (perf/soak.py): /proc parsing, slopes, windows, TQ and log checks.
+"""The soak script's pure parts (perf/soak.py): /proc parsing, slopes, windows, per-process verdicts,
+TQ and log checks.
 
 No training run: each test takes well under a second.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -126,27 +128,125 @@ def _samples(n: int, grow_kb_per_s: float, extra_from: int | None = None) -> lis
     return out
 
 
+MB_PER_H = 1024 / 3600  # kB/s
+
+
+def _two_ranks(n: int, rank0_mb_per_h: float, rank1_mb_per_h: float) -> list[dict]:
+    """rank0 and rank1 on straight lines, a flat launcher, one sample every 10 s."""
+    out = []
+    for i in range(n):
+        t = 10.0 * i
+        out.append({"t_s": t, "metrics_time_s": None, "procs": {
+            "100": {"label": "launcher", "rss_kb": 200_000, "anon_kb": 150_000},
+            "101": {"label": "rank0", "rss_kb": 500_000 + rank0_mb_per_h * MB_PER_H * t, "anon_kb": None},
+            "102": {"label": "rank1", "rss_kb": 400_000 + rank1_mb_per_h * MB_PER_H * t, "anon_kb": None}}})
+    return out
+
+
 def test_fit_memory_per_process_and_total():
-    kb_per_s = 10 * 1024 / 3600  # 10 MB/hour
-    fit = soak.fit_memory(_samples(20, kb_per_s), 30.0, 150.0)
+    fit = soak.fit_memory(_samples(20, 10 * MB_PER_H), 30.0, 150.0)
     assert fit["samples"] == 13
     assert fit["total"] == pytest.approx(10.0)
     assert fit["total_anon"] == pytest.approx(10.0)
-    assert fit["processes"]["rank0 (pid 101)"]["slope_mb_per_h"] == pytest.approx(10.0)
-    assert fit["processes"]["launcher (pid 100)"]["slope_mb_per_h"] == pytest.approx(0.0)
+    rank0, launcher = fit["processes"]["rank0"], fit["processes"]["launcher"]
+    assert rank0.slope_mb_per_h == pytest.approx(10.0) and rank0.pid == 101
+    assert (rank0.t_from, rank0.t_to, rank0.samples) == (30.0, 150.0, 13)
+    assert launcher.slope_mb_per_h == pytest.approx(0.0)
+    assert rank0.verdict == launcher.verdict == "pass"
+    assert fit["verdict"].verdict == "pass" and fit["verdict"].met
     assert fit["partial"] == []
+
+
+def test_one_climbing_process_beside_one_shrinking_fails_though_the_sum_is_flat():
+    fit = soak.fit_memory(_two_ranks(40, 30.0, -30.0), 0.0, 390.0)
+    assert fit["total"] == pytest.approx(0.0, abs=1e-6)  # the old verdict on the sum would pass this
+    assert fit["processes"]["rank0"].slope_mb_per_h == pytest.approx(30.0)
+    assert fit["processes"]["rank1"].slope_mb_per_h == pytest.approx(-30.0)
+    assert fit["processes"]["rank0"].verdict == "FAIL"
+    assert fit["processes"]["rank1"].verdict == "pass"
+    v = fit["verdict"]
+    assert v.verdict == "FAIL" and not v.met and v.failing == ["rank0"]
+
+
+def test_the_target_is_strict_and_settable():
+    fit = soak.fit_memory(_two_ranks(40, 19.0, 0.0), 0.0, 390.0)
+    assert fit["verdict"].verdict == "pass"  # 19 < 20 MB/hour by default
+    assert soak.TARGET_MB_PER_H == 20.0
+    rank0 = soak.fit_memory(_two_ranks(40, 0.0, 0.0), 0.0, 390.0)["processes"]["rank0"]
+    at = soak.judge(dataclasses.replace(rank0, slope_mb_per_h=20.0), (0.0, 390.0), 20.0)
+    assert at.verdict == "FAIL"  # reaching the target is not under it
+    assert soak.judge(dataclasses.replace(rank0, slope_mb_per_h=19.99), (0.0, 390.0), 20.0).verdict == "pass"
+    strict = soak.fit_memory(_two_ranks(40, 19.0, 0.0), 0.0, 390.0, target=10.0)
+    assert strict["verdict"].failing == ["rank0"]
 
 
 def test_fit_memory_leaves_out_a_process_that_starts_inside_the_window():
     fit = soak.fit_memory(_samples(20, 0.0, extra_from=10), 0.0, 190.0)
     assert fit["total"] == pytest.approx(0.0)  # its 50 MB appearing is not a leak
-    assert fit["partial"] == ["sleep (pid 102)"]
-    assert set(fit["processes"]) == {"launcher (pid 100)", "rank0 (pid 101)"}
+    assert fit["partial"] == ["sleep"]
+    sleep = fit["processes"]["sleep"]  # fitted over its own samples, on 90 of the window's 190 s
+    assert (sleep.t_from, sleep.t_to, sleep.samples) == (100.0, 190.0, 10)
+    assert sleep.verdict == "not judged" and "of" in sleep.why
+    assert fit["verdict"].verdict == "pass" and fit["verdict"].not_judged == ["sleep"]
+
+
+def test_a_short_lived_process_ramping_up_is_not_judged():
+    samples = _samples(20, 0.0)
+    for i, s in enumerate(samples[15:]):  # 40 s, loading 100 MB: thousands of MB/hour
+        s["procs"]["103"] = {"label": "compile", "rss_kb": 20_000 + 25_000 * i, "anon_kb": None}
+    fit = soak.fit_memory(samples, 0.0, 190.0)
+    assert fit["processes"]["compile"].slope_mb_per_h > 1000
+    assert fit["processes"]["compile"].verdict == "not judged"
+    assert fit["verdict"].verdict == "pass"
 
 
 def test_fit_memory_with_too_few_samples():
     fit = soak.fit_memory(_samples(3, 0.0), 100.0, 200.0)
-    assert fit["total"] is None and fit["samples"] == 0
+    assert fit["total"] is None and fit["samples"] == 0 and fit["processes"] == {}
+    assert fit["verdict"].verdict == "not judged" and not fit["verdict"].met
+    one = soak.fit_memory(_samples(3, 0.0), 15.0, 25.0)  # a single sample: no slope
+    assert one["processes"]["rank0"].slope_mb_per_h is None
+    assert one["verdict"].verdict == "not judged"
+
+
+def test_stable_names_number_a_label_held_twice():
+    samples = _samples(4, 0.0)
+    samples[2]["procs"]["205"] = {"label": "rank0", "rss_kb": 1, "anon_kb": None}  # a restarted rank 0
+    assert soak.stable_names(samples) == {"100": "launcher", "101": "rank0", "205": "rank0#2"}
+
+
+def test_rl_end_is_the_last_sample_that_had_not_seen_the_last_step_row():
+    samples = [{"t_s": t, "metrics_time_s": m, "procs": {}}
+               for t, m in [(0.0, None), (2.0, 1.0), (4.0, 3.0), (6.0, 5.0), (8.0, 5.0), (10.0, 9.0)]]
+    # the last RL step row has time_s 5.0: the samples at 6 s and 8 s had already read it
+    assert soak.rl_end_sample_time(samples, 5.0) == 4.0
+    assert soak.rl_end_sample_time(samples, 0.5) is None
+
+
+def test_fit_window_ends_with_rl_and_keeps_the_settle():
+    samples = [{"t_s": float(t), "metrics_time_s": None if t < 12 else float(min(t - 2, 110)), "procs": {}}
+               for t in range(0, 150, 2)]
+    # RL from metrics 10 s (sampler 12 s) to its last step row at 110 s: the last sample
+    # before that row was read is at 110 s (it had seen 108 s)
+    a, b, notes = soak.fit_window(samples, 2.0, 10.0, 110.0, 0.2)
+    assert b == 110.0 and a == pytest.approx(12.0 + 0.2 * (110.0 - 12.0)) and notes == []
+    a, b, notes = soak.fit_window(samples, None, None, None, 0.2)
+    assert (a, b) == (pytest.approx(0.2 * 148.0), 148.0) and "RL start not found" in notes[0]
+
+
+def test_final_evaluation_after_rl_stays_out_of_the_fit():
+    # flat during RL, then the final evaluation and export take 300 MB on rank 0
+    samples = _two_ranks(40, 0.0, 0.0)
+    for s in samples:
+        s["metrics_time_s"] = min(s["t_s"], 300.0)  # the last RL step row at 300 s, no newer row
+        if s["t_s"] > 300.0:
+            s["procs"]["101"]["rss_kb"] += 300 * 1024
+    a, b, _ = soak.fit_window(samples, 0.0, 0.0, 300.0, 0.2)
+    assert b == 290.0  # the sample at 300 s had read the last step row already
+    assert soak.fit_memory(samples, a, b)["verdict"].verdict == "pass"
+    # the old end (the last row's time through the offset) would take in nothing more, but
+    # a window running past RL would judge the export as a leak
+    assert soak.fit_memory(samples, a, 390.0)["verdict"].failing == ["rank0"]
 
 
 def test_tq_rows_bounded():
@@ -222,17 +322,23 @@ def test_record_appends_a_section(tmp_path):
     soak.record(an, "python perf/soak.py --quick", 3, 2, path=md)
     text = md.read_text()
     assert text.startswith("# Benchmark results\n\n## Other\n\ntext\n\n## Soak (`perf/soak.py`)")
-    assert "| **total** |" in text and "20 MB/hour: met" in text and "bounded" in text
-    assert "`python perf/soak.py --quick`" in text
+    assert "| rank0 (pid 101) | - | 0.0-3.2 |" in text and "| pass |" in text
+    assert "| sum (not judged) |" in text and "every process under 20 MB/hour over the fit window): pass" in text
+    assert "bounded" in text and "`python perf/soak.py --quick`" in text
+    fail = soak.fit_memory(_two_ranks(20, 30.0, -30.0), 0.0, 190.0)
+    soak.record({**an, "memory": fail, "memory_last_half": fail}, "x", 3, 2, path=md)
+    assert "over the fit window): **FAIL** (rank0)" in md.read_text()
 
 
 def test_rank_labels_from_ranks_json():
     samples = _samples(2, 0.0)
     soak.relabel_ranks(samples, [{"rank": 0, "host": "vm", "pid": 101, "roles": ["actor", "reward"]},
                                  {"rank": 1, "host": "vm", "pid": 999, "roles": ["rollout0"]}])
-    assert [s["procs"]["101"]["label"] for s in samples] == ["rank0 [actor,reward]"] * 2
+    assert [s["procs"]["101"]["label"] for s in samples] == ["rank0"] * 2  # the same name in every run
+    assert samples[0]["procs"]["101"]["roles"] == "actor,reward"
     assert samples[0]["procs"]["100"]["label"] == "launcher"
-    assert "rank0 [actor,reward] (pid 101)" in soak.fit_memory(samples, 0.0, 10.0)["processes"]
+    fit = soak.fit_memory(samples, 0.0, 10.0)["processes"]
+    assert set(fit) == {"launcher", "rank0"} and fit["rank0"].roles == "actor,reward"
 
 
 def test_newest_time_s_after_the_file_is_rewritten(tmp_path):
@@ -244,32 +350,66 @@ def test_newest_time_s_after_the_file_is_rewritten(tmp_path):
     assert soak.newest_time_s(p, state) == 60.0
 
 
-def test_reanalyse_an_out_dir_ends_with_the_json_line(tmp_path, capsys):
-    # a soak's files without a run: samples on the sampler's clock, metrics 5 s behind it
+def _soak_dir(tmp_path: Path, rank0_mb_per_h: float, rank1_mb_per_h: float) -> Path:
+    """A soak's files without a run: samples on the sampler's clock, metrics 5 s behind it;
+    RL steps to metrics 185 s, then the final evaluation (row at 215 s) and export take
+    300 MB on rank 0."""
     run = tmp_path / "run"
     run.mkdir()
     rows = [{"step": 0, "time_s": 15.0, "eval/accuracy": 0.2, "phase": "before_rl"}]
     rows += [{"step": i, "time_s": 15.0 + 10 * i, "step_time_s": 1.0, "tq/rows_held": 256.0, "tq/bytes_held": 9.0}
              for i in range(1, 18)]
+    rows += [{"step": 17, "time_s": 215.0, "eval/accuracy": 0.3, "phase": "after_rl"}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "summary.json").write_text(json.dumps({"rl_steps": 17, "reward/errors": 0.0, "reward/timeouts": 0.0}))
     (run / "config.json").write_text(json.dumps({"trainer": {"prompts_per_step": 32, "time_budget_s": 180},
                                                  "rollout": {"n": 8}}))
-    samples = _samples(20, 10 * 1024 / 3600)
+    (run / "ranks.json").write_text(json.dumps([{"rank": 0, "pid": 101, "roles": ["actor", "reward"]},
+                                                {"rank": 1, "pid": 102, "roles": ["rollout0"]}]))
+    samples = _two_ranks(25, rank0_mb_per_h, rank1_mb_per_h)
     for s in samples:
         s["metrics_time_s"] = max([r["time_s"] for r in rows if r["time_s"] <= s["t_s"] - 5.0], default=None)
+        if s["t_s"] > 190.0:
+            s["procs"]["101"]["rss_kb"] += 300 * 1024
     (tmp_path / "rss.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     (tmp_path / "train.stdout.log").write_text("")
     (tmp_path / "train.stderr.log").write_text("step 1 | reward 0.5\n")
-    (tmp_path / "run.json").write_text(json.dumps({"rc": 0, "killed": None, "wall_s": 200.0, "minutes": 3,
+    (tmp_path / "run.json").write_text(json.dumps({"rc": 0, "killed": None, "wall_s": 250.0, "minutes": 3,
                                                    "interval": 10, "settle": 0.2, "cmd_line": "python perf/soak.py"}))
-    assert soak.reanalyse(tmp_path, None, record_it=False) == 0
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert last["rss_slope_mb_per_h"] == pytest.approx(10.0)
-    assert last["rss_slope_mb_per_h_last_half"] == pytest.approx(10.0)
+    return tmp_path
+
+
+def test_reanalyse_an_out_dir_ends_with_the_json_line(tmp_path, capsys):
+    assert soak.reanalyse(_soak_dir(tmp_path, 10.0, 0.0), None, record_it=False) == 0
+    printed = capsys.readouterr().out
+    last = json.loads(printed.strip().splitlines()[-1])
+    assert last["verdict"] == "pass" and last["target_met"] is True and last["failing"] == []
+    assert last["target_mb_per_h"] == 20.0
+    assert set(last["processes"]) == {"launcher", "rank0", "rank1"}
+    rank0 = last["processes"]["rank0"]
+    assert rank0["slope_mb_per_h"] == pytest.approx(10.0) and rank0["verdict"] == "pass"
+    assert rank0["slope_mb_per_h_last_half"] == pytest.approx(10.0)
+    assert rank0["roles"] == "actor,reward" and rank0["pid"] == 101
+    # RL from t = 20 s (before_rl at 15 s, plus the 5 s offset) to the last sample before the
+    # last step row (185 s) was read: 180 s. The first 20% settles: the fit starts at 52 s, so
+    # its first sample is at 60 s. The export's 300 MB after 190 s stays out.
+    assert last["fit_window_min"] == [pytest.approx(52 / 60, abs=0.01), pytest.approx(180 / 60, abs=0.01)]
+    assert rank0["window_min"] == [pytest.approx(1.0), pytest.approx(3.0)]
     assert last["steps"] == 17 and last["errors"] == 0
     assert last["tq_rows_held_max"] == 256.0 and last["tq_rows_bounded"] is True
-    # RL from t = 20 s (before_rl at 15 s, plus the 5 s offset) to 190 s (the last step row at 185 s);
-    # the first 20% settles: the fit starts at 54 s
-    assert last["fit_window_min"] == [pytest.approx(54 / 60, abs=0.01), pytest.approx(190 / 60, abs=0.01)]
-    assert (tmp_path / "soak.json").is_file()
+    assert "memory verdict: pass (every process under 20 MB/hour)" in printed
+    saved = json.loads((tmp_path / "soak.json").read_text())
+    assert saved["analysis"]["memory"]["processes"]["rank0"]["verdict"] == "pass"
+
+
+def test_reanalyse_fails_a_climb_hidden_in_a_flat_sum(tmp_path, capsys):
+    assert soak.reanalyse(_soak_dir(tmp_path, 30.0, -30.0), None, record_it=False) == 1
+    printed = capsys.readouterr().out
+    last = json.loads(printed.strip().splitlines()[-1])
+    assert last["sum_slope_mb_per_h"] == pytest.approx(0.0, abs=1e-6)
+    assert last["verdict"] == "FAIL" and last["target_met"] is False and last["failing"] == ["rank0"]
+    assert last["processes"]["rank0"]["verdict"] == "FAIL"
+    assert last["processes"]["rank1"]["verdict"] == "pass"
+    assert "memory verdict: FAIL (every process under 20 MB/hour; failing: rank0)" in printed
+    # a laxer target passes the same files
+    assert soak.reanalyse(tmp_path, None, record_it=False, target=40.0) == 0
