@@ -70,14 +70,25 @@ class MethodSpec:
     """What ``@register`` records on a worker method."""
     mode: str
     timeout_s: float | None = None  # None: the driver's default call timeout
+    concurrent: bool = False  # served beside the running call (see ``register``)
 
 
-def register(mode: str = Dispatch.ONE_TO_ALL, *, timeout_s: float | None = None) -> Callable:
-    """Mark a Worker method as callable from the driver with dispatch ``mode``."""
+def register(mode: str = Dispatch.ONE_TO_ALL, *, timeout_s: float | None = None,
+             concurrent: bool = False) -> Callable:
+    """Mark a Worker method as callable from the driver with dispatch ``mode``.
+
+    concurrent: the method is served while another call runs on the rank (on a thread of
+    the worker's control server, not in the call queue): for a service's control methods
+    (new weights, abort, stats, submit) that must never wait behind generation. Such a
+    method must be thread-safe against the worker's other methods, runs no collective
+    (its order against other calls is not kept) and does not switch colocated roles.
+    """
     get_dispatch_mode(mode)  # fail at class definition, not at the first call
+    if concurrent and mode == Dispatch.DP_COMPUTE:
+        raise ValueError("a concurrent method cannot use DP_COMPUTE (it broadcasts over the shard's group)")
 
     def mark(fn: Callable) -> Callable:
-        setattr(fn, _ATTR, MethodSpec(mode, timeout_s))
+        setattr(fn, _ATTR, MethodSpec(mode, timeout_s, concurrent))
         return fn
     return mark
 

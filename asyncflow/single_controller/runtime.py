@@ -7,7 +7,8 @@ compute is plain synchronous code, calls never overlap on a rank, and collective
 in the same order on every rank of a group (the driver sends a group call to all its
 ranks back to back). Control messages (heartbeat pings, the TransferQueue address,
 "exit now") go to a ``transport.RpcServer`` on a private event-loop thread, so they are
-answered while a method runs. A watchdog exits the process when the driver's pings stop
+answered while a method runs; so do the methods a worker registers ``concurrent=True``
+(a service's control calls), each run on a pool thread. A watchdog exits the process when the driver's pings stop
 (or, for LocalWorkers' ranks, when the process that started it is gone).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import socket
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -155,6 +157,12 @@ class _ControlService:
         self.rt._tq_address = address
         return {"ok": None}
 
+    async def rpc_call_concurrent(self, role: str, fn: str, args: list, kwargs: dict) -> dict:
+        """A method registered ``concurrent=True``: run on a pool thread, beside the call queue."""
+        rt = self.rt
+        return await asyncio.get_running_loop().run_in_executor(
+            rt._pool, rt._guarded_concurrent, f"{role}.{fn}", role, fn, from_wire(args), from_wire(kwargs))
+
     async def rpc_exit_now(self) -> dict:
         """The run failed and a call here may run for a long time yet: exit a moment after
         this reply has left (a normal exit could wait on a collective that never ends)."""
@@ -181,6 +189,8 @@ class WorkerRuntime:
         self._closing = False
         self._started = time.monotonic()
         self._zmq = zmq.Context()  # private: the worker's TransferQueueClient uses the global one
+        # threads for concurrent methods (a service's control calls; a few at once at most)
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"worker-{rank}-concurrent")
         self._calls = BlockingRpcServer(_CallService(self), f"tcp://{host}:0", self._zmq, f"worker-{rank}")
         self._loop = EventLoopThread(f"worker-control-{rank}")
         self._control: RpcServer | None = None
@@ -214,7 +224,17 @@ class WorkerRuntime:
         finally:
             self._busy = ""
 
-    def _call(self, role: str, method: str, args: list, kwargs: dict) -> Any:
+    def _guarded_concurrent(self, what: str, role: str, method: str, args: list, kwargs: dict) -> dict:
+        """A concurrent call: errors go back like any call's; the rank's busy note is left alone."""
+        try:
+            worker, fn, execute = self._target(role, method)
+            if not method_spec(fn).concurrent:
+                raise PermissionError(f"{what} is not registered concurrent=True; it runs in the call queue")
+            return {"ok": to_wire(execute(worker, fn, tuple(args), kwargs))}
+        except Exception as e:
+            return {"err": {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}}
+
+    def _target(self, role: str, method: str) -> tuple:
         target = self._targets.get((role, method))
         if target is None:
             worker = self.workers.get(role)
@@ -225,7 +245,10 @@ class WorkerRuntime:
             if spec is None:
                 raise AttributeError(f"{type(worker).__name__}.{method} is not a method marked with @register")
             target = self._targets[(role, method)] = (worker, fn, get_dispatch_mode(spec.mode).execute)
-        worker, fn, execute = target
+        return target
+
+    def _call(self, role: str, method: str, args: list, kwargs: dict) -> Any:
+        worker, fn, execute = self._target(role, method)
         if self._active_role != role:
             self._switch_to(role)
         return to_wire(execute(worker, fn, tuple(args), kwargs))
@@ -318,6 +341,7 @@ class WorkerRuntime:
             self._loop.run(stop(), timeout=10)
         finally:
             self._loop.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self._tq is not None:
             self._tq.close()
         self._zmq.destroy(linger=0)

@@ -76,12 +76,15 @@ class WorkerGroup:
             if frames is None:
                 frames = encoded[id(c)] = RpcClient.encode_args(
                     {"role": role, "fn": method, "args": to_wire(list(c[0])), "kwargs": to_wire(c[1])})
-            calls.append(ranks[rank].start("call", what, role, timeout, frames))
+            if spec.concurrent:  # to the control server: served beside a running call
+                calls.append(ranks[rank].start("call_concurrent", what, role, timeout, frames, control=True))
+            else:
+                calls.append(ranks[rank].start("call", what, role, timeout, frames))
         live = [c for c in calls if c is not None]
         policy = self._spin.get(method)
         if policy is None:
             policy = self._spin[method] = SpinPolicy(self._spin_s)
-        budget = policy.budget()
+        budget = 0.0 if spec.concurrent else policy.budget()
         spun = spin_calls(live, budget) if budget else None
         if len(live) == 1:  # one rank: its future is all there is to wait for
             try:

@@ -53,6 +53,15 @@ class EchoWorker(Worker):
     def fail(self, msg: str) -> None:
         _deep_failure(msg)
 
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    def peek(self) -> float:
+        """Served beside a running call (a service's control method)."""
+        return time.time()
+
+    @register(Dispatch.RANK_ZERO, concurrent=True)
+    def fail_beside(self, msg: str) -> None:
+        raise ValueError(msg)
+
     @register(Dispatch.ONE_TO_ALL, timeout_s=0.5)
     def slow_with_short_timeout(self, seconds: float) -> None:
         time.sleep(seconds)

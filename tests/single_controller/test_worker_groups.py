@@ -246,3 +246,23 @@ def test_a_storm_of_mixed_calls_gets_every_answer_right(cluster3, groups):
         assert not ep._rpc._pending, f"rank {ep.rank}: replies still awaited {list(ep._rpc._pending)}"
     for wg in groups:
         assert [w["x"] for w in cluster3.run(wg.whoami(x="after"))] == ["after"] * len(wg.ranks)
+
+
+def test_concurrent_methods_are_served_while_a_call_runs(cluster3, groups):
+    """A method registered concurrent=True answers while the rank runs a long call; its errors
+    come back like any call's; the running call finishes undisturbed."""
+    echo = groups[0]
+
+    async def go():
+        sleeping = asyncio.ensure_future(echo.sleep(1.5))
+        await asyncio.sleep(0.3)
+        peeks = await echo.peek()
+        with pytest.raises(WorkerError, match="ValueError: nope"):
+            await echo.fail_beside("nope")
+        return peeks, await sleeping
+    peeks, spans = cluster3.run(go())
+    for (start, end), seen in zip(spans, peeks):
+        assert start < seen < end  # answered while that rank slept in its call
+    with pytest.raises(ValueError, match="cannot use DP_COMPUTE"):
+        from asyncflow.single_controller import register
+        register("dp_compute", concurrent=True)
