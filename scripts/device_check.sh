@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One short check (about 4-5 minutes expected; every section time-limited so that even
-# when all of them hang it ends in about 8) of AsyncFlow on a machine with one NVIDIA GPU and no
+# One short check (about 5 minutes expected; every section time-limited so that even
+# when all of them hang it ends in about 9 and a half) of AsyncFlow on a machine with one NVIDIA GPU and no
 # internet. Sections, each with a time limit; a failing section is reported and the next
 # one still runs, and the script exits non-zero at the end if any failed:
 #   1. nvidia-smi, torch / CUDA / vLLM versions
@@ -8,6 +8,11 @@
 #      character tokenizer) offline into a temp dir, and print its parameter count
 #   3. the GPU tests: pytest -k "(cuda or vllm or gpu) and not launch" (tests/engines/
 #      test_rollout_vllm.py, the cuda cases of tests/test_platform.py; not the launch-script tests)
+#   3b. vLLM's request API (VLLMRolloutEngine add_request / step / load_weights) on a tiny
+#      Qwen2: requests stepped one by one, weights swapped mid-generation in "keep" and in
+#      "recompute" mode, per-token versions and log-probs checked against the HF model of each
+#      version, an over-long prompt answered with an error for itself alone (skipped, with a
+#      message, without vLLM or CUDA)
 #   4. 5 async GRPO steps on that model, colocated on the one GPU, vLLM rollout when
 #      `import vllm` works, else the built-in engine (and the built-in engine as a
 #      fallback when the vLLM run fails and there is time left)
@@ -27,6 +32,106 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
 
 FAILED=()
+# write_vllm_request_check FILE: section 3b's Python check (a file, not stdin: vLLM's spawned
+# workers import the main module by path, which the __main__ guard keeps from running again).
+write_vllm_request_check() {
+  cat >"$1" <<'PY'
+"""VLLMRolloutEngine's request API on a tiny Qwen2: step requests, swap weights mid-generation."""
+import json
+import sys
+import tempfile
+
+import torch
+
+
+def ref_log_probs(model, prefix, tokens, temperature=1.0):
+    with torch.inference_mode():
+        logits = model(torch.cat([prefix, tokens])[None]).logits[0, prefix.numel() - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def main() -> int:
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - a broken vllm install fails with more than ImportError
+        print(f"SKIP: vLLM is not importable ({type(e).__name__}); the vLLM request path was NOT checked")
+        return 0
+    if not torch.cuda.is_available():
+        print("SKIP: no CUDA device; the vLLM request path was NOT checked")
+        return 0
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from asyncflow.engines.rollout.base import GenerationRequest, SamplingParams
+    from asyncflow.engines.rollout.vllm import VLLMRolloutEngine
+
+    def tiny(seed):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=64, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=512, pad_token_id=0,
+            eos_token_id=1, bos_token_id=1)).eval()
+
+    path = tempfile.mkdtemp(prefix="asyncflow_vllm_requests_")
+    m0, m1 = tiny(0), tiny(1)
+    m0.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, 64)}}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>").save_pretrained(path)
+    engine = VLLMRolloutEngine(path, dtype="float32", gpu_memory_utilization=0.2, max_model_len=128, enforce_eager=True)
+    print(f"engine on devices {engine.devices}, native recompute: {engine.stats()['native_recompute']}")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 64, (4 + i,), generator=g) for i in range(6)]
+    held, problems, report = {0: m0}, [], {}
+    for mode, new in (("keep", m1), ("recompute", m0)):
+        for i, p in enumerate(prompts):
+            engine.add_request(GenerationRequest(f"{mode}-{i}", p, SamplingParams(max_new_tokens=24), seed=i))
+        engine.add_request(GenerationRequest(f"{mode}-long", torch.full((200,), 5), SamplingParams(max_new_tokens=4)))
+        out, steps, old = {}, 0, engine.version
+        while engine.has_work():
+            out.update({r.request_id: r for r in engine.step()})
+            steps += 1
+            if steps == 6:  # mid-generation: every row has at most 6 tokens
+                engine.load_weights(new.state_dict(), engine.version + 1, mode=mode)
+                held[engine.version] = new
+        long = out.pop(f"{mode}-long", None)
+        if long is None or long.finish_reason != "error" or not long.error:
+            problems.append(f"{mode}: the over-long prompt did not come back as an error ({long})")
+        crossed, worst = 0, 0.0
+        for i, p in enumerate(prompts):
+            r = out.get(f"{mode}-{i}")
+            if r is None or r.finish_reason not in ("stop", "length"):
+                problems.append(f"{mode}-{i}: did not finish ({r})")
+                continue
+            vs = r.token_versions.tolist()
+            if vs != sorted(vs) or not set(vs) <= {old, engine.version} or len(vs) != r.log_probs.numel():
+                problems.append(f"{mode}-{i}: per-token versions {vs} (swap {old} -> {engine.version})")
+            crossed += len(set(vs)) == 2
+            n_old = vs.count(old)
+            spans = [(0, n_old, held[old])]  # before the swap: prompt and tokens all of the old weights
+            if mode == "recompute" and n_old < len(vs):  # after it: KV recomputed with the new weights
+                spans.append((n_old, len(vs), held[engine.version]))
+            for a, b, model in spans:
+                ref = ref_log_probs(model, torch.cat([p, r.response_ids[:a]]), r.response_ids[a:b])
+                worst = max(worst, (r.log_probs[a:b] - ref).abs().max().item())
+        if crossed == 0:
+            problems.append(f"{mode}: no request ran across the swap")
+        if worst > 2e-3:
+            problems.append(f"{mode}: log-probs differ from the HF model of their version by {worst:.2e}")
+        report[mode] = {"rows_across_swap": crossed, "max_log_prob_diff": worst, "steps": steps}
+        print(f"{mode}: {crossed}/6 rows ran across the swap {old} -> {engine.version}, {steps} steps, "
+              f"max |log-prob - HF| {worst:.1e}")
+    print(json.dumps({"vllm_requests": report, "stats": engine.stats(), "problems": problems}))
+    for p in problems:
+        print(f"!! {p}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+PY
+}
+
 heading() { printf '\n===== %s =====  (t=%ss)\n' "$1" "$SECONDS"; }
 # step NAME TIMEOUT_S CMD...: run CMD with a time limit, note a failure and go on.
 step() {
@@ -56,6 +161,10 @@ main() {
 
   heading "3. GPU tests (pytest -k 'cuda or vllm or gpu')"
   step pytest-gpu 140 "$PYTHON" -m pytest -q tests -k "(cuda or vllm or gpu) and not launch" -rs -p no:cacheprovider
+
+  heading "3b. vLLM request API: steps, weight swaps mid-generation (keep, recompute)"
+  write_vllm_request_check "$work/vllm_request_check.py"
+  step vllm-requests 150 "$PYTHON" "$work/vllm_request_check.py"
 
   heading "4. async GRPO, 5 steps, colocated on one device"
   local engine=builtin

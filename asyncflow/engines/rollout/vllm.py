@@ -1,31 +1,52 @@
-"""vLLM adapter: the RolloutEngine interface over `vllm.LLM` (GPU; NPU via vllm-ascend).
+"""vLLM adapter: the RequestEngine and RolloutEngine interfaces over vLLM (GPU; NPU via vllm-ascend).
 
-vllm is imported when an engine is built, never at module import. Notes on semantics:
-- log-probs: the engine is built with `logprobs_mode="processed_logprobs"`, i.e. after
-  temperature - what our contract asks for - but vLLM also applies top-k/top-p before
-  computing them. So with top-k/top-p on, its log-probs are of the filtered,
-  renormalised distribution; generate() refuses that unless the engine was built with
-  `allow_filtered_log_probs=True`. (Greedy: plain logits, as the contract says.)
-- seeding: one `seed` per request, which vLLM turns into a per-request generator.
-- abort: with `should_abort`, requests are driven step by step through
-  `llm.llm_engine` (add_request / step / abort_request), so partial rows come back.
-- weights: `collective_rpc` into every worker (see vllm_worker.py), then the prefix
-  cache is reset so no KV computed with the old weights is reused.
-Needs a vLLM with V1 `logprobs_mode`, `worker_extension_cls` and sleep mode (>= 0.10.2).
+vllm is imported when an engine is built, never at module import. How it is driven:
+- request by request through vLLM's step-based engine (``llm.llm_engine``: add_request /
+  step / abort_request); the bookkeeping lives in `vllm_requests.VLLMRequests`.
+  ``generate`` is a thin wrapper: submit every row, step until all finished.
+- one ``step()`` is one engine iteration, synchronous: the engine core runs in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while building) without async scheduling, so the
+  tokens a step returns were sampled with the weights held during that step; that is
+  what makes per-token policy versions exact. The model workers run in their own
+  processes (``distributed_executor_backend="mp"``, also at tensor parallel size 1), each
+  started with ``CUDA_VISIBLE_DEVICES`` narrowed to this instance's devices.
+- weight swaps between steps: ``collective_rpc`` into every worker (vllm_worker.py). mode
+  "keep": running requests go on with the KV cache they have; "recompute": vLLM preempts
+  them and prefills prompt + outputs again with the new weights
+  (``reset_prefix_cache(reset_running_requests=True)``), or, on a vLLM without that,
+  they are aborted and re-added with prompt + tokens so far as the prompt.
+- log-probs: ``logprobs_mode="processed_logprobs"``, i.e. after temperature - what our
+  contract asks for - but vLLM also applies top-k/top-p before computing them, so those
+  are refused unless the engine was built with ``allow_filtered_log_probs=True``.
+- seeding: one ``seed`` per request, which vLLM turns into a per-request generator.
+Needs a vLLM with V1 ``logprobs_mode``, ``worker_extension_cls``, ``cache_salt`` and sleep mode (>= 0.10.2).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from asyncflow.engines.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, check_generate_args
+from asyncflow.engines.rollout.base import (SWAP_MODES, GenerationOutput, GenerationRequest, RequestEngine,
+                                            RequestResult, RolloutEngine, SamplingParams, check_generate_args)
+from asyncflow.engines.rollout.vllm_requests import ParamsFactory, VLLMRequests, filtered_log_probs_problem
 
-__all__ = ["VLLMRolloutEngine"]
+__all__ = ["VLLMRolloutEngine", "WeightSpec", "check_weights", "resolve_devices", "visible_devices"]
 
 _EXTENSION = "asyncflow.engines.rollout.vllm_worker.WeightLoaderExtension"
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """What load_weights accepts under one HF state_dict name (dtype: the engine's, for floating weights)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def _import_vllm():
@@ -37,40 +58,244 @@ def _import_vllm():
     return vllm
 
 
-def _hf_weight_names(model_path: str) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
-    """The HF state_dict names and shapes of the checkpoint's model, and its tied-name groups,
-    from a model built on the meta device (no memory, no weights read)."""
+# ---- devices ----------------------------------------------------------------------------
+
+def resolve_devices(devices: Sequence[int] | None, tensor_parallel_size: int | None) -> tuple[list[int] | None, int]:
+    """The instance's device indices (as this process numbers them) and its tensor parallel
+    size: one device per tensor-parallel rank. Without ``devices``, a single-device instance
+    takes this process's current CUDA device when CUDA is initialized (the launcher set it
+    for the rank), else vLLM's default (the first visible device)."""
+    if devices is None:
+        if tensor_parallel_size in (None, 1) and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return [torch.cuda.current_device()], 1
+        return None, int(tensor_parallel_size or 1)
+    devs = [int(d) for d in devices]
+    if not devs or len(set(devs)) != len(devs) or min(devs) < 0:
+        raise ValueError(f"VLLMRolloutEngine: devices must be distinct device indices >= 0, got {list(devices)}")
+    tp = len(devs) if tensor_parallel_size is None else int(tensor_parallel_size)
+    if tp != len(devs):
+        raise ValueError(f"VLLMRolloutEngine: tensor_parallel_size={tp} but {len(devs)} devices {devs}: "
+                         f"give one device per tensor-parallel rank")
+    return devs, tp
+
+
+def visible_devices(devices: Sequence[int], parent_visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for vLLM's workers: this process's device indices mapped through
+    its own CUDA_VISIBLE_DEVICES (index i is the i-th entry there), so that the workers'
+    cuda:0..tp-1 are exactly the instance's devices."""
+    if not parent_visible:
+        return ",".join(str(int(d)) for d in devices)
+    entries = [e.strip() for e in parent_visible.split(",") if e.strip()]
+    out = []
+    for d in devices:
+        if not 0 <= int(d) < len(entries):
+            raise ValueError(f"VLLMRolloutEngine: device {d} is not visible to this process "
+                             f"(CUDA_VISIBLE_DEVICES={parent_visible!r} has {len(entries)} entries)")
+        out.append(entries[int(d)])
+    return ",".join(out)
+
+
+@contextlib.contextmanager
+def _scoped_env(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block (vLLM reads them while it
+    builds the engine and spawns its workers), then put the old values back."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---- weights ----------------------------------------------------------------------------
+
+def _hf_weight_specs(model_path: str, dtype: torch.dtype) -> tuple[dict[str, WeightSpec], list[list[str]]]:
+    """The HF state_dict names and shapes of the checkpoint's model (floating weights in the
+    engine's dtype), and its tied-name groups, from a model built on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    specs = {k: WeightSpec(tuple(v.shape), dtype if v.dtype.is_floating_point else v.dtype)
+             for k, v in model.state_dict().items()}
     by_obj: dict[int, list[str]] = {}
     for name, p in itertools.chain(model.named_parameters(remove_duplicate=False),
                                    model.named_buffers(remove_duplicate=False)):
-        if name in shapes:
+        if name in specs:
             by_obj.setdefault(id(p), []).append(name)
-    return shapes, list(by_obj.values())
+    return specs, list(by_obj.values())
 
 
-class VLLMRolloutEngine(RolloutEngine):
-    def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
+def _dtype_fits(got: torch.dtype, held: torch.dtype) -> bool:
+    # The trainer may send fp32 master weights to a bf16 engine: floating weights are cast
+    # (as vLLM's loader would); an integer or bool tensor for a floating weight is a wrong one.
+    if held.is_floating_point:
+        return got.is_floating_point
+    return got == held
+
+
+def check_weights(state_dict: Mapping[str, torch.Tensor], specs: Mapping[str, WeightSpec],
+                  tied: list[list[str]]) -> None:
+    """Refuse a state dict that does not fit the model: unknown names (KeyError), a non-tensor
+    or a wrong dtype (TypeError: not floating for a floating weight), wrong shapes (ValueError),
+    missing weights (KeyError; of tied names one will do). Nothing is loaded before this passes."""
+    unknown = sorted(k for k in state_dict if k not in specs)
+    if unknown:
+        raise KeyError(f"load_weights: unknown weight names {unknown[:5]}{' ...' if len(unknown) > 5 else ''} "
+                       f"(expected HF state_dict names, e.g. {next(iter(specs), '?')!r})")
+    for k, v in state_dict.items():
+        spec = specs[k]
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"load_weights: {k!r} is a {type(v).__name__}, not a tensor")
+        if tuple(v.shape) != spec.shape:
+            raise ValueError(f"load_weights: shape mismatch for {k!r}: got {tuple(v.shape)}, "
+                             f"the model has {spec.shape}")
+        if not _dtype_fits(v.dtype, spec.dtype):
+            raise TypeError(f"load_weights: dtype mismatch for {k!r}: got {v.dtype}, the engine holds {spec.dtype} "
+                            f"(a floating weight takes any floating dtype, cast to the engine's)")
+    missing = sorted(g[0] for g in tied if not any(n in state_dict for n in g))
+    if missing:
+        raise KeyError(f"load_weights: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                       f"({len(missing)} in all; a full state_dict is required)")
+
+
+# ---- vLLM settings ----------------------------------------------------------------------
+
+def _vllm_params_factory(vllm: Any) -> ParamsFactory:
+    from vllm.sampling_params import RequestOutputKind
+
+    def make(params: SamplingParams, budget: int, seed: int):
+        # DELTA: each step returns only the tokens sampled in it (what per-token versions need)
+        return vllm.SamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1, max_tokens=int(budget), seed=int(seed), logprobs=0,
+            stop_token_ids=list(params.stop_token_ids), detokenize=False, output_kind=RequestOutputKind.DELTA)
+    return make
+
+
+def _engine_arg_names() -> set[str]:
+    from vllm.engine.arg_utils import EngineArgs
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    """vLLM's resolved model dtype (a torch.dtype; a name such as "bfloat16" is accepted too)."""
+    resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"VLLMRolloutEngine: cannot tell the model's dtype from vLLM's {dtype!r}")
+    return resolved
+
+
+def _prefix_caching_on(engine: Any) -> bool:
+    for cfg in (getattr(getattr(engine, "vllm_config", None), "cache_config", None),
+                getattr(engine, "cache_config", None)):
+        if cfg is not None and hasattr(cfg, "enable_prefix_caching"):
+            return bool(cfg.enable_prefix_caching)
+    return True
+
+
+def _max_model_len(engine: Any) -> int | None:
+    n = getattr(getattr(engine, "model_config", None), "max_model_len", None)
+    return int(n) if isinstance(n, int) else None
+
+
+# ---- the engine -------------------------------------------------------------------------
+
+class VLLMRolloutEngine(RequestEngine, RolloutEngine):
+    """One rollout instance over vLLM, pinned to ``devices`` (tensor parallel over them).
+
+    devices: this process's CUDA device indices for the instance (one per tensor-parallel
+        rank); None: the current CUDA device (see `resolve_devices`), or, without CUDA
+        (vllm-ascend), vLLM's own device choice: pinning is CUDA-only.
+    llm_kwargs: more `vllm.LLM` / EngineArgs arguments (they override the defaults here;
+        ``async_scheduling=True`` is refused: it returns tokens a step late).
+    """
+
+    def __init__(self, model_path: str, *, devices: Sequence[int] | None = None,
+                 tensor_parallel_size: int | None = None, gpu_memory_utilization: float = 0.5,
                  enable_sleep_mode: bool = True, dtype: str = "bfloat16", seed: int = 0,
                  allow_filtered_log_probs: bool = False, **llm_kwargs: Any) -> None:
         vllm = _import_vllm()
-        self._vllm = vllm
+        devs, tp = resolve_devices(devices, tensor_parallel_size)
+        kwargs: dict[str, Any] = dict(
+            model=model_path, tensor_parallel_size=tp, gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
+            worker_extension_cls=_EXTENSION, distributed_executor_backend="mp")
+        if "async_scheduling" in _engine_arg_names():
+            kwargs["async_scheduling"] = False
+        kwargs.update(llm_kwargs)
+        if kwargs.get("async_scheduling"):
+            raise ValueError("VLLMRolloutEngine: async_scheduling=True returns a step's tokens one step late, "
+                             "so per-token policy versions would be wrong across a weight swap")
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine core in this process: step() is synchronous
+        if devices is not None and not torch.cuda.is_available():
+            raise ValueError(f"VLLMRolloutEngine: devices={list(devices)} pins CUDA devices (CUDA_VISIBLE_DEVICES), "
+                             f"and this process sees no CUDA device; leave devices=None elsewhere")
+        if devs is not None:
+            if not torch.cuda.is_initialized():
+                # Fix this process's own view of the devices (and put its context on the
+                # instance's first device) before CUDA_VISIBLE_DEVICES is narrowed for the workers.
+                torch.cuda.set_device(devs[0])
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(devs, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        with _scoped_env(env):
+            llm = vllm.LLM(**kwargs)
+        specs, tied = _hf_weight_specs(model_path, _torch_dtype(llm.llm_engine.model_config.dtype))
+        self._attach(llm, specs, tied, _vllm_params_factory(vllm), allow_filtered_log_probs=allow_filtered_log_probs,
+                     enable_sleep_mode=enable_sleep_mode, devices=devs)
+
+    @classmethod
+    def from_llm(cls, llm: Any, weights: Mapping[str, WeightSpec], tied: list[list[str]], make_params: ParamsFactory,
+                 *, allow_filtered_log_probs: bool = False, enable_sleep_mode: bool = True,
+                 devices: Sequence[int] | None = None) -> VLLMRolloutEngine:
+        """Wrap an engine already built: a `vllm.LLM` made as __init__ makes it, or a stand-in
+        with the same methods (``llm_engine``, ``collective_rpc``, ``sleep``, ``wake_up``)."""
+        self = cls.__new__(cls)
+        self._attach(llm, dict(weights), [list(g) for g in tied], make_params,
+                     allow_filtered_log_probs=allow_filtered_log_probs, enable_sleep_mode=enable_sleep_mode,
+                     devices=None if devices is None else list(devices))
+        return self
+
+    def _attach(self, llm: Any, specs: dict[str, WeightSpec], tied: list[list[str]], make_params: ParamsFactory, *,
+                allow_filtered_log_probs: bool, enable_sleep_mode: bool, devices: list[int] | None) -> None:
+        self.llm = llm
+        self.devices = devices
         self.enable_sleep_mode = enable_sleep_mode
         self.allow_filtered_log_probs = allow_filtered_log_probs
-        self.llm = vllm.LLM(model=model_path, tensor_parallel_size=tensor_parallel_size,
-                            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-                            dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
-                            worker_extension_cls=_EXTENSION, **llm_kwargs)
-        self._shapes, self._groups = _hf_weight_names(model_path)
+        self._specs, self._tied = specs, tied
         self.version = 0
         self._weights_asleep = self._kv_asleep = False
-        self._req_ids = itertools.count()
+        self._generate_calls = itertools.count()
+        engine = llm.llm_engine
+        self._requests = VLLMRequests(engine, make_params, current_version=lambda: self.version,
+                                      max_model_len=_max_model_len(engine),
+                                      allow_filtered_log_probs=allow_filtered_log_probs,
+                                      salt_prompts=_prefix_caching_on(engine))
 
-    # ---- generation ---------------------------------------------------------------------
+    # ---- request level ------------------------------------------------------------------
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self._requests.add(request)
+
+    def abort(self, request_id: int | str) -> bool:
+        return self._requests.abort(request_id)
+
+    def step(self) -> list[RequestResult]:
+        if self._weights_asleep or self._kv_asleep:
+            raise RuntimeError("VLLMRolloutEngine.step after release_memory(): call resume_memory() first")
+        return self._requests.step()
+
+    def has_work(self) -> bool:
+        return self._requests.has_work()
+
+    def stats(self) -> dict:
+        return {**self._requests.stats(), "version": int(self.version),
+                "native_recompute": self._requests.native_recompute}
+
+    # ---- batch level: a thin wrapper over the request level ------------------------------
 
     def generate(self, prompts: list[torch.Tensor], params: SamplingParams, *, seeds: list[int],
                  max_new_tokens: list[int] | None = None,
@@ -78,94 +303,62 @@ class VLLMRolloutEngine(RolloutEngine):
         budgets = check_generate_args(prompts, params, seeds, max_new_tokens)
         if self._weights_asleep or self._kv_asleep:
             raise RuntimeError("VLLMRolloutEngine.generate after release_memory(): call resume_memory() first")
-        if not params.greedy and (params.top_k > 0 or params.top_p < 1.0) and not self.allow_filtered_log_probs:
-            raise ValueError("vLLM returns log-probs after top-k/top-p filtering, not before as the rollout "
-                             "contract requires; use top_k=0 and top_p=1, or build the engine with "
-                             "allow_filtered_log_probs=True to accept filtered log-probs")
-        n = len(prompts)
-        responses = [torch.empty(0, dtype=torch.int64) for _ in range(n)]
-        log_probs = [torch.empty(0, dtype=torch.float32) for _ in range(n)]
-        reasons = ["length"] * n
-        rows = [i for i in range(n) if budgets[i] > 0]  # vLLM needs max_tokens >= 1
-        inputs = [{"prompt_token_ids": prompts[i].tolist()} for i in rows]
-        sps = [self._sampling_params(params, budgets[i], seeds[i]) for i in rows]
-        if not rows:
-            return GenerationOutput(responses, log_probs, reasons)
-        if should_abort is None:
-            outs = self.llm.generate(inputs, sampling_params=sps, use_tqdm=False)
-            results = [o.outputs[0] for o in outs]
-        else:
-            results = self._generate_abortable(inputs, sps, should_abort)
-        for i, c in zip(rows, results):
-            if c is None:  # aborted before producing anything
-                reasons[i] = "abort"
-                continue
-            ids = list(c.token_ids)
-            responses[i] = torch.tensor(ids, dtype=torch.int64)
-            lps = c.logprobs or []
-            if len(lps) != len(ids):
-                raise RuntimeError(f"vLLM returned {len(lps)} log-prob entries for {len(ids)} tokens (row {i})")
-            log_probs[i] = torch.tensor([d[t].logprob for d, t in zip(lps, ids)], dtype=torch.float32)
-            reasons[i] = {"stop": "stop", "length": "length"}.get(c.finish_reason, "abort")
-        return GenerationOutput(responses, log_probs, reasons)
-
-    def _sampling_params(self, params: SamplingParams, budget: int, seed: int):
-        from vllm.sampling_params import RequestOutputKind
-        return self._vllm.SamplingParams(
-            n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
-            max_tokens=budget, seed=int(seed), logprobs=0, stop_token_ids=list(params.stop_token_ids),
-            detokenize=False, output_kind=RequestOutputKind.CUMULATIVE)
-
-    def _generate_abortable(self, inputs: list[dict], sps: list, should_abort: Callable[[], bool]) -> list:
-        """Drive the engine step by step, polling should_abort between steps; keep each request's
-        latest cumulative output so an abort can return the partial rows."""
-        engine = self.llm.llm_engine
-        ids = [f"asyncflow-{next(self._req_ids)}" for _ in inputs]
-        for rid, inp, sp in zip(ids, inputs, sps):
-            engine.add_request(rid, inp, sp)
-        latest: dict[str, Any] = {}
-        pending = set(ids)
-        while pending:
-            if should_abort():
-                engine.abort_request(list(pending))
-                break
-            for out in engine.step():
-                latest[out.request_id] = out
-                if out.finished:
-                    pending.discard(out.request_id)
-        results = []
-        for rid in ids:
-            out = latest.get(rid)
-            c = out.outputs[0] if out is not None else None
-            if c is not None and rid in pending:
-                c.finish_reason = "abort"  # cut short by us, whatever vLLM's last snapshot said
-            results.append(c)
-        return results
+        problem = filtered_log_probs_problem(params, self.allow_filtered_log_probs)
+        if problem is not None:
+            raise ValueError(problem)
+        if self.has_work():
+            # its results would be mixed with those of requests submitted one by one
+            raise RuntimeError(f"VLLMRolloutEngine.generate while request-level work is in flight "
+                               f"({self.stats()['running']} running, {self.stats()['waiting']} waiting)")
+        call = next(self._generate_calls)
+        ids = [f"generate-{call}-{i}" for i in range(len(prompts))]
+        for rid, p, seed, budget in zip(ids, prompts, seeds, budgets):
+            self.add_request(GenerationRequest(rid, p, params, seed=int(seed), max_new_tokens=budget))
+        results: dict[str, RequestResult] = {}
+        while len(results) < len(ids):
+            if should_abort is not None and should_abort():
+                for rid in ids:
+                    if rid not in results:
+                        self.abort(rid)
+            for r in self.step():
+                results[r.request_id] = r
+            if len(results) < len(ids) and not self.has_work():
+                raise RuntimeError(f"VLLMRolloutEngine.generate: {len(ids) - len(results)} rows never finished")
+        out = [results[rid] for rid in ids]
+        for i, r in enumerate(out):
+            if r.finish_reason == "error":
+                raise ValueError(f"generate: row {i}: {r.error}")
+        return GenerationOutput([r.response_ids for r in out], [r.log_probs for r in out],
+                                [r.finish_reason for r in out])
 
     # ---- weights and memory -------------------------------------------------------------
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        unknown = sorted(k for k in state_dict if k not in self._shapes)
-        if unknown:
-            raise KeyError(f"load_weights: unknown weight names {unknown[:5]} (expected HF state_dict names)")
-        for k, v in state_dict.items():
-            if tuple(v.shape) != self._shapes[k]:
-                raise ValueError(f"load_weights: shape mismatch for {k!r}: got {tuple(v.shape)}, "
-                                 f"the model has {self._shapes[k]}")
-        missing = sorted(g[0] for g in self._groups if not any(n in state_dict for n in g))
-        if missing:
-            raise KeyError(f"load_weights: missing weights {missing[:5]} ({len(missing)} in all)")
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> None:
+        if mode not in SWAP_MODES:
+            raise ValueError(f"load_weights: mode must be one of {SWAP_MODES}, got {mode!r}")
+        if int(version) < self.version:
+            raise ValueError(f"load_weights: version {int(version)} is older than the version held ({self.version})")
+        check_weights(state_dict, self._specs, self._tied)
         if self._weights_asleep:  # wake the weights only; the KV cache stays released
             self.llm.wake_up(tags=["weights"])
             self._weights_asleep = False
-        named = [(k, v.detach().contiguous()) for k, v in state_dict.items()]
-        self.llm.collective_rpc("asyncflow_load_weights", args=(named,))
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        self.version = int(version)
+        # cast here: half the bytes to the workers for fp32 -> bf16, same rounding as vLLM's copy
+        named = [(k, v.detach().to(self._specs[k].dtype).contiguous()) for k, v in state_dict.items()]
+        try:
+            self.llm.collective_rpc("asyncflow_load_weights", args=(named,))
+        except Exception as exc:
+            raise RuntimeError(f"load_weights: vLLM's workers failed to load version {int(version)} "
+                               f"(the weights held may now be partly updated): {exc}") from exc
+        self.version = int(version)  # before the swap handling: re-added rows are the new version's
+        self._requests.after_swap(mode)
 
     def release_memory(self) -> None:
         if not self.enable_sleep_mode:
             raise RuntimeError("release_memory needs the engine built with enable_sleep_mode=True")
+        if self._requests.live_rows:
+            # sleeping drops the KV cache those requests run on
+            raise RuntimeError(f"release_memory with {self._requests.live_rows} requests running in vLLM: "
+                               f"abort them or let them finish first")
         if not (self._weights_asleep or self._kv_asleep):
             self.llm.sleep(level=1)  # weights to host memory, KV cache dropped
             self._weights_asleep = self._kv_asleep = True
