@@ -58,7 +58,14 @@ class RolloutConfig:
     top_k: int = 0
     max_new_tokens: int = 8
     batch_prompts: int = 8  # prompts per rollout call in stream/async mode (sync: the whole step)
-    partial_rollout: bool = False  # async: interrupt a generation at a weight update and continue on new weights
+    # In-flight weight updates: new weights are swapped in at the next decode step and running
+    # rows go on (their later tokens carry the new version). Off: the instance stops admitting
+    # rows and swaps once its running batch has drained, so each row has one version.
+    partial_rollout: bool = False
+    swap_mode: str = "keep"  # keep: running rows go on over the cache they have | recompute: re-prefill it
+    max_running_rows: int = 256  # rows one instance decodes together (continuous batching)
+    max_kv_tokens: int = 0  # cache positions the running rows may reserve (prompt + budget each); 0: no limit
+    prefill_chunk: int = 2048  # prompt tokens prefilled per decode step (longer prompts take several)
     # Benchmark workload. "": each row stops at EOS or max_new_tokens. "longtail": each row gets its own
     # token budget (a seeded lognormal draw capped at max_new_tokens: most short, a few at the cap).
     length_profile: str = ""
@@ -237,6 +244,14 @@ def _check(cfg: RunSettings) -> RunSettings:
     problems += _registry_problems(cfg)
     if r.engine not in ("builtin", "vllm"):
         problems.append(f"rollout.engine: expected builtin or vllm, got {r.engine!r}")
+    if r.swap_mode not in ("keep", "recompute"):
+        problems.append(f"rollout.swap_mode: expected keep or recompute, got {r.swap_mode!r}")
+    if r.max_running_rows < r.n:
+        problems.append(f"rollout.max_running_rows: must hold at least one group (rollout.n={r.n}), "
+                        f"got {r.max_running_rows}")
+    if r.max_kv_tokens < 0 or r.prefill_chunk < 1:
+        problems.append(f"rollout.max_kv_tokens must be >= 0 and rollout.prefill_chunk >= 1, got "
+                        f"{r.max_kv_tokens} and {r.prefill_chunk}")
     if t.prompts_per_step < 1 or r.batch_prompts < 1:
         problems.append("trainer.prompts_per_step and rollout.batch_prompts must be >= 1")
     if t.nproc < 1:

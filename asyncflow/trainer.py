@@ -117,6 +117,8 @@ class Training:
             self.instances.append(await d.create_group(
                 RolloutWorker, f"rollout{k}", ranks=[r], model_path=self.model_path, sampling=sampling,
                 engine=cfg.rollout.engine, threads=threads, partial_rollout=cfg.rollout.partial_rollout,
+                swap_mode=cfg.rollout.swap_mode, max_running_rows=cfg.rollout.max_running_rows,
+                max_kv_tokens=cfg.rollout.max_kv_tokens, prefill_chunk=cfg.rollout.prefill_chunk,
                 attn_implementation=attn, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                 offload=offload, **common))
         reward_ranks = place.beside(cfg.placement.reward_with)
@@ -131,6 +133,10 @@ class Training:
                 timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error, **common)
         self._write_ranks()
         actor = self.groups["actor"]
+        for inst in self.instances:  # one weight-sync group each: the actor's first rank and the instance
+            members = sorted({place.actor[0], *inst.ranks})
+            if len(members) > 1:
+                await d.make_group(members, backend="gloo", timeout_s=cfg.workflow.call_timeout_s)
         await asyncio.gather(actor.init_weight_sync([inst.ranks for inst in self.instances]),
                              *(inst.init_weight_sync(place.actor[0]) for inst in self.instances))
         self.placement = place
@@ -157,6 +163,8 @@ class Training:
         """Publish the actor's weights as ``version`` and have every instance take them."""
         await self.groups["actor"].publish_weights(version)
         await asyncio.gather(*(inst.receive_weights(version) for inst in self.instances))
+        for inst in self.instances:  # in turn: never all instances paused at once
+            await inst.swap_weights(version)
 
     async def reward_failures(self) -> dict[str, float]:
         """Reward calls that raised or timed out so far (scored 0 or fatal, by reward.on_error)."""
@@ -288,7 +296,9 @@ class Training:
                               group_size=cfg.rollout.n, prompts_per_step=cfg.trainer.prompts_per_step,
                               dynamic_sampling=any(s.kind == "filter" for s in self.stages),
                               max_refill_factor=cfg.algorithm.max_refill_factor,
-                              wait_timeout_s=cfg.workflow.call_timeout_s)
+                              wait_timeout_s=cfg.workflow.call_timeout_s,
+                              # apart from other roles, an instance streams rows; colocated, it takes its turn
+                              rollout_service=cfg.placement.mode == "disaggregated")
         budget_fn = (longtail_budgets(cfg.trainer.seed, cfg.rollout.max_new_tokens)
                      if cfg.rollout.length_profile == "longtail" else None)
         self.source = PromptSource(records, cfg.rollout.n, cfg.trainer.seed, budget_fn=budget_fn,
@@ -343,16 +353,20 @@ class Training:
             """The audit trail: which prompt, seed and policy version each trained row came from."""
             if samples is None:
                 return
-            cols = await self.tq.get_columns(meta, ["prompt_index", "seed", "response_ids", "gen_version", "scores"])
+            cols = await self.tq.get_columns(meta, ["prompt_index", "seed", "response_ids", "gen_version", "scores",
+                                                    "token_versions"])
             resp = cols["response_ids"]
             offs = resp.offsets.tolist()
             vals = resp.values.tolist()
+            tv = cols["token_versions"]
+            tv_offs, tv_vals = tv.offsets.tolist(), tv.values.tolist()
             for i in range(len(meta)):
                 samples.write(json.dumps({
                     "step": step, "uid": int(meta.groups[i]) if meta.groups else -1,
                     "prompt_index": int(cols["prompt_index"].data[i]), "seed": int(cols["seed"].data[i]),
                     "gen_version": int(cols["gen_version"].data[i]), "score": float(cols["scores"].data[i]),
-                    "response_ids": vals[offs[i]:offs[i + 1]]}) + "\n")
+                    "response_ids": vals[offs[i]:offs[i + 1]],
+                    "token_versions": tv_vals[tv_offs[i]:tv_offs[i + 1]]}) + "\n")
             samples.flush()
 
         executor = Executor(ecfg, self.stages, self.groups, self.instances, self.tq, self.source,
@@ -366,6 +380,7 @@ class Training:
                 samples.close()
         await asyncio.gather(*evals)
         await self.groups["actor"].wait_weights_sent()
+        inst_stats = [(await inst.stats())[0] for inst in self.instances]
         rl_s = time.monotonic() - start
         steps = executor.last_step + 1 if executor.last_step is not None else first
         self.final_version = steps
@@ -375,6 +390,11 @@ class Training:
             "staleness_mean": totals["stale_sum"] / max(totals["rows"], 1.0), "staleness_max": totals["stale_max"],
             "prompts_issued": executor.prompts_issued, "tq_units": await self.tq.unit_stats(),
             "idle_ratio": {r: max(0.0, 1 - b / rl_s) for r, b in executor.role_busy.items()},
+            # per instance: swaps and their pauses ([start, end, version], monotonic clock of the host)
+            "rollout_instances": [{"role": inst.role, "ranks": inst.ranks,
+                                   **{k: st[k] for k in ("swaps", "aborted", "unknown_aborts", "errors", "tokens",
+                                                         "steps", "recomputed_rows", "service_busy_s", "pauses")
+                                      if k in st}} for inst, st in zip(self.instances, inst_stats)],
         })
 
     async def run(self) -> dict:

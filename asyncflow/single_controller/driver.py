@@ -366,6 +366,16 @@ class Driver:
             self.ranks[r].roles.append(role)
         return WorkerGroup(self, layout, cls)
 
+    async def make_group(self, ranks: list[int], backend: str = "gloo", timeout_s: float = 300.0) -> None:
+        """A process group of these ranks, made on every rank in the same order (a collective over
+        the world, like create_group); its members' workers get it from ``group_of(ranks)``."""
+        self.check()
+        async with self._create_lock:
+            await asyncio.gather(*(
+                ep.request("make_group", f"make_group({sorted(ranks)})", None, self.config.create_timeout_s,
+                           ranks=sorted(int(r) for r in ranks), backend=backend, timeout_s=timeout_s)
+                for ep in self.ranks))
+
     async def stop_heartbeats(self) -> None:
         """Stop pinging the workers (they exit after ``driver_timeout_s`` unless shut down)."""
         self._heartbeats_stopped = True

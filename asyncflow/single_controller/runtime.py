@@ -131,6 +131,10 @@ class _CallService:
         return self.rt._guarded(f"create_group({layout['role']})", self.rt._create, GroupLayout.from_wire(layout),
                                 cls, from_wire(init_kwargs), member)
 
+    def rpc_make_group(self, ranks: list, backend: str, timeout_s: float) -> dict:
+        return self.rt._guarded(f"make_group({ranks})", self.rt._make_group, [int(r) for r in ranks], backend,
+                                timeout_s)
+
     def rpc_call(self, role: str, fn: str, args: list, kwargs: dict) -> dict:
         # "fn", not "method": RpcClient.call's own first parameter is called method
         return self.rt._guarded(f"{role}.{fn}", self.rt._call, role, fn, from_wire(args), from_wire(kwargs))
@@ -184,6 +188,7 @@ class WorkerRuntime:
         self._active_role: str | None = None
         self._busy = ""
         self._tq_address: str | None = None
+        self._made_groups: dict[tuple[int, ...], Any] = {}  # Driver.make_group's groups, this rank a member
         self._tq = None
         self._last_ping: float | None = None
         self._closing = False
@@ -294,12 +299,34 @@ class WorkerRuntime:
             raise TypeError(f"{cls_path} is not a subclass of asyncflow.single_controller.Worker")
         index = layout.ranks.index(self.rank)
         ctx = WorkerContext(self.rank, self.world_size, self.local_rank, layout, self.platform, whole,
-                            shards[layout.shard_of(index)], peers[index % layout.shard_size], self._tq_client)
+                            shards[layout.shard_of(index)], peers[index % layout.shard_size], self._tq_client,
+                            self._group_of)
         worker = cls.__new__(cls)
         worker._ctx = ctx  # set before __init__ so it can use rank, device and groups
         worker.__init__(**init_kwargs)
         self.workers[layout.role] = worker
         return {"rank": self.rank, "pid": os.getpid()}
+
+    def _make_group(self, ranks: list[int], backend: str, timeout_s: float) -> None:
+        """Every rank runs this, in the same order (new_group is collective over the world, and
+        torch names a group by what each process made before it: a group made by its members alone
+        gets a different name on a rank that made another one first)."""
+        import torch.distributed as dist
+
+        key = tuple(sorted(ranks))
+        if len(key) < 2 or key in self._made_groups:
+            return None
+        group = dist.new_group(list(key), timeout=timedelta(seconds=timeout_s), backend=backend)
+        if self.rank in key:
+            self._made_groups[key] = group
+        return None
+
+    def _group_of(self, ranks: list[int]) -> Any:
+        key = tuple(sorted(int(r) for r in ranks))
+        if key not in self._made_groups:
+            raise KeyError(f"rank {self.rank}: no group of ranks {list(key)} was made for it (the driver makes "
+                           f"one with make_group before a worker uses it); made: {sorted(self._made_groups)}")
+        return self._made_groups[key]
 
     def _tq_client(self) -> Any:
         if self._tq is None:

@@ -29,6 +29,8 @@ class WorkerContext:
     shard_group: Any  # the ranks that share a data shard (None when alone)
     dp_group: Any  # the ranks at this position of every shard (None when alone)
     tq_factory: Callable[[], Any]  # returns this process's TransferQueueClient
+    # The group of these ranks made by Driver.make_group (every rank made it, in the same order)
+    group_of: Callable[[list[int]], Any] = lambda ranks: None
 
 
 class Worker:
@@ -95,6 +97,10 @@ class Worker:
     @property
     def process_group(self) -> Any:
         return self._ctx.process_group
+
+    def group_of(self, ranks: list[int]) -> Any:
+        """The process group of ``ranks`` that the driver made with ``make_group`` (this rank a member)."""
+        return self._ctx.group_of(ranks)
 
     @property
     def shard_group(self) -> Any:

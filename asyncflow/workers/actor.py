@@ -104,7 +104,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         groups = {}
         for k, ranks in enumerate(instances):
             members = sorted({self.rank, *ranks})
-            groups[k] = None if members == [self.rank] else ws.new_sync_group(members, self.sync_timeout_s)
+            groups[k] = None if members == [self.rank] else self.group_of(members)
         self.sender = ws.WeightSender(self.rank, groups, self.sync_timeout_s)
 
     @register(Dispatch.ONE_TO_ALL)

@@ -11,8 +11,15 @@ the new columns back. Overlap follows from the data alone. The mode decides only
   is the policy after ``v`` updates; update ``t`` turns version ``t`` into ``t + 1``, so
   a row generated for step ``t`` is at most ``k`` versions old when it trains.
 
-Rollout instances are separate worker groups, each pulling rows on its own and taking
-new weights at its own generation boundary, so generation never stops everywhere.
+Rollout instances are separate worker groups, each pulling rows on its own. With
+``rollout_service`` (disaggregated placement) an instance is a service: the executor
+keeps its running batch full by submitting rows whenever slots free (whole groups, up to
+its capacity, so a faster instance gets more rows), and the instance writes each row to
+the TransferQueue as soon as it finishes. Otherwise each call generates a batch of rows in
+the rank's call queue (colocated roles take turns on their ranks).
+
+Weights: each version is published once, received by every instance in the background,
+then swapped in by the instances one after another, so generation never stops everywhere.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ class ExecutorConfig:
     dynamic_sampling: bool = False
     max_refill_factor: float = 3.0
     wait_timeout_s: float = 600.0
+    rollout_service: bool = False  # instances take rows as slots free (submit) instead of one call per batch
 
     @property
     def lag(self) -> int:
@@ -182,7 +190,7 @@ class Executor:
         return n
 
     async def _next_work(self, stage: Stage, index: int, allowed: Callable[[int], bool],
-                         st: "_StageState | None" = None) -> tuple[int, int] | None:
+                         st: "_StageState | None" = None, cap: int = 0) -> tuple[int, int] | None:
         """(step, rows) to take next: the oldest open step with rows for this stage that
         ``allowed`` lets it work on; None once every step is done. A stage moves on to the
         next step while the last rows of the previous one are still being judged or refilled."""
@@ -205,7 +213,8 @@ class Executor:
                     break  # later steps need at least as much
                 left = self.ledger.expected(t, after) - st.taken.get(t, 0)
                 if left > 0:
-                    found.append((t, self._batch(stage, t, left, after)))
+                    n = self._batch(stage, t, left, after)
+                    found.append((t, min(n, cap) if cap else n))
                     return True
             return False
 
@@ -291,7 +300,50 @@ class Executor:
             await self._issue(t, min(missing, budget - s.prompts))
 
     # ---- stage loops -----------------------------------------------------------------------
+    async def _service_loop(self, stage: Stage, k: int) -> None:
+        """Keep instance ``k``'s running batch full: submit whole groups as its slots free."""
+        inst = self.instances[k]
+        index = self.stages.index(stage)
+        lag, g = self.cfg.lag, self.cfg.group_size
+        free = await inst.capacity()
+        if free < g:
+            raise ValueError(f"rollout instance {k} holds at most {free} rows in flight, less than one group "
+                             f"({g} rows): raise rollout.max_running_rows")
+        while True:
+            while free < g:  # every slot is taken: wait for rows to finish
+                free = self._account(stage, inst, await inst.submit(None, 0, want_free=g, wait_s=5.0))
+            cap = free // g * g
+            work = await self._next_work(stage, index, lambda t: self.instance_version[k] >= t - lag, cap=cap)
+            if work is None:
+                break
+            t, n = work
+            meta = await self._get_meta(stage, t, n)
+            free = self._account(stage, inst, await inst.submit(meta, max(0, t - lag), want_free=g, wait_s=5.0))
+        # every row is out: what is left to report is the time it took
+        self._account(stage, inst, await inst.submit(None, 0, want_free=0, wait_s=0.0))
+
+    def _account(self, stage: Stage, inst: Any, report: dict) -> int:
+        """Book an instance's engine time by step (what its rows cost); return its free rows."""
+        now = self.timeline.now() if self.timeline is not None else 0.0
+        open_steps = [t for t in self.ledger.steps]
+        for part, busy in report["busy_s"].items():
+            t = int(part[len("step"):])
+            if t not in self.ledger.steps:  # already trained: the time goes to the oldest open step
+                if not open_steps:
+                    continue
+                t = min(open_steps)
+            timing = self.step_timing.setdefault(t, {})
+            timing[stage.name] = timing.get(stage.name, 0.0) + busy
+            self.role_busy[inst.role] = self.role_busy.get(inst.role, 0.0) + busy
+            if self.timeline is not None and busy > 0:
+                for r in inst.ranks:
+                    self.timeline.record(f"rank{r} {inst.role}", stage.name, now - busy, now, step=t,
+                                         rows=report["written"].get(part, 0))
+        return int(report["free"])
+
     async def _rollout_loop(self, stage: Stage, k: int) -> None:
+        if self.cfg.rollout_service:
+            return await self._service_loop(stage, k)
         inst = self.instances[k]
         index = self.stages.index(stage)
         lag = self.cfg.lag
@@ -391,12 +443,13 @@ class Executor:
             # Timed under step v: the step whose rollout the new weights serve (and whose metrics log it).
             await self._timed(_SYNC, actor.role, actor.ranks, v, 0, actor.publish_weights(v))
 
-            async def deliver(k: int) -> None:
-                inst = self.instances[k]
-                await self._timed(_SYNC, inst.role, inst.ranks, v, 0, inst.receive_weights(v))
+            # Every instance receives in the background, generating meanwhile; then they swap the
+            # new weights in one after another, so that at no moment are all of them paused.
+            await asyncio.gather(*(inst.receive_weights(v) for inst in self.instances))
+            for k, inst in enumerate(self.instances):
+                await self._timed(_SYNC, inst.role, inst.ranks, v, 0, inst.swap_weights(v))
                 self.instance_version[k] = v
                 await self.ledger.notify()
-            await asyncio.gather(*(deliver(k) for k in range(len(self.instances))))
             for _ in range(taken):
                 self._sync_queue.task_done()
 

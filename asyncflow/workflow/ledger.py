@@ -35,11 +35,14 @@ class Ledger:
             self.changed.notify_all()
 
     async def wait_for(self, pred, timeout: float, what: str) -> None:
-        async with self.changed:
-            try:
-                await asyncio.wait_for(self.changed.wait_for(pred), timeout)
-            except asyncio.TimeoutError:
-                raise TimeoutError(f"workflow: waited {timeout:.0f} s for {what}") from None
+        # asyncio.timeout, not wait_for: wait_for runs the wait in a task of its own, and cancelling
+        # that (a stage failed, the run is torn down) could hang on re-acquiring the condition.
+        try:
+            async with asyncio.timeout(timeout):
+                async with self.changed:
+                    await self.changed.wait_for(pred)
+        except TimeoutError:
+            raise TimeoutError(f"workflow: waited {timeout:.0f} s for {what}") from None
 
     def expected(self, t: int, after_filter: bool) -> int:
         """Rows of step ``t`` a stage will see: all issued ones, or, after a filter, the kept ones

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Mapping
 
 import torch
@@ -87,12 +86,6 @@ def pack_weights(state_dict: Mapping[str, torch.Tensor], version: int, seq: int 
         buffers[dt][pos[dt]:pos[dt] + n].copy_(t.reshape(-1))
         pos[dt] += n
     return PackedWeights(header, buffers)
-
-
-def new_sync_group(ranks: list[int], timeout_s: float, backend: str = "gloo") -> Any:
-    """A group of only these ranks; non-members need not call (hashed name, local barrier)."""
-    return dist.new_group(sorted(ranks), timeout=timedelta(seconds=timeout_s), backend=backend,
-                          use_local_synchronization=True)
 
 
 class _Mailbox:

@@ -38,6 +38,7 @@ def test_rollout_memory_is_released_while_the_actor_runs(cluster2):
                                       sampling=sampling, threads=1, offload=True) for r in (0, 1)]
         plain = await d.create_group(W.ProbedRollout, "plain", ranks=[0], model_path=path, sampling=sampling,
                                      threads=1)  # offload=False: disaggregated placement
+        await d.make_group([0, 1])  # the weight-sync group of the instance on rank 1
         await asyncio.gather(actor.init_weight_sync([[0], [1]]), *(i.init_weight_sync(0) for i in insts))
         before = [await i.evaluate(prompts, ["0"] * 3, samples=3) for i in insts]
         await plain.version()
@@ -47,6 +48,8 @@ def test_rollout_memory_is_released_while_the_actor_runs(cluster2):
         await actor.sft_step([[5, 6], [7, 8]], [[9], [10]])
         await actor.publish_weights(1)
         await asyncio.gather(*(i.receive_weights(1) for i in insts))
+        for i in insts:
+            await i.swap_weights(1)
         synced = [await i.evaluate(prompts, ["0"] * 3, samples=3) for i in insts]
         await actor.wait_weights_sent()
         sums = [(await i.weights_checksum())[0] for i in insts]

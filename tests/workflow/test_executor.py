@@ -44,7 +44,60 @@ class Rollout(Group):
 
     async def receive_weights(self, v):
         await asyncio.sleep(0.001)
-        self.version = v
+        self.staged = v
+
+    async def swap_weights(self, v):
+        await asyncio.sleep(0.001)
+        self.log.append(("swap", self.role, asyncio.get_running_loop().time()))
+        self.version = self.staged
+        return {"version": v, "pause_s": 0.0}
+
+
+class ServiceRollout(Rollout):
+    """A rollout service: takes rows up to its capacity, admits each once it holds the weights
+    the row needs, and writes every row to the TransferQueue as soon as that row is done."""
+
+    CAP = 3 * G
+
+    def __init__(self, tq, k, delay, log):
+        super().__init__(tq, k, delay, log)
+        self.in_flight, self.written, self.submitted = 0, {}, []
+        self.changed = asyncio.Event()
+        self.tasks = set()
+
+    async def capacity(self):
+        return self.CAP
+
+    async def submit(self, meta, min_version, want_free=1, wait_s=5.0):
+        if meta is not None:
+            assert self.in_flight + len(meta) <= self.CAP, "the executor overfilled the instance"
+            self.in_flight += len(meta)
+            self.submitted.append((meta.partition, len(meta)))
+            self.tasks.add(asyncio.create_task(self._rows(meta, min_version)))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait_s
+        while self.CAP - self.in_flight < want_free and loop.time() < end:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), end - loop.time())
+            except asyncio.TimeoutError:
+                break
+        written, self.written = self.written, {}
+        return {"free": self.CAP - self.in_flight, "written": written, "busy_s": {p: 0.001 for p in written}}
+
+    async def _rows(self, meta, min_version):
+        while self.version < min_version:  # admission waits for the weights (the staleness gate)
+            await asyncio.sleep(0.001)
+        version = self.version
+        self.log.append(("gen", meta.partition, asyncio.get_running_loop().time()))
+        await self.tq.get_data(meta, ["prompt_ids", "seed"])
+        for i in range(len(meta)):  # rows finish one by one and leave at once
+            await asyncio.sleep(self.delay / 8)
+            await self.tq.put({"response_ids": [torch.arange(3)], "gen_version": torch.tensor([version]),
+                               "behav_log_probs": [torch.zeros(3)]}, meta.partition, meta.select([i]))
+            self.in_flight -= 1
+            self.written[meta.partition] = self.written.get(meta.partition, 0) + 1
+            self.changed.set()
 
 
 class Reward(Group):
@@ -107,16 +160,17 @@ def stages(dynamic: bool):
 
 
 def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, instances=1, dynamic=False,
-        score_fn=lambda seed, g: float(seed % 2)):
+        score_fn=lambda seed, g: float(seed % 2), service=False, delays=None):
     async def main():
         svc = await TransferQueueService(TransferQueueConfig()).start()
         tq = AsyncTransferQueueClient(svc.controller_address, ctx=zmq.asyncio.Context(), wait_timeout=20)
         log: list = []
-        insts = [Rollout(tq, k, rollout_delay, log) for k in range(instances)]
+        cls = ServiceRollout if service else Rollout
+        insts = [cls(tq, k, (delays or [rollout_delay] * instances)[k], log) for k in range(instances)]
         actor = Actor(tq, train_delay, log)
         groups = {"actor": actor, "reward": Reward(tq, score_fn)}
         cfg = ExecutorConfig(mode=mode, max_staleness=staleness, group_size=G, prompts_per_step=4,
-                             dynamic_sampling=dynamic, wait_timeout_s=20)
+                             dynamic_sampling=dynamic, wait_timeout_s=20, rollout_service=service)
         src = PromptSource(records(), G, seed=0)
         reports = []
 
@@ -128,6 +182,7 @@ def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, ins
         finally:
             await tq.close()
             await svc.stop()
+        ex.test_instances = insts
         return ex, actor, log, reports
     return asyncio.run(main())
 
@@ -185,3 +240,30 @@ def test_dynamic_sampling_refills_dropped_groups():
     assert all(r.rows == 4 * G for r in reports)
     assert len(actor.trained) == 3 * 4 * G
     assert ex.prompts_issued > 12
+
+
+@pytest.mark.parametrize("mode", ["sync", "stream", "async"])
+def test_service_rollout_trains_every_row_once(mode):
+    ex, actor, _, reports = run(mode, service=True, dynamic=(mode == "stream"))
+    assert len(reports) == 5
+    assert len(actor.trained) == 5 * 4 * G and len(set(actor.trained)) == len(actor.trained) // G
+    if mode != "async":
+        assert set(actor.staleness) == {0}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_service_rollout_staleness_is_bounded_and_faster_instance_gets_more(k):
+    ex, actor, log, _ = run("async", steps=8, staleness=k, service=True, instances=2, delays=[0.02, 0.12],
+                            train_delay=0.02)
+    assert max(actor.staleness) <= k
+    fast, slow = (sum(n for _, n in inst.submitted) for inst in ex.test_instances)
+    assert fast > slow  # pull-based: the instance that frees slots sooner is given more rows
+    # swaps go one instance after another
+    swaps = [(p, t) for e, p, t in log if e == "swap"]
+    assert swaps and all(a[1] <= b[1] for a, b in zip(swaps, swaps[1:]))
+
+
+def test_service_rollout_rejects_a_capacity_below_one_group(monkeypatch):
+    monkeypatch.setattr(ServiceRollout, "CAP", G - 1)
+    with pytest.raises(ValueError, match="less than one group"):
+        run("async", service=True)

@@ -55,25 +55,3 @@ def test_config_key_is_checked_and_the_recipe_reads_the_column():
     on = grpo.stages(load_config(overrides=["rollout.length_profile=longtail"]))
     off = grpo.stages(load_config())
     assert "max_new_tokens" in on[0].inputs and "max_new_tokens" not in off[0].inputs
-
-
-def test_rollout_worker_uses_per_row_budgets(tmp_path):
-    from asyncflow.engines.rollout import SamplingParams
-    from asyncflow.engines.rollout.builtin import BuiltinRolloutEngine
-    from asyncflow.models.loading import load_causal_lm, load_tokenizer
-    from asyncflow.models.tiny import TinyModelSpec, build_tiny_model
-    from asyncflow.workers.rollout import RolloutWorker
-
-    model_dir = build_tiny_model(tmp_path, TinyModelSpec(hidden_size=64, intermediate_size=128))
-    tok = load_tokenizer(model_dir)
-    w = RolloutWorker.__new__(RolloutWorker)
-    w.engine = BuiltinRolloutEngine(load_causal_lm(model_dir), eos_token_ids=[tok.eos_token_id],
-                                    pad_token_id=tok.pad_token_id)
-    w.engine.eos_token_ids = ()  # no stop token: every row runs to its budget
-    w.engine.version = 0
-    w.params = SamplingParams(max_new_tokens=9, temperature=1.0)
-    w.partial, w.receiver, w.local, w.seq, w.swaps, w.aborts = False, None, True, 0, 0, 0
-    out = w._generate([torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([4])], [1, 2, 3], [2, 9, 5])
-    assert [len(r) for r in out["response_ids"]] == [2, 9, 5]
-    out = w._generate([torch.tensor([5, 6, 7])], [1])
-    assert [len(r) for r in out["response_ids"]] == [9]

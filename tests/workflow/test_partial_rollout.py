@@ -1,11 +1,15 @@
-"""Partial rollout in the rollout worker: a generation that meets newer weights stops,
-swaps them in and continues the same rows; every token keeps the version that made it."""
+"""Partial rollout is in-flight weight swapping: a rollout service swaps newer weights in at a
+decode-step boundary and its running rows go on; every token keeps the version that made
+it. Without partial rollout the service drains its running batch before swapping."""
 from __future__ import annotations
+
+import itertools
+import time
 
 import pytest
 import torch
 
-from asyncflow.workflow import weight_sync as ws
+from asyncflow.engines.rollout.base import GenerationRequest
 
 
 @pytest.fixture(scope="module")
@@ -14,58 +18,104 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(hidden_size=64, intermediate_size=128))
 
 
-def _worker(model_dir, partial: bool):
-    """A RolloutWorker built without the runtime (its __init__ needs only the model)."""
+def service_worker(model_dir, partial: bool, max_new_tokens: int = 6, eos: bool = False):
+    """A RolloutWorker's engine and service, built without the runtime (no ranks, no queue)."""
     from asyncflow.engines.rollout import SamplingParams
     from asyncflow.engines.rollout.builtin import BuiltinRolloutEngine
+    from asyncflow.engines.rollout.service import RolloutService
     from asyncflow.models.loading import load_causal_lm, load_tokenizer
     from asyncflow.workers.rollout import RolloutWorker
 
     w = RolloutWorker.__new__(RolloutWorker)
     tok = load_tokenizer(model_dir)
     w.tokenizer = tok
-    # eos unreachable: every row runs to its budget, so an interruption always leaves work
     w.engine = BuiltinRolloutEngine(load_causal_lm(model_dir), eos_token_ids=[tok.eos_token_id],
                                     pad_token_id=tok.pad_token_id)
-    with torch.no_grad():
-        w.engine.model.lm_head.weight[tok.eos_token_id] -= 100.0
-    w.engine.version = 0
-    w.params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=())
-    w.partial, w.receiver, w.local, w.seq, w.swaps, w.aborts = partial, None, True, 0, 0, 0
+    if not eos:  # no stop token: every row runs to its budget, so a swap always meets running rows
+        w.engine.eos_token_ids = ()
+    w.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, stop_token_ids=())
+    w.service = RolloutService(w.engine, in_flight=partial)
+    w._call_ids, w.sync_timeout_s = itertools.count(), 60.0
     return w
 
 
-def test_interrupted_rows_continue_on_new_weights_with_token_versions(model_dir, monkeypatch):
-    w = _worker(model_dir, partial=True)
-    new = {k: v.clone() + 0.01 for k, v in w.engine.model.state_dict().items()}
-    calls = {"n": 0}
-    engine_generate = w.engine.generate
-
-    def generate(prompts, params, **kw):
-        calls["n"] += 1
-        if calls["n"] == 1:  # newer weights arrive after the first decode steps of the first generation
-            polled = {"n": 0}
-            abort = kw["should_abort"]
-
-            def should_abort():
-                polled["n"] += 1
-                if polled["n"] == 3:
-                    ws.LOCAL_MAILBOX.put(ws.pack_weights(new, version=1, seq=1))
-                return abort()
-            kw["should_abort"] = should_abort
-        return engine_generate(prompts, params, **kw)
-    monkeypatch.setattr(w.engine, "generate", generate)
-    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
-    out = w._generate(prompts, [11, 12])
-    assert calls["n"] == 2 and w.aborts == 2 and w.engine.version == 1
-    for ids, lp, vers in zip(out["response_ids"], out["behav_log_probs"], out["token_versions"]):
-        assert len(ids) == len(lp) == len(vers) == 6  # the whole budget, across the interruption
-        assert vers[0] == 0 and vers[-1] == 1 and torch.all(vers[1:] >= vers[:-1])
-    assert out["gen_version"].tolist() == [0, 0]  # a row's version is its oldest token's
+def _new_weights(w):
+    return {k: v.clone() + 0.01 for k, v in w.engine.model.state_dict().items()}
 
 
-def test_without_partial_rollout_a_generation_runs_on_the_weights_it_started_with(model_dir):
-    w = _worker(model_dir, partial=False)
-    ws.LOCAL_MAILBOX.put(ws.pack_weights(w.engine.model.state_dict(), version=3, seq=99))
-    out = w._generate([torch.tensor([5, 6, 7])], [1])
-    assert w.aborts == 0 and out["token_versions"][0].tolist() == [0] * 6
+def _submit(w, n: int, budget: int, seed0: int = 0) -> list:
+    return [w.service.submit(GenerationRequest(("t", seed0 + i), torch.tensor([5, 6, 7 + i]), w.params, seed0 + i,
+                                               budget)) for i in range(n)]
+
+
+def _wait_tokens(w, at_least: int) -> None:
+    end = time.monotonic() + 30
+    while w.engine.counters["tokens"] < at_least:
+        w.service.check()
+        assert time.monotonic() < end, "the service generated nothing"
+        time.sleep(0.001)
+
+
+def test_running_rows_continue_on_new_weights_with_token_versions(model_dir):
+    w = service_worker(model_dir, partial=True)
+    try:
+        futs = _submit(w, 2, budget=100)
+        _wait_tokens(w, 4)
+        swap = w.service.update_weights(_new_weights(w), 1).result(30)
+        out = [f.result(60) for f in futs]
+        for r in out:
+            assert len(r.response_ids) == len(r.log_probs) == len(r.token_versions) == 100  # the whole budget
+            v = r.token_versions
+            assert v[0] == 0 and v[-1] == 1 and torch.all(v[1:] >= v[:-1])
+            assert r.gen_version == 0  # a row's version is its oldest token's
+        assert swap["version"] == 1 and swap["pause_s"] < 5
+        assert len(w.service.pauses) == 1
+    finally:
+        w.service.close()
+
+
+def test_without_partial_rollout_the_batch_drains_before_the_swap(model_dir):
+    w = service_worker(model_dir, partial=False)
+    try:
+        futs = _submit(w, 2, budget=100)
+        _wait_tokens(w, 4)
+        swap = w.service.update_weights(_new_weights(w), 3)
+        later = _submit(w, 1, budget=5, seed0=10)  # queued behind the swap: it runs on the new weights
+        out = [f.result(60) for f in futs]
+        assert all(r.token_versions.tolist() == [0] * 100 for r in out)
+        assert swap.result(30)["version"] == 3
+        assert later[0].result(60).token_versions.tolist() == [3] * 5
+        start, end, version = w.service.pauses[0]
+        assert version == 3 and end > start
+    finally:
+        w.service.close()
+
+
+def test_refused_weights_keep_the_service_serving(model_dir):
+    w = service_worker(model_dir, partial=True)
+    try:
+        futs = _submit(w, 1, budget=50)
+        bad = {**_new_weights(w), "model.embed_tokens.weight": torch.zeros(3, 3)}
+        with pytest.raises(ValueError, match="shape mismatch"):
+            w.service.update_weights(bad, 1).result(30)
+        with pytest.raises(ValueError, match="older than the version held"):
+            w.service.update_weights(_new_weights(w), -1).result(30)
+        r = futs[0].result(60)
+        assert r.token_versions.tolist() == [0] * 50 and w.engine.version == 0
+        assert w.service.abort(("nobody", 1)) is False and w.service.stats()["unknown_aborts"] == 1
+    finally:
+        w.service.close()
+
+
+def test_generate_wraps_the_service_with_per_row_budgets(model_dir):
+    w = service_worker(model_dir, partial=False, max_new_tokens=9)
+    try:
+        data = {"prompt_ids": [torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([4])],
+                "seed": torch.tensor([1, 2, 3]), "max_new_tokens": torch.tensor([2, 9, 5])}
+        out = w.generate(data, 0)
+        assert [len(r) for r in out["response_ids"]] == [2, 9, 5]
+        out = w.generate({"prompt_ids": [torch.tensor([5, 6, 7])], "seed": torch.tensor([1])}, 0)
+        assert [len(r) for r in out["response_ids"]] == [9]
+        assert out["gen_version"].tolist() == [0]
+    finally:
+        w.service.close()

@@ -28,7 +28,7 @@ def _child(rank: int, port: int, q) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        group = ws.new_sync_group([0, 1], timeout_s=30)
+        group = dist.new_group([0, 1], backend="gloo")
         if rank == 0:
             sender = ws.WeightSender(0, {0: group}, timeout_s=30)
             for v in (1, 2):

@@ -1,0 +1,173 @@
+"""Rows streamed through a rollout service into the TransferQueue.
+
+``submit`` turns a BatchMeta's rows into requests on the service; each row's result is
+queued as soon as the engine finishes it, and a writer thread puts what finished into the
+TransferQueue in one put per batch of finished rows (so downstream stages see rows as they
+finish, not when the slowest row of a call does). The stream counts rows in flight so
+that the executor can keep the engine's running batch full: ``wait_capacity`` returns
+once enough rows have been written out.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
+
+__all__ = ["RowStream", "result_columns"]
+
+
+def result_columns(results: list[RequestResult], fallback_version: int) -> dict:
+    """The rollout stage's output columns for these results (in their order)."""
+    return {
+        "response_ids": [r.response_ids for r in results],
+        "behav_log_probs": [r.log_probs.float() for r in results],
+        "token_versions": [r.token_versions for r in results],
+        "gen_version": torch.tensor([r.gen_version if r.gen_version is not None else fallback_version
+                                     for r in results], dtype=torch.long),
+    }
+
+
+@dataclass
+class _Batch:
+    """The rows of one submitted BatchMeta."""
+    meta: Any
+    results: dict[int, RequestResult] = field(default_factory=dict)
+    written: int = 0
+
+
+class RowStream:
+    def __init__(self, service: Any, tq: Callable[[], Any], params: SamplingParams, capacity: int,
+                 version: Callable[[], int], name: str = "rollout", timeout_s: float = 600.0) -> None:
+        self.service = service
+        self._tq = tq
+        self.params = params
+        self.capacity = capacity  # rows in flight (running + queued in the engine) at most
+        self._version = version
+        self.name = name
+        self.timeout_s = timeout_s
+        self._ids = itertools.count()
+        self._done: queue.SimpleQueue[tuple[_Batch, int, RequestResult] | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self.in_flight = 0
+        self._written: dict[str, int] = {}  # partition -> rows written since the last report
+        self._tokens: dict[str, int] = {}  # partition -> their generated tokens (to share busy time)
+        self._busy_mark = 0.0
+        self._error: BaseException | None = None
+        self.rows_written = 0
+        self._writer = threading.Thread(target=self._write_loop, name=f"{name}-writer", daemon=True)
+        self._writer.start()
+
+    # ---- the executor's side ---------------------------------------------------------------
+    def submit(self, meta: Any, min_version: int) -> None:
+        """Queue the meta's rows on the service (fetching their prompts from the TransferQueue)."""
+        self.check()
+        if not len(meta):
+            return
+        data = self._tq().get_data(meta)
+        from .common import rows
+        prompts = rows(data["prompt_ids"])
+        seeds = [int(s) for s in data["seed"].tolist()]
+        budgets = ([int(b) for b in data["max_new_tokens"].tolist()] if "max_new_tokens" in data.keys()
+                   else [None] * len(prompts))
+        batch = _Batch(meta)
+        with self._cond:
+            self.in_flight += len(prompts)
+        for i, (p, s, b) in enumerate(zip(prompts, seeds, budgets)):
+            req = GenerationRequest((self.name, next(self._ids)), p, self.params, s, b, int(min_version))
+            self.service.submit(req, on_done=lambda r, i=i: self._done.put((batch, i, r)))
+
+    def wait_capacity(self, want_free: int, timeout_s: float) -> dict:
+        """Block until ``want_free`` rows fit (or the timeout); report what was written since the
+        last report: rows and engine seconds per partition."""
+        want = min(int(want_free), self.capacity)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.capacity - self.in_flight < want and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 1.0))
+                self.service.check()
+            self.check()
+            written, tokens = self._written, self._tokens
+            self._written, self._tokens = {}, {}
+            busy = self.service.busy_s
+            share, self._busy_mark = busy - self._busy_mark, busy
+        total = sum(tokens.values())
+        busy_s = {p: share * tokens[p] / total if total else share / max(len(tokens), 1) for p in written}
+        return {"free": self.capacity - self.in_flight, "in_flight": self.in_flight, "written": written,
+                "busy_s": busy_s}
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait until every submitted row is written (or raise after the timeout)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.in_flight and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.name}: {self.in_flight} rows still in flight after {timeout_s:.0f} s")
+                self._cond.wait(min(left, 1.0))
+                self.service.check()
+        self.check()
+
+    def check(self) -> None:
+        self.service.check()
+        if self._error is not None:
+            raise RuntimeError(f"{self.name}: writing finished rows to the TransferQueue failed: "
+                               f"{type(self._error).__name__}: {self._error}") from self._error
+
+    def close(self) -> None:
+        self._done.put(None)
+        self._writer.join(10)
+
+    # ---- the writer thread -----------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            item = self._done.get()
+            if item is None:
+                return
+            finished = [item]
+            while True:  # everything that finished meanwhile goes out in the same puts
+                try:
+                    more = self._done.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._done.put(None)
+                    break
+                finished.append(more)
+            try:
+                self._write(finished)
+            except BaseException as e:  # noqa: BLE001 - reported to the executor by check()
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+
+    def _write(self, finished: list[tuple[_Batch, int, RequestResult]]) -> None:
+        by_batch: dict[int, tuple[_Batch, list[tuple[int, RequestResult]]]] = {}
+        for batch, i, r in finished:
+            if r.finish_reason == "error":
+                raise ValueError(f"{self.name}: row {i} of partition {batch.meta.partition!r} was refused: {r.error}")
+            by_batch.setdefault(id(batch), (batch, []))[1].append((i, r))
+        tq = self._tq()
+        version = self._version()
+        for batch, items in by_batch.values():
+            items.sort(key=lambda x: x[0])
+            idx = [i for i, _ in items]
+            tq.put(result_columns([r for _, r in items], version), batch.meta.partition, batch.meta.select(idx))
+            part = batch.meta.partition
+            with self._cond:
+                self.in_flight -= len(items)
+                self.rows_written += len(items)
+                self._written[part] = self._written.get(part, 0) + len(items)
+                self._tokens[part] = self._tokens.get(part, 0) + sum(len(r.response_ids) for _, r in items)
+                self._cond.notify_all()
