@@ -2,80 +2,145 @@
 
 Runs with the TRL virtual environment's python (perf/.venv-trl, made by bench_e2e.py),
 never with the project's: TRL pins its own transformers / accelerate. Reads one JSON
-spec (argv[1]), trains, and writes one JSON result (argv[2]):
+spec (argv[1]), trains, and writes one JSON result (argv[2]).
 
-  spec: model, prompts, answers (in training order), steps, prompts_per_step, group_size,
-        max_completion_length, beta (KL coef), lr, temperature, seed, threads
-  result: samples_per_s, tokens_per_s, train_s, steps, completion length stats
+  spec: model (the warmed-up Hugging Face directory AsyncFlow's runs start from), prompts,
+        prompt_ids (AsyncFlow's token ids of those prompts: checked, never trusted), answers
+        (in training order), steps, prompts_per_step, group_size, max_completion_length,
+        fixed_length, beta (KL coef), lr, lr_warmup_steps, grad_clip, temperature, seed,
+        threads, out_dir
+  result: samples_per_s, gen_tokens, gen_tokens_per_s, rl_s, steps, per-row lengths and
+          the reward curve
 
-The prompts are the ones the AsyncFlow runs train on (first steps x prompts_per_step of
-the same stream), in the same order (no shuffling); one optimizer step per generation
-batch of prompts_per_step x group_size completions, as AsyncFlow's update stage.
+What is made equal to AsyncFlow's run, and how:
+- the policy it starts from (the same warmed-up weights) and the prompts: the first
+  steps x prompts_per_step of AsyncFlow's stream, in the same order (no shuffling), with
+  the token ids asserted equal to AsyncFlow's;
+- the reward: AsyncFlow's own ``number`` rule (asyncflow.rewards, pure Python) on the
+  completion text TRL decodes (special tokens skipped, as AsyncFlow's reward worker does);
+- the optimisation step: one optimizer step per generation batch of prompts_per_step x
+  group_size completions, AdamW at the same learning rate with the same linear warm-up,
+  the same gradient clip, PPO clip 0.2, token-level loss, k3 KL at the same coefficient;
+- lengths: ``fixed_length`` false: both sides stop at EOS or max_completion_length;
+  true: EOS is suppressed until max_completion_length (``min_new_tokens``), every row
+  has exactly that many tokens;
+- generated tokens are counted as AsyncFlow counts them (bench_e2e.generated_tokens: every
+  token a row generated, its EOS included), on the completion ids TRL keeps (cut after the
+  first EOS);
+- the clock runs from the trainer's on_train_begin to on_train_end: the RL loop only, as
+  AsyncFlow's rl_s (model loading, tokenizer, trainer set-up are outside both);
+- gradient checkpointing is off (GRPOConfig turns it on by default; AsyncFlow has none).
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
+from pathlib import Path
+
+PERF = Path(__file__).resolve().parent
+sys.path.insert(0, str(PERF))
+sys.path.insert(0, str(PERF.parent))  # asyncflow.rewards is pure Python: the reward is AsyncFlow's own
+
+from bench_e2e import generated_tokens, length_stats  # noqa: E402
+
+
+def check_prompt_ids(tok, prompts: list[str], expected: list[list[int]]) -> None:
+    """TRL tokenizes plain prompts with ``tok(text=...)``: the ids must be AsyncFlow's."""
+    got = tok(text=prompts)["input_ids"]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if list(g) != list(e):
+            raise ValueError(f"prompt {i} {prompts[i]!r}: TRL's tokenizer gives {list(g)}, AsyncFlow used {list(e)}; "
+                             "the two sides would not see the same prompts")
 
 
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     out_path = sys.argv[2]
+    import torch
     if spec.get("threads"):
-        import torch
         torch.set_num_threads(int(spec["threads"]))
     os.environ.setdefault("WANDB_DISABLED", "true")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
     import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from asyncflow.rewards import number_reward
 
     transformers.logging.set_verbosity_error()
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"])
+    check_prompt_ids(tok, spec["prompts"], spec["prompt_ids"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], attn_implementation="eager")
     ds = Dataset.from_dict({"prompt": spec["prompts"], "answer": spec["answers"]})
-    lengths: list[int] = []
-    number = re.compile(r"-?\d+")
+    kept_ids: list[list[int]] = []  # every row's completion ids as TRL keeps them
+    rewards: list[float] = []  # mean reward of each generation batch (one per step)
 
-    def exact_number(completions, answer, completion_ids=None, **kw):
-        """1.0 when the first number in the completion equals the answer (AsyncFlow's "number")."""
-        if completion_ids is not None:
-            lengths.extend(len(c) for c in completion_ids)
-        out = []
-        for c, a in zip(completions, answer):
-            m = number.search(c if isinstance(c, str) else str(c))
-            out.append(1.0 if m is not None and m.group(0) == str(a) else 0.0)
-        return out
+    def number(completions, answer, completion_ids=None, **kw):
+        """AsyncFlow's `number` reward; also counts each row's generated tokens."""
+        if completion_ids is None:
+            raise RuntimeError("TRL did not pass completion_ids to the reward: cannot count generated tokens")
+        kept_ids.extend(list(c) for c in completion_ids)
+        scores = [number_reward(c if isinstance(c, str) else str(c), str(a)) for c, a in zip(completions, answer)]
+        rewards.append(sum(scores) / max(len(scores), 1))
+        return scores
+
+    class Clock(TrainerCallback):
+        """The RL loop's clock, and the time each step ended (for reward against time)."""
+
+        def __init__(self) -> None:
+            self.begin = self.end = None
+            self.step_end: list[float] = []
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.begin = time.monotonic()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_end.append(time.monotonic() - self.begin)
+
+        def on_train_end(self, args, state, control, **kw):
+            self.end = time.monotonic()
 
     rows = spec["prompts_per_step"] * spec["group_size"]
+    budget = int(spec["max_completion_length"])
+    generation = {"min_new_tokens": budget} if spec.get("fixed_length") else None
     args = GRPOConfig(
         output_dir=spec["out_dir"], use_cpu=True, bf16=False, fp16=False, use_vllm=False,
-        per_device_train_batch_size=rows, gradient_accumulation_steps=1, steps_per_generation=1,
-        num_generations=spec["group_size"], max_completion_length=spec["max_completion_length"],
-        max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant",
-        beta=spec["beta"], temperature=spec["temperature"], seed=spec["seed"], shuffle_dataset=False,
+        gradient_checkpointing=False,  # GRPOConfig's default is True; recomputing activations is not equal work
+        per_device_train_batch_size=rows, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        num_generations=spec["group_size"], max_completion_length=budget, generation_kwargs=generation,
+        max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant_with_warmup",
+        warmup_steps=int(spec["lr_warmup_steps"]), max_grad_norm=spec["grad_clip"], weight_decay=0.0,
+        beta=spec["beta"], epsilon=0.2, loss_type="dapo", scale_rewards="group", temperature=spec["temperature"],
+        top_p=1.0, top_k=0, seed=spec["seed"], shuffle_dataset=False,
         report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
         log_completions=False, dataloader_num_workers=0, remove_unused_columns=False,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_number, args=args, train_dataset=ds,
-                          processing_class=tok)
-    start = time.monotonic()
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=number, args=args, train_dataset=ds, processing_class=tok,
+                          callbacks=[clock])
+    if getattr(trainer.args, "gradient_checkpointing", False):
+        raise RuntimeError("TRL's gradient checkpointing is still on")
     trainer.train()
-    train_s = time.monotonic() - start
+    rl_s = clock.end - clock.begin
     samples = spec["steps"] * rows
-    tokens = sum(lengths)
-    ls = sorted(lengths)
+    lengths = [len(c) for c in kept_ids]
+    if len(lengths) != samples:
+        raise RuntimeError(f"TRL generated {len(lengths)} completions, expected {spec['steps']} steps x {rows} rows")
+    if spec.get("fixed_length") and any(n != budget for n in lengths):
+        raise RuntimeError(f"fixed_length: TRL rows have {sorted(set(lengths))} tokens, expected all {budget}")
+    gen = generated_tokens(kept_ids)
     json.dump({
         "trl_version": trl.__version__, "transformers_version": transformers.__version__,
-        "steps": spec["steps"], "rows_per_step": rows, "train_s": train_s,
-        "samples_per_s": samples / train_s, "tokens_per_s": tokens / train_s if lengths else None,
-        "completion_len_mean": tokens / len(ls) if ls else None,
-        "completion_len_p50": ls[len(ls) // 2] if ls else None, "completion_len_max": ls[-1] if ls else None,
+        "torch_threads": torch.get_num_threads(), "gradient_checkpointing": False,
+        "fixed_length": bool(spec.get("fixed_length")), "steps": spec["steps"], "rows_per_step": rows,
+        "rl_s": rl_s, "samples_per_s": samples / rl_s, "gen_tokens": gen, "gen_tokens_per_s": gen / rl_s,
+        "response_len": length_stats(lengths, budget),
+        "reward_curve": [{"samples": (i + 1) * rows, "reward": r, "t": t}
+                         for i, (r, t) in enumerate(zip(rewards, clock.step_end))],
     }, open(out_path, "w"))
 
 

@@ -1,9 +1,9 @@
-"""End-to-end RL throughput, the paper's experiment side by side in one run.
+"""End-to-end RL throughput: AsyncFlow's workflow modes and TRL on the same GRPO job.
 
-The same GRPO job (reference and reward stages: ``algorithm.kl_coef=0.01``), model (the
-built-in tiny model, not warmed up), task (addition), batch (prompts x group size), seed
-and number of steps runs four times, one after another, each as its own
-``python -m asyncflow.cli train grpo ...`` subprocess on the 2 local CPU ranks:
+One GRPO job (reference and reward stages: ``algorithm.kl_coef=0.01``; the addition task;
+prompts x group size rows per step; no dynamic sampling, so every run trains the same rows;
+the same seed and number of steps) runs as its own ``python -m asyncflow.cli train grpo``
+subprocess on the 2 local CPU ranks, in four modes:
 
   sync_colocated  workflow.mode=sync, placement.mode=colocated (the verl-style baseline:
                   every role on both ranks, one stage after the other)
@@ -11,56 +11,73 @@ and number of steps runs four times, one after another, each as its own
   stream          workflow.mode=stream, disaggregated (micro-batches flow as soon as ready)
   async           workflow.mode=async, max_staleness 1, disaggregated
 
-The three disaggregated modes share one placement: actor and reward on rank 0, rollout
-and the reference model on rank 1 (``placement.ref_with=rollout``). With the reference
-beside the actor, the actor rank carried update + reference + weight publish while the
-rollout rank idled about half of each async step; beside the rollout it balances the two
-ranks. Every mode makes the same rollout calls: ``--batch-prompts`` prompts each (default
-16, the GRPO recipe's default and the whole step here; sync always asks for the whole step).
+and TRL's GRPOTrainer as a peer (perf/_trl_peer.py, in its own venv perf/.venv-trl, made
+here on first use). The disaggregated modes share one placement: actor and reward on rank
+0, rollout and the reference model on rank 1 (``placement.ref_with=rollout``, --ref-with).
 
-and then TRL's GRPOTrainer as a peer (perf/_trl_peer.py, run with its own venv,
-perf/.venv-trl, made here on first use) on the same model, prompts, batch, group size
-and completion length. TRL has no per-row budgets: its completions stop at EOS or at
-max_completion_length, so with the untrained model they run longer than the long-tailed
-AsyncFlow rows; the JSON gives the ratio by samples/s and by tokens/s.
+The policy every run starts from: the warmed-up model, as the main job's. ``asyncflow
+train`` runs a supervised warm-up until held-out accuracy reaches ``warmup.target_accuracy``
+before RL; here it runs once (a run with ``trainer.steps=0``, as perf/convergence.py shares
+one) and every AsyncFlow run and TRL start from its exported weights (``model.path=...
+warmup.enabled=false``), so reward/mean moves and the reward curves say whether each mode
+learns as well per sample. The warm-up is cached in --out (reused while its settings are
+the same; --fresh-warmup redoes it).
 
-Workload: ``rollout.length_profile=longtail``. Each row gets its own token budget, a
-seeded lognormal draw capped at ``rollout.max_new_tokens`` (median ~15% of the cap, ~3%
-of rows at it); the untrained tiny model rarely emits EOS, so rows mostly run to their
-budget: most responses short, a few near the limit, as reasoning rollouts are. Every
-mode trains the same rows (dynamic sampling off), with the same per-row seeds.
+Fairness, what is done about each source of bias:
+- Order and noise: --reps repetitions (>= 3), the entries in rotating order (rep 0 runs
+  A B C D E, rep 1 B C D E A, ...), so no mode always runs first or after the same
+  neighbour. Every ratio is computed per repetition and reported as its median and its
+  min/max over the repetitions; samples/s per mode as the median over the repetitions.
+- The sync baseline: ``ratio_async_vs_sync`` is async over the BETTER sync placement (the
+  one of sync_colocated and sync with the higher median samples/s; ``sync_baseline``
+  names it); both per-mode figures and both ratios stay in the JSON.
+- The ideal bound of an overlapped mode (stream, async) comes from stage costs measured
+  WITHOUT overlap: the sync disaggregated run of the same repetition, where one step's
+  stages run one after another on the same placement. Each rank group's cost per step is
+  the union of its stages' spans there (timeline.jsonl; reward and reference run at the
+  same time, on different ranks here, and the union counts a shared core once); stages on
+  the same ranks add up, groups on different ranks overlap, so the busiest group sets the
+  pace: bound = rows_per_step / max_g cost_g. Efficiency = samples/s / bound. A run's own
+  spans are not used to judge it: overlap inflates them (two processes share a core, the
+  rollout's weight receive runs beside generation), which would flatter the efficiency.
+- TRL on equal work: the same warmed-up weights, the same prompts in the same order (token
+  ids checked equal), the same reward rule, sampling (temperature 1, no top-p/k), group
+  size, batch, learning rate and warm-up, clip and KL coefficient. Lengths (--lengths):
+    natural  both sides stop a row at EOS or at --max-new-tokens; the same policy samples
+             the same prompts, so the rows' lengths match in distribution (the JSON shows
+             generated tokens per row on both sides);
+    fixed    every row generates exactly --max-new-tokens tokens on both sides (TRL:
+             min_new_tokens, EOS suppressed; AsyncFlow: ``rollout.ignore_eos=true``).
+             AsyncFlow's config has no way to ignore EOS today (the built-in engine always
+             stops a row at the tokenizer's EOS, and ``rollout.length_profile`` only caps
+             budgets), so this refuses to start until it has one. Fixed lengths measure
+             speed only: with EOS suppressed the answer runs on into other characters and
+             the ``number`` reward is 0 on every row (measured on TRL's side).
+  TRL runs as one process; --trl-threads gives one entry per torch thread count (default
+  trl_2t and trl_1t): with 2 threads it uses both cores, but on a shared machine a thread
+  that loses its core stalls every parallel op of the tiny model (measured here: the same
+  6 steps took 0.35 s or 19 s with 2 threads, 0.55 s with 1), so the headline compares
+  against the better of them (``trl_baseline``); AsyncFlow runs 2 ranks of 1 thread.
+  Generated tokens are counted the same way on both sides (``generated_tokens``: every
+  token a row generated, EOS included; AsyncFlow's summary tokens_per_s also counts prompt
+  tokens, so it is not used), both clocks time the RL phase only (AsyncFlow: ``rl_s``;
+  TRL: on_train_begin to on_train_end), and TRL's gradient checkpointing is off.
+  ``ratio_async_vs_trl_tokens`` = async generated tokens/s over the better TRL entry's, per
+  repetition (``ratio_async_vs_trl_<n>t_tokens`` for each entry).
 
-Per mode the table shows samples/s and tokens/s over the RL phase (summary.json), each
-stage's busy seconds per step (the sum of ``timing_s/<stage>`` over the steps of
-metrics.jsonl, divided by the steps; ``weight_sync`` is the actor rank's publish spans
-from timeline.jsonl, which per-step metrics do not carry), the idle ratio per role,
-staleness mean/max and the ideal throughput bound from those measured stage costs:
+Per mode the table shows the medians over the repetitions: samples/s (and its range),
+generated tokens/s, tokens per row, the bound and efficiency (overlapped modes), staleness,
+each stage's busy seconds per step (the mean of ``timing_s/<stage>`` in metrics.jsonl;
+``weight_sync``: the actor rank's publish spans from timeline.jsonl); results.json also keeps
+each run's idle ratio per role and rank busy time. samples/s is over the whole RL phase
+(summary.json's ``rl_s``), first step included.
 
-  sync (either placement): the stages of a step run one after another, so a step costs
-      at least its stages' costs added up:  bound = rows_per_step / sum_s c_s
-  stream / async (overlapped): each group of ranks works through its own stages; stages
-      on the same ranks add up, groups on different ranks overlap, so the busiest group
-      sets the pace:  bound = rows_per_step / max_g sum_{s on g} c_s
-      disaggregated: g = actor ranks [0] (update, reward with reward_with=actor,
-      ref_log_prob with ref_with=actor, the weight_sync publish) and rollout ranks [1]
-      (rollout, and ref_log_prob with ref_with=rollout);
-      colocated: one group holding every stage (the bound equals the sync one).
+It writes, under --out (default perf/out/bench_e2e/): warmup/ (the shared warm-up),
+rep<k>/<mode>/ (each run's output directory), reward_curves.png (reward/mean against
+samples seen and against RL wall time, every mode and TRL, every repetition) and
+results.json. The last line printed is one JSON object.
 
-where c_s is stage s's measured busy seconds per step. "Add up" counts once the time in
-which two stages of a group ran at the same moment: the executor runs reward and
-ref_log_prob concurrently (both only need the rollout), on one core, so each call's wall
-time also holds the other's work and a plain sum would count it twice. The sum for a
-group is therefore taken as the union of its stages' spans in timeline.jsonl, per step
-(results.json also keeps the plain-sum bound, ``bound_summed_samples_per_s``). The
-efficiency is samples/s divided by the bound: how close the run comes to perfect overlap
-of its own measured costs (pipeline fill and drain, driver and TransferQueue overhead,
-and stages that contend for a core are what it loses).
-
-It writes, under --out (default perf/out/bench_e2e/): each run's output directory,
-reward_curves.png (reward/mean against samples seen and against wall time, async
-beside sync) and results.json. The last line printed is one JSON object.
-
-    python perf/bench_e2e.py [--quick] [--out DIR] [--no-trl]
+    python perf/bench_e2e.py [--quick] [--reps N] [--out DIR] [--no-trl] [--lengths natural|fixed]
 """
 from __future__ import annotations
 
@@ -73,6 +90,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Sequence, Sized
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +101,7 @@ TORCH = "2.13.0"
 TRANSFORMERS = "5.24.0"
 TRL = "1.16.0"
 TRL_VENV = ROOT / "perf" / ".venv-trl"
+RECIPE = ROOT / "recipes" / "grpo" / "config.yaml"
 
 MODES = {
     "sync_colocated": ["workflow.mode=sync", "placement.mode=colocated"],
@@ -89,23 +109,235 @@ MODES = {
     "stream": ["workflow.mode=stream", "placement.mode=disaggregated"],
     "async": ["workflow.mode=async", "workflow.max_staleness=1", "placement.mode=disaggregated"],
 }
-# Where the reference model sits in every disaggregated mode (see the docstring); --ref-with overrides it.
-REF_WITH = "rollout"
+SYNC_MODES = ("sync_colocated", "sync")
 OVERLAPPED = ("stream", "async")
+STANDALONE = "sync"  # whose stage costs (one stage after another, same placement) bound the overlapped modes
+TRL_PREFIX = "trl"  # TRL entries: trl_<threads>t, one per --trl-threads value
+REF_WITH = "rollout"  # where the reference model sits in every disaggregated mode (see the docstring)
 STAGES = ("rollout", "reward", "ref_log_prob", "update", "weight_sync")
+LENGTHS = ("natural", "fixed")
+IGNORE_EOS_KEY = "rollout.ignore_eos"  # what --lengths fixed passes to AsyncFlow
+TARGETS = {"ratio_async_vs_sync": 1.6, "ratio_async_vs_trl_tokens": 1.5}
+HEADLINE_RATIOS = ("ratio_async_vs_sync", "ratio_async_vs_sync_colocated", "ratio_async_vs_sync_disaggregated",
+                   "ratio_stream_vs_sync", "ratio_async_vs_trl", "ratio_async_vs_trl_tokens")
 
 
-def common_overrides(a: argparse.Namespace) -> list[str]:
+# ---- pure logic -------------------------------------------------------------------------------
+
+def rotation(names: Sequence[str], reps: int) -> list[list[str]]:
+    """The order of each repetition: rep r starts at names[r % n] and wraps around."""
+    if reps < 1 or not names:
+        raise ValueError(f"rotation: need at least one repetition and one name, got reps={reps}, names={list(names)}")
+    n = len(names)
+    return [[names[(r + i) % n] for i in range(n)] for r in range(reps)]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of values measured once per repetition, and their range."""
+
+    median: float
+    lo: float
+    hi: float
+    values: tuple[float, ...]
+
+    def as_json(self, digits: int = 3) -> dict:
+        return {"median": round(self.median, digits), "min": round(self.lo, digits), "max": round(self.hi, digits),
+                "per_rep": [round(v, digits) for v in self.values]}
+
+
+def spread(values: Iterable[float]) -> Spread:
+    vals = tuple(float(v) for v in values)
+    if not vals:
+        raise ValueError("spread: no values (every repetition of this figure failed)")
+    return Spread(statistics.median(vals), min(vals), max(vals), vals)
+
+
+def per_rep_ratios(num: Sequence[float | None], den: Sequence[float | None]) -> list[float]:
+    """num[r] / den[r] for each repetition r where both were measured (a failed run is None)."""
+    if len(num) != len(den):
+        raise ValueError(f"per_rep_ratios: {len(num)} numerators but {len(den)} denominators")
+    return [n / d for n, d in zip(num, den) if n is not None and d is not None and d > 0]
+
+
+def better_of(medians: dict[str, float], candidates: Iterable[str]) -> str:
+    """The candidate with the highest median: the baseline to beat (the better sync placement,
+    TRL at its better thread count)."""
+    present = [m for m in candidates if medians.get(m) is not None]
+    if not present:
+        raise ValueError(f"better_of: none of {list(candidates)} was measured (have {sorted(medians)})")
+    return max(present, key=lambda m: medians[m])
+
+
+def trl_entries(threads: Sequence[int]) -> dict[str, int]:
+    """One TRL entry per thread count: trl_2t, trl_1t, ..."""
+    if not threads or any(t < 1 for t in threads):
+        raise ValueError(f"--trl-threads: positive thread counts needed, got {list(threads)}")
+    return {f"{TRL_PREFIX}_{t}t": int(t) for t in dict.fromkeys(threads)}
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """Ranks that share work, and the stages they run (costs of stages on one group add up)."""
+
+    ranks: frozenset[str]  # timeline lane prefixes: "rank0", ...
+    stages: frozenset[str]
+
+
+def rank_groups(placement: dict, stages: Iterable[str], lanes: Iterable[str]) -> dict[str, RankGroup]:
+    """Disaggregated: the actor ranks (update, weight_sync publish, and reward / reference when
+    placed with the actor) and the rollout ranks (rollout, and reward / reference placed with
+    it). Colocated: one group holding every stage on every rank."""
+    stages = frozenset(stages)
+    if placement["mode"] != "disaggregated":
+        return {"all_ranks": RankGroup(frozenset(lanes), stages)}
+    rollout_side = {"rollout"} | {s for s, key in (("reward", "reward_with"), ("ref_log_prob", "ref_with"))
+                                  if placement.get(key, "actor") == "rollout"}
+    return {"actor_ranks": RankGroup(frozenset(f"rank{r}" for r in placement["actor_ranks"]), stages - rollout_side),
+            "rollout_ranks": RankGroup(frozenset(f"rank{r}" for r in placement["rollout_ranks"]),
+                                       stages & rollout_side)}
+
+
+def union_s(spans: Iterable[dict]) -> float:
+    """Seconds covered by at least one of the spans."""
+    total, end = 0.0, float("-inf")
+    for s0, e0 in sorted((s["start"], s["end"]) for s in spans):
+        if s0 > end:
+            total += e0 - s0
+            end = e0
+        elif e0 > end:
+            total += e0 - end
+            end = e0
+    return total
+
+
+def group_costs(spans: list[dict], groups: dict[str, RankGroup], steps: int) -> dict[str, float]:
+    """Each group's busy seconds per step: the union of its stages' spans on its ranks. The
+    weight sync counts on the actor side only (the rollout side's receive is a background copy)."""
+    def mine(s: dict, g: RankGroup) -> bool:
+        return (s["stage"] in g.stages and s["lane"].split()[0] in g.ranks
+                and (s["stage"] != "weight_sync" or s["lane"].endswith(" actor")))
+    return {name: union_s([s for s in spans if mine(s, g)]) / max(steps, 1) for name, g in groups.items()}
+
+
+def overlapped_bound(rows_per_step: int, standalone: dict[str, float], judged_groups: Iterable[str]) -> float:
+    """Ideal samples/s of an overlapped run from stage costs measured without overlap: the busiest
+    rank group sets the pace. ``standalone`` must come from a run with the same rank groups."""
+    judged = sorted(judged_groups)
+    if sorted(standalone) != judged:
+        raise ValueError(f"overlapped_bound: stand-alone costs are for groups {sorted(standalone)}, the judged run "
+                         f"has {judged}; they must come from a run with the same placement")
+    worst = max(standalone.values())
+    if worst <= 0:
+        raise ValueError(f"overlapped_bound: no stage cost measured ({standalone})")
+    return rows_per_step / worst
+
+
+def generated_tokens(responses: Iterable[Sized]) -> int:
+    """Tokens the rollout generated: each row's response ids as kept, its EOS included when it
+    produced one. Both AsyncFlow (samples.jsonl response_ids) and TRL (completion_ids, cut after
+    the first EOS) count with this; prompts are not counted."""
+    return sum(len(r) for r in responses)
+
+
+def length_stats(lengths: Sequence[int], cap: int) -> dict:
+    ls = sorted(int(x) for x in lengths)
+    if not ls:
+        return {"mean": 0.0, "p50": 0, "p90": 0, "max": 0, "at_cap": 0.0}
+    return {"mean": statistics.fmean(ls), "p50": ls[len(ls) // 2], "p90": ls[int(len(ls) * 0.9)], "max": ls[-1],
+            "at_cap": sum(x >= cap for x in ls) / len(ls)}
+
+
+def check_fixed_lengths(lengths: Sequence[int], budget: int, where: str) -> None:
+    """--lengths fixed promises budget tokens on every row: a shorter row means EOS stopped it."""
+    off = [n for n in lengths if n != budget]
+    if off:
+        raise ValueError(f"{where}: {len(off)} of {len(lengths)} rows do not have the fixed {budget} tokens "
+                         f"(lengths seen: {sorted(set(off))[:8]}); EOS was not ignored")
+
+
+def summarise(reps: list[dict[str, dict]], rows_per_step: int) -> dict:
+    """The JSON summary from each repetition's analysed runs ({entry: result}, a failed one has
+    "error"): medians over repetitions, per-repetition ratios with their median and range."""
+    def col(name: str, key: str) -> list[float | None]:
+        return [r.get(name, {}).get(key) for r in reps]
+
+    names = [n for n in dict.fromkeys(k for r in reps for k in r)]
+    sps = {n: spread([v for v in col(n, "samples_per_s") if v is not None]) for n in names
+           if any(v is not None for v in col(n, "samples_per_s"))}
+    tps = {n: spread([v for v in col(n, "gen_tokens_per_s") if v is not None]) for n in names
+           if any(v is not None for v in col(n, "gen_tokens_per_s"))}
+    ratios: dict[str, Spread] = {}
+
+    def add(key: str, num: str, den: str, field: str = "samples_per_s") -> None:
+        vals = per_rep_ratios(col(num, field), col(den, field))
+        if vals:
+            ratios[key] = spread(vals)
+
+    baseline = trl_base = None
+    if any(m in sps for m in SYNC_MODES):
+        baseline = better_of({m: s.median for m, s in sps.items()}, SYNC_MODES)
+        add("ratio_async_vs_sync", "async", baseline)
+    add("ratio_async_vs_sync_colocated", "async", "sync_colocated")
+    add("ratio_async_vs_sync_disaggregated", "async", "sync")
+    if baseline:
+        add("ratio_stream_vs_sync", "stream", baseline)
+    trls = [n for n in names if n.startswith(TRL_PREFIX) and n in tps]
+    if trls:
+        trl_base = better_of({n: tps[n].median for n in trls}, trls)
+        add("ratio_async_vs_trl_tokens", "async", trl_base, "gen_tokens_per_s")
+        add("ratio_async_vs_trl", "async", trl_base)
+        for n in trls:
+            add(f"ratio_async_vs_{n}_tokens", "async", n, "gen_tokens_per_s")
+    bounds = {m: spread([v for v in col(m, "bound_samples_per_s") if v is not None]) for m in OVERLAPPED
+              if any(v is not None for v in col(m, "bound_samples_per_s"))}
+    eff = {m: spread([v for v in col(m, "efficiency") if v is not None]) for m in OVERLAPPED
+           if any(v is not None for v in col(m, "efficiency"))}
+    out = {
+        "samples_per_s": {n: round(s.median, 2) for n, s in sps.items()},
+        "samples_per_s_range": {n: [round(s.lo, 2), round(s.hi, 2)] for n, s in sps.items()},
+        "gen_tokens_per_s": {n: round(s.median, 1) for n, s in tps.items()},
+        "gen_tokens_per_row": {n: round(statistics.fmean(v for v in col(n, "gen_tokens_per_row") if v is not None), 2)
+                               for n in names if any(v is not None for v in col(n, "gen_tokens_per_row"))},
+        "sync_baseline": baseline, "trl_baseline": trl_base,
+        **{k: None for k in HEADLINE_RATIOS},  # present even when not measured
+        **{k: round(s.median, 3) for k, s in ratios.items()},
+        "ratio_range": {k: [round(s.lo, 3), round(s.hi, 3)] for k, s in ratios.items()},
+        "bound_samples_per_s": {m: round(s.median, 2) for m, s in bounds.items()},
+        "efficiency_vs_bound": {m: round(s.median, 3) for m, s in eff.items()},
+        "efficiency_range": {m: [round(s.lo, 3), round(s.hi, 3)] for m, s in eff.items()},
+        "rows_per_step": rows_per_step,
+    }
+    for key, target in TARGETS.items():
+        out[f"target_{key}_{target}_met"] = (ratios[key].median >= target) if key in ratios else None
+    out["_spreads"] = {"samples_per_s": {n: s.as_json(2) for n, s in sps.items()},
+                       "ratios": {k: s.as_json() for k, s in ratios.items()}}
+    return out
+
+
+# ---- the AsyncFlow runs -----------------------------------------------------------------------
+
+def workload_overrides(a: argparse.Namespace) -> list[str]:
+    """The RL job every mode runs (placement and mode apart)."""
     return [
         "algorithm.kl_coef=0.01", "algorithm.dynamic_sampling=false",
-        *(["warmup.enabled=false"] if not a.warmup_steps else
-          ["warmup.enabled=true", f"warmup.max_steps={a.warmup_steps}", f"warmup.check_every={a.warmup_steps}",
-           "warmup.target_accuracy=1.1"]),  # exactly warmup_steps supervised steps, the same in every mode
         "trainer.time_budget_s=0", f"trainer.steps={a.steps}", "trainer.eval_every=0", "trainer.progress=false",
-        f"trainer.prompts_per_step={a.prompts}", f"rollout.n={a.group}", f"rollout.batch_prompts={a.batch_prompts}",
-        f"rollout.max_new_tokens={a.max_new_tokens}", "rollout.length_profile=longtail",
+        "trainer.log_samples=true", f"trainer.prompts_per_step={a.prompts}", f"rollout.n={a.group}",
+        f"rollout.batch_prompts={a.batch_prompts}", f"rollout.max_new_tokens={a.max_new_tokens}",
         f"trainer.seed={a.seed}", f"trainer.threads={a.threads}", f"data.num_eval={a.num_eval}",
+        *([f"{IGNORE_EOS_KEY}=true"] if a.lengths == "fixed" else []),
     ]
+
+
+def warmup_overrides(a: argparse.Namespace) -> list[str]:
+    """The main job's warm-up (warmup.* defaults: supervised steps until held-out accuracy reaches
+    the target), in a run without RL steps; its exported policy starts every run."""
+    return [f"trainer.seed={a.seed}", f"trainer.threads={a.threads}", f"data.num_eval={a.num_eval}",
+            "trainer.steps=0", "trainer.eval_every=0", "trainer.time_budget_s=0", "trainer.progress=false"]
+
+
+def start_from(model_dir: Path) -> list[str]:
+    return [f"model.path={model_dir}", "model.attn_implementation=eager", "warmup.enabled=false"]
 
 
 def placement_overrides(mode: list[str], a: argparse.Namespace) -> list[str]:
@@ -115,34 +347,81 @@ def placement_overrides(mode: list[str], a: argparse.Namespace) -> list[str]:
     return [f"placement.ref_with={a.ref_with}"]
 
 
-# ---- one AsyncFlow run ----------------------------------------------------------------------
+def ignore_eos_supported() -> str | None:
+    """None when AsyncFlow's config accepts rollout.ignore_eos, else why not."""
+    from asyncflow.config import ConfigError, load_config
+    try:
+        load_config(RECIPE, [f"{IGNORE_EOS_KEY}=true"])
+    except ConfigError as e:
+        return (f"AsyncFlow cannot ignore EOS through its config: {e}. The built-in rollout engine stops a row at "
+                "the tokenizer's EOS (BuiltinRolloutEngine needs a non-empty eos_token_ids, RolloutWorker passes "
+                "[tokenizer.eos_token_id]) or at a SamplingParams.stop_token_ids token, and the trainer builds "
+                "SamplingParams from rollout.max_new_tokens/temperature/top_p/top_k only; "
+                "rollout.length_profile=longtail sets per-row budgets (caps), never a minimum length")
+    return None
 
-def run_mode(name: str, a: argparse.Namespace, out: Path) -> dict:
+
+def train(name: str, overrides: list[str], run_dir: Path, timeout_s: float) -> tuple[int | str, float, Path]:
+    """One `asyncflow train grpo` subprocess into a fresh run_dir: (exit code, wall s, log)."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # one directory holds one run (the HF export refuses to overwrite)
+    run_dir.mkdir(parents=True)
+    log_path = run_dir.parent / f"{name}.log"
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", "grpo", *overrides, f"trainer.out_dir={run_dir}"]
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        rc = run_group(cmd, log, timeout_s)
+    return rc, time.monotonic() - t0, log_path
+
+
+def run_group(cmd: list[str], log, timeout_s: float) -> int | str:
+    """Run cmd in its own process group; on timeout kill that group, so that the rank processes
+    a hung run spawned do not keep loading the cores under the next runs."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the group this Popen made (start_new_session): pgid == its pid
+        proc.wait()
+        return "timeout"
+
+
+def warm_up(a: argparse.Namespace, out: Path) -> dict:
+    """The shared warm-up, reused from an earlier bench run with the same settings."""
+    wdir = out / "warmup"
+    key = {"overrides": warmup_overrides(a), "recipe": str(RECIPE)}
+    key_file = out / "warmup.key.json"
+    if (not a.fresh_warmup and (wdir / "hf_model").is_dir() and (wdir / "summary.json").is_file()
+            and key_file.is_file() and json.loads(key_file.read_text()) == key):
+        s = json.loads((wdir / "summary.json").read_text())
+        return {"model": str((wdir / "hf_model").resolve()), "warmup_steps": s.get("warmup_steps"),
+                "accuracy": s.get("eval_accuracy_after_rl"), "wall_s": None, "reused": True}
+    key_file.unlink(missing_ok=True)
+    rc, wall, log = train("warmup", warmup_overrides(a), wdir, max(a.run_timeout_s, 600.0))
+    if rc != 0 or not (wdir / "hf_model").is_dir():
+        raise SystemExit(f"bench_e2e: the warm-up run failed (exit {rc}, {wall:.0f} s); see {log}: {tail(log)}")
+    key_file.write_text(json.dumps(key))
+    s = json.loads((wdir / "summary.json").read_text())
+    return {"model": str((wdir / "hf_model").resolve()), "warmup_steps": s.get("warmup_steps"),
+            "accuracy": s.get("eval_accuracy_after_rl"), "wall_s": round(wall, 1), "reused": False}
+
+
+def run_mode(name: str, a: argparse.Namespace, rep_dir: Path, model: Path) -> dict:
     """Run one mode as its own `asyncflow train` subprocess (one retry on failure)."""
-    run_dir = out / name
-    cmd = [sys.executable, "-m", "asyncflow.cli", "train", "grpo", *common_overrides(a), *MODES[name],
-           *placement_overrides(MODES[name], a), f"trainer.out_dir={run_dir}"]
+    overrides = [*workload_overrides(a), *start_from(model), *MODES[name], *placement_overrides(MODES[name], a)]
     err = ""
     for attempt in (1, 2):
-        if run_dir.exists():
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
-        t0 = time.monotonic()
-        with open(out / f"{name}.log", "w") as log:
-            log.write(" ".join(cmd) + "\n")
-            log.flush()
-            try:
-                rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=a.run_timeout_s).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        wall = time.monotonic() - t0
-        if rc == 0 and (run_dir / "summary.json").is_file():
-            res = analyse(run_dir, name, a)
+        rc, wall, log = train(name, overrides, rep_dir / name, a.run_timeout_s)
+        if rc == 0 and (rep_dir / name / "summary.json").is_file():
+            res = analyse(rep_dir / name, a)
             res.update({"wall_s": wall, "attempts": attempt})
             return res
-        err = f"exit {rc} after {wall:.0f} s (log: {out / (name + '.log')}): {tail(out / (name + '.log'))}"
-        print(f"  {name}: attempt {attempt} failed, {err}", flush=True)
+        kept = log.with_name(f"{name}.attempt{attempt}.log")  # the retry writes a fresh log
+        log.replace(kept)
+        err = f"exit {rc} after {wall:.0f} s (log: {kept}): {tail(kept)}"
+        print(f"    {name}: attempt {attempt} failed, {err}", flush=True)
     return {"error": err}
 
 
@@ -156,82 +435,62 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
-def union_s(spans: list[dict]) -> float:
-    """Seconds covered by at least one of the spans."""
-    total, end = 0.0, float("-inf")
-    for s0, e0 in sorted((s["start"], s["end"]) for s in spans):
-        if s0 > end:
-            total += e0 - s0
-            end = e0
-        elif e0 > end:
-            total += e0 - end
-            end = e0
-    return total
-
-
-def analyse(run_dir: Path, name: str, a: argparse.Namespace) -> dict:
+def analyse(run_dir: Path, a: argparse.Namespace) -> dict:
+    """One finished run's figures, from its summary.json, metrics.jsonl, timeline.jsonl and
+    samples.jsonl. Rank-group costs follow the run's own placement (config.json)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     steps_m = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "perf/samples_per_s" in m]
     n_steps = max(len(steps_m), 1)
-    stage_s = {}
-    for key in {k for m in steps_m for k in m if k.startswith("timing_s/")}:
-        stage_s[key[len("timing_s/"):]] = sum(m.get(key, 0.0) for m in steps_m) / n_steps
-    # The weight sync is timed after its step's metrics are logged: take the actor rank's
-    # publish spans from the timeline (the rollout side's receive overlaps its generation).
-    config = json.loads((run_dir / "config.json").read_text())
-    disagg = config["placement"]["mode"] == "disaggregated"
-    actor0 = config["placement"]["actor_ranks"][0] if disagg else 0
+    stage_s = {key[len("timing_s/"):]: sum(m.get(key, 0.0) for m in steps_m) / n_steps
+               for key in sorted({k for m in steps_m for k in m if k.startswith("timing_s/")})}
+    placement = json.loads((run_dir / "config.json").read_text())["placement"]
     spans = read_jsonl(run_dir / "timeline.jsonl")
-    ws = sum(s["end"] - s["start"] for s in spans if s["stage"] == "weight_sync" and s["lane"] == f"rank{actor0} actor")
-    stage_s["weight_sync"] = ws / n_steps
+    # The weight sync is timed after its step's metrics are logged: the actor rank's publish spans.
+    stage_s["weight_sync"] = sum(s["end"] - s["start"] for s in spans
+                                 if s["stage"] == "weight_sync" and s["lane"].endswith(" actor")) / n_steps
+    lanes = {s["lane"].split()[0] for s in spans}
+    groups = rank_groups(placement, stage_s, lanes)
     rows_per_step = a.prompts * a.group
-    # Which stages share ranks: disaggregated, the rollout ranks run rollout (and reward with
-    # reward_with=rollout); the actor ranks run everything else. Colocated: one group, every stage.
-    if disagg:
-        rollout_side = ({"rollout"} | ({"reward"} if config["placement"]["reward_with"] == "rollout" else set())
-                        | ({"ref_log_prob"} if config["placement"].get("ref_with") == "rollout" else set()))
-        groups = {"actor_ranks": [k for k in stage_s if k not in rollout_side],
-                  "rollout_ranks": [k for k in stage_s if k in rollout_side]}
-        lanes = {"actor_ranks": {f"rank{r}" for r in config["placement"]["actor_ranks"]},
-                 "rollout_ranks": {f"rank{r}" for r in config["placement"]["rollout_ranks"]}}
-    else:
-        groups = {"all_ranks": list(stage_s)}
-        lanes = {"all_ranks": {s["lane"].split()[0] for s in spans}}
-    if name not in OVERLAPPED:  # sync: the stages of a step run one after another, on whatever ranks
-        groups = {"serial": list(stage_s)}
-        lanes = {"serial": {s["lane"].split()[0] for s in spans}}
-    # A group's cost per step: its stages' costs added up, counting once the time in which two of
-    # them ran at the same moment (reward and ref_log_prob run concurrently on the actor rank:
-    # sharing one core, each one's wall time holds the other's work). That is the union of the
-    # spans of those stages on the group's ranks (timeline.jsonl), per step.
-    group_s = {g: union_s([s for s in spans if s["stage"] in st and s["lane"].split()[0] in lanes[g]
-                           and (s["stage"] != "weight_sync" or s["lane"].endswith(" actor"))]) / n_steps
-               for g, st in groups.items()}
-    summed = {g: sum(stage_s[k] for k in st) for g, st in groups.items()}
-    bound = rows_per_step / max(max(group_s.values()), 1e-9)
-    bound_summed = rows_per_step / max(max(summed.values()), 1e-9)
-    occupancy = {r: union_s([s for s in spans if s["lane"].split()[0] == r]) / n_steps
-                 for r in sorted({s["lane"].split()[0] for s in spans})}
-    lengths = sorted(len(json.loads(x)["response_ids"]) for x in (run_dir / "samples.jsonl").read_text().splitlines()
-                     if x.strip()) if (run_dir / "samples.jsonl").is_file() else []
-    sps = summary["samples_per_s"]
+    responses = [row["response_ids"] for row in read_jsonl(run_dir / "samples.jsonl")]
+    lengths = [len(r) for r in responses]
+    if a.lengths == "fixed":
+        check_fixed_lengths(lengths, a.max_new_tokens, str(run_dir))
+    rl_s = summary["rl_s"]
+    gen = generated_tokens(responses)
     return {
-        "samples_per_s": sps, "tokens_per_s": summary["tokens_per_s"], "rl_s": summary["rl_s"],
-        "steps": summary["rl_steps"], "rows": summary["rl_steps"] * rows_per_step,
-        "stage_s_per_step": stage_s, "group_s_per_step": group_s, "group_summed_s_per_step": summed,
-        "rank_busy_s_per_step": occupancy, "bound_summed_samples_per_s": bound_summed,
+        "samples_per_s": summary["samples_per_s"], "rl_s": rl_s, "steps": summary["rl_steps"],
+        "rows": len(lengths), "gen_tokens": gen, "gen_tokens_per_s": gen / rl_s if rl_s > 0 else None,
+        "gen_tokens_per_row": gen / len(lengths) if lengths else None,
+        "tokens_per_s_with_prompts": summary["tokens_per_s"],
+        "stage_s_per_step": stage_s, "group_s_per_step": group_costs(spans, groups, n_steps),
+        "rank_busy_s_per_step": {r: union_s([s for s in spans if s["lane"].split()[0] == r]) / n_steps
+                                 for r in sorted(lanes)},
         "idle_ratio": summary.get("idle_ratio", {}), "staleness_mean": summary["staleness_mean"],
-        "staleness_max": summary["staleness_max"], "bound_samples_per_s": bound, "efficiency": sps / bound,
-        "response_len": {"mean": statistics.fmean(lengths) if lengths else 0.0,
-                         "p50": lengths[len(lengths) // 2] if lengths else 0,
-                         "p90": lengths[int(len(lengths) * 0.9)] if lengths else 0,
-                         "max": lengths[-1] if lengths else 0,
-                         "at_cap": sum(x >= a.max_new_tokens for x in lengths) / max(len(lengths), 1)},
+        "staleness_max": summary["staleness_max"],
+        "accuracy_before": summary.get("eval_accuracy_before_rl"), "accuracy_after": summary.get("eval_accuracy_after_rl"),
+        "response_len": length_stats(lengths, a.max_new_tokens),
         # t: seconds since the RL phase began (the first step's end less its duration)
         "reward_curve": [{"samples": (i + 1) * rows_per_step, "reward": m.get("reward/mean"),
                           "t": m["time_s"] - steps_m[0]["time_s"] + steps_m[0].get("step_time_s", 0.0)}
                          for i, m in enumerate(steps_m)],
     }
+
+
+def add_bounds(rep: dict[str, dict], rows_per_step: int) -> None:
+    """Bound and efficiency of each overlapped run from the same repetition's stand-alone costs."""
+    base = rep.get(STANDALONE, {})
+    for name in OVERLAPPED:
+        r = rep.get(name, {})
+        if "group_s_per_step" not in r or "group_s_per_step" not in base:
+            continue
+        r["standalone_group_s_per_step"] = base["group_s_per_step"]
+        try:
+            r["bound_samples_per_s"] = overlapped_bound(rows_per_step, base["group_s_per_step"],
+                                                        r["group_s_per_step"])
+        except ValueError as e:  # reported beside the run, the other figures stand
+            r["bound_error"] = str(e)
+            continue
+        r["efficiency"] = r["samples_per_s"] / r["bound_samples_per_s"]
 
 
 # ---- the TRL peer ---------------------------------------------------------------------------
@@ -273,200 +532,249 @@ def ensure_trl_venv(log_path: Path) -> str | None:
     return None if trl_ready() else f"TRL venv made but trl {TRL} / transformers {TRANSFORMERS} do not import"
 
 
-def run_trl(a: argparse.Namespace, out: Path) -> dict:
-    err = ensure_trl_venv(out / "trl_install.log")
-    if err:
-        return {"error": err}
+def trl_spec(a: argparse.Namespace, model: Path) -> dict:
+    """TRL's job: the prompts the AsyncFlow runs train on (the first steps x prompts of the same
+    stream, with their token ids), and the optimisation settings of AsyncFlow's GRPO."""
     from asyncflow.config import load_config
     from asyncflow.data.addition import addition_record
     from asyncflow.data.run_data import build_prompt_data
-    from asyncflow.trainer import resolve_model
 
-    # The prompts the AsyncFlow runs trained on: the first steps x prompts of the same stream.
-    cfg = load_config(ROOT / "recipes" / "grpo" / "config.yaml", common_overrides(a))
-    model = resolve_model(cfg)
-    it = build_prompt_data(cfg, model).train_records()
+    cfg = load_config(RECIPE, [*workload_overrides(a), *start_from(model)])
+    it = build_prompt_data(cfg, str(model)).train_records()
     recs = [next(it) for _ in range(a.steps * a.prompts)]
-    spec = {"model": model, "prompts": [addition_record(int(r["index"]))["prompt"] for r in recs],
+    return {"model": str(model), "prompts": [addition_record(int(r["index"]))["prompt"] for r in recs],
+            "prompt_ids": [[int(t) for t in r["prompt_ids"]] for r in recs],
             "answers": [str(r["answer"]) for r in recs], "steps": a.steps, "prompts_per_step": a.prompts,
-            "group_size": a.group, "max_completion_length": a.max_new_tokens, "beta": cfg.algorithm.kl_coef,
-            "lr": cfg.optim.lr, "temperature": cfg.rollout.temperature, "seed": a.seed, "threads": a.trl_threads,
-            "out_dir": str(out / "trl")}
-    spec_path, res_path = out / "trl_spec.json", out / "trl_result.json"
-    spec_path.write_text(json.dumps(spec))
-    res_path.unlink(missing_ok=True)
+            "group_size": a.group, "max_completion_length": a.max_new_tokens, "fixed_length": a.lengths == "fixed",
+            "beta": cfg.algorithm.kl_coef, "lr": cfg.optim.lr, "lr_warmup_steps": cfg.optim.warmup_steps,
+            "grad_clip": cfg.optim.grad_clip, "temperature": cfg.rollout.temperature, "seed": a.seed}
+
+
+def run_trl(name: str, threads: int, spec: dict, a: argparse.Namespace, rep_dir: Path) -> dict:
+    run_dir = rep_dir / name
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    spec_path, res_path, log_path = run_dir / "spec.json", run_dir / "result.json", rep_dir / f"{name}.log"
+    spec_path.write_text(json.dumps({**spec, "threads": threads, "out_dir": str(run_dir / "trainer")}))
     t0 = time.monotonic()
-    with open(out / "trl.log", "w") as log:
-        try:
-            rc = subprocess.run([str(trl_python()), str(ROOT / "perf" / "_trl_peer.py"), str(spec_path),
-                                 str(res_path)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=a.run_timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+    with open(log_path, "w") as log:
+        rc = run_group([str(trl_python()), str(ROOT / "perf" / "_trl_peer.py"), str(spec_path), str(res_path)],
+                       log, a.run_timeout_s)
     if rc != 0 or not res_path.is_file():
-        return {"error": f"TRL run exit {rc} (log: {out / 'trl.log'}): {tail(out / 'trl.log')}"}
+        return {"error": f"TRL run exit {rc} (log: {log_path}): {tail(log_path)}"}
     res = json.loads(res_path.read_text())
     res["wall_s"] = time.monotonic() - t0
+    res["gen_tokens_per_row"] = res["gen_tokens"] / max(res["steps"] * res["rows_per_step"], 1)
     return res
 
 
 # ---- report ---------------------------------------------------------------------------------
 
-def plot(results: dict, path: Path) -> Path | None:
+def code_version() -> dict | None:
+    """The commit measured, and the files that differed from it (others may be editing the tree)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+    try:
+        return {"commit": git("rev-parse", "--short", "HEAD").strip(),
+                "changed": [line[3:] for line in git("status", "--porcelain").splitlines()]}
+    except (OSError, subprocess.CalledProcessError):
+        return None  # not a git checkout
+
+STYLE = {"async": ("tab:red", "-"), "sync_colocated": ("tab:blue", "-"), "sync": ("tab:blue", "--"),
+         "stream": ("tab:green", ":"), "trl_2t": ("tab:gray", "-."), "trl_1t": ("tab:brown", "-.")}
+
+
+def plot(reps: list[dict[str, dict]], path: Path, title: str) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    style = {"async": ("tab:red", "-"), "sync_colocated": ("tab:blue", "-"), "sync": ("tab:blue", "--"),
-             "stream": ("tab:green", ":")}
-    for name, (color, ls) in style.items():
-        r = results.get(name, {})
-        curve = [p for p in r.get("reward_curve", []) if p["reward"] is not None]
-        if not curve:
-            continue
-        left.plot([p["samples"] for p in curve], [p["reward"] for p in curve], ls, color=color, marker=".",
-                  label=name)
-        right.plot([p["t"] for p in curve], [p["reward"] for p in curve], ls, color=color, marker=".", label=name)
-    flat = all(p["reward"] == 0 for r in results.values() for p in r.get("reward_curve", []))
-    if flat:
-        fig.suptitle("reward/mean is 0 throughout: the tiny model is not warmed up (--warmup-steps N)")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, (color, ls) in STYLE.items():
+        for k, rep in enumerate(reps):
+            curve = [p for p in rep.get(name, {}).get("reward_curve", []) if p["reward"] is not None]
+            if not curve:
+                continue
+            label = name if k == 0 else None
+            left.plot([p["samples"] for p in curve], [p["reward"] for p in curve], ls, color=color, alpha=0.7,
+                      marker=".", ms=3, label=label)
+            right.plot([p["t"] for p in curve], [p["reward"] for p in curve], ls, color=color, alpha=0.7,
+                       marker=".", ms=3, label=label)
     left.set(xlabel="samples seen", ylabel="reward/mean", title="reward per sample")
     right.set(xlabel="RL wall time (s)", ylabel="reward/mean", title="reward against time")
     for ax in (left, right):
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def fmt(x, spec=".2f") -> str:
-    return "-" if x is None else format(x, spec)
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    """format(x, spec), or a dash as wide as the spec asks."""
+    width = int(spec.split(".")[0] or 0)
+    return "-".rjust(width) if x is None else format(x, spec)
 
 
-def ratio(x: dict, y: dict) -> float | None:
-    if "samples_per_s" not in x or "samples_per_s" not in y or not y["samples_per_s"]:
-        return None
-    return round(x["samples_per_s"] / y["samples_per_s"], 3)
+def median_of(reps: list[dict[str, dict]], name: str, key: str) -> float | None:
+    vals = [r[name][key] for r in reps if key in r.get(name, {}) and r[name][key] is not None]
+    return statistics.median(vals) if vals else None
+
+
+def print_table(reps: list[dict[str, dict]], names: list[str], summary: dict) -> None:
+    print(f"\n{'mode':15} {'samples/s':>9} {'range':>15} {'gen tok/s':>9} {'tok/row':>7} {'bound':>7} {'eff':>5} "
+          f"{'stale':>5} " + " ".join(f"{s[:9]:>9}" for s in STAGES))
+    for name in names:
+        ok = [r[name] for r in reps if "samples_per_s" in r.get(name, {})]
+        errs = [r[name]["error"] for r in reps if "error" in r.get(name, {})]
+        if not ok:
+            print(f"{name:15} FAILED: {errs[0] if errs else 'not run'}")
+            continue
+        rng = summary["samples_per_s_range"].get(name, [None, None])
+        stages = " ".join(fmt(statistics.median(r["stage_s_per_step"].get(s, 0.0) for r in ok), "9.3f")
+                          for s in STAGES) if "stage_s_per_step" in ok[0] else ""
+        print(f"{name:15} {fmt(median_of(reps, name, 'samples_per_s'), '9.1f')} "
+              f"{'[' + fmt(rng[0], '.1f') + ', ' + fmt(rng[1], '.1f') + ']':>15} "
+              f"{fmt(median_of(reps, name, 'gen_tokens_per_s'), '9.1f')} "
+              f"{fmt(median_of(reps, name, 'gen_tokens_per_row'), '7.2f')} "
+              f"{fmt(median_of(reps, name, 'bound_samples_per_s'), '7.1f')} "
+              f"{fmt(median_of(reps, name, 'efficiency'), '5.2f')} "
+              f"{fmt(median_of(reps, name, 'staleness_mean'), '5.2f')} {stages}"
+              + (f"  ({len(errs)} failed)" if errs else ""))
+    print("(medians over the repetitions; stage columns: busy seconds per step; bound: ideal samples/s from the "
+          f"stage costs of the '{STANDALONE}' run of the same repetition; eff = samples/s / bound)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="16 steps; finishes within ~5 minutes on 2 cores")
+    ap.add_argument("--quick", action="store_true", help="16 steps per run; about 4 minutes here with the warm-up "
+                    "(232-241 s measured on 2 shared cores, 2026-12-02)")
     ap.add_argument("--out", default=str(ROOT / "perf" / "out" / "bench_e2e"))
-    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default 16 quick, 32 full): the "
-                    "overlapped modes' pipeline fill and drain (a rollout before the first update, an update "
-                    "after the last rollout) weigh on their samples/s as about one step in 'steps'")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions, entries in rotating order (>= 3)")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default 16 quick, 48 full); "
+                    "the overlapped modes' pipeline fill and drain weigh on their samples/s as about one step "
+                    "in 'steps', and the first step's one-time costs as a fixed sum in every mode")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--group", type=int, default=4, help="responses per prompt (GRPO group)")
     ap.add_argument("--ref-with", choices=("actor", "rollout"), default=REF_WITH,
                     help="disaggregated modes: the ranks the reference model shares")
     ap.add_argument("--batch-prompts", type=int, default=16,
                     help="prompts per rollout call in stream/async (sync: the whole step per call)")
-    ap.add_argument("--max-new-tokens", type=int, default=48, help="the length cap of the long tail")
+    ap.add_argument("--max-new-tokens", type=int, default=16,
+                    help="the length cap (--lengths natural) or every row's length (--lengths fixed), both sides")
+    ap.add_argument("--lengths", choices=LENGTHS, default="natural",
+                    help="natural: rows stop at EOS or at the cap; fixed: EOS ignored, every row at the cap "
+                         "(needs AsyncFlow's rollout.ignore_eos)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per AsyncFlow rank (2 ranks)")
-    ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (1 process)")
-    ap.add_argument("--num-eval", type=int, default=16, help="held-out prompts of the before/after evaluation")
+    ap.add_argument("--trl-threads", default="2,1",
+                    help="torch threads of the TRL process, one TRL entry per value (comma-separated): its one "
+                         "process with 2 threads uses both cores, but on a shared machine a second thread that "
+                         "loses its core stalls every parallel op; the headline takes the better one")
+    ap.add_argument("--num-eval", type=int, default=256,
+                    help="held-out prompts: the warm-up's stopping check and the before/after RL accuracy")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
-    ap.add_argument("--warmup-steps", type=int, default=0,
-                    help="supervised warm-up steps before RL, the same in every mode (default 0: the untrained "
-                         "model rarely ends a row early, which the long tail needs, but then earns no reward; "
-                         "a warmed model learns to stop, so its rewards move and its lengths shrink); "
-                         "the TRL peer always starts from the untrained model")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer")
-    ap.add_argument("--run-timeout-s", type=float, default=1200.0)
+    ap.add_argument("--fresh-warmup", action="store_true", help="redo the warm-up even if a matching one is cached")
+    ap.add_argument("--run-timeout-s", type=float, default=None,
+                    help="kill a run after this long, then retry it once (default 150 quick, 600 full: a quick "
+                         "run takes 15-40 s here, and a hung one would otherwise hold the bench for minutes)")
     a = ap.parse_args()
     if a.steps is None:
-        a.steps = 16 if a.quick else 32
+        a.steps = 16 if a.quick else 48
+    if a.run_timeout_s is None:
+        a.run_timeout_s = 150.0 if a.quick else 600.0
+    if a.reps < 3:
+        ap.error(f"--reps {a.reps}: at least 3 repetitions are needed for a median and a spread")
+    modes = [m for m in a.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     rows = a.prompts * a.group
-    print(f"workload: GRPO + reference (kl_coef 0.01) + reward, tiny model ({a.warmup_steps} warm-up steps), "
-          f"addition task; "
-          f"{a.steps} steps x {a.prompts} prompts x {a.group} = {rows} rows/step; long-tailed budgets "
-          f"capped at {a.max_new_tokens} tokens; rollout calls of {a.batch_prompts} prompts (stream/async); "
-          f"disaggregated: reference with the {a.ref_with} rank",
-          flush=True)
-    results: dict[str, dict] = {}
-    for name in [m for m in a.modes.split(",") if m]:
-        if name not in MODES:
-            raise SystemExit(f"--modes: unknown mode {name!r}; known: {', '.join(MODES)}")
-        print(f"running {name} ...", flush=True)
-        results[name] = run_mode(name, a, out)
-    if not a.no_trl:
-        print("running TRL GRPOTrainer peer ...", flush=True)
-        try:
-            results["trl"] = run_trl(a, out)
-        except Exception as e:  # noqa: BLE001 - reported, never faked
-            results["trl"] = {"error": f"{type(e).__name__}: {e}"}
+    code = code_version()
+    no_fixed = ignore_eos_supported()
+    if a.lengths == "fixed" and no_fixed:
+        raise SystemExit(f"bench_e2e --lengths fixed: {no_fixed}")
 
-    print()
-    print(f"{'mode':15} {'samples/s':>9} {'tokens/s':>9} {'bound':>7} {'eff':>5} {'stale':>9} "
-          + " ".join(f"{s[:9]:>9}" for s in STAGES) + "  idle ratio per role")
-    for name, r in results.items():
-        if "error" in r:
-            print(f"{name:15} FAILED: {r['error']}")
-            continue
-        if name == "trl":
-            print(f"{name:15} {r['samples_per_s']:9.2f} {fmt(r.get('tokens_per_s'), '9.1f'):>9} {'-':>7} {'-':>5} "
-                  f"{'-':>9} (TRL {r['trl_version']}, train {r['train_s']:.1f} s, completion length mean "
-                  f"{fmt(r.get('completion_len_mean'), '.1f')}, max {r.get('completion_len_max')})")
-            continue
-        st = r["stage_s_per_step"]
-        idle = " ".join(f"{k}={v:.2f}" for k, v in sorted(r["idle_ratio"].items()))
-        print(f"{name:15} {r['samples_per_s']:9.2f} {r['tokens_per_s']:9.1f} {r['bound_samples_per_s']:7.2f} "
-              f"{r['efficiency']:5.2f} {r['staleness_mean']:4.2f}/{r['staleness_max']:<4.0f} "
-              + " ".join(f"{st.get(s, 0.0):9.2f}" for s in STAGES) + f"  {idle}")
-    print("(stage columns: busy seconds per step; bound: ideal samples/s from those costs, see the docstring; "
-          "eff = samples/s / bound; stale = staleness mean/max)")
-    for name, r in results.items():
-        if "response_len" in r:
-            L = r["response_len"]
-            print(f"  {name}: response length mean {L['mean']:.1f}, p50 {L['p50']}, p90 {L['p90']}, max {L['max']}, "
-                  f"{100 * L['at_cap']:.1f}% at the cap; rank busy s/step "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in r["rank_busy_s_per_step"].items())
-                  + f"; run wall {r['wall_s']:.0f} s")
+    warm = warm_up(a, out)
+    model = Path(warm["model"])
+    print(f"warm-up: {warm['warmup_steps']} supervised steps, held-out accuracy {fmt(warm['accuracy'], '.3f')}"
+          + (" (cached)" if warm["reused"] else f", {warm['wall_s']:.0f} s"), flush=True)
+    entries = list(modes)
+    errors: dict[str, str] = {}
+    spec = None
+    trl = {} if a.no_trl else trl_entries([int(t) for t in str(a.trl_threads).split(",") if t.strip()])
+    if trl:
+        err = ensure_trl_venv(out / "trl_install.log")
+        if err:
+            errors[TRL_PREFIX] = err
+            trl = {}
+            print(f"  TRL peer skipped: {err}", flush=True)
+        else:
+            spec = trl_spec(a, model)
+            entries += list(trl)
+    print(f"workload: GRPO + reference (kl_coef 0.01) + reward from the warmed-up tiny model, addition task; "
+          f"{a.steps} steps x {a.prompts} prompts x {a.group} = {rows} rows/step; lengths {a.lengths} "
+          f"(cap {a.max_new_tokens}); rollout calls of {a.batch_prompts} prompts (stream/async); disaggregated: "
+          f"reference with the {a.ref_with} rank; {a.reps} repetitions in rotating order", flush=True)
+    orders = rotation(entries, a.reps)
+    reps: list[dict[str, dict]] = []
+    for k, order in enumerate(orders):
+        rep_dir = out / f"rep{k}"
+        rep: dict[str, dict] = {}
+        print(f"rep {k}: {' '.join(order)}", flush=True)
+        for name in order:
+            t = time.monotonic()
+            try:
+                rep[name] = (run_trl(name, trl[name], spec, a, rep_dir) if name in trl
+                             else run_mode(name, a, rep_dir, model))
+            except Exception as e:  # noqa: BLE001 - reported, never faked
+                rep[name] = {"error": f"{type(e).__name__}: {e}"}
+            r = rep[name]
+            print(f"  {name}: " + (f"FAILED {r['error']}" if "error" in r else
+                                   f"{r['samples_per_s']:.1f} samples/s, {fmt(r.get('gen_tokens_per_s'), '.0f')} "
+                                   f"gen tok/s, {r['gen_tokens_per_row']:.2f} tok/row")
+                  + f" ({time.monotonic() - t:.0f} s)", flush=True)
+        add_bounds(rep, rows)
+        reps.append(rep)
+
+    summary = summarise(reps, rows)
+    print_table(reps, entries, summary)
+    for name in entries:
+        ok = [r[name] for r in reps if "response_len" in r.get(name, {})]
+        if ok:
+            L = ok[0]["response_len"]
+            acc = ", ".join(f"{fmt(r.get('accuracy_before'), '.3f')}->{fmt(r.get('accuracy_after'), '.3f')}"
+                            for r in ok if r.get("accuracy_before") is not None)
+            print(f"  {name}: rep 0 response length mean {L['mean']:.2f}, p50 {L['p50']}, p90 {L['p90']}, max "
+                  f"{L['max']}, {100 * L['at_cap']:.1f}% at the cap" + (f"; held-out accuracy {acc}" if acc else ""))
     png = None
     try:
-        png = plot(results, out / "reward_curves.png")
+        png = plot(reps, out / "reward_curves.png", f"GRPO from the warmed-up tiny model, {a.steps} steps x {rows} "
+                   f"rows, lengths {a.lengths} (cap {a.max_new_tokens}), {a.reps} repetitions")
         print(f"reward curves: {png}")
     except Exception as e:  # noqa: BLE001
         print(f"reward curves: not drawn ({type(e).__name__}: {e})")
-    sync, asy = results.get("sync_colocated", {}), results.get("async", {})
-    trl = results.get("trl", {})
-    summary = {
-        "samples_per_s": {k: round(v["samples_per_s"], 3) for k, v in results.items() if "samples_per_s" in v},
-        "tokens_per_s": {k: round(v["tokens_per_s"], 1) for k, v in results.items()
-                         if v.get("tokens_per_s") is not None},
-        "bound_samples_per_s": {k: round(v["bound_samples_per_s"], 3) for k, v in results.items()
-                                if "bound_samples_per_s" in v},
-        "efficiency_vs_bound": {k: round(v["efficiency"], 3) for k, v in results.items() if "efficiency" in v},
-        "ratio_stream_vs_sync": ratio(results.get("stream", {}), sync),
-        "ratio_async_vs_sync": ratio(asy, sync),
-        "ratio_async_vs_sync_disaggregated": ratio(asy, results.get("sync", {})),
-        "ratio_async_vs_trl": ratio(asy, trl),
-        "async_efficiency_vs_bound": round(asy["efficiency"], 3) if "efficiency" in asy else None,
-        "staleness": {k: [round(v["staleness_mean"], 3), v["staleness_max"]] for k, v in results.items()
-                      if "staleness_mean" in v},
-        "target_ratio_async_vs_sync_1.6_met": None,
-        "target_async_efficiency_0.85_met": None,
-        "ratio_async_vs_trl_tokens": (round(asy["tokens_per_s"] / trl["tokens_per_s"], 3)
-                                      if asy.get("tokens_per_s") and trl.get("tokens_per_s") else None),
-        "trl": ({"error": trl["error"]} if "error" in trl else
-                {k: trl.get(k) for k in ("samples_per_s", "tokens_per_s", "trl_version", "completion_len_mean")}),
-        "errors": {k: v["error"] for k, v in results.items() if "error" in v},
-        "steps": a.steps, "rows_per_step": rows, "max_new_tokens": a.max_new_tokens,
-        "reward_png": str(png) if png else None, "wall_s": round(time.monotonic() - t0, 1),
-    }
-    if summary["ratio_async_vs_sync"] is not None:
-        summary["target_ratio_async_vs_sync_1.6_met"] = summary["ratio_async_vs_sync"] >= 1.6
-    if summary["async_efficiency_vs_bound"] is not None:
-        summary["target_async_efficiency_0.85_met"] = summary["async_efficiency_vs_bound"] >= 0.85
-    (out / "results.json").write_text(json.dumps({"summary": summary, "runs": results, "args": vars(a)}, indent=2))
+    for k, rep in enumerate(reps):
+        for name, r in rep.items():
+            if "error" in r:
+                errors[f"rep{k}/{name}"] = r["error"]
+    spreads = summary.pop("_spreads")
+    summary.update({
+        "reps": a.reps, "orders": orders, "steps": a.steps, "max_new_tokens": a.max_new_tokens,
+        "lengths": a.lengths, **({"fixed_lengths_unavailable": no_fixed} if no_fixed else {}),
+        "warmup": {k: warm[k] for k in ("warmup_steps", "accuracy", "reused")},
+        "trl": ({"version": TRL, "threads": trl, "gradient_checkpointing": False} if spec else None),
+        "code": code, "errors": errors, "reward_png": str(png) if png else None, "wall_s": round(time.monotonic() - t0, 1),
+    })
+    (out / "results.json").write_text(json.dumps({"summary": summary, "spreads": spreads, "reps": reps,
+                                                  "args": vars(a)}, indent=2))
     print(json.dumps(summary))
 
 
