@@ -650,8 +650,8 @@ def print_table(reps: list[dict[str, dict]], names: list[str], summary: dict) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="16 steps per run; about 4 minutes here with the warm-up "
-                    "(232-241 s measured on 2 shared cores, 2026-12-02)")
+    ap.add_argument("--quick", action="store_true", help="16 steps per run; about 4 minutes here (232-243 s measured on 2 shared "
+                    "cores, 2026-12-02; the warm-up, 43 s of it, is cached in --out)")
     ap.add_argument("--out", default=str(ROOT / "perf" / "out" / "bench_e2e"))
     ap.add_argument("--reps", type=int, default=3, help="repetitions, entries in rotating order (>= 3)")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default 16 quick, 48 full); "
