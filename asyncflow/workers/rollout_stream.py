@@ -153,21 +153,31 @@ class RowStream:
                 return
 
     def _write(self, finished: list[tuple[_Batch, int, RequestResult]]) -> None:
-        by_batch: dict[int, tuple[_Batch, list[tuple[int, RequestResult]]]] = {}
+        """One put per partition for everything that finished since the last write (rows of
+        several submitted batches of a step go out together)."""
+        from ..transfer_queue.meta import BatchMeta
+
+        by_part: dict[str, list[tuple[_Batch, int, RequestResult]]] = {}
         for batch, i, r in finished:
             if r.finish_reason == "error":
                 raise ValueError(f"{self.name}: row {i} of partition {batch.meta.partition!r} was refused: {r.error}")
-            by_batch.setdefault(id(batch), (batch, []))[1].append((i, r))
+            by_part.setdefault(batch.meta.partition, []).append((batch, i, r))
         tq = self._tq()
         version = self._version()
-        for batch, items in by_batch.values():
-            items.sort(key=lambda x: x[0])
-            idx = [i for i, _ in items]
-            tq.put(result_columns([r for _, r in items], version), batch.meta.partition, batch.meta.select(idx))
-            part = batch.meta.partition
+        for part, items in by_part.items():
+            per_batch: dict[int, tuple[_Batch, list[tuple[int, RequestResult]]]] = {}
+            for batch, i, r in items:
+                per_batch.setdefault(id(batch), (batch, []))[1].append((i, r))
+            metas, results = [], []
+            for batch, rows in per_batch.values():
+                rows.sort(key=lambda x: x[0])
+                metas.append(batch.meta.select([i for i, _ in rows]))
+                results += [r for _, r in rows]
+            meta = metas[0] if len(metas) == 1 else BatchMeta.concat(metas)
+            tq.put(result_columns(results, version), part, meta)
             with self._cond:
-                self.in_flight -= len(items)
-                self.rows_written += len(items)
-                self._written[part] = self._written.get(part, 0) + len(items)
-                self._tokens[part] = self._tokens.get(part, 0) + sum(len(r.response_ids) for _, r in items)
+                self.in_flight -= len(results)
+                self.rows_written += len(results)
+                self._written[part] = self._written.get(part, 0) + len(results)
+                self._tokens[part] = self._tokens.get(part, 0) + sum(len(r.response_ids) for r in results)
                 self._cond.notify_all()

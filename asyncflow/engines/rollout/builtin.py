@@ -108,6 +108,7 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         self.max_running_rows = int(max_running_rows)
         self.max_kv_tokens = int(max_kv_tokens)
         self.prefill_chunk = int(prefill_chunk)
+        self.admit_batch = max(1, self.max_running_rows // 8)  # free slots that make a prefill worth its forward
         self.max_context = int(max_context if max_context is not None
                                else getattr(cfg, "max_position_embeddings", None) or 1 << 30)
         self.version = 0
@@ -350,6 +351,11 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
             budget_tokens = 0
             if h is not None:
                 hidden_parts.append(h)
+        # Admissions are batched: a prefill is a forward pass of its own, whose fixed cost (most of
+        # a small model's step) is paid once for several rows rather than once per freed slot.
+        free = self.max_running_rows - len(self._rows) - (self._chunked is not None)
+        if self._rows and free < min(self.admit_batch, len(self._waiting)):
+            budget_tokens = 0
         while self._waiting and budget_tokens > 0 and self._admitting:
             req = self._waiting[0]
             if req.min_version > self.version:
