@@ -1,131 +1,409 @@
-"""Convergence of sync vs async GRPO: reward and held-out accuracy against samples seen.
+"""Sync vs async GRPO over several seeds: samples/s, reward and held-out accuracy against samples seen.
 
-Runs ``asyncflow train grpo`` as subprocesses, one after another, for three settings:
+The measurement that decides the main job's default mode. It runs ``asyncflow train grpo`` as
+subprocesses, one after another, for these settings (``--settings``; the first three by default):
 
-  sync       workflow.mode=sync
-  async_s1   workflow.mode=async workflow.max_staleness=1
-  async_s2   workflow.mode=async workflow.max_staleness=2
+  sync            workflow.mode=sync
+  async_s1        workflow.mode=async workflow.max_staleness=1 rollout.partial_rollout=true
+  async_s2        workflow.mode=async workflow.max_staleness=2 rollout.partial_rollout=true
+  async_s1_drain  workflow.mode=async workflow.max_staleness=1 rollout.partial_rollout=false
 
-with the same seed, the same RL step count (``trainer.steps``, ``trainer.time_budget_s=0``,
-so the same prompt budget: ``trainer.prompts_per_step`` prompts per step) and the same
-evaluation cadence. The warm-up is identical for all: by default (``--warmup shared``) it
-runs once, in a run with ``trainer.steps=0``, and every setting starts RL from its
-exported weights (``model.path=.../hf_model warmup.enabled=false``); ``--warmup each``
-lets every run do the default warm-up itself (deterministic given the seed, slower). The
-script checks that every setting starts from the same held-out accuracy.
+``partial_rollout=true`` is in-flight weight updates (new weights swapped in at the next decode
+step); ``async_s1_drain`` swaps only once the running batch has drained.
 
-Everything reported is MEASURED from the runs' files; nothing is modelled:
-  - samples seen = cumulative rows trained (``samples.jsonl``, one line per trained row;
-    dynamic sampling drops all-equal groups, so rows per step vary);
-  - ``reward/mean`` per RL step (``metrics.jsonl``), plotted at the samples seen after the step;
-  - ``eval/accuracy`` (greedy, held-out): ``before_rl``, every ``trainer.eval_every`` steps
-    (``rl``) and ``after_rl``, plotted at the samples the evaluated policy version
-    (``eval/version``: the policy after that many updates) had trained on;
-  - wall seconds of each subprocess and the RL seconds from ``summary.json``.
-The 2-core VM is shared and noisy: seconds move by +-30% between runs; the learning
-curves are deterministic only up to the asynchrony's timing (which rows train with which
-policy version depends on timing in async mode).
+Method. For every seed of ``--seeds`` (default 0,1,2; ``--quick`` 0,1):
+  1. one warm-up run (``trainer.steps=0``, the seed's supervised warm-up) exports ``hf_model``;
+  2. every setting of that seed starts RL from those weights (``model.path=... warmup.enabled=false``)
+     with the same seed, RL step count (``trainer.steps``, ``trainer.time_budget_s=0``, so the same
+     prompt budget) and evaluation cadence; the script checks they all start from the same
+     held-out accuracy;
+  3. the settings run in a rotating order: the seed at position i of ``--seeds`` starts with the
+     i-th setting and wraps around (A B C, B C A, C A B, ...), so a slow spell of the shared
+     machine falls on every setting alike rather than on the one always run last.
 
-    python perf/convergence.py [--quick] [--out perf/out/convergence] [--steps N] [key=value ...]
+Figures, all MEASURED from the runs' files (nothing modelled), per run:
+  - ``samples_per_s``: ``summary.json``'s RL-phase figure (rows trained / RL seconds; the RL
+    seconds include the mid-RL evaluations, which every setting runs at the same cadence);
+  - samples seen = cumulative rows trained (``samples.jsonl``, one line per trained row; dynamic
+    sampling drops all-equal groups, so rows per step vary);
+  - reward: ``reward/mean`` per RL step (``metrics.jsonl``) against the samples seen after that
+    step; ``reward_last20`` is its mean over the last 20% of the RL steps that trained rows (a
+    step whose groups were all dropped by dynamic sampling logs no reward);
+  - held-out greedy accuracy (``eval/accuracy``): ``before_rl``, every ``trainer.eval_every``
+    steps and ``after_rl``, at the samples its policy version (``eval/version``) had trained on;
+    ``final_accuracy`` is ``after_rl``, ``best_accuracy`` the best after RL began.
+Per setting, each figure is reported as its median over the seeds and its spread (min, max).
 
-Extra ``key=value`` arguments go to every run. Writes ``convergence.png`` and one run
-directory per setting into ``--out``; the last line is one JSON object.
+Headline:
+  - ``ratio_async_vs_sync_samples_per_s``: per seed, async_s1's samples/s over sync's of the SAME
+    seed (same warm-up, neighbouring slots in time); then the median and range of those ratios.
+    ``ratio_async_s2_vs_sync_samples_per_s`` likewise; ``ratios_vs_sync`` has every setting.
+  - ``reward_within_noise``: true when async_s1's median ``reward_last20`` lies within
+    [min, max] of sync's per-seed ``reward_last20`` (inclusive). With one seed that range is a
+    single point, so the rule is only meaningful with several seeds. null if either is missing.
+
+The 2-core VM is shared and noisy (seconds move by +-30% between runs); the learning curves are
+deterministic only up to the asynchrony's timing (which rows train on which policy version).
+
+    python perf/convergence.py [--quick] [--seeds 0,1,2] [--steps N] [--settings a,b] [key=value ...]
+
+Extra ``key=value`` arguments go to every run (not ``trainer.seed``: use ``--seeds``). Writes into
+``--out``: one directory per seed (``seed<k>/warmup``, ``seed<k>/<setting>`` and their logs),
+``results.json`` (every figure and curve) and ``convergence.png``. The last printed line is one
+JSON object with the per-setting medians and spreads, the ratios, the seeds, the steps and the
+command-line overrides.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SETTINGS = {
-    "sync": ["workflow.mode=sync"],
-    "async_s1": ["workflow.mode=async", "workflow.max_staleness=1"],
-    "async_s2": ["workflow.mode=async", "workflow.max_staleness=2"],
+SETTINGS: dict[str, tuple[str, ...]] = {
+    "sync": ("workflow.mode=sync",),
+    "async_s1": ("workflow.mode=async", "workflow.max_staleness=1", "rollout.partial_rollout=true"),
+    "async_s2": ("workflow.mode=async", "workflow.max_staleness=2", "rollout.partial_rollout=true"),
+    "async_s1_drain": ("workflow.mode=async", "workflow.max_staleness=1", "rollout.partial_rollout=false"),
 }
+DEFAULT_SETTINGS = ("sync", "async_s1", "async_s2")
+REFERENCE = "sync"
+HEADLINE_RATIOS = {"ratio_async_vs_sync_samples_per_s": "async_s1",
+                   "ratio_async_s2_vs_sync_samples_per_s": "async_s2"}
+NOISE_CANDIDATE = "async_s1"
+TAIL_FRACTION = 0.2
+FIGURES = ("samples_per_s", "reward_last20", "final_accuracy", "best_accuracy", "accuracy_before",
+           "staleness_mean", "samples", "rl_s")
 
 
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+# ---- pure logic ------------------------------------------------------------------------------------------------
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> [0, 1, 2]; distinct integers, at least one."""
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds: expected comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise ValueError(f"--seeds: no seed in {text!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: repeated seed in {text!r} (a repeat would reuse the warm-up directory)")
+    return seeds
 
 
-def train(run_dir: Path, overrides: list[str], log_name: str = "train.log") -> tuple[int, float, Path]:
-    """One ``asyncflow train grpo`` subprocess into a fresh ``run_dir``: (exit code, wall s, log)."""
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # one directory holds one run (the HF export refuses to overwrite)
-    run_dir.mkdir(parents=True)
-    log = run_dir.parent / f"{run_dir.name}.{log_name}"
-    cmd = [sys.executable, "-m", "asyncflow.cli", "train", "grpo", *overrides, f"trainer.out_dir={run_dir}"]
-    print(f"$ {' '.join(cmd[1:])}", flush=True)
-    t0 = time.monotonic()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    return rc, time.monotonic() - t0, log
+def parse_settings(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown or not names:
+        raise ValueError(f"--settings: unknown or no settings {unknown or text!r}; known: {', '.join(SETTINGS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--settings: repeated setting in {text!r}")
+    return names
 
 
-def curves(run_dir: Path) -> dict:
-    """Reward and accuracy against samples seen, from one finished run's files."""
-    metrics = _jsonl(run_dir / "metrics.jsonl")
+def check_overrides(overrides: Sequence[str]) -> None:
+    """The script owns the seed and the output directory of every run."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected key=value (e.g. trainer.prompts_per_step=16)")
+        if key in ("trainer.seed", "trainer.out_dir"):
+            raise ValueError(f"override {item!r}: {key} is set by the script per run (use --seeds / --out)")
+
+
+def rotation(names: Sequence[str], count: int) -> list[list[str]]:
+    """The run order for each of ``count`` seeds: the i-th starts at names[i % n] and wraps around."""
+    if count < 1 or not names:
+        raise ValueError(f"rotation: need at least one seed and one setting, got count={count}, "
+                         f"names={list(names)}")
+    n = len(names)
+    return [[names[(i + j) % n] for j in range(n)] for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A figure measured once per seed: its median over the seeds and its range."""
+
+    median: float
+    lo: float
+    hi: float
+    per_seed: dict[int, float]
+
+    def as_json(self, digits: int = 4) -> dict:
+        return {"median": round(self.median, digits), "min": round(self.lo, digits), "max": round(self.hi, digits),
+                "per_seed": {str(s): round(v, digits) for s, v in self.per_seed.items()}}
+
+
+def spread(per_seed: Mapping[int, float]) -> Spread:
+    """Median and range over the seeds; NaN figures (e.g. no evaluation) are left out."""
+    vals = {s: float(v) for s, v in per_seed.items() if not math.isnan(float(v))}
+    if not vals:
+        raise ValueError(f"spread: no values (every seed's figure failed or is NaN: {dict(per_seed)})")
+    xs = list(vals.values())
+    return Spread(statistics.median(xs), min(xs), max(xs), vals)
+
+
+def maybe_spread(per_seed: Mapping[int, float]) -> Spread | None:
+    """spread(), or None when no seed has a (non-NaN) value."""
+    return spread(per_seed) if any(not math.isnan(float(v)) for v in per_seed.values()) else None
+
+
+def per_seed_ratios(num: Mapping[int, float], den: Mapping[int, float]) -> dict[int, float]:
+    """num[s] / den[s] for each seed measured in both (a failed run is absent) with den[s] > 0.
+
+    The ratio is taken within a seed first: both runs share that seed's warm-up and ran close
+    together in time, so machine-speed drift between seeds cancels out of it.
+    """
+    return {s: num[s] / den[s] for s in num if s in den and den[s] > 0}
+
+
+def within_noise(value: float, reference: Spread) -> bool:
+    """The rule for ``reward_within_noise``: value in [min, max] of the reference's per-seed values."""
+    return reference.lo <= value <= reference.hi
+
+
+def tail_mean(values: Sequence[float], fraction: float = TAIL_FRACTION) -> float:
+    """Mean of the last ``fraction`` of values (at least one); NaN if there are none."""
+    if not values:
+        return float("nan")
+    tail = values[-max(1, math.ceil(fraction * len(values))):]
+    return sum(tail) / len(tail)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a .jsonl file; a bad line raises with the file and line number."""
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
+    return rows
+
+
+def cumulative_samples(rows_per_step: Mapping[int, int], steps: int) -> list[int]:
+    """cum[v] = rows trained by updates 0..v-1, i.e. the samples policy version v has seen."""
+    cum = [0]
+    for t in range(steps):
+        cum.append(cum[-1] + rows_per_step.get(t, 0))
+    return cum
+
+
+@dataclass(frozen=True)
+class RewardPoint:
+    samples: int  # rows trained up to and including this step
+    reward: float  # reward/mean of the step's trained rows
+    step: int  # 1-based RL step (as in metrics.jsonl)
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    samples: int  # rows the evaluated policy version had trained on
+    accuracy: float
+    phase: str  # before_rl | rl | after_rl
+    version: int
+
+
+@dataclass(frozen=True)
+class Curves:
+    reward: list[RewardPoint]
+    evals: list[EvalPoint]
+    samples: int
+    trained_steps: int  # RL steps that trained rows (dynamic sampling may drop a whole step's groups)
+
+
+def read_curves(run_dir: Path) -> Curves:
+    """Reward and accuracy against samples seen, from one finished run's metrics.jsonl and samples.jsonl."""
+    mpath, spath = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
+    for p, why in ((mpath, "the run did not log metrics"), (spath, "run with trainer.log_samples=true")):
+        if not p.is_file():
+            raise ValueError(f"{run_dir}: no {p.name} ({why})")
+    metrics = read_jsonl(mpath)
     rows_per_step: dict[int, int] = {}
-    for r in _jsonl(run_dir / "samples.jsonl"):  # "step" is the 0-based RL step; metrics count from 1
+    for r in read_jsonl(spath):  # "step" there is the 0-based RL step; metrics.jsonl counts from 1
         rows_per_step[r["step"]] = rows_per_step.get(r["step"], 0) + 1
     steps = [m for m in metrics if "phase" not in m and "reward/mean" in m]
     last = max([m["step"] for m in steps] + [max(rows_per_step, default=-1) + 1, 0])
-    cum = [0]  # cum[v]: rows trained by updates 0..v-1, i.e. seen by policy version v
-    for t in range(last):
-        cum.append(cum[-1] + rows_per_step.get(t, 0))
-    reward = [(cum[m["step"]], m["reward/mean"], m["step"]) for m in steps]
+    cum = cumulative_samples(rows_per_step, last)
+    reward = [RewardPoint(cum[m["step"]], float(m["reward/mean"]), int(m["step"])) for m in steps]
     evals = []
     for m in metrics:
         if "eval/accuracy" in m and m.get("phase") in ("before_rl", "rl", "after_rl"):
-            v = int(m.get("eval/version", m["step"] if m["phase"] != "before_rl" else 0))
-            evals.append((cum[min(max(v, 0), last)], m["eval/accuracy"], m["phase"], v))
-    sft = [(m["step"], round(m["sft/loss"], 6)) for m in metrics if m.get("phase") == "sft" and "sft/loss" in m]
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    return {"reward": reward, "evals": evals, "samples": cum[-1], "steps": len(steps), "summary": summary, "sft": sft}
+            v = int(m.get("eval/version", 0 if m["phase"] == "before_rl" else m["step"]))
+            evals.append(EvalPoint(cum[min(max(v, 0), last)], float(m["eval/accuracy"]), m["phase"], v))
+    return Curves(reward, evals, cum[-1], len(steps))  # a step without rows has no reward/mean row
 
 
-def stats(c: dict) -> dict:
-    rewards = [r[1] for r in c["reward"]]
-    tail = rewards[-max(1, math.ceil(0.2 * len(rewards))):] if rewards else []
-    before = [e[1] for e in c["evals"] if e[2] == "before_rl"]
-    after = [e[1] for e in c["evals"] if e[2] == "after_rl"]
-    return {
-        "accuracy_before": before[0] if before else float("nan"),
-        "final_accuracy": after[-1] if after else float("nan"),
-        "best_accuracy": max((e[1] for e in c["evals"] if e[2] != "before_rl"), default=float("nan")),
-        "reward_last20": sum(tail) / len(tail) if tail else float("nan"),
-        "samples": c["samples"], "steps": c["steps"],
-        "staleness_mean": c["summary"].get("staleness_mean", float("nan")),
-        "rl_s": c["summary"].get("rl_s", float("nan")),
-    }
+@dataclass(frozen=True)
+class RunResult:
+    samples_per_s: float
+    reward_last20: float
+    final_accuracy: float
+    best_accuracy: float
+    accuracy_before: float
+    staleness_mean: float
+    samples: int
+    rl_steps: int
+    trained_steps: int
+    rl_s: float
+    wall_s: float
 
 
-def plot(all_curves: dict[str, dict], path: Path, title: str) -> None:
+def run_result(curves: Curves, summary: Mapping, wall_s: float, where: str = "run") -> RunResult:
+    """One run's figures from its curves and its summary.json."""
+    if "samples_per_s" not in summary:
+        raise ValueError(f"{where}: summary.json has no samples_per_s (keys: {sorted(summary)})")
+    before = [e.accuracy for e in curves.evals if e.phase == "before_rl"]
+    after = [e.accuracy for e in curves.evals if e.phase == "after_rl"]
+    return RunResult(
+        samples_per_s=float(summary["samples_per_s"]),
+        reward_last20=tail_mean([p.reward for p in curves.reward]),
+        final_accuracy=after[-1] if after else float("nan"),
+        best_accuracy=max((e.accuracy for e in curves.evals if e.phase != "before_rl"), default=float("nan")),
+        accuracy_before=before[0] if before else float("nan"),
+        staleness_mean=float(summary.get("staleness_mean", float("nan"))),
+        samples=curves.samples, rl_steps=int(summary.get("rl_steps", curves.trained_steps)),
+        trained_steps=curves.trained_steps,
+        rl_s=float(summary.get("rl_s", float("nan"))), wall_s=wall_s)
+
+
+def same_start(results: Mapping[str, Mapping[int, RunResult]]) -> dict[int, bool]:
+    """Per seed: did every setting start RL at the same held-out accuracy (the shared warm-up)?"""
+    by_seed: dict[int, set[float]] = {}
+    for runs in results.values():
+        for seed, r in runs.items():
+            by_seed.setdefault(seed, set()).add(round(r.accuracy_before, 6))
+    return {s: len(v) <= 1 for s, v in sorted(by_seed.items())}
+
+
+def summarise(results: Mapping[str, Mapping[int, RunResult]]) -> dict:
+    """Per setting, every figure's median and spread over the seeds; the ratios to sync per seed;
+    the within-noise verdict. ``results[setting][seed]`` holds the runs that finished."""
+    settings = {}
+    for name, runs in results.items():
+        figs = {f: maybe_spread({s: getattr(r, f) for s, r in runs.items()}) for f in FIGURES}
+        if runs:
+            settings[name] = {f: sp.as_json() for f, sp in figs.items() if sp is not None}
+    ref = results.get(REFERENCE, {})
+    ratios = {}
+    for name, runs in results.items():
+        r = per_seed_ratios({s: x.samples_per_s for s, x in runs.items()},
+                            {s: x.samples_per_s for s, x in ref.items()})
+        if name != REFERENCE and r:
+            ratios[name] = spread(r).as_json(3)
+    noise = {}
+    ref_reward = maybe_spread({s: x.reward_last20 for s, x in ref.items()})
+    for name, runs in results.items():
+        cand = maybe_spread({s: x.reward_last20 for s, x in runs.items()})
+        if name != REFERENCE and cand is not None and ref_reward is not None:
+            noise[name] = within_noise(cand.median, ref_reward)
+    out = {"settings": settings, "ratios_vs_sync": ratios}
+    out.update({key: ratios.get(name) for key, name in HEADLINE_RATIOS.items()})
+    out["reward_within_noise"] = noise.get(NOISE_CANDIDATE)
+    out["reward_within_noise_per_setting"] = noise
+    out["reward_within_noise_rule"] = (f"{NOISE_CANDIDATE} median reward_last20 in [min, max] of "
+                                       f"{REFERENCE}'s per-seed reward_last20")
+    return out
+
+
+def moving_mean(ys: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` points (fewer at the start)."""
+    out = []
+    for j in range(len(ys)):
+        part = ys[max(0, j - window + 1):j + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def median_curve(curves: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Point-wise median of curves aligned by index (the same RL step / evaluation in every seed),
+    cut to the shortest; x is the median samples seen at that index."""
+    curves = [c for c in curves if c]
+    if not curves:
+        return []
+    n = min(len(c) for c in curves)
+    return [(statistics.median(c[i][0] for c in curves), statistics.median(c[i][1] for c in curves))
+            for i in range(n)]
+
+
+# ---- running ---------------------------------------------------------------------------------------------------
+
+def train(run_dir: Path, overrides: Sequence[str], timeout_s: float) -> tuple[int | str, float, Path]:
+    """One ``asyncflow train grpo`` subprocess into a fresh run_dir: (exit code or "timeout", wall s, log)."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # one directory holds one run (the HF export refuses to overwrite)
+    run_dir.mkdir(parents=True)
+    log_path = run_dir.parent / f"{run_dir.name}.train.log"
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", "grpo", *overrides, f"trainer.out_dir={run_dir}"]
+    print(f"$ {' '.join(cmd[1:])}", flush=True)
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        # own process group: on timeout the rank processes it spawned go too, instead of loading
+        # the cores under the next runs
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | str = proc.wait(timeout=timeout_s if timeout_s > 0 else None)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the group this Popen made: pgid == its pid
+            proc.wait()
+            rc = "timeout"
+    return rc, time.monotonic() - t0, log_path
+
+
+def log_tail(path: Path, chars: int = 2000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.is_file() else f"(no log at {path})"
+
+
+def warm_up(seed_dir: Path, common: Sequence[str], timeout_s: float) -> tuple[list[str], dict]:
+    """The seed's shared warm-up: (overrides that start a run from its weights, its figures)."""
+    wdir = seed_dir / "warmup"
+    rc, wall, log = train(wdir, [*common, "trainer.steps=0", "trainer.eval_every=0"], timeout_s)
+    if rc != 0 or not (wdir / "hf_model").is_dir() or not (wdir / "summary.json").is_file():
+        raise RuntimeError(f"warm-up run in {wdir} failed (exit {rc}, {wall:.0f} s); last lines of {log}:\n"
+                           f"{log_tail(log)}")
+    summ = json.loads((wdir / "summary.json").read_text())
+    info = {"warmup_steps": summ.get("warmup_steps"), "accuracy": summ.get("eval_accuracy_after_rl"),
+            "wall_s": round(wall, 1)}
+    # the exported policy (eager attention, as the built-in model) is every setting's start
+    start = [f"model.path={(wdir / 'hf_model').resolve()}", "model.attn_implementation=eager", "warmup.enabled=false"]
+    return start, info
+
+
+def plot(curves: Mapping[str, Mapping[int, Curves]], path: Path, title: str) -> None:
+    """Reward and accuracy against samples seen: a color per setting, a thin line per seed, the
+    point-wise median over seeds in bold."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for i, (name, c) in enumerate(all_curves.items()):
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for i, (name, by_seed) in enumerate(curves.items()):
         color = f"C{i}"
-        if c["reward"]:
-            xs = [r[0] for r in c["reward"]]
-            ys = [r[1] for r in c["reward"]]
-            w = max(1, len(ys) // 15)  # moving average over ~1/15 of the run
-            sm = [sum(ys[max(0, j - w + 1):j + 1]) / len(ys[max(0, j - w + 1):j + 1]) for j in range(len(ys))]
-            a1.plot(xs, ys, color=color, alpha=0.2, lw=0.8)
-            a1.plot(xs, sm, color=color, lw=1.8, label=f"{name} (moving mean of {w})")
-        if c["evals"]:
-            ev = sorted(c["evals"])
-            a2.plot([e[0] for e in ev], [e[1] for e in ev], "-o", color=color, ms=3, label=name)
-    a1.set_title("reward/mean per RL step", fontsize=10)
+        smooth, accs = [], []
+        for c in by_seed.values():
+            ys = [p.reward for p in c.reward]
+            w = max(1, len(ys) // 15)  # the per-step reward is noisy: a trailing mean over ~1/15 of the run
+            pts = list(zip([p.samples for p in c.reward], moving_mean(ys, w)))
+            smooth.append(pts)
+            ev = sorted((e.samples, e.accuracy) for e in c.evals)
+            accs.append(ev)
+            if pts:
+                a1.plot(*zip(*pts), color=color, alpha=0.35, lw=0.8)
+            if ev:
+                a2.plot(*zip(*ev), "-o", color=color, alpha=0.35, lw=0.8, ms=2)
+        for ax, med in ((a1, median_curve(smooth)), (a2, median_curve(accs))):
+            if med:
+                ax.plot(*zip(*med), color=color, lw=2.2, label=f"{name} (median of {len(by_seed)} seeds)")
+    a1.set_title("reward/mean per RL step (trailing mean over ~1/15 of the run)", fontsize=10)
     a2.set_title("held-out greedy accuracy (eval/accuracy)", fontsize=10)
     for a in (a1, a2):
         a.set_xlabel("samples seen (rows trained)")
@@ -138,104 +416,127 @@ def plot(all_curves: dict[str, dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def fmt_spread(s: dict | None, spec: str = ".3f") -> str:
+    if not s:
+        return "-"
+    return f"{s['median']:{spec}} [{s['min']:{spec}}, {s['max']:{spec}}]"
+
+
+def print_table(summary: dict, names: Sequence[str]) -> None:
+    cols = [("samples_per_s", "samples/s", ".0f"), ("reward_last20", "reward last20%", ".3f"),
+            ("final_accuracy", "final acc", ".3f"), ("best_accuracy", "best acc", ".3f"),
+            ("accuracy_before", "acc before", ".3f"), ("staleness_mean", "stale", ".2f"),
+            ("samples", "samples", ".0f")]
+    print("\nmedian [min, max] over seeds")
+    print(f"{'setting':15} " + " ".join(f"{h:>22}" for _, h, _ in cols))
+    for name in names:
+        fig = summary["settings"].get(name)
+        if fig is None:
+            print(f"{name:15} (no finished run)")
+            continue
+        print(f"{name:15} " + " ".join(f"{fmt_spread(fig.get(k), spec):>22}" for k, _, spec in cols))
+    for name, r in summary["ratios_vs_sync"].items():
+        print(f"samples/s {name} / {REFERENCE} (per seed, then median): {fmt_spread(r, '.3f')}")
+    for name, ok in summary["reward_within_noise_per_setting"].items():
+        print(f"reward_last20 of {name} within {REFERENCE}'s seed spread: {ok}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="short runs: 30 steps of 16 prompts, warm-up of at most 100 steps (~6 min on an idle "
-                         "2-core VM, ~12 min on a loaded one)")
+                    help="smoke scale: 2 seeds, 30 steps of 16 prompts, warm-up of at most 100 steps")
     ap.add_argument("--out", default=str(ROOT / "perf" / "out" / "convergence"))
-    ap.add_argument("--steps", type=int, default=0, help="RL steps per setting (default 400, --quick 30)")
+    ap.add_argument("--seeds", default="", help="comma-separated seeds (default 0,1,2; --quick 0,1)")
+    ap.add_argument("--steps", type=int, default=0, help="RL steps per run (default 400, --quick 30)")
     ap.add_argument("--eval-every", type=int, default=0, help="RL steps between evaluations (default 20, --quick 10)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", choices=["shared", "each"], default="shared",
-                    help="shared: warm up once and start every setting from those weights; each: every run warms up")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset of " + ",".join(SETTINGS))
+    ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
+                    help="comma-separated, run in this order for the first seed; known: " + ",".join(SETTINGS))
+    ap.add_argument("--run-timeout", type=float, default=0,
+                    help="seconds before a run is killed (default 3600, --quick 900; 0 here: the default)")
     ap.add_argument("overrides", nargs="*", help="key=value, passed to every run")
     args = ap.parse_args(argv)
+    try:
+        seeds = parse_seeds(args.seeds or ("0,1" if args.quick else "0,1,2"))
+        names = parse_settings(args.settings)
+        check_overrides(args.overrides)
+    except ValueError as e:
+        ap.error(str(e))
     steps = args.steps or (30 if args.quick else 400)
     every = args.eval_every or (10 if args.quick else 20)
+    timeout_s = args.run_timeout or (900.0 if args.quick else 3600.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    common = [f"trainer.seed={args.seed}", f"trainer.steps={steps}", "trainer.time_budget_s=0",
-              f"trainer.eval_every={every}", "trainer.progress=false", "trainer.log_samples=true"]
+    base = [f"trainer.steps={steps}", "trainer.time_budget_s=0", f"trainer.eval_every={every}",
+            "trainer.progress=false", "trainer.log_samples=true"]
     if args.quick:  # a short warm-up, half-size steps, a smaller held-out set: a smoke-scale comparison
-        common += ["warmup.target_accuracy=0.1", "warmup.check_every=50", "warmup.max_steps=100",
-                   "trainer.prompts_per_step=16", "rollout.batch_prompts=8", "data.num_eval=128"]
-    common += list(args.overrides)
+        base += ["warmup.target_accuracy=0.1", "warmup.check_every=50", "warmup.max_steps=100",
+                 "trainer.prompts_per_step=16", "rollout.batch_prompts=8", "data.num_eval=128"]
+    base += list(args.overrides)
     t_all = time.monotonic()
 
-    warm: dict = {}
-    start_from: list[str] = []
-    if args.warmup == "shared":
-        wdir = out / "warmup"
-        rc, wall, log = train(wdir, [*common, "trainer.steps=0", "trainer.eval_every=0"])
-        if rc != 0 or not (wdir / "hf_model").exists():
-            print(f"warm-up run failed (exit {rc}); see {log}:\n" + log.read_text()[-3000:], file=sys.stderr)
-            return 1
-        summ = json.loads((wdir / "summary.json").read_text())
-        warm = {"warmup_steps": summ.get("warmup_steps"), "accuracy": summ.get("eval_accuracy_after_rl"),
-                "wall_s": round(wall, 1)}
-        print(f"warm-up: {warm['warmup_steps']} supervised steps, held-out accuracy {warm['accuracy']:.3f}, "
-              f"{wall:.0f} s", flush=True)
-        # the exported policy (eager attention, as the built-in model) is every setting's start
-        start_from = [f"model.path={(wdir / 'hf_model').resolve()}", "model.attn_implementation=eager",
-                      "warmup.enabled=false"]
-
-    names = [n.strip() for n in args.settings.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SETTINGS]
-    if unknown:
-        ap.error(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
-    all_curves, results, walls, failed = {}, {}, {}, {}
-    for name in names:
-        rc, wall, log = train(out / name, [*common, *start_from, *SETTINGS[name]])
-        if rc != 0:
-            failed[name] = f"exit {rc}, see {log}"
-            print(f"{name}: FAILED (exit {rc}); last lines of {log}:\n" + log.read_text()[-2000:], flush=True)
+    orders = rotation(names, len(seeds))
+    results: dict[str, dict[int, RunResult]] = {n: {} for n in names}
+    curves: dict[str, dict[int, Curves]] = {n: {} for n in names}
+    warmups: dict[int, dict] = {}
+    failed: dict[str, str] = {}
+    for seed, order in zip(seeds, orders):
+        seed_dir = out / f"seed{seed}"
+        common = [f"trainer.seed={seed}", *base]
+        print(f"\n== seed {seed}: {' '.join(order)}", flush=True)
+        try:
+            start, warmups[seed] = warm_up(seed_dir, common, timeout_s)
+        except RuntimeError as e:
+            failed[f"seed{seed}/warmup"] = str(e).splitlines()[0]
+            print(e, file=sys.stderr, flush=True)
             continue
-        c = curves(out / name)
-        all_curves[name] = c
-        results[name] = {**stats(c), "wall_s": wall}
-        walls[name] = wall
-        r = results[name]
-        print(f"{name}: {r['steps']} steps, {r['samples']} rows trained, accuracy {r['accuracy_before']:.3f} -> "
-              f"{r['final_accuracy']:.3f}, {wall:.0f} s", flush=True)
+        w = warmups[seed]
+        print(f"warm-up: {w['warmup_steps']} supervised steps, held-out accuracy {w['accuracy']:.3f}, "
+              f"{w['wall_s']:.0f} s", flush=True)
+        for name in order:
+            run_dir = seed_dir / name
+            rc, wall, log = train(run_dir, [*common, *start, *SETTINGS[name]], timeout_s)
+            try:
+                if rc != 0:
+                    raise ValueError(f"exit {rc} after {wall:.0f} s")
+                c = read_curves(run_dir)
+                summ = json.loads((run_dir / "summary.json").read_text())
+                r = run_result(c, summ, wall, where=str(run_dir))
+            except (ValueError, OSError) as e:
+                failed[f"seed{seed}/{name}"] = f"{e}; see {log}"
+                print(f"seed {seed} {name}: FAILED ({e}); last lines of {log}:\n{log_tail(log)}", flush=True)
+                continue
+            results[name][seed], curves[name][seed] = r, c
+            print(f"seed {seed} {name}: {r.rl_steps} RL steps ({r.trained_steps} with rows), {r.samples} rows, "
+                  f"{r.samples_per_s:.0f} samples/s, reward last20% {r.reward_last20:.3f}, "
+                  f"accuracy {r.accuracy_before:.3f} -> {r.final_accuracy:.3f} (best {r.best_accuracy:.3f}), "
+                  f"staleness {r.staleness_mean:.2f}, "
+                  f"{wall:.0f} s", flush=True)
 
-    if all_curves:
+    summary = summarise(results)
+    starts = same_start(results)
+    if not all(starts.values()):
+        print(f"WARNING: the settings of seeds {[s for s, ok in starts.items() if not ok]} did not start from "
+              "the same warmed-up policy (before_rl accuracies differ)", flush=True)
+    title = (f"GRPO on the addition task, seeds {','.join(map(str, seeds))}, {steps} RL steps per run "
+             f"(per-seed shared warm-up){' --quick' if args.quick else ''}")
+    if any(curves.values()):
         png = out / "convergence.png"
-        plot(all_curves, png, f"GRPO on the addition task, seed {args.seed}, {steps} RL steps each "
-                              f"({'shared' if args.warmup == 'shared' else 'per-run'} warm-up)")
+        plot({n: c for n, c in curves.items() if c}, png, title)
         print(f"plot: {png}")
-    print(f"\n{'setting':9} {'acc before':>10} {'final acc':>9} {'best acc':>8} {'reward last20%':>14} "
-          f"{'samples':>8} {'steps':>5} {'stale':>5} {'RL s':>6} {'wall s':>6}")
-    for name, r in results.items():
-        print(f"{name:9} {r['accuracy_before']:>10.3f} {r['final_accuracy']:>9.3f} {r['best_accuracy']:>8.3f} "
-              f"{r['reward_last20']:>14.3f} {r['samples']:>8} {r['steps']:>5} {r['staleness_mean']:>5.2f} "
-              f"{r['rl_s']:>6.0f} {r['wall_s']:>6.0f}")
-    before = {round(r["accuracy_before"], 6) for r in results.values()}
-    sft = {json.dumps(c["sft"]) for c in all_curves.values()}
-    identical = len(before) <= 1 and len(sft) <= 1
-    if not identical:
-        print("WARNING: the settings did not start from the same warmed-up policy "
-              f"(before_rl accuracies {sorted(before)})")
-    diffs = {}
-    if "sync" in results:
-        s = results["sync"]
-        for name, r in results.items():
-            if name != "sync":
-                diffs[name] = {"final_accuracy": round(r["final_accuracy"] - s["final_accuracy"], 4),
-                               "best_accuracy": round(r["best_accuracy"] - s["best_accuracy"], 4),
-                               "reward_last20": round(r["reward_last20"] - s["reward_last20"], 4),
-                               "wall_ratio_vs_sync": round(r["wall_s"] / s["wall_s"], 3)}
-    summary = {
-        "settings": {n: {"final_accuracy": round(r["final_accuracy"], 4), "best_accuracy": round(r["best_accuracy"], 4),
-                         "reward_last20": round(r["reward_last20"], 4), "samples": r["samples"],
-                         "wall_s": round(r["wall_s"], 1)} for n, r in results.items()},
-        "async_minus_sync": diffs, "start_accuracy": sorted(before)[0] if before else None,
-        "same_start": identical, "steps": steps, "eval_every": every, "seed": args.seed, "warmup": args.warmup,
-        **({"warmup_run": warm} if warm else {}), **({"failed": failed} if failed else {}),
+    print_table(summary, names)
+    head = {
+        **{k: summary[k] for k in (*HEADLINE_RATIOS, "reward_within_noise", "reward_within_noise_rule")},
+        "settings": summary["settings"], "ratios_vs_sync": summary["ratios_vs_sync"],
+        "reward_within_noise_per_setting": summary["reward_within_noise_per_setting"],
+        "seeds": seeds, "orders": orders, "steps": steps, "eval_every": every, "quick": args.quick,
+        "overrides": list(args.overrides), "same_start": bool(starts) and all(starts.values()),
+        "warmups": {str(s): w for s, w in warmups.items()}, "failed": failed,
         "wall_s": round(time.monotonic() - t_all, 1),
     }
-    print(json.dumps(summary))
+    detail = {**head, "runs": {n: {str(s): asdict(r) for s, r in runs.items()} for n, runs in results.items()},
+              "curves": {n: {str(s): asdict(c) for s, c in by_seed.items()} for n, by_seed in curves.items()}}
+    (out / "results.json").write_text(json.dumps(detail, indent=1))
+    print(json.dumps(head))
     return 1 if failed else 0
 
 
