@@ -5,6 +5,8 @@ was expected (``ConfigError``), before any process starts.
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -173,7 +175,7 @@ class TrainerConfig:
     out_dir: str = "outputs/run"
     progress: bool = True
     log_samples: bool = True  # samples.jsonl: prompt index, seed, policy version, score, response ids per trained row
-    threads: int = 0  # torch threads per rank (0: torch's default)
+    threads: int = 0  # torch threads per rank (0: auto, see rank_threads)
     # Checkpoints during RL under out_dir/checkpoints/step_<n> (0: only the final one); the newest
     # keep_checkpoints complete ones are kept.
     save_every: int = 50
@@ -212,6 +214,21 @@ class RunSettings:
 
 
 OFFLOAD_IDLE = {"auto": None, "on": True, "true": True, "off": False, "false": False}
+
+
+def rank_threads(cfg: RunSettings, cpus: int | None = None) -> int:
+    """torch threads per rank: ``trainer.threads``, or with 0 (auto) the node's cores shared out
+    among its ranks whenever ranks compute at the same time (stream and async modes, and any
+    colocated run); 0 (torch's default: every core) in sync disaggregated runs, whose stages
+    take turns. Oversubscribed cores cost more than a second thread gains at small sizes
+    (measured in perf/RESULTS.md)."""
+    if cfg.trainer.threads > 0:
+        return cfg.trainer.threads
+    if cfg.workflow.mode == "sync" and cfg.placement.mode == "disaggregated":
+        return 0
+    cpus = cpus or os.cpu_count() or 1
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.trainer.nproc
+    return max(1, cpus // max(1, per_node))
 
 
 def offload_idle(cfg: RunSettings) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import RunSettings, load_config, offload_idle, to_dict
+from .config import RunSettings, load_config, offload_idle, rank_threads, to_dict
 from .workflow import checkpoints as ckpts
 from .workflow.checkpoints import RunState
 
@@ -87,7 +87,7 @@ class Training:
 
         cfg, d = self.cfg, self.driver
         place = Placement.from_config(cfg)
-        threads = cfg.trainer.threads
+        threads = rank_threads(cfg)
         attn = cfg.model.attn_implementation or None
         common = {"imports": list(cfg.imports)}
         # Colocated: roles take turns on every rank, so the idle ones free their memory.

@@ -78,3 +78,16 @@ def test_unknown_recipe_lists_the_known_ones():
 ])
 def test_offload_idle_resolves_by_placement_and_mode(overrides, expected):
     assert offload_idle(load_config(None, overrides)) is expected
+
+
+def test_rank_threads_share_the_cores_when_ranks_overlap(monkeypatch):
+    from asyncflow.config import load_config, rank_threads
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert rank_threads(load_config(overrides=["workflow.mode=async"]), cpus=8) == 4  # 2 ranks share 8 cores
+    assert rank_threads(load_config(overrides=["workflow.mode=stream", "trainer.nproc=3",
+                                               "placement.rollout_ranks=[1,2]"]), cpus=2) == 1
+    assert rank_threads(load_config(overrides=["workflow.mode=sync"]), cpus=8) == 0  # turns: every core
+    assert rank_threads(load_config(overrides=["workflow.mode=sync", "placement.mode=colocated"]), cpus=8) == 4
+    assert rank_threads(load_config(overrides=["workflow.mode=async", "trainer.threads=3"]), cpus=8) == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # under torchrun: the ranks of this node
+    assert rank_threads(load_config(overrides=["workflow.mode=async"]), cpus=16) == 2
