@@ -45,7 +45,7 @@ def _child(rank: int, port: int, mb: float, rounds: int, q) -> None:
     from asyncflow.workflow import weight_sync as ws
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group = ws.new_sync_group([0, 1], timeout_s=120)
+    group = dist.new_group([0, 1], backend="gloo")  # as Driver.make_group makes it
     sd = _state_dict(mb) if rank == 0 else None
     times = []
     sender = ws.WeightSender(0, {0: group}, 120) if rank == 0 else None

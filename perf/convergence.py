@@ -68,6 +68,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e import rotation  # noqa: E402  (the same rotating order as the e2e bench)
+
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS: dict[str, tuple[str, ...]] = {
     "sync": ("workflow.mode=sync",),
@@ -118,15 +121,6 @@ def check_overrides(overrides: Sequence[str]) -> None:
             raise ValueError(f"override {item!r}: expected key=value (e.g. trainer.prompts_per_step=16)")
         if key in ("trainer.seed", "trainer.out_dir"):
             raise ValueError(f"override {item!r}: {key} is set by the script per run (use --seeds / --out)")
-
-
-def rotation(names: Sequence[str], count: int) -> list[list[str]]:
-    """The run order for each of ``count`` seeds: the i-th starts at names[i % n] and wraps around."""
-    if count < 1 or not names:
-        raise ValueError(f"rotation: need at least one seed and one setting, got count={count}, "
-                         f"names={list(names)}")
-    n = len(names)
-    return [[names[(i + j) % n] for j in range(n)] for i in range(count)]
 
 
 @dataclass(frozen=True)
