@@ -51,7 +51,11 @@ class RolloutWorker(EngineOffload, Worker):
                                                max_kv_tokens=max_kv_tokens, prefill_chunk=prefill_chunk)
         elif engine == "vllm":
             from ..engines.rollout.vllm import VLLMRolloutEngine
-            self.engine = VLLMRolloutEngine(model_path, gpu_memory_utilization=gpu_memory_utilization)
+            # pinned to this rank's device (a rank is one instance; tensor parallel over several
+            # devices goes through VLLMRolloutEngine(devices=[...]) directly)
+            devices = [self.device.index] if self.device.type == "cuda" and self.device.index is not None else None
+            self.engine = VLLMRolloutEngine(model_path, devices=devices, gpu_memory_utilization=gpu_memory_utilization,
+                                            max_num_seqs=max_running_rows)
         else:
             raise ValueError(f"rollout worker rank {self.rank}: unknown engine {engine!r} (builtin | vllm)")
         self.engine.version = 0
