@@ -169,11 +169,6 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         draining the batch before a weight swap)."""
         self._admitting = bool(on)
 
-    @property
-    def free_rows(self) -> int:
-        """Rows that could join the running batch now (slots not taken by running or queued rows)."""
-        return max(0, self.max_running_rows - len(self._rows) - len(self._waiting) - (self._chunked is not None))
-
     def step(self) -> list[RequestResult]:
         if self._released:
             raise RuntimeError("BuiltinRolloutEngine.step after release_memory(): call resume_memory() first")
@@ -184,7 +179,7 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
     def _step(self) -> list[RequestResult]:
         done, self._ready = self._ready, []
         if self._abort_ids:
-            done += self._abort_queued()
+            done += self._take_aborts()
         parts = []
         if self._rows:  # decode: feed each row's last sampled token
             parts.append(self._decode_running())
@@ -290,7 +285,7 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         return RequestResult(req.request_id, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32),
                              torch.empty(0, dtype=torch.int64), reason, error)
 
-    def _abort_queued(self) -> list[RequestResult]:
+    def _take_aborts(self) -> list[RequestResult]:
         """Aborted requests finish now: running rows with the tokens they have, queued ones empty."""
         out = []
         hit = [r.req.request_id in self._abort_ids for r in self._rows]

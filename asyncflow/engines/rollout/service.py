@@ -136,9 +136,8 @@ class RolloutService:
             self._listeners[request.request_id] = on_done
 
     def _stage_swap(self, state_dict: Mapping, version: int, mode: str, fut: Future) -> None:
-        if self._swap is not None:  # a newer publish replaces one not yet swapped in
-            self._swap[3].set_exception(RuntimeError(f"{self.name}: version {self._swap[1]} was superseded by "
-                                                     f"version {version} before it was swapped in"))
+        if self._swap is not None:  # a newer publish replaces one not yet swapped in: it goes in instead
+            self._swap[3].set_result({"version": self._swap[1], "superseded_by": int(version), "pause_s": 0.0})
         self._swap = (state_dict, int(version), mode, fut, time.monotonic())
         gate = getattr(self.engine, "admit", None)
         if not self.in_flight and gate is not None:
