@@ -14,8 +14,10 @@ FAULTY = "imports=[tests.e2e._faulty_rewards]"
 
 def test_a_hanging_reward_times_out_scores_zero_and_is_counted(tmp_path):
     out = tmp_path / "run"
+    # reward beside the actor: training's reward and the evaluation's (on the rollout rank) run in
+    # two processes, and the function hangs once in each
     ok(train(out, "grpo", FAULTY, "reward.name=test_hangs_once", "reward.timeout_s=1", "trainer.steps=2",
-             "trainer.eval_every=0", "warmup.max_steps=5"))
+             "trainer.eval_every=0", "warmup.max_steps=5", "placement.reward_with=actor"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rl_steps"] == 2 and summary["reward/timeouts"] >= 1, summary
     evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval/accuracy"' in x]
