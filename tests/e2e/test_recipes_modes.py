@@ -62,10 +62,12 @@ def test_sync_and_stream_give_the_same_samples_and_update(tmp_path):
 def test_partial_rollout_async_two_instances_audit(tmp_path):
     """Async with in-flight weight updates on two rollout instances: every trained row's tokens
     carry versions that never go down, its gen_version is its oldest token's and within the
-    staleness bound of its step; the two instances never pause for a swap at the same time."""
+    staleness bound of its step; the two instances never pause for a swap at the same time; an
+    actor that is not on global rank 0 publishes full weights."""
     out = tmp_path / "run"
     ok(train(out, "grpo", "trainer.steps=6", "workflow.mode=async", "rollout.partial_rollout=true",
-             "trainer.nproc=3", "placement.actor_ranks=[0]", "placement.rollout_ranks=[1,2]",
+             # the actor off rank 0 too: its weights must still reach the instances
+             "trainer.nproc=3", "placement.actor_ranks=[1]", "placement.rollout_ranks=[0,2]",
              "rollout.max_new_tokens=24", "reward.name=digits", "trainer.eval_every=0",
              "algorithm.dynamic_sampling=false"))
     rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]

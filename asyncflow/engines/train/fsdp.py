@@ -341,13 +341,21 @@ class FSDPEngine(TrainEngine):
         """Full fp32/param-dtype weights on CPU under the HF names, on RANK 0 ONLY (the other
         ranks of the group get {}). Collective with FSDP. For a critic the names are
         ValueModel's ('backbone.*', 'value_head.*')."""
+        import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                           cpu_offload=True))
-        if self.process_group is None:  # no gather happened: detach from the live params
-            state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-        return state
+        if self.process_group is None:  # one rank, nothing to gather: a detached CPU copy
+            # (not cpu_offload=True: that keeps the tensors on GLOBAL rank 0 only, and this rank
+            # may be another, e.g. an actor placed on rank 1)
+            return {k: v.detach().to("cpu", copy=True) for k, v in get_model_state_dict(self.model).items()}
+        if dist.get_global_rank(self.process_group, 0) == 0:
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # The group does not hold global rank 0, which is where cpu_offload puts the tensors:
+        # gather on every rank of the group, keep a CPU copy on its first rank.
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        if dist.get_rank(self.process_group) != 0:
+            return {}
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         """Collective; see checkpoint.py for the layout and the atomic write."""
