@@ -9,7 +9,8 @@ and a row never waits for the longest row of its batch. ``generate()`` (the batc
 submits its prompts and steps until they are all done.
 
 What else makes it fast on small models: a preallocated cache written in place
-(``SlotKVCache``), masks built by the engine (HF models accept a prepared mask dict), the
+(``SlotKVCache``), grouped-query attention that reads the cache without copying it
+(``attention.py``), masks built by the engine (HF models accept a prepared mask dict), the
 LM head on the last position only, and sampling as a few whole-batch tensor ops with
 per-row counter-based noise (``sampling.sample_step``), so a row's tokens depend on its
 own seed and token index only, never on which rows share the batch.
@@ -28,6 +29,7 @@ import torch
 
 from asyncflow.engines.rollout.base import (SWAP_MODES, GenerationOutput, GenerationRequest, RequestEngine,
                                             RequestResult, RolloutEngine, SamplingParams, check_generate_args)
+from asyncflow.engines.rollout.attention import GROUPED, use_grouped_attention
 from asyncflow.engines.rollout.sampling import SeedKeys, _splitmix64, sample_step, vocab_hash
 from asyncflow.engines.rollout.slot_cache import PrefillCache, SlotKVCache
 
@@ -77,7 +79,7 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
                  prefill_chunk: int = 2048, max_context: int | None = None) -> None:
         cfg = model.config
         attn = getattr(cfg, "_attn_implementation", None)
-        if attn not in ("eager", "sdpa"):
+        if attn not in ("eager", "sdpa", GROUPED):  # GROUPED: a model another engine took over before
             raise ValueError(f"BuiltinRolloutEngine needs attn_implementation 'eager' or 'sdpa' "
                              f"(it passes additive float masks), the model has {attn!r}")
         layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
@@ -90,6 +92,9 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         if max_running_rows < 1 or prefill_chunk < 1 or max_kv_tokens < 0:
             raise ValueError(f"BuiltinRolloutEngine: max_running_rows ({max_running_rows}) and prefill_chunk "
                              f"({prefill_chunk}) must be >= 1, max_kv_tokens ({max_kv_tokens}) >= 0")
+        # Both take additive float masks, as the engine builds them; the engine then runs the model
+        # with its own grouped-query attention (same math, no copy of the cache per step).
+        use_grouped_attention(model)
         self.model = model
         self.base = getattr(model, model.base_model_prefix)  # the decoder stack without the LM head
         self.head = model.get_output_embeddings()
