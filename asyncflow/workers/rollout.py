@@ -24,8 +24,8 @@ import torch
 from ..engines.rollout.base import GenerationRequest
 from ..single_controller import Dispatch, Worker, register
 from ..workflow import weight_sync as ws
-from .common import EngineOffload, import_modules, rows, set_threads
-from .rollout_stream import RowStream, result_columns
+from .common import EngineOffload, import_modules, set_threads
+from .rollout_stream import RowStream, result_columns, row_inputs
 
 
 class RolloutWorker(EngineOffload, Worker):
@@ -145,11 +145,7 @@ class RolloutWorker(EngineOffload, Worker):
     @register(Dispatch.DP_COMPUTE)
     def generate(self, data: Any, min_version: int) -> dict:
         """All rows of one call, through the service (the colocated path: the call holds the rank)."""
-        prompts = rows(data["prompt_ids"])
-        seeds = [int(s) for s in data["seed"].tolist()]
-        # a per-row budget column (rollout.length_profile) replaces the sampling default
-        budgets = ([int(b) for b in data["max_new_tokens"].tolist()] if "max_new_tokens" in data.keys()
-                   else [None] * len(prompts))
+        prompts, seeds, budgets = row_inputs(data)
         results = self._run_requests(prompts, seeds, budgets, self.params, min_version, "generate")
         for r in results:
             if r.finish_reason == "error":

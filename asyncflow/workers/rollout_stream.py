@@ -14,14 +14,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 
-__all__ = ["RowStream", "result_columns"]
+__all__ = ["RowStream", "result_columns", "row_inputs"]
 
 
 def result_columns(results: list[RequestResult], fallback_version: int) -> dict:
@@ -35,12 +35,21 @@ def result_columns(results: list[RequestResult], fallback_version: int) -> dict:
     }
 
 
+def row_inputs(data: Any) -> tuple[list[torch.Tensor], list[int], list[int | None]]:
+    """Prompts, seeds and per-row budgets (None: the sampling default) of the rollout stage's
+    input columns; a ``max_new_tokens`` column comes with ``rollout.length_profile``."""
+    from .common import rows
+    prompts = rows(data["prompt_ids"])
+    seeds = [int(s) for s in data["seed"].tolist()]
+    budgets = ([int(b) for b in data["max_new_tokens"].tolist()] if "max_new_tokens" in data.keys()
+               else [None] * len(prompts))
+    return prompts, seeds, budgets
+
+
 @dataclass
 class _Batch:
     """The rows of one submitted BatchMeta."""
     meta: Any
-    results: dict[int, RequestResult] = field(default_factory=dict)
-    written: int = 0
 
 
 class RowStream:
@@ -71,12 +80,7 @@ class RowStream:
         self.check()
         if not len(meta):
             return
-        data = self._tq().get_data(meta)
-        from .common import rows
-        prompts = rows(data["prompt_ids"])
-        seeds = [int(s) for s in data["seed"].tolist()]
-        budgets = ([int(b) for b in data["max_new_tokens"].tolist()] if "max_new_tokens" in data.keys()
-                   else [None] * len(prompts))
+        prompts, seeds, budgets = row_inputs(self._tq().get_data(meta))
         batch = _Batch(meta)
         with self._cond:
             self.in_flight += len(prompts)

@@ -150,6 +150,9 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
             self.counters["errors"] += 1
             self._ready.append(self._empty(request, "error", f"request {request.request_id!r}: {problem}"))
             return
+        self._queue(request)
+
+    def _queue(self, request: GenerationRequest) -> None:
         self._known.add(request.request_id)
         self._waiting.append(request)
 
@@ -520,14 +523,14 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         if self.has_work():
             raise RuntimeError("BuiltinRolloutEngine.generate while requests are queued or running "
                                "(a RolloutService drives this engine; submit through it)")
-        self._check_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
-        for i, p in enumerate(prompts):
-            lo, hi = int(p.min()), int(p.max())
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"generate: prompt {i} has token ids in [{lo}, {hi}], outside the vocab [0, {self.vocab_size})")
         ids = [("generate", i) for i in range(len(prompts))]
-        for i, p in enumerate(prompts):
-            self.add_request(GenerationRequest(ids[i], p, params, seeds[i], budgets[i], min_version=0))
+        reqs = [GenerationRequest(ids[i], p, params, seeds[i], budgets[i]) for i, p in enumerate(prompts)]
+        for i, req in enumerate(reqs):  # the batch is refused whole, before any row runs
+            problem = self._request_problem(req)
+            if problem is not None:
+                raise ValueError(f"generate: prompt {i}: {problem}")
+        for req in reqs:
+            self._queue(req)
         results: dict = {}
         aborted = False
         while len(results) < len(prompts):
@@ -537,24 +540,10 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
                     if rid not in results:
                         self.abort(rid)
             for r in self.step():
-                if r.finish_reason == "error":
-                    self._drop_all()
-                    raise ValueError(f"generate: prompt {r.request_id[1]}: {r.error}")
                 results[r.request_id] = r
         out = [results[rid] for rid in ids]
         return GenerationOutput([r.response_ids for r in out], [r.log_probs for r in out],
                                 [r.finish_reason for r in out])
-
-    def _drop_all(self) -> None:
-        """Forget every request (after a refused batch call)."""
-        self._waiting.clear()
-        self._chunked = None
-        if self._rows:
-            self._retire(torch.zeros(len(self._rows), dtype=torch.bool, device=self.device))
-        self._ready.clear()
-        self._known.clear()
-        self._abort_ids.clear()
-        self._reserved_kv = 0
 
     # ---- weights and memory -------------------------------------------------------------
     def check_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:

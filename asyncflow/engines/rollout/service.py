@@ -150,16 +150,16 @@ class RolloutService:
             if s["running"] + s.get("prefilling", 0) > 0:
                 return
         self._swap = None
-        start = time.monotonic()
+        # the pause: from the moment the swap was due (a drain included) to generation going on
+        start = time.monotonic() if self.in_flight else due
         try:
             self.engine.load_weights(sd, version, mode)
         except Exception as e:  # noqa: BLE001 - refused weights: the engine keeps serving its own
             fut.set_exception(e)
         else:
             end = time.monotonic()
-            # the pause: from the moment the swap was due (drain included) to generation going on
-            self.pauses.append((due if not self.in_flight else start, end, version))
-            fut.set_result({"version": version, "pause_s": end - (due if not self.in_flight else start)})
+            self.pauses.append((start, end, version))
+            fut.set_result({"version": version, "pause_s": end - start})
         finally:
             gate = getattr(self.engine, "admit", None)
             if gate is not None:
