@@ -86,20 +86,28 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """The ``algorithm`` section; the functions of asyncflow.algorithms take it as their ``cfg``.
+    Defaults follow verl's core_algos (eps 1e-6, unbiased group std, clip 0.2, dual-clip c 3,
+    log-ratio clamp 20)."""
     advantage: str = "grpo"  # a name in asyncflow.algorithms.ADVANTAGES
-    norm_std: bool = True
-    gamma: float = 1.0
-    lam: float = 1.0
+    norm_std: bool = True  # grpo divides by the group std (verl: norm_adv_by_std_in_grpo)
+    unbiased_std: bool = True  # that std with Bessel's correction (n - 1, as verl); false: population std
+    eps: float = 1e-6  # added to every std before dividing (grpo, and whitening), so zero spread gives 0
+    gamma: float = 1.0  # discount, in [0, 1]
+    lam: float = 1.0  # GAE lambda, in [0, 1]
+    whiten: bool = True  # reinforce_pp and gae whiten their advantages over the batch's valid tokens
     policy_loss: str = "auto"  # auto: decoupled_ppo in async mode, ppo_clip otherwise
     # An old_log_prob stage recomputes the proximal log-probs before the update. The update
     # takes one optimizer step per batch, so they equal the update's own log-probs at its
     # forward: without the stage they are taken there, at no extra cost.
     recompute_proximal: bool = False
     loss_agg: str = "token-mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip_c: float = 3.0
-    is_cap: float = 2.0
+    clip_low: float = 0.2  # ratio clip range [1 - clip_low, 1 + clip_high]; clip_low in [0, 1)
+    clip_high: float = 0.2  # DAPO's clip-higher raises it (e.g. 0.28)
+    dual_clip_c: float = 3.0  # dual_clip (verl's vanilla): for A < 0 the loss is capped at c * -A; > 1
+    is_cap: float = 2.0  # cap on decoupled_ppo's behaviour importance weight
+    tis_cap: float = 2.0  # cap on tis's truncated importance weight
+    max_log_ratio: float = 20.0  # log-ratios are clamped to +-this before exp (verl: 20)
     kl_coef: float = 0.0  # > 0 adds the reference stage
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
@@ -259,6 +267,8 @@ def _check(cfg: RunSettings) -> RunSettings:
     if t.nproc == 1 and cfg.placement.mode == "disaggregated":
         problems.append("placement.mode: trainer.nproc=1 runs every role on rank 0: set placement.mode=colocated")
     problems += _registry_problems(cfg)
+    from .algorithms import algorithm_config_problems  # the rules the algorithm functions enforce
+    problems += algorithm_config_problems(cfg.algorithm)
     if r.engine not in ("builtin", "vllm"):
         problems.append(f"rollout.engine: expected builtin or vllm, got {r.engine!r}")
     if r.swap_mode not in ("keep", "recompute"):

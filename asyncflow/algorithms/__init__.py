@@ -3,21 +3,26 @@
 Conventions: per-token tensors are padded [B, T] with a ``mask`` [B, T] (bool or 0/1) marking
 real response tokens; per-sequence tensors are [B]. Losses are returned per token and reduced
 separately with ``aggregate`` so the engine can pass global token/sequence counts.
+
+Every function takes the run's own ``asyncflow.config.AlgorithmConfig`` as its ``cfg`` (one
+config tree; no mirrored config classes). ``algorithm_config_problems`` lists its out-of-range
+values by key (config loading reports them at start-up); the functions raise them as ValueError.
 """
 from __future__ import annotations
 
 from .registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES, Registry
 from .aggregate import (aggregate, count_seqs, count_tokens, masked_mean, masked_sum, masked_var,
                         masked_whiten)
-from .advantages import AdvantageConfig, discounted_returns, outcome_to_token_rewards
-from .policy_loss import PolicyLossConfig
+from .advantages import GROUP_RELATIVE_ADVANTAGES, discounted_returns, outcome_to_token_rewards
+from . import policy_loss as _policy_loss  # registers the policy losses
+from ._checks import algorithm_config_problems, check_algorithm_config
 from .value_loss import clipped_value_loss, mse_value_loss
 from .kl import K3_MAX, kl_penalty_to_reward
 from .entropy import entropy_from_logits
 
 __all__ = [
     "Registry", "ADVANTAGES", "POLICY_LOSSES", "VALUE_LOSSES", "KL_ESTIMATORS", "AGGREGATIONS",
-    "AdvantageConfig", "PolicyLossConfig",
+    "GROUP_RELATIVE_ADVANTAGES", "algorithm_config_problems", "check_algorithm_config",
     "aggregate", "masked_sum", "masked_mean", "masked_var", "masked_whiten", "count_tokens", "count_seqs",
     "outcome_to_token_rewards", "discounted_returns",
     "clipped_value_loss", "mse_value_loss",

@@ -5,6 +5,8 @@ silently or fail with an anonymous torch message deep in a training step.
 """
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 import torch
 from torch import Tensor
 
@@ -47,3 +49,39 @@ def check_seq_vector(name: str, t: Tensor, batch: int, *, integer: bool = False)
                          f"got {tuple(t.shape)}")
     if integer and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
         raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+
+
+# Value rules of the AlgorithmConfig fields the algorithm functions read: key -> (test, requirement).
+_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "gamma": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    "lam": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    "eps": (lambda v: v > 0.0, "must be > 0"),
+    "clip_low": (lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+    "clip_high": (lambda v: v >= 0.0, "must be >= 0"),
+    "dual_clip_c": (lambda v: v > 1.0, "must be > 1"),
+    "is_cap": (lambda v: v > 0.0, "must be > 0"),
+    "tis_cap": (lambda v: v > 0.0, "must be > 0"),
+    "max_log_ratio": (lambda v: v > 0.0, "must be > 0"),
+}
+ADVANTAGE_KEYS = ("gamma", "lam", "eps")
+POLICY_LOSS_KEYS = ("clip_low", "clip_high", "dual_clip_c", "is_cap", "tis_cap", "max_log_ratio")
+
+
+def algorithm_config_problems(cfg: object, keys: Iterable[str] = tuple(_RULES)) -> list[str]:
+    """One line per bad value among ``keys`` of an AlgorithmConfig, named by its key
+    (``algorithm.gamma: must be in [0, 1], got 1.5``). config._check reports these at start-up."""
+    out = []
+    for key in keys:
+        test, need = _RULES[key]
+        v = getattr(cfg, key)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and test(float(v))  # NaN fails every test
+        if not ok:
+            out.append(f"algorithm.{key}: {need}, got {v!r}")
+    return out
+
+
+def check_algorithm_config(cfg: object, keys: Iterable[str]) -> None:
+    """ValueError naming every bad key: the same rules enforced when a function is called directly."""
+    problems = algorithm_config_problems(cfg, keys)
+    if problems:
+        raise ValueError("; ".join(problems))

@@ -41,20 +41,26 @@ def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = False) -> Tenso
     return masked_sum((values - mean) ** 2, m) / denom
 
 
-def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-6) -> Tensor:
+def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-6,
+                  unbiased: bool = False) -> Tensor:
     """(values - mean) / (std + eps) over all masked entries, 0 at padding.
 
-    Uses the population std (divide by n), so the whitened valid entries have unit RMS.
+    The std is the population std (divide by n: the whitened valid entries have unit RMS)
+    unless ``unbiased`` (divide by n - 1, as verl's masked_whiten). Deviations are taken from
+    the first valid entry before averaging, so equal valid entries whiten to exactly 0.
     With ``shift_mean=False`` only the scale changes (the mean is added back), which keeps
     the sign of e.g. an all-positive advantage batch.
     """
     m = as_bool_mask(mask, values)
-    mean = masked_mean(values, m)
-    std = masked_var(values, m).sqrt()
-    out = (values - mean) / (std + eps)
+    z = torch.zeros((), dtype=values.dtype, device=values.device)
+    first = m.reshape(-1).to(torch.uint8).argmax()  # the first valid entry (index 0 if none): no host sync
+    shifted = torch.where(m, values - values.reshape(-1)[first], z)
+    mean = masked_mean(shifted, m)
+    std = masked_var(shifted, m, unbiased=unbiased).sqrt()
+    out = (shifted - mean) / (std + eps)
     if not shift_mean:
-        out = out + mean
-    return torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        out = out + mean + values.reshape(-1)[first]
+    return torch.where(m, out, z)
 
 
 def count_tokens(mask: Tensor) -> int:

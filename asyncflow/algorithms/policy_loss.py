@@ -3,52 +3,35 @@
 Uniform signature, so a recipe can name one (``POLICY_LOSSES``)::
 
     fn(log_probs, old_log_probs, advantages, mask, cfg, *, behav_log_probs=None)
-        -> (loss [B, T], {"clipfrac", "ratio", "approx_kl", ...: [B, T]})
+        -> (loss [B, T], {"pg_clipfrac", "ppo_kl", "ratio", ...: [B, T]})
+
+``cfg`` is the run's ``asyncflow.config.AlgorithmConfig``; the losses read clip_low, clip_high,
+dual_clip_c, is_cap, tis_cap and max_log_ratio, and raise a ValueError naming the key when one
+of them is out of range.
 
 Gradients flow into ``log_probs`` only (everything else is detached). Loss and diagnostics are
 0 where ``mask`` is 0, whatever the padding holds; aggregate both with ``aggregate(..., mask)``.
 Diagnostics are detached: 0/1 indicator tensors for the "...frac" entries, values otherwise.
+Their token means are logged as ``actor/<key>``; the keys that verl also logs carry verl's
+names and definitions (``compute_policy_loss_vanilla``):
+
+* ``pg_clipfrac``: the clipped branch of the PPO surrogate is the larger (the token's gradient is cut);
+* ``ppo_kl``: k1 estimate of KL(old || new), old_log_prob - log_prob (may be negative per batch);
+* ``pg_clipfrac_lower`` (dual_clip only): A < 0 and the loss is capped at dual_clip_c * -A.
+
+AsyncFlow's own: ``pg_clipfrac_ratio_high`` / ``pg_clipfrac_ratio_low`` split pg_clipfrac by
+the bound that clipped (r > 1 + clip_high with A > 0, r < 1 - clip_low with A < 0); ``ppo_kl_k3``
+is the k3 estimate (r - 1) - log r >= 0; ``ratio`` is r; ``is_weight`` and ``is_capfrac`` are the
+importance weight of decoupled_ppo / tis and the fraction of tokens where it hit its cap.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ._checks import as_bool_mask, check_same_shape
+from ..config import AlgorithmConfig
+from ._checks import POLICY_LOSS_KEYS, as_bool_mask, check_algorithm_config, check_same_shape
 from .registry import POLICY_LOSSES
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """Knobs of the policy losses.
-
-    clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high]. Equal for PPO;
-        DAPO's clip-higher raises clip_high (e.g. 0.28) so low-probability tokens can grow.
-    dual_clip_c: dual-clip bound; for A < 0 the loss is capped at dual_clip_c * -A (> 1).
-    is_cap: cap on the behaviour importance weight of ``decoupled_ppo``.
-    tis_cap: cap on the truncated importance weight of ``tis``.
-    max_log_ratio: log-ratios are clamped to +-this before exp, so a stale or broken token
-        gives a large finite ratio rather than inf/NaN (such tokens are clipped anyway).
-    """
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip_c: float = 3.0
-    is_cap: float = 2.0
-    tis_cap: float = 2.0
-    max_log_ratio: float = 20.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"PolicyLossConfig.clip_low must be in [0, 1), got {self.clip_low}")
-        if not self.clip_high >= 0.0:
-            raise ValueError(f"PolicyLossConfig.clip_high must be >= 0, got {self.clip_high}")
-        if not self.dual_clip_c > 1.0:
-            raise ValueError(f"PolicyLossConfig.dual_clip_c must be > 1, got {self.dual_clip_c}")
-        for name in ("is_cap", "tis_cap", "max_log_ratio"):
-            if not getattr(self, name) > 0.0:
-                raise ValueError(f"PolicyLossConfig.{name} must be > 0, got {getattr(self, name)}")
 
 
 def _zero(x: Tensor) -> Tensor:
@@ -56,8 +39,9 @@ def _zero(x: Tensor) -> Tensor:
 
 
 def _prepare(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
-             behav_log_probs: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+             behav_log_probs: Tensor | None, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor, Tensor]:
     """Validated bool mask, and detached old log-probs and advantages zeroed at padding."""
+    check_algorithm_config(cfg, POLICY_LOSS_KEYS)
     check_same_shape(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
                      mask=mask, behav_log_probs=behav_log_probs)
     m = as_bool_mask(mask, log_probs, like_name="log_probs")
@@ -69,7 +53,7 @@ def _prepare(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask:
 
 
 def _clipped_surrogate(log_probs: Tensor, old: Tensor, adv: Tensor, m: Tensor,
-                       cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+                       cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate max(-A r, -A clip(r, 1-cl, 1+ch)) with r = exp(log_probs - old)."""
     z = _zero(log_probs)
     log_ratio = torch.where(m, log_probs, z) - old
@@ -81,13 +65,16 @@ def _clipped_surrogate(log_probs: Tensor, old: Tensor, adv: Tensor, m: Tensor,
     with torch.no_grad():
         active = (clipped > unclipped) & m  # the clipped branch wins: this token's gradient is cut
         r = ratio.detach()
+        lr = log_ratio.detach()
         metrics = {
-            "clipfrac": active.to(log_probs.dtype),
-            "clipfrac_high": (active & (adv > 0)).to(log_probs.dtype),  # r > 1 + clip_high
-            "clipfrac_low": (active & (adv < 0)).to(log_probs.dtype),  # r < 1 - clip_low
+            "pg_clipfrac": active.to(log_probs.dtype),
+            "pg_clipfrac_ratio_high": (active & (adv > 0)).to(log_probs.dtype),  # r > 1 + clip_high
+            "pg_clipfrac_ratio_low": (active & (adv < 0)).to(log_probs.dtype),  # r < 1 - clip_low
             "ratio": torch.where(m, r, z),
-            # k3 estimate of KL(old || new) from samples of old: (r - 1) - log r >= 0.
-            "approx_kl": torch.where(m, (r - 1.0) - log_ratio.detach(), z),
+            # verl's ppo_kl: k1 estimate of KL(old || new), old - new log-prob (0 at padding: lr is).
+            "ppo_kl": torch.where(m, -lr, z),
+            # k3 estimate of the same KL from samples of old: (r - 1) - log r >= 0.
+            "ppo_kl_k3": torch.where(m, (r - 1.0) - lr, z),
         }
     return torch.where(m, loss, z), metrics
 
@@ -95,36 +82,40 @@ def _clipped_surrogate(log_probs: Tensor, old: Tensor, adv: Tensor, m: Tensor,
 @POLICY_LOSSES.register("ppo_clip")
 @POLICY_LOSSES.register("clip_higher")
 def ppo_clip(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
-             cfg: PolicyLossConfig, *, behav_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+             cfg: AlgorithmConfig, *, behav_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Standard PPO clipped surrogate. Registered also as ``clip_higher`` (DAPO): the same
     function, asymmetric through ``cfg.clip_high > cfg.clip_low``. ``behav_log_probs`` is ignored."""
-    m, old, adv = _prepare(log_probs, old_log_probs, advantages, mask, behav_log_probs)
+    m, old, adv = _prepare(log_probs, old_log_probs, advantages, mask, behav_log_probs, cfg)
     return _clipped_surrogate(log_probs, old, adv, m, cfg)
 
 
 @POLICY_LOSSES.register("dual_clip")
 def dual_clip(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
-              cfg: PolicyLossConfig, *, behav_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+              cfg: AlgorithmConfig, *, behav_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Dual-clip PPO: for A < 0 the PPO loss grows without bound in the ratio; cap it at
-    ``dual_clip_c * -A`` so one very off-policy token cannot dominate. Same as ppo_clip for A >= 0."""
-    m, old, adv = _prepare(log_probs, old_log_probs, advantages, mask, behav_log_probs)
+    ``dual_clip_c * -A`` so one very off-policy token cannot dominate. Same as ppo_clip for A >= 0.
+    This is verl's default policy loss, registered also under verl's name ``vanilla``."""
+    m, old, adv = _prepare(log_probs, old_log_probs, advantages, mask, behav_log_probs, cfg)
     loss, metrics = _clipped_surrogate(log_probs, old, adv, m, cfg)
     bound = -adv * cfg.dual_clip_c
     neg = adv < 0
     out = torch.where(neg, torch.minimum(loss, bound), loss)
     with torch.no_grad():
-        metrics["dual_clipfrac"] = (neg & (loss > bound) & m).to(log_probs.dtype)
+        metrics["pg_clipfrac_lower"] = (neg & (loss > bound) & m).to(log_probs.dtype)  # verl's name
     return out, metrics
 
 
+POLICY_LOSSES.alias("vanilla", "dual_clip")  # verl: actor.policy_loss.loss_mode=vanilla
+
+
 def _importance_weighted(name: str, cap: float, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor,
-                         mask: Tensor, cfg: PolicyLossConfig,
+                         mask: Tensor, cfg: AlgorithmConfig,
                          behav_log_probs: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
     """min(exp(old - behav), cap) (detached) times the PPO-clip surrogate relative to ``old``."""
     if behav_log_probs is None:
         raise ValueError(f"{name} needs behav_log_probs (the rollout engine's log-probs of the sampled "
                          f"tokens); old_log_probs must be the trainer's recomputed log-probs")
-    m, old, adv = _prepare(log_probs, old_log_probs, advantages, mask, behav_log_probs)
+    m, old, adv = _prepare(log_probs, old_log_probs, advantages, mask, behav_log_probs, cfg)
     loss, metrics = _clipped_surrogate(log_probs, old, adv, m, cfg)
     z = _zero(log_probs)
     with torch.no_grad():
@@ -138,7 +129,7 @@ def _importance_weighted(name: str, cap: float, log_probs: Tensor, old_log_probs
 
 @POLICY_LOSSES.register("decoupled_ppo")
 def decoupled_ppo(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
-                  cfg: PolicyLossConfig, *, behav_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                  cfg: AlgorithmConfig, *, behav_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO (AReaL-style) for asynchronous, off-policy rollouts.
 
     ``old_log_probs`` are the *proximal* policy's log-probs (recomputed by the trainer), the
@@ -153,7 +144,7 @@ def decoupled_ppo(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, 
 
 @POLICY_LOSSES.register("tis")
 def tis(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
-        cfg: PolicyLossConfig, *, behav_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        cfg: AlgorithmConfig, *, behav_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clip with truncated importance sampling, for the rollout-vs-trainer numerical
     mismatch (e.g. vLLM vs FSDP kernels): the surrogate times min(exp(old - behav), tis_cap),
     detached. Same formula as decoupled_ppo with its own cap; the intent differs (numerics,

@@ -41,6 +41,19 @@ class Registry(Generic[F]):
 
         return decorator
 
+    def alias(self, name: str, existing: str) -> None:
+        """Make ``name`` a second name of the function registered as ``existing`` (e.g. verl's
+        name for one of ours). Both appear in ``names()``; a taken ``name`` raises unless it
+        already refers to that same function. ``existing`` must be registered first."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+        fn = self.get(existing)
+        old = self._table.get(name)
+        if old is not None and _ident(old) != _ident(fn):  # same ident: a module reload
+            raise ValueError(f"{self.kind} {name!r} is already registered to {_ident(old)}; "
+                             f"cannot make it an alias of {existing!r}")
+        self._table[name] = fn
+
     def get(self, name: str) -> F:
         """The function registered as ``name``; ValueError listing the valid names otherwise."""
         try:

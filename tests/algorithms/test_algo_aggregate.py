@@ -124,6 +124,22 @@ def test_masked_sum_mean_var_whiten_by_hand() -> None:
     # shift_mean=False rescales but keeps the mean: (x - 2)/s + 2
     w2 = masked_whiten(v, m, shift_mean=False, eps=0.0)
     assert_close(w2, torch.tensor([[-1 / s + 2, 2.0], [1 / s + 2, 0.0]]))
+    # unbiased (verl's masked_whiten): std 1
+    assert_close(masked_whiten(v, m, eps=0.0, unbiased=True), torch.tensor([[-1.0, 0.0], [1.0, 0.0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("value", [0.1, 1 / 3, 1e7 + 0.1, -2.7])
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_masked_whiten_of_equal_entries_is_exactly_zero(dtype: torch.dtype, value: float, unbiased: bool) -> None:
+    # padding first and holding garbage: the reference entry is the first *valid* one
+    v = torch.full((3, 5), value, dtype=dtype)
+    v[0, 0] = float("nan")
+    m = torch.ones(3, 5, dtype=torch.bool)
+    m[0, 0] = False
+    assert (masked_whiten(v, m, unbiased=unbiased) == 0).all()
+    kept = masked_whiten(v, m, shift_mean=False, unbiased=unbiased)
+    assert (kept[m] == v[m]).all() and kept[0, 0] == 0
 
 
 def test_masked_mean_of_empty_row_is_zero() -> None:

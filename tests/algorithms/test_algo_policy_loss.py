@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
-from asyncflow.algorithms import POLICY_LOSSES, PolicyLossConfig
+from asyncflow.algorithms import POLICY_LOSSES
+from asyncflow.config import AlgorithmConfig
 from asyncflow.algorithms.policy_loss import decoupled_ppo, dual_clip, ppo_clip, tis
 from _alg_helpers import assert_close
 
-CFG = PolicyLossConfig()
+CFG = AlgorithmConfig()
 OLD = math.log(0.5)
 
 
@@ -42,12 +43,13 @@ def test_ppo_clip_by_hand() -> None:
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     loss, met = ppo_clip(lp, old, adv, torch.ones(1, 4), CFG)
     assert_close(loss, torch.tensor([[-1.2, -0.5, 1.1, 0.8]]))
-    assert_close(met["clipfrac"], torch.tensor([[1.0, 0, 0, 1]]))
-    assert_close(met["clipfrac_high"], torch.tensor([[1.0, 0, 0, 0]]))
-    assert_close(met["clipfrac_low"], torch.tensor([[0.0, 0, 0, 1]]))
+    assert_close(met["pg_clipfrac"], torch.tensor([[1.0, 0, 0, 1]]))
+    assert_close(met["pg_clipfrac_ratio_high"], torch.tensor([[1.0, 0, 0, 0]]))
+    assert_close(met["pg_clipfrac_ratio_low"], torch.tensor([[0.0, 0, 0, 1]]))
     assert_close(met["ratio"], torch.tensor([[1.5, 0.5, 1.1, 0.7]]))
     r = torch.tensor([[1.5, 0.5, 1.1, 0.7]])
-    assert_close(met["approx_kl"], r - 1 - r.log())  # k3 of the ratio, >= 0
+    assert_close(met["ppo_kl"], -r.log())  # verl's ppo_kl: k1, old_log_prob - log_prob
+    assert_close(met["ppo_kl_k3"], r - 1 - r.log())  # k3 of the ratio, >= 0
     # gradient d(-A r)/d log p = -A r where unclipped, 0 where the clipped branch wins
     loss.sum().backward()
     assert_close(lp.grad, torch.tensor([[0.0, -0.5, 1.1, 0.0]]))
@@ -57,10 +59,10 @@ def test_clip_higher_by_hand() -> None:
     # clip_high 0.28: r=1.25, A=+1 is inside [0.8, 1.28] -> -1.25 (ppo_clip would give -1.2)
     lp, old = _lp([1.25, 1.4])
     adv = torch.ones(1, 2)
-    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28)
+    cfg = AlgorithmConfig(clip_low=0.2, clip_high=0.28)
     loss, met = POLICY_LOSSES.get("clip_higher")(lp, old, adv, torch.ones(1, 2), cfg)
     assert_close(loss, torch.tensor([[-1.25, -1.28]]))
-    assert_close(met["clipfrac"], torch.tensor([[0.0, 1.0]]))
+    assert_close(met["pg_clipfrac"], torch.tensor([[0.0, 1.0]]))
     base, _ = ppo_clip(lp, old, adv, torch.ones(1, 2), CFG)
     assert_close(base, torch.tensor([[-1.2, -1.2]]))
 
@@ -68,7 +70,7 @@ def test_clip_higher_by_hand() -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_clip_higher_with_equal_clips_equals_ppo_clip(seed: int) -> None:
     d = _random(seed)
-    cfg = PolicyLossConfig(clip_low=0.15, clip_high=0.15)
+    cfg = AlgorithmConfig(clip_low=0.15, clip_high=0.15)
     a, ma = POLICY_LOSSES.get("clip_higher")(d["log_probs"], d["old_log_probs"], d["advantages"], d["mask"], cfg)
     b, mb = ppo_clip(d["log_probs"], d["old_log_probs"], d["advantages"], d["mask"], cfg)
     assert_close(a, b)
@@ -82,7 +84,7 @@ def test_dual_clip_by_hand() -> None:
     adv = torch.tensor([[-1.0, -1.0, 1.0]])
     loss, met = dual_clip(lp, old, adv, torch.ones(1, 3), CFG)
     assert_close(loss, torch.tensor([[3.0, 2.0, -1.2]]))
-    assert_close(met["dual_clipfrac"], torch.tensor([[1.0, 0.0, 0.0]]))
+    assert_close(met["pg_clipfrac_lower"], torch.tensor([[1.0, 0.0, 0.0]]))
     loss.sum().backward()
     assert_close(lp.grad, torch.tensor([[0.0, 2.0, 0.0]]))
 
@@ -109,7 +111,7 @@ def test_decoupled_ppo_and_tis_by_hand() -> None:
     assert_close(met["is_weight"], torch.tensor([[2.0, 1.5, 0.5]]))
     assert_close(met["is_capfrac"], torch.tensor([[1.0, 0.0, 0.0]]))
     # tis has its own cap: tis_cap 1.2 -> weights [1.2, 1.2, 0.5]
-    loss, met = tis(lp, old, adv, m, PolicyLossConfig(tis_cap=1.2), behav_log_probs=behav)
+    loss, met = tis(lp, old, adv, m, AlgorithmConfig(tis_cap=1.2), behav_log_probs=behav)
     assert_close(loss, torch.tensor([[-1.2, -1.2, 0.5]]))
     assert_close(met["is_capfrac"], torch.tensor([[1.0, 1.0, 0.0]]))
 
@@ -172,9 +174,11 @@ def test_common_diagnostics_and_extreme_ratios_stay_finite(name: str) -> None:
     old = torch.tensor([[-200.0, 0.0, 0.0]])
     adv = torch.tensor([[-1.0, 1.0, 1.0]])
     loss, met = POLICY_LOSSES.get(name)(lp, old, adv, torch.ones(1, 3), CFG, behav_log_probs=old.clone())
-    assert {"clipfrac", "ratio", "approx_kl"} <= met.keys()
+    assert {"pg_clipfrac", "ppo_kl", "ppo_kl_k3", "ratio"} <= met.keys()
     assert torch.isfinite(loss).all() and all(torch.isfinite(v).all() for v in met.values())
-    assert (met["approx_kl"] >= 0).all()
+    assert (met["ppo_kl_k3"] >= 0).all()
+    # log-ratios clamped at max_log_ratio (20, as verl) before exp and in ppo_kl
+    assert_close(met["ppo_kl"], torch.tensor([[-20.0, 20.0, 0.0]]))
 
 
 def test_errors_name_the_problem() -> None:
@@ -188,7 +192,49 @@ def test_errors_name_the_problem() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"clip_low": 1.0}, {"clip_low": -0.1}, {"clip_high": -0.1},
-                                    {"dual_clip_c": 1.0}, {"is_cap": 0.0}, {"tis_cap": -1.0}])
-def test_config_validation(kwargs: dict) -> None:
-    with pytest.raises(ValueError, match="PolicyLossConfig"):
-        PolicyLossConfig(**kwargs)
+                                    {"dual_clip_c": 1.0}, {"is_cap": 0.0}, {"tis_cap": -1.0},
+                                    {"max_log_ratio": 0.0}, {"clip_high": float("nan")}])
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_config_validation_names_the_key(kwargs: dict, name: str) -> None:
+    (key, _), = kwargs.items()
+    d = _random(0)
+    with pytest.raises(ValueError, match=rf"algorithm\.{key}: must be"):
+        POLICY_LOSSES.get(name)(d["log_probs"], d["old_log_probs"], d["advantages"], d["mask"],
+                                AlgorithmConfig(**kwargs), behav_log_probs=d["behav"])
+
+
+def test_vanilla_is_verls_name_for_dual_clip() -> None:
+    assert POLICY_LOSSES.get("vanilla") is dual_clip
+
+
+def _verl_vanilla(old: torch.Tensor, lp: torch.Tensor, adv: torch.Tensor, m: torch.Tensor,
+                  clip: float = 0.2, c: float = 3.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's compute_policy_loss_vanilla per token, with its three metrics (masked means)."""
+    mf = m.to(lp.dtype)
+
+    def mean(x: torch.Tensor) -> float:
+        return float((x * mf).sum() / mf.sum())
+    neg_kl = (lp - old).clamp(-20.0, 20.0)
+    ratio = neg_kl.exp()
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1 - clip, 1 + clip)
+    clip1 = torch.maximum(pg1, pg2)
+    pg3 = -adv * c
+    clip2 = torch.minimum(pg3, clip1)
+    loss = torch.where(adv < 0, clip2, clip1)
+    return loss, {"pg_clipfrac": mean((pg2 > pg1).to(lp.dtype)), "ppo_kl": mean(-neg_kl),
+                  "pg_clipfrac_lower": mean(((clip1 > pg3) & (adv < 0)).to(lp.dtype))}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_vanilla_matches_verl_loss_and_metrics(seed: int) -> None:
+    d = _random(seed)
+    d["log_probs"] = (d["old_log_probs"] + 1.5 * torch.randn(6, 5, generator=torch.Generator().manual_seed(seed)))
+    m = d["mask"]
+    loss, met = POLICY_LOSSES.get("vanilla")(d["log_probs"], d["old_log_probs"], d["advantages"], m, CFG)
+    ref_loss, ref_met = _verl_vanilla(d["old_log_probs"], d["log_probs"], d["advantages"], m)
+    assert_close(loss[m], ref_loss[m])
+    mf = m.float()
+    for key, value in ref_met.items():
+        assert float((met[key] * mf).sum() / mf.sum()) == pytest.approx(value, abs=1e-6), key
+    assert ref_met["pg_clipfrac"] > 0 and ref_met["pg_clipfrac_lower"] > 0  # the cases are exercised

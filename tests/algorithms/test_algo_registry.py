@@ -61,11 +61,34 @@ def test_bad_names_rejected(bad: object) -> None:
 
 def test_module_registries_hold_the_documented_names() -> None:
     assert alg.ADVANTAGES.names() == ["dr_grpo", "gae", "grpo", "reinforce_pp", "rloo"]
-    assert alg.POLICY_LOSSES.names() == ["clip_higher", "decoupled_ppo", "dual_clip", "ppo_clip", "tis"]
+    assert alg.POLICY_LOSSES.names() == ["clip_higher", "decoupled_ppo", "dual_clip", "ppo_clip", "tis", "vanilla"]
     assert alg.VALUE_LOSSES.names() == ["clipped", "mse"]
     assert alg.KL_ESTIMATORS.names() == ["k1", "k2", "k3"]
     assert alg.AGGREGATIONS.names() == ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"]
     assert alg.POLICY_LOSSES.get("clip_higher") is alg.POLICY_LOSSES.get("ppo_clip")
+    assert alg.POLICY_LOSSES.get("vanilla") is alg.POLICY_LOSSES.get("dual_clip")  # verl's default
+
+
+def test_alias() -> None:
+    reg: Registry = Registry("widget")
+
+    def f() -> int:
+        return 1
+
+    def g() -> int:
+        return 2
+
+    reg.register("f")(f)
+    reg.register("g")(g)
+    reg.alias("other_f", "f")
+    reg.alias("other_f", "f")  # again: the same function, fine
+    assert reg.get("other_f") is f and reg.names() == ["f", "g", "other_f"]
+    with pytest.raises(ValueError, match="'g' is already registered"):
+        reg.alias("g", "f")
+    with pytest.raises(ValueError, match="unknown widget 'h'"):
+        reg.alias("x", "h")
+    with pytest.raises(ValueError, match="non-empty string"):
+        reg.alias("", "f")
 
 
 @pytest.mark.parametrize("reg", [alg.ADVANTAGES, alg.POLICY_LOSSES, alg.VALUE_LOSSES,
