@@ -97,12 +97,12 @@ def checksum(td_or_dict) -> float:
 
 @functools.lru_cache(maxsize=1)
 def _alloc():
-    """asyncflow/transfer_queue/alloc.py, loaded (once) from its file alone: the raw and pickle
+    """asyncflow/rpc/alloc.py, loaded (once) from its file alone: the raw and pickle
     stores must not import torch with the asyncflow package."""
     import importlib.util
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "asyncflow", "transfer_queue", "alloc.py")
-    spec = importlib.util.spec_from_file_location("_tq_alloc", path)
+                        "asyncflow", "rpc", "alloc.py")
+    spec = importlib.util.spec_from_file_location("_rpc_alloc", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -199,7 +199,7 @@ class _TransportStore:
 
 async def _serve_transport(conn) -> None:
     import zmq.asyncio
-    from asyncflow.transfer_queue.transport import RpcServer
+    from asyncflow.rpc.transport import RpcServer
     server = RpcServer(_TransportStore(), "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), "bench-transport")
     server.start()
     conn.send(server.address)
@@ -209,7 +209,7 @@ async def _serve_transport(conn) -> None:
 
 def _transport_client(address: str):
     import zmq
-    from asyncflow.transfer_queue.transport import BlockingRpcClient
+    from asyncflow.rpc.transport import BlockingRpcClient
     return BlockingRpcClient(address, zmq.Context.instance())
 
 
@@ -546,7 +546,7 @@ def main() -> None:
     calls = 200 if args.quick else 1000
     # The storage, producer and consumer processes are siblings: make the run key here, so
     # that each inherits it through the environment (TQ messages are signed with it).
-    from asyncflow.transfer_queue import auth
+    from asyncflow.rpc import auth
     auth.run_key()
     t0 = time.time()
     res = transfer(["raw", "pickle", "tq", "transport"], seq_rounds, stream_rounds, k)

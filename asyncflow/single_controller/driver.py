@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, TypeVar
 
 import zmq.asyncio
 
-from ..transfer_queue.errors import RemoteError, TransferQueueTimeout
-from ..transfer_queue.transport import RpcClient
+from ..rpc.errors import RemoteError, RpcTimeout
+from ..rpc.transport import RpcClient
 from .errors import WorkerCallTimeout, WorkerDiedError, WorkerError
 from .layout import GroupLayout
 from .placement import PlacementConfig
@@ -116,7 +116,7 @@ class RankCall:
                                   rank=ep.rank, role=role or "", method=what) from None
         except WorkerDiedError:  # the rank was dead before the call: its own error, as is
             raise
-        except TransferQueueTimeout:
+        except RpcTimeout:
             raise WorkerCallTimeout(
                 f"{what} on {ep.where(role)} got no reply within {self.timeout:.1f}s (the worker may still be "
                 "running it; later calls to this rank queue behind it)",
@@ -285,7 +285,7 @@ class Driver:
                 try:
                     ep.info = await ep.ping(min(2.0, max(0.1, deadline - time.monotonic())))
                     return
-                except TransferQueueTimeout:
+                except RpcTimeout:
                     if time.monotonic() > deadline:
                         raise WorkerDiedError(f"{ep.where()} did not answer within "
                                               f"{self.config.attach_timeout_s:.0f}s of attach",
@@ -300,7 +300,7 @@ class Driver:
                 await ep.ping(cfg.heartbeat_timeout_s)
                 misses, last_ok = 0, time.monotonic()
                 await asyncio.sleep(cfg.heartbeat_interval_s)
-            except TransferQueueTimeout:  # the timeout already spent the interval: ping again now
+            except RpcTimeout:  # the timeout already spent the interval: ping again now
                 misses += 1
                 if misses >= cfg.heartbeat_misses:
                     # Name what it was running: the run's own error may come from a call to another rank.

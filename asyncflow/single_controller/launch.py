@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
-from ..transfer_queue.alloc import freeze_gc_heap
+from ..rpc.alloc import freeze_gc_heap
 from .driver import Driver, DriverConfig
 from .errors import LaunchError
 from .placement import PlacementConfig

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
-from ..transfer_queue import auth
+from ..rpc import auth
 from .errors import LaunchError
 from .launch import RunConfig, run_rank
 from .rendezvous import wait_addresses

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from ..transfer_queue import auth
+from ..rpc import auth
 from .errors import LaunchError
 
 KEY_PREFIX = "asyncflow/"

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..rpc.store_wait import wait_for_value
+from ..rpc.transport import EventLoopThread
 from ..transfer_queue import locality
-from ..transfer_queue.store_wait import wait_for_value
-from ..transfer_queue.transport import EventLoopThread
 from .errors import LaunchError
 from .rendezvous import KEY_PREFIX
 
@@ -166,7 +166,7 @@ def nodes_of_ranks(store: Any, world_size: int) -> list[int]:
 
 async def wait_for_node_units(controller_address: str, nodes: list[int], timeout_s: float) -> None:
     """Until every node's unit is registered with the controller; names the missing ones."""
-    from ..transfer_queue.transport import RpcClient
+    from ..rpc.transport import RpcClient
     import zmq.asyncio
 
     want = sorted(set(nodes))

@@ -12,7 +12,7 @@ import inspect
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..transfer_queue.transport import RpcClient, SpinPolicy
+from ..rpc.transport import RpcClient, SpinPolicy
 from .dispatch import MethodSpec, get_dispatch_mode, method_spec
 from .driver import RankCall, spin_calls, wait_calls
 from .layout import GroupLayout

@@ -25,7 +25,7 @@ from .errors import BadPutError, TransferQueueError, TransferQueueTimeout
 from .locality import local_node, local_unit
 from .meta import BatchMeta, ReadRequest as _Request, ids_from_wire, ids_to_wire, plan_reads as _plan_get
 from .meta import positions_by_unit as _positions_by_unit
-from .transport import BlockingRpcClient, RpcClient
+from ..rpc.transport import BlockingRpcClient, RpcClient
 
 # Added to a server-side wait so the reply (or its error) can arrive before the client gives up.
 _REPLY_MARGIN_S = 10.0
@@ -198,14 +198,15 @@ class AsyncTransferQueueClient:
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self.timeout = timeout
         self.wait_timeout = wait_timeout
-        self.controller = RpcClient(controller_address, self._ctx, timeout)
+        self.controller = RpcClient(controller_address, self._ctx, timeout, timeout_error=TransferQueueTimeout)
         self._units = _Units(preferred_unit)
         self.node = node if node is not None else local_node()
         self._endpoints: dict[int, RpcClient] = {}
 
     async def _refresh_units(self) -> None:
         for i in self._units.update(await self.controller.call("info")):
-            self._endpoints[i] = RpcClient(self._units.addresses[i], self._ctx, self.timeout)
+            self._endpoints[i] = RpcClient(self._units.addresses[i], self._ctx, self.timeout,
+                                           timeout_error=TransferQueueTimeout)
 
     async def _unit(self, index: int | None) -> RpcClient:
         if index is None:
@@ -354,7 +355,7 @@ class TransferQueueClient:
         self._ctx = ctx or zmq.Context.instance()
         self.timeout = timeout
         self.wait_timeout = wait_timeout
-        self.controller = BlockingRpcClient(controller_address, self._ctx, timeout)
+        self.controller = BlockingRpcClient(controller_address, self._ctx, timeout, timeout_error=TransferQueueTimeout)
         self._units = _Units(preferred_unit)
         self.node = node if node is not None else local_node()
         self._endpoints: dict[int, BlockingRpcClient] = {}
@@ -364,7 +365,8 @@ class TransferQueueClient:
         info = self.controller.call("info")
         with self._lock:
             for i in self._units.update(info):
-                self._endpoints[i] = BlockingRpcClient(self._units.addresses[i], self._ctx, self.timeout)
+                self._endpoints[i] = BlockingRpcClient(self._units.addresses[i], self._ctx, self.timeout,
+                                                       timeout_error=TransferQueueTimeout)
 
     def _unit(self, index: int | None) -> BlockingRpcClient:
         if index is None:

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .codec import CodecError, dtype_name
+from ..rpc.codec import CodecError, dtype_name
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,14 @@
 """Errors of the TransferQueue. Each names what was asked and what was wrong.
 
 Errors raised inside a controller or storage unit travel back to the caller by name
-and are raised there as the same class, so callers can catch them precisely.
+and are raised there as the same class, so callers can catch them precisely: they are
+registered with the RPC layer by name (``asyncflow.rpc.errors``) when this module is imported.
 """
 from __future__ import annotations
+
+# RemoteError belongs to the RPC layer (any service's call can fail so); re-exported here
+# because ``asyncflow.transfer_queue.RemoteError`` is part of the TransferQueue's public API.
+from ..rpc.errors import RemoteError, RpcTimeout, register_error_types
 
 
 class TransferQueueError(RuntimeError):
@@ -50,19 +55,17 @@ class CapacityError(TransferQueueError):
     """A storage unit stayed full for longer than the put's timeout, or a put can never fit."""
 
 
-class TransferQueueTimeout(TransferQueueError, TimeoutError):
-    """A wait (for rows, or for a reply) ran past its timeout."""
+class TransferQueueTimeout(TransferQueueError, RpcTimeout):
+    """A wait (for rows, or for a reply) ran past its timeout. The TransferQueue's clients
+    raise it for a reply that does not come (an RpcTimeout, so RPC-level code catches it too)."""
 
 
-class RemoteError(TransferQueueError):
-    """An unexpected exception inside a remote service; carries the remote traceback."""
+register_error_types(
+    TransferQueueError, UnknownPartitionError, UnknownTaskError, SchemaMismatchError,
+    BadPutError, RowsClearedError, MissingColumnError, CapacityError, TransferQueueTimeout,
+)
 
-
-ERROR_TYPES: dict[str, type[Exception]] = {
-    cls.__name__: cls
-    for cls in (
-        TransferQueueError, UnknownPartitionError, UnknownTaskError, SchemaMismatchError,
-        BadPutError, RowsClearedError, MissingColumnError, CapacityError, TransferQueueTimeout,
-        RemoteError, ValueError, TypeError, KeyError,
-    )
-}
+__all__ = [
+    "TransferQueueError", "UnknownPartitionError", "UnknownTaskError", "SchemaMismatchError", "BadPutError",
+    "RowsClearedError", "MissingColumnError", "CapacityError", "TransferQueueTimeout", "RemoteError",
+]

@@ -15,10 +15,11 @@ from typing import Any
 
 import zmq.asyncio
 
-from .alloc import keep_freed_memory
+from ..rpc.alloc import keep_freed_memory
+from ..rpc.transport import EventLoopThread, LocalEndpoint, RpcClient, RpcServer
 from .controller import Controller
+from .errors import TransferQueueTimeout
 from .storage import StorageUnit
-from .transport import EventLoopThread, LocalEndpoint, RpcClient, RpcServer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class TransferQueueService:
         server.start()
         self._servers.append(server)
         self.controller_address = server.address
-        local_controller = LocalEndpoint(self.controller, "controller")
+        local_controller = LocalEndpoint(self.controller, "controller", timeout_error=TransferQueueTimeout)
         for i in range(cfg.num_local_units):
             unit = StorageUnit(i, local_controller, cfg.max_rows_per_unit, cfg.max_bytes_per_unit,
                                cfg.wait_timeout_s)
@@ -62,7 +63,8 @@ class TransferQueueService:
             userver.start()
             self._servers.append(userver)
             self.units.append(unit)
-            self.controller.attach_unit(i, LocalEndpoint(unit, f"unit-{i}"), userver.address)
+            self.controller.attach_unit(i, LocalEndpoint(unit, f"unit-{i}", timeout_error=TransferQueueTimeout),
+                                        userver.address)
         return self
 
     def start_in_thread(self) -> "TransferQueueService":
@@ -90,7 +92,7 @@ async def serve_storage_unit(controller_address: str, index: int, host: str = "1
                              wait_timeout_s: float = 300.0, ready: Any = None) -> None:
     """Run a storage unit in this process until cancelled; it registers with the controller."""
     ctx = zmq.asyncio.Context.instance()
-    controller = RpcClient(controller_address, ctx, timeout=60.0)
+    controller = RpcClient(controller_address, ctx, timeout=60.0, timeout_error=TransferQueueTimeout)
     unit = StorageUnit(index, controller, max_rows, max_bytes, wait_timeout_s)
     server = RpcServer(unit, f"tcp://{host}:0", ctx, f"tq-unit-{index}")
     server.start()

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .codec import CodecError
+from ..rpc.codec import CodecError
 from .columns import Column, JaggedColumn, column_from_wire, column_to_wire, concat
 from .errors import BadPutError, CapacityError, MissingColumnError, RowsClearedError, UnknownPartitionError
 from .meta import LOCAL_MASK, MAX_UNITS, UNIT_SHIFT, ids_from_wire, make_row_id

@@ -18,8 +18,8 @@ import argparse
 import asyncio
 from datetime import timedelta
 
-from . import auth
-from .alloc import freeze_gc_heap, keep_freed_memory
+from ..rpc import auth
+from ..rpc.alloc import freeze_gc_heap, keep_freed_memory
 from .service import serve_storage_unit
 
 

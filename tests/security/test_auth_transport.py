@@ -14,10 +14,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from asyncflow.transfer_queue import auth, codec
-from asyncflow.transfer_queue.errors import TransferQueueTimeout
-from asyncflow.transfer_queue.transport import (BlockingRpcClient, BlockingRpcServer, EventLoopThread, RpcClient,
-                                                RpcServer)
+from asyncflow.rpc import auth, codec
+from asyncflow.rpc.errors import RpcTimeout
+from asyncflow.rpc.transport import BlockingRpcClient, BlockingRpcServer, EventLoopThread, RpcClient, RpcServer
 
 WAIT_S = 5.0
 
@@ -68,7 +67,7 @@ def server(request):
         c = BlockingRpcClient(srv.address, ctx, timeout=2)
         try:
             c.call("bump")
-        except TransferQueueTimeout:
+        except RpcTimeout:
             pass
         t.join(5)
         c.close()
@@ -294,7 +293,7 @@ def test_a_client_drops_an_unauthentic_reply(kind, blocking):
     try:
         if blocking:
             c = BlockingRpcClient(fake.address, zmq.Context.instance(), timeout=0.5)
-            with pytest.raises(TransferQueueTimeout, match="run's key"):
+            with pytest.raises(RpcTimeout, match="run's key"):
                 c.call("bump")
             assert c.auth_failures == 1
             c.close()
@@ -302,7 +301,7 @@ def test_a_client_drops_an_unauthentic_reply(kind, blocking):
             async def go():
                 c = RpcClient(fake.address, zmq.asyncio.Context.instance(), timeout=0.5)
                 try:
-                    with pytest.raises(TransferQueueTimeout, match="run's key"):
+                    with pytest.raises(RpcTimeout, match="run's key"):
                         await c.call("bump")
                     return c.auth_failures
                 finally:
@@ -332,9 +331,9 @@ def test_a_replayed_or_mislabelled_reply_is_not_taken(blocking):
         if blocking:
             c = BlockingRpcClient(fake.address, zmq.Context.instance(), timeout=0.5)
             assert c.call("bump") == "first"
-            with pytest.raises(TransferQueueTimeout):
+            with pytest.raises(RpcTimeout):
                 c.call("bump")
-            with pytest.raises(TransferQueueTimeout):
+            with pytest.raises(RpcTimeout):
                 c.call("bump")
             c.close()
         else:
@@ -343,7 +342,7 @@ def test_a_replayed_or_mislabelled_reply_is_not_taken(blocking):
                 try:
                     assert await c.call("bump") == "first"
                     for _ in range(2):
-                        with pytest.raises(TransferQueueTimeout):
+                        with pytest.raises(RpcTimeout):
                             await c.call("bump")
                 finally:
                     await c.close()

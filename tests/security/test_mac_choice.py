@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncflow.transfer_queue import auth, codec
+from asyncflow.rpc import auth, codec
 
 FLAGS_AT = 2  # version, kind, flags, nonce
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from asyncflow.single_controller.errors import LaunchError
 from asyncflow.single_controller.rendezvous import share_run_key, wait_run_key
-from asyncflow.transfer_queue import auth
+from asyncflow.rpc import auth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

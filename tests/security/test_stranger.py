@@ -22,9 +22,9 @@ from asyncflow.single_controller.runtime import split_address
 def stranger_main(workers: list[str], controller: str, unit: str, out) -> None:
     """Sends every attack twice: signed with a key of its own, and untagged (the old
     protocol). Reports how many replies came back (none should)."""
-    from asyncflow.transfer_queue import auth, codec
-    from asyncflow.transfer_queue.errors import TransferQueueTimeout
-    from asyncflow.transfer_queue.transport import RpcClient
+    from asyncflow.rpc import auth, codec
+    from asyncflow.rpc.errors import RpcTimeout
+    from asyncflow.rpc.transport import RpcClient
 
     os.environ.pop(auth.ENV_VAR, None)  # a stranger: it never saw the run's key
     auth.set_run_key(auth.generate_key(), export_env=False)
@@ -56,7 +56,7 @@ def stranger_main(workers: list[str], controller: str, unit: str, out) -> None:
             try:
                 await c.call(method, **args)
                 answered += 1
-            except TransferQueueTimeout:
+            except RpcTimeout:
                 pass
             except Exception:  # noqa: BLE001 - any reply at all is a failure of the test
                 answered += 1

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from asyncflow.rpc.transport import EventLoopThread
 from asyncflow.single_controller import Driver, DriverConfig, PlacementConfig, RunConfig, RuntimeConfig
 from asyncflow.transfer_queue import AsyncTransferQueueClient, TransferQueueService
-from asyncflow.transfer_queue.transport import EventLoopThread
 
 FAST_DRIVER = DriverConfig(call_timeout_s=30.0, create_timeout_s=60.0, heartbeat_interval_s=0.5,
                            heartbeat_timeout_s=1.5, heartbeat_misses=2, attach_timeout_s=60.0)

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
+from asyncflow.rpc.transport import EventLoopThread
 from asyncflow.single_controller import Driver, RunConfig, RuntimeConfig, WorkerError
 from asyncflow.single_controller.local import LocalWorkers
-from asyncflow.transfer_queue.transport import EventLoopThread
 
 import _dp_workers as D
 from _sc_cluster import FAST_DRIVER

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CODE = "from asyncflow.transfer_queue.alloc import keep_freed_memory; print(keep_freed_memory())"
+CODE = "from asyncflow.rpc.alloc import keep_freed_memory; print(keep_freed_memory())"
 
 
 def _run(env_value: str | None) -> subprocess.CompletedProcess:
@@ -40,7 +40,7 @@ def test_a_malformed_value_names_the_variable():
 
 
 def test_freeze_keeps_the_heap_so_far_out_of_collections():
-    code = ("import gc, torch; from asyncflow.transfer_queue.alloc import freeze_gc_heap; "
+    code = ("import gc, torch; from asyncflow.rpc.alloc import freeze_gc_heap; "
             "before = gc.get_freeze_count(); freeze_gc_heap(); young = [[] for _ in range(10)]; "
             "print(before, gc.get_freeze_count(), sum(len(gc.get_objects(g)) for g in range(3)))")
     r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT},

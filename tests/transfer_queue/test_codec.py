@@ -9,7 +9,7 @@ import pytest
 import torch
 import zmq
 
-from asyncflow.transfer_queue.codec import CodecError, decode, dtype_from_name, dtype_name, encode
+from asyncflow.rpc.codec import CodecError, decode, dtype_from_name, dtype_name, encode
 
 
 def _frames(header: dict, *bufs: bytes) -> list:

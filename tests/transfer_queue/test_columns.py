@@ -5,7 +5,7 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from asyncflow.transfer_queue.codec import CodecError
+from asyncflow.rpc.codec import CodecError
 from asyncflow.transfer_queue.columns import (FieldSchema, FixedColumn, JaggedColumn, ObjectColumn, column_from_wire,
                                               column_to_wire, concat, to_column, to_columns, to_tensordict)
 

@@ -11,9 +11,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from asyncflow.transfer_queue import auth, codec, transport
-from asyncflow.transfer_queue.errors import RemoteError
-from asyncflow.transfer_queue.transport import EventLoopThread, RpcClient, RpcServer
+from asyncflow.rpc import auth, codec, transport
+from asyncflow.rpc.errors import RemoteError
+from asyncflow.rpc.transport import EventLoopThread, RpcClient, RpcServer
 
 WAIT_S = 5.0
 
@@ -210,7 +210,7 @@ def test_a_peer_that_never_reads_holds_a_bounded_backlog(served):
 
 def test_a_handler_may_call_a_local_endpoint_with_a_timeout_in_its_eager_step():
     """LocalEndpoint.call(_timeout=...) works outside a Task (the handler's first step)."""
-    from asyncflow.transfer_queue.transport import LocalEndpoint
+    from asyncflow.rpc.transport import LocalEndpoint
 
     class Inner:
         async def rpc_twice(self, x: int) -> int:

@@ -9,7 +9,7 @@ import time
 
 import zmq
 
-from asyncflow.transfer_queue.transport import (BlockingRpcServer, RpcClient, SpinPolicy, poll_ready)
+from asyncflow.rpc.transport import (BlockingRpcServer, RpcClient, SpinPolicy, poll_ready)
 
 SLACK_S = 0.05  # a descheduled thread on a loaded 2-core machine overshoots by a few ms at most
 
@@ -110,7 +110,7 @@ def test_spin_takes_the_reply_or_falls_back_to_the_loop():
                 await asyncio.wait_for(fut, 5)
                 raise AssertionError("no timeout")
             except Exception as e:  # noqa: BLE001
-                assert type(e).__name__ == "TransferQueueTimeout"
+                assert type(e).__name__ == "RpcTimeout"
             await asyncio.sleep(0.6)  # the slow call ends (its late reply is dropped)
             srv.stopping = True  # the server stops after the next reply
             assert await client.call("echo", x=4) == 4

@@ -8,12 +8,12 @@ import asyncio
 import pytest
 import torch
 
+from asyncflow.rpc.transport import LocalEndpoint
 from asyncflow.transfer_queue.columns import column_from_wire, column_to_wire, to_column
 from asyncflow.transfer_queue.controller import Controller
 from asyncflow.transfer_queue.errors import BadPutError, MissingColumnError, RowsClearedError
 from asyncflow.transfer_queue.meta import make_row_id
 from asyncflow.transfer_queue.storage import StorageUnit
-from asyncflow.transfer_queue.transport import LocalEndpoint
 
 PART = "p"
 

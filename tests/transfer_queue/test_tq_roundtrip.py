@@ -8,8 +8,8 @@ import random
 import torch
 from tensordict import NonTensorStack, TensorDict
 
+from asyncflow.rpc.codec import encode
 from asyncflow.transfer_queue import BatchMeta, JaggedColumn
-from asyncflow.transfer_queue.codec import encode
 from asyncflow.transfer_queue.columns import column_to_wire, to_column
 from asyncflow.transfer_queue.meta import unit_of
 

@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from . import auth, codec
-from .errors import ERROR_TYPES, RemoteError, TransferQueueTimeout
+from .errors import ERROR_TYPES, RemoteError, RpcTimeout
 
 log = logging.getLogger(__name__)
 
@@ -484,7 +484,7 @@ class RpcClient:
     future. The event loop watches the socket's file descriptor; one reader callback
     drains every reply that has arrived, checks its tag and hands it to its call by id.
     One timer per client, armed at the earliest deadline of the calls in flight, fails
-    each overdue call with TransferQueueTimeout naming the method and the address.
+    each overdue call with RpcTimeout (or the client's ``timeout_error``) naming the method and the address.
 
     ``call`` is the whole round trip. ``start``/``result`` split it, so a caller can have
     one call in flight on each of several clients and wait for all of them on their
@@ -492,9 +492,10 @@ class RpcClient:
     """
 
     def __init__(self, address: str, ctx: zmq.Context, timeout: float = 60.0, *,
-                 key: bytes | None = None):
+                 key: bytes | None = None, timeout_error: type[RpcTimeout] = RpcTimeout):
         self.address = address
         self.timeout = timeout
+        self.timeout_error = timeout_error  # raised for a call with no reply in time
         self._key = key if key is not None else auth.run_key()
         # A plain socket even from a zmq.asyncio context: the loop watches its fd itself.
         self._sock = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
@@ -534,7 +535,7 @@ class RpcClient:
 
     def start(self, method: str, args: list, timeout: float | None = None) -> tuple[int, asyncio.Future]:
         """Send a call now; ``(request id, future)``. ``args`` are :meth:`encode_args` frames.
-        The future gets the reply message (give it to :meth:`result`) or TransferQueueTimeout."""
+        The future gets the reply message (give it to :meth:`result`) or ``timeout_error``."""
         loop = self._watch()
         rid = next(self._ids)
         # The codec's header of {"id": rid, "m": method, "a": args}, byte for byte, around
@@ -619,8 +620,8 @@ class RpcClient:
                 del self._pending[rid]
             elif deadline <= now:
                 del self._pending[rid]
-                fut.set_exception(TransferQueueTimeout(f"no reply to {method} from {self.address} within "
-                                                       f"{timeout:.1f}s: {_no_reply_hint(self.address)}"))
+                fut.set_exception(self.timeout_error(f"no reply to {method} from {self.address} within "
+                                                     f"{timeout:.1f}s: {_no_reply_hint(self.address)}"))
             elif first is None or deadline < first:
                 first = deadline
         if first is not None:
@@ -683,9 +684,11 @@ class BlockingRpcClient:
     flight at once.
     """
 
-    def __init__(self, address: str, ctx: zmq.Context, timeout: float = 60.0, *, key: bytes | None = None):
+    def __init__(self, address: str, ctx: zmq.Context, timeout: float = 60.0, *, key: bytes | None = None,
+                 timeout_error: type[RpcTimeout] = RpcTimeout):
         self.address = address
         self.timeout = timeout
+        self.timeout_error = timeout_error  # raised for a call with no reply in time
         self._ctx = ctx
         self._key = key if key is not None else auth.run_key()
         self._ids = itertools.count()
@@ -728,8 +731,8 @@ class BlockingRpcClient:
             while rid not in st.early:
                 left = deadline - time.monotonic()
                 if left <= 0 or not st.sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
-                    raise TransferQueueTimeout(f"no reply to {method} from {self.address} within "
-                                               f"{timeout:.1f}s: {_no_reply_hint(self.address)}")
+                    raise self.timeout_error(f"no reply to {method} from {self.address} within "
+                                             f"{timeout:.1f}s: {_no_reply_hint(self.address)}")
                 frames = st.sock.recv_multipart(copy=False)
                 opened = _check_reply(self, st.sender, frames)
                 if opened is None or opened[0] not in st.outstanding:  # a late reply to a timed-out call
@@ -758,9 +761,10 @@ class BlockingRpcClient:
 class LocalEndpoint:
     """Same call signature as RpcClient, for a service living in this event loop."""
 
-    def __init__(self, service: Any, name: str = "local"):
+    def __init__(self, service: Any, name: str = "local", *, timeout_error: type[RpcTimeout] = RpcTimeout):
         self.service = service
         self.address = name
+        self.timeout_error = timeout_error  # raised for a call that runs past its _timeout
 
     async def call(self, method: str, /, _timeout: float | None = None, **args: Any) -> Any:
         fn = getattr(self.service, f"rpc_{method}")
@@ -771,7 +775,7 @@ class LocalEndpoint:
             # eager first step, outside any Task, where asyncio.timeout cannot work.
             return await asyncio.wait_for(fn(**args), _timeout)
         except asyncio.TimeoutError:
-            raise TransferQueueTimeout(f"{method} on {self.address} took longer than {_timeout:.1f}s") from None
+            raise self.timeout_error(f"{method} on {self.address} took longer than {_timeout:.1f}s") from None
 
     async def close(self) -> None:
         pass
