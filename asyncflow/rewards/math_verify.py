@@ -1,18 +1,42 @@
-"""Check a model's final math answer against a reference (GSM8K / DeepScaleR style).
+"""Check a model's final math answer against a reference (GSM8K / DeepScaleR / MATH style).
 
-The answer is the last `\\boxed{...}` in the response, else the number after a
-`####` marker, else the last number in the text. Both sides are normalised (dollar
-signs, spaces, thousands commas, leading +, trailing .0, \\dfrac, percent signs,
-`x =` prefixes) and compared as exact rationals when both parse as numbers
-(so 0.5 == 1/2 == \\frac{1}{2}), else as normalised strings.
+Front end (ours): the answer is the last `\\boxed{...}` in the response, else the number
+after a `####` marker, else the last number in the text. Both sides are normalised (dollar
+signs, spaces, thousands commas, leading +, trailing .0, \\dfrac, percent signs, `x =`
+prefixes).
+
+Comparison, in order:
+1. exact rationals, when both sides parse as plain numbers (0.5 == 1/2 == \\frac{1}{2}, and
+   1/3 != 0.333333): a final verdict either way, no solver involved;
+2. the normalised strings, when they are equal;
+3. otherwise the `math-verify` library (Hugging Face; what verl, TRL and open-r1 use) parses
+   both sides from LaTeX into sympy and checks symbolic equivalence: 2\\sqrt{2} == \\sqrt{8},
+   (1,2] == \\left(1,2\\right], \\{1, 2\\} == 2, 1, \\frac{\\pi}{2} == \\pi/2.
+
+`math_verify` (and sympy) are imported on the first call that reaches step 3.
+
+Timeouts: math-verify bounds its parse and verify calls with `signal.alarm`, which works only
+in the main thread (elsewhere it raises ValueError), and on its way out cancels whatever alarm
+was pending (a pytest-timeout, a caller's own). So its timeouts are used only in the main
+thread when no alarm is pending; otherwise they are off and the caller bounds the call:
+`RewardRunner` runs rewards on worker threads under its own `timeout_s`.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import signal
+import threading
 from fractions import Fraction
+from typing import Any
 
-__all__ = ["extract_answer", "extract_boxed", "extract_final_number", "math_equal", "math_reward", "normalize", "to_rational"]
+__all__ = ["extract_answer", "extract_boxed", "extract_final_number", "math_equal", "math_reward", "normalize",
+           "symbolic_equal", "to_rational"]
+
+# math-verify's own limits (whole seconds: signal.alarm), used where signals can be (module docstring).
+PARSE_TIMEOUT_S = 5
+VERIFY_TIMEOUT_S = 5
 
 _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+"
 _NUMBER_RE = re.compile(rf"(?:{_NUMBER})(?:\s*/\s*(?:{_NUMBER}))?")
@@ -105,11 +129,59 @@ def to_rational(ans: str) -> Fraction | None:
     return None
 
 
+def _signal_timeouts_usable() -> bool:
+    """True in the main thread when no SIGALRM timer is pending (math-verify would cancel it)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
+        return False
+    return signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+_MATH_VERIFY: Any = None
+
+
+def _drop_timeout_disabled_warning(record: logging.LogRecord) -> bool:
+    """math-verify warns once that with its timeouts off the caller must bound the call; we do."""
+    return not str(record.msg).startswith("Timeout is disabled")
+
+
+def _math_verify() -> Any:
+    """The math_verify module, imported on first use (it pulls in sympy and an ANTLR parser)."""
+    global _MATH_VERIFY
+    if _MATH_VERIFY is None:
+        try:
+            import math_verify  # the library, not this module: imports are absolute
+        except ImportError as err:
+            raise ImportError("the `math` reward needs the `math-verify` package (a requirement of "
+                              "asyncflow): pip install -r requirements.txt") from err
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).addFilter(_drop_timeout_disabled_warning)
+        _MATH_VERIFY = math_verify
+    return _MATH_VERIFY
+
+
+def symbolic_equal(pred: str, gold: str) -> bool:
+    """math-verify's verdict on two extracted answers (each read as the content of a \\boxed{})."""
+    if not pred.strip() or not gold.strip():
+        return False
+    mv = _math_verify()
+    timed = _signal_timeouts_usable()
+    parse_timeout = PARSE_TIMEOUT_S if timed else None
+    gold_parsed = mv.parse("\\boxed{" + gold + "}", parsing_timeout=parse_timeout)
+    pred_parsed = mv.parse("\\boxed{" + pred + "}", parsing_timeout=parse_timeout)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(mv.verify(gold_parsed, pred_parsed, timeout_seconds=VERIFY_TIMEOUT_S if timed else None))
+
+
 def math_equal(pred: str, gold: str) -> bool:
+    """pred equals gold: exactly as rationals when both are plain numbers, else as normalised
+    strings, else symbolically (math-verify)."""
     p, g = to_rational(pred), to_rational(gold)
     if p is not None and g is not None:
         return p == g
-    return normalize(pred) == normalize(gold) != ""
+    if normalize(pred) == normalize(gold) != "":
+        return True
+    return symbolic_equal(pred, gold)
 
 
 def math_reward(response: str, answer: str, **_: object) -> float:
