@@ -1,9 +1,13 @@
-"""MetricsLogger: one JSON line per training step, plus a console line and TensorBoard.
+"""MetricsLogger: one JSON line per training step, plus a console line, TensorBoard and W&B.
 
 `metrics.jsonl` is the run's record that `asyncflow report` redraws from, so it is written
 line-buffered and flushed on every `log`: a crash loses at most the line being written.
 Each line is `{"step": int, "time_s": float, ...flat metrics}`; `time_s` counts seconds
 since the run started (pass `t0=timeline.t0` so metrics and timeline share one clock).
+
+Other backends receive the same rows' finite numbers: TensorBoard (`out_dir/tensorboard/`)
+and Weights & Biases (offline by default: `out_dir/wandb/offline-run-*`, uploaded later
+with `wandb sync`). Their packages are imported only when chosen.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,8 @@ log = logging.getLogger("asyncflow.metrics")
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 RESERVED_KEYS = ("step", "time_s")
+# Backend names for MetricsLogger(backends=...). jsonl is always written: it is the run's record.
+BACKENDS = ("jsonl", "tensorboard", "wandb")
 
 # The console line shows only these, in this order, under short names: a full row is
 # dozens of numbers and would drown the log.
@@ -75,24 +81,89 @@ def _open_summary_writer(out_dir: Path, wanted: bool | None) -> Any | None:
     return SummaryWriter(log_dir=str(out_dir / TENSORBOARD_DIR))
 
 
-class MetricsLogger:
-    """Writes `out_dir/metrics.jsonl` (and TensorBoard scalars under `out_dir/tensorboard/`).
+def _open_wandb_run(out_dir: Path, init: Mapping[str, Any] | None) -> Any:
+    """A wandb run, offline under `out_dir` unless `init` (keyword arguments of wandb.init) says otherwise."""
+    if importlib.util.find_spec("wandb") is None:
+        raise ImportError("MetricsLogger(backends=[..., 'wandb']) needs the `wandb` package, which is not "
+                          "installed: pip install wandb (or pip install -e '.[wandb]')")
+    import wandb  # lazy: a second or more to import, and it starts a service process at init
 
-    `tensorboard`: None logs to TensorBoard when the package is installed, True requires it,
-    False never. The file is truncated at construction (one directory holds one run), unless
-    `append` (a resumed run, after `keep_rows` dropped what the crash left unfinished).
+    kwargs: dict[str, Any] = {"project": "asyncflow", "name": out_dir.resolve().name, "dir": str(out_dir),
+                              "mode": "offline",
+                              # metrics.jsonl and the log already hold everything printed; W&B's
+                              # capture of stdout/stderr would wrap the streams of the whole process.
+                              "settings": wandb.Settings(console="off")}
+    kwargs.update(init or {})
+    run = wandb.init(**kwargs)
+    # Rows go in as they come (W&B's own counter) with the trainer's step as a column and every
+    # chart's x axis: W&B drops a row whose step= is lower than the last, and the RL phase's
+    # steps start again from 1 after the warmup's.
+    run.define_metric("*", step_metric="step")
+    return run
+
+
+def _choose_backends(backends: Sequence[str] | None, tensorboard: bool | None) -> tuple[bool | None, bool]:
+    """(tensorboard wanted: None auto / True required / False off, wandb wanted)."""
+    if backends is None:  # the behaviour before backends existed
+        return tensorboard, False
+    if tensorboard is not None:
+        raise ValueError("MetricsLogger: pass backends=[...] or tensorboard=..., not both")
+    if isinstance(backends, str):
+        raise TypeError(f"MetricsLogger: backends must be a list of names, got the string {backends!r}")
+    names = [str(b).strip().lower() for b in backends]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise ValueError(f"MetricsLogger: unknown backends {unknown}; expected some of {list(BACKENDS)}")
+    return "tensorboard" in names, "wandb" in names
+
+
+class MetricsLogger:
+    """Writes `out_dir/metrics.jsonl`, and the same numbers to the chosen other backends.
+
+    `backends`: names among "jsonl", "tensorboard", "wandb". jsonl is always written (naming
+    it is optional); each other named backend is required (ImportError naming the package when
+    it is not installed), and one not named is off. None (the default) keeps the behaviour
+    from before this parameter: jsonl, plus TensorBoard as `tensorboard` says: None logs to it
+    when the package is installed, True requires it, False never. Pass one of the two.
+
+    `wandb_init`: keyword arguments for `wandb.init`, over the defaults project="asyncflow",
+    name=<out_dir's name>, dir=out_dir, mode="offline", console capture off.
+
+    The file is truncated at construction (one directory holds one run), unless `append` (a
+    resumed run, after `keep_rows` dropped what the crash left unfinished). A resumed run is a
+    new W&B run.
     """
 
     def __init__(self, out_dir: str | Path, *, console: bool = True,
-                 tensorboard: bool | None = None, t0: float | None = None, append: bool = False):
+                 tensorboard: bool | None = None, t0: float | None = None, append: bool = False,
+                 backends: Sequence[str] | None = None, wandb_init: Mapping[str, Any] | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / METRICS_FILE
         self.console = console
         self.t0 = time.perf_counter() if t0 is None else t0
         self._lock = threading.Lock()  # one line at a time, from any thread
-        self._writer = _open_summary_writer(self.out_dir, tensorboard)
+        want_tensorboard, want_wandb = _choose_backends(backends, tensorboard)
+        self._writer = _open_summary_writer(self.out_dir, want_tensorboard)
+        self._wandb: Any | None = None
+        try:
+            if want_wandb:
+                self._wandb = _open_wandb_run(self.out_dir, wandb_init)
+        except BaseException:
+            if self._writer is not None:
+                self._writer.close()
+            raise
         self._file = self.path.open("a" if append else "w", buffering=1, encoding="utf-8")  # line-buffered
+
+    @property
+    def backends(self) -> list[str]:
+        """The backends this logger writes to."""
+        return ["jsonl"] + ["tensorboard"] * (self._writer is not None) + ["wandb"] * (self._wandb is not None)
+
+    @property
+    def wandb_run(self) -> Any | None:
+        """The wandb run (None when wandb is not a backend or the logger is closed)."""
+        return self._wandb
 
     @property
     def tensorboard_enabled(self) -> bool:
@@ -116,6 +187,8 @@ class MetricsLogger:
                 for key, value in row.items():
                     if key not in RESERVED_KEYS and is_number(value):
                         self._writer.add_scalar(key, value, row["step"])
+            if self._wandb is not None:
+                self._wandb.log({key: value for key, value in row.items() if is_number(value)})
         if self.console:
             log.info(format_console_line(row))
         return row
@@ -127,6 +200,9 @@ class MetricsLogger:
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
+            if self._wandb is not None:
+                run, self._wandb = self._wandb, None
+                run.finish()
 
     def __enter__(self) -> MetricsLogger:
         return self
