@@ -10,20 +10,27 @@ import asyncio
 import functools
 import inspect
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..rpc.transport import RpcClient, SpinPolicy
 from .dispatch import MethodSpec, get_dispatch_mode, method_spec
-from .driver import RankCall, spin_calls, wait_calls
 from .layout import GroupLayout
+from .ranks import RankCall, RankEndpoint, spin_calls, wait_calls
 from .wire import to_wire
 
-if TYPE_CHECKING:
-    from .driver import Driver
+
+class GroupDriver(Protocol):
+    """What a group uses of the driver that made it: ``driver.Driver`` is one. (The driver
+    imports this module, not the other way round.)"""
+
+    ranks: list[RankEndpoint]
+    config: Any  # driver.DriverConfig: call_timeout_s, spin_us
+
+    def check(self) -> None: ...
 
 
 class WorkerGroup:
-    def __init__(self, driver: "Driver", layout: GroupLayout, cls: type):
+    def __init__(self, driver: GroupDriver, layout: GroupLayout, cls: type):
         self.driver = driver
         self.layout = layout
         self.cls = cls
