@@ -4,13 +4,9 @@ from setuptools import find_packages, setup
 
 HERE = Path(__file__).resolve().parent
 
-
-def read_requirements(name: str) -> list[str]:
-    """Requirement lines of a requirements file, without comments and blank lines."""
-    lines = (HERE / name).read_text().splitlines()
-    return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
-
-
+# What asyncflow works with, as ranges, so that it installs beside other stacks (vllm, torch_npu)
+# that bring their own torch. requirements.txt is the exact lock of the tested machine; every
+# one of its pins must satisfy the range here (tests/test_packaging.py checks it).
 setup(
     name="asyncflow",
     version="0.1.0",
@@ -19,11 +15,27 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["asyncflow", "asyncflow.*"]),
     python_requires=">=3.11",
-    install_requires=read_requirements("requirements.txt"),
+    install_requires=[
+        "torch>=2.6",  # FSDP2: torch.distributed.fsdp.fully_shard / MixedPrecisionPolicy are public from 2.6
+        "numpy>=1.26",
+        "pyzmq>=25",
+        "tensordict>=0.7",  # the releases made for torch 2.6 onwards
+        "omegaconf>=2.3",
+        "transformers>=4.56",  # from_pretrained(dtype=...), masking_utils, model.set_attn_implementation
+        "tokenizers>=0.21",
+        "safetensors>=0.4.3",
+        "math-verify>=0.8",  # parse/verify with their signal timeouts off (None)
+        "latex2sympy2_extended>=1.10.2",
+        "antlr4-python3-runtime>=4.9.3",
+        "sympy>=1.13",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+    ],
     extras_require={
         "gpu": ["vllm"],
         "npu": ["torch_npu", "mindspeed", "vllm-ascend"],
-        "dev": ["pytest", "pytest-timeout"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.1", "tensorboard>=2.14"],
+        "wandb": ["wandb>=0.19"],
     },
     entry_points={"console_scripts": ["asyncflow=asyncflow.cli:main"]},
 )

@@ -1,6 +1,6 @@
-"""The foundation a fresh machine relies on: setup.py's metadata, the pinned requirements,
-README's commands and CI running exactly them, and a core that imports no optional or
-heavy package."""
+"""The foundation a fresh machine relies on: setup.py's metadata and version ranges, the
+pinned requirements (and that the two never drift apart), README's commands and CI running
+exactly them, and a core that imports no optional or heavy package."""
 from __future__ import annotations
 
 import ast
@@ -48,8 +48,88 @@ def test_setup_declares_package_console_script_and_extras():
     assert set(extras) >= {"gpu", "npu", "dev"}
     assert "vllm" in extras["gpu"]
     assert {"torch_npu", "mindspeed", "vllm-ascend"} <= set(extras["npu"])
-    assert "pytest" in extras["dev"]
-    assert kw["install_requires"] == "read_requirements('requirements.txt')"
+    assert {"pytest", "pytest-timeout", "tensorboard"} <= {_name(r) for r in extras["dev"]}
+    assert {_name(r) for r in extras["wandb"]} == {"wandb"}
+    assert isinstance(kw["install_requires"], list), "install_requires: a literal list of ranges"
+
+
+def _name(req: str) -> str:
+    """The normalised project name of a requirement (PEP 503: case and -_. runs folded)."""
+    return re.sub(r"[-_.]+", "-", re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req).group(1)).lower()
+
+
+def _satisfies(version: str, spec: str) -> bool:
+    """`version` lies in `spec` (">=2.6,<3"); packaging's rules where installed, else release tuples."""
+    try:
+        from packaging.specifiers import SpecifierSet
+        return SpecifierSet(spec).contains(version, prereleases=True)
+    except ImportError:
+        pass
+
+    def key(v: str) -> tuple[int, ...]:
+        parts = [int(x) for x in re.match(r"\d+(?:\.\d+)*", v).group(0).split(".")]
+        while parts and parts[-1] == 0:
+            parts.pop()
+        return tuple(parts)
+
+    ops = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
+           "<": lambda a, b: a < b, "==": lambda a, b: a == b, "!=": lambda a, b: a != b}
+    for clause in filter(None, (c.strip() for c in spec.split(","))):
+        op, bound = re.fullmatch(r"(>=|<=|==|!=|>|<)\s*(\S+)", clause).groups()
+        if not ops[op](key(version), key(bound)):
+            return False
+    return True
+
+
+def _ranges(reqs: list[str]) -> dict[str, str]:
+    """name -> version specifier of requirement strings ("torch>=2.6  # why" -> {"torch": ">=2.6"})."""
+    out = {}
+    for r in reqs:
+        r = r.split("#", 1)[0].split(";", 1)[0].strip()
+        name = _name(r)
+        assert name not in out, f"{name} is declared twice"
+        out[name] = re.sub(r"^\s*[A-Za-z0-9._-]+(\[[^\]]*\])?", "", r).strip()
+    return out
+
+
+def _pins(name: str) -> dict[str, str]:
+    """name -> pinned version of a requirements file (its -r includes left out)."""
+    return {_name(r): r.split("==", 1)[1].strip() for r in _requirements(name) if not r.startswith("-r")}
+
+
+def test_install_requires_are_ranges_that_the_lock_satisfies():
+    """setup.py declares what asyncflow works with; requirements.txt pins one tested point of
+    it. Every pin lies in its range, and the two name the same packages."""
+    ranges = _ranges(_setup_kwargs()["install_requires"])
+    pins = _pins("requirements.txt")
+    assert set(pins) == set(ranges), (f"only in requirements.txt: {sorted(set(pins) - set(ranges))}; "
+                                      f"only in setup.py: {sorted(set(ranges) - set(pins))}")
+    exact = [n for n, spec in ranges.items() if "==" in spec or not spec]
+    assert not exact, f"install_requires pins exactly or not at all (blocks installs beside vllm / torch_npu): {exact}"
+    outside = [f"{n}=={pins[n]} not in {ranges[n]!r}" for n in pins if not _satisfies(pins[n], ranges[n])]
+    assert not outside, outside
+    assert _satisfies("2.6.0", ranges["torch"]) and not _satisfies("2.5.1", ranges["torch"])  # FSDP2's fully_shard
+
+
+def test_dev_requirements_are_extras_with_ranges_the_lock_satisfies():
+    extras = {extra: _ranges(reqs) for extra, reqs in _setup_kwargs()["extras_require"].items()}
+    pins = _pins("requirements-dev.txt")
+    assert "tensorboard" in pins and "wandb" in pins, "their logger tests run in CI, not skip"
+    for name, version in pins.items():
+        homes = [e for e in ("dev", "wandb") if name in extras[e]]
+        assert homes, f"{name} (requirements-dev.txt) is in neither the dev nor the wandb extra"
+        assert _satisfies(version, extras[homes[0]][name]), f"{name}=={version} not in {extras[homes[0]][name]!r}"
+
+
+@pytest.mark.parametrize("version,spec,ok", [
+    ("2.13.0", ">=2.6", True), ("2.5.1", ">=2.6", False), ("0.9.0", ">=0.8", True), ("4.56", ">=4.56", True),
+    ("1.14.0", ">=1.13,<2", True), ("2.0", ">=1.13,<2", False), ("0.4.3", ">=0.4.3", True),
+])
+@pytest.mark.parametrize("with_packaging", [True, False])
+def test_satisfies(version, spec, ok, with_packaging, monkeypatch):
+    if not with_packaging:  # the small parser used where `packaging` is not installed
+        monkeypatch.setitem(sys.modules, "packaging.specifiers", None)
+    assert _satisfies(version, spec) is ok
 
 
 def test_requirements_are_pinned_and_hold_torch_at_the_cpu_version():
