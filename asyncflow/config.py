@@ -82,6 +82,10 @@ class RewardConfig:
     # A reward model (local sequence-classification checkpoint, one label) served by the
     # training engine instead of the rule `name` (which still scores evaluations).
     model_path: str = ""
+    # DAPO's overlong shaping (recipes/dapo): a response longer than rollout.max_new_tokens minus
+    # this many tokens loses overlong_penalty * (excess / overlong_buffer) of its score (0: off).
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass
@@ -116,6 +120,12 @@ class AlgorithmConfig:
     value_clip: float = 0.2
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal, refill from new prompts
     max_refill_factor: float = 3.0  # give up refilling after this many times the step's prompts
+    # Optimizer steps per trained batch (verl's names): each of ppo_epochs passes over the step's
+    # rows takes one step per mini-batch of ppo_mini_batch_size prompts (0: the whole step), so
+    # that the ratio moves away from 1 and clipping acts. The proximal log-probs are fixed before
+    # the first step (the old_log_prob stage, or computed by the update itself).
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 0
 
 
 @dataclass
@@ -219,9 +229,16 @@ class RunSettings:
     placement: PlacementSettings = field(default_factory=PlacementSettings)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     transfer_queue: TransferQueueSettings = field(default_factory=TransferQueueSettings)
+    # Free-form keys of a recipe of your own (read them in its build(cfg) or its workers).
+    recipe_options: dict[str, Any] = field(default_factory=dict)
 
 
 OFFLOAD_IDLE = {"auto": None, "on": True, "true": True, "off": False, "false": False}
+
+
+def _group_relative() -> set[str]:
+    from .algorithms import GROUP_RELATIVE_ADVANTAGES
+    return set(GROUP_RELATIVE_ADVANTAGES)
 
 
 def rank_threads(cfg: RunSettings, cpus: int | None = None) -> int:
@@ -237,6 +254,13 @@ def rank_threads(cfg: RunSettings, cpus: int | None = None) -> int:
     cpus = cpus or os.cpu_count() or 1
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.trainer.nproc
     return max(1, cpus // max(1, per_node))
+
+
+def policy_loss_name(cfg: RunSettings) -> str:
+    """``algorithm.policy_loss``, with auto resolved: decoupled_ppo in async mode, else ppo_clip."""
+    if cfg.algorithm.policy_loss != "auto":
+        return cfg.algorithm.policy_loss
+    return "decoupled_ppo" if cfg.workflow.mode == "async" else "ppo_clip"
 
 
 def offload_idle(cfg: RunSettings) -> bool:
@@ -258,6 +282,18 @@ def _check(cfg: RunSettings) -> RunSettings:
         problems.append(f"placement.mode: expected colocated or disaggregated, got {cfg.placement.mode!r}")
     if r.n < 1:
         problems.append(f"rollout.n: must be >= 1, got {r.n}")
+    a = cfg.algorithm
+    if r.n == 1 and a.advantage in _group_relative():
+        problems.append(f"rollout.n=1 with algorithm.advantage={a.advantage}: a group-relative estimator compares "
+                        "each response with the other responses to its prompt, so one response per prompt gives "
+                        "every row advantage 0 and nothing is learned; set rollout.n >= 2, or pick an estimator "
+                        "that needs no group (reinforce_pp, gae)")
+    if a.ppo_epochs < 1 or a.ppo_mini_batch_size < 0:
+        problems.append(f"algorithm.ppo_epochs must be >= 1 and algorithm.ppo_mini_batch_size >= 0 (0: the whole "
+                        f"step), got {a.ppo_epochs} and {a.ppo_mini_batch_size}")
+    if cfg.reward.overlong_buffer < 0 or cfg.reward.overlong_buffer > r.max_new_tokens:
+        problems.append(f"reward.overlong_buffer: must lie within 0..rollout.max_new_tokens ({r.max_new_tokens}), "
+                        f"got {cfg.reward.overlong_buffer}")
     if r.length_profile not in LENGTH_PROFILES:
         problems.append(f"rollout.length_profile: expected one of {LENGTH_PROFILES}, got {r.length_profile!r}")
     if cfg.model.train_engine not in ("fsdp", "mindspeed"):
@@ -370,6 +406,14 @@ def load_config(yaml_path: str | Path | None = None, overrides: Sequence[str] = 
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, RunSettings)
     return _check(cfg)
+
+
+def from_dict(d: dict[str, Any]) -> RunSettings:
+    """A config sent as a dict (to a worker) back as the dataclass tree (already checked)."""
+    from omegaconf import OmegaConf
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunSettings), d))
+    assert isinstance(cfg, RunSettings)
+    return cfg
 
 
 def to_dict(cfg: RunSettings) -> dict[str, Any]:

@@ -34,7 +34,7 @@ def prepare(argv: Sequence[str]) -> tuple[RunSettings, Path]:
     """Load and check the config, build the tiny model once, write the resolved config."""
     from omegaconf import OmegaConf
 
-    from .trainer import resolve_model
+    from .trainer import resolve_model, source_columns
     from .workflow.recipe import find_recipe
 
     name, overrides = parse_train_args(argv)
@@ -42,6 +42,10 @@ def prepare(argv: Sequence[str]) -> tuple[RunSettings, Path]:
         overrides = [*overrides, f"trainer.nproc={int(os.environ['WORLD_SIZE'])}"]
     recipe = find_recipe(name)
     cfg = load_config(recipe.config, [*overrides, f"recipe={recipe.directory}"])
+    try:  # a wrong recipe fails here, before any process starts
+        recipe.build(cfg, source_columns(cfg))
+    except (ValueError, TypeError, ImportError, AttributeError) as e:
+        raise ConfigError(str(e)) from e
     cfg.model.path = resolve_model(cfg)
     out = Path(cfg.trainer.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,7 +65,7 @@ def train_main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         cfg, path = prepare(argv)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, ImportError, AttributeError) as e:
         print(f"asyncflow train: {e}", file=sys.stderr)
         return 2
     os.environ[CONFIG_ENV] = str(path.resolve())

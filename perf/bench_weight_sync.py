@@ -42,7 +42,7 @@ def _child(rank: int, port: int, mb: float, rounds: int, q) -> None:
     import torch
     import torch.distributed as dist
 
-    from asyncflow.workflow import weight_sync as ws
+    from asyncflow.workers import weight_sync as ws
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = dist.new_group([0, 1], backend="gloo")  # as Driver.make_group makes it

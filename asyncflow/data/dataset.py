@@ -125,8 +125,8 @@ class PromptDataset:
     records. `state_dict()` records (epoch, position) so a resumed run yields exactly
     the prompt that would have come next.
 
-    A yielded record: {"prompt_ids": LongTensor[T], "answer": str, "index": int,
-    "metadata": dict}; `index` is the record's 0-based position in the source.
+    A yielded record: {"prompt_ids": LongTensor[T], "prompt": str (the text tokenized, after
+    any chat template), "answer": str, "index": int, "metadata": dict}; `index` is the record's 0-based position in the source.
     """
 
     def __init__(self, config: DataConfig, tokenizer: Any) -> None:
@@ -167,6 +167,7 @@ class PromptDataset:
         ids = self._tokenize(tokenizer, texts, templated)
 
         self._ids: list[list[int]] = []
+        self._texts: list[str] = []
         self._answers: list[str] = []
         self._meta: list[dict[str, Any]] = []
         self._index: list[int] = []
@@ -178,6 +179,7 @@ class PromptDataset:
                 self.filtered_indices.append(i)
                 continue
             self._ids.append(row_ids)
+            self._texts.append(texts[i])
             self._answers.append(answers[i])
             self._meta.append(metas[i])
             self._index.append(i)
@@ -216,6 +218,7 @@ class PromptDataset:
         """The k-th kept record, in source order."""
         return {
             "prompt_ids": torch.tensor(self._ids[k], dtype=torch.long),
+            "prompt": self._texts[k],
             "answer": self._answers[k],
             "index": self._index[k],
             "metadata": dict(self._meta[k]),

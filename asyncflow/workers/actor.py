@@ -1,16 +1,29 @@
-"""The actor: trains the policy (and recomputes proximal log-probs); publishes its weights."""
+"""The actor: trains the policy (and recomputes proximal log-probs); publishes its weights.
+
+The update reads only this rank's data-parallel share of the step: the ranks of the group
+ask the TransferQueue together (the first to ask samples for all, token-balanced by
+Karmarkar-Karp so that no rank waits for the one with the longest sequences) and each takes
+its part. Advantages come precomputed in a column (the recipe's advantage stage).
+"""
 from __future__ import annotations
 
+import dataclasses
+import math
+import random
 import time
 from typing import Any
 
 import torch
 
 from ..single_controller import Dispatch, Worker, register
-from ..workflow import weight_sync as ws
-from .actor_loss import AlgoSettings, compute_advantages, policy_loss_fn, sft_loss_fn
-from .common import (EngineCheckpoints, EngineOffload, import_modules, model_factory, per_token_column,
-                     rows, set_threads, train_engine_class)
+from ..workflow.stages import StageIO
+from . import weight_sync as ws
+from .actor_loss import policy_loss_fn, sft_loss_fn
+from .common import (EngineCheckpoints, EngineOffload, config_of, engine_optim, per_token_column, policy_model,
+                     rows, setup_rank, train_engine_class)
+
+UPDATE_INPUTS = ["prompt_ids", "response_ids", "advantages", "behav_log_probs", "scores", "gen_version"]
+PER_TOKEN = ("advantages", "behav_log_probs", "old_log_probs", "ref_log_probs")
 
 
 def _share(n: int, dp_rank: int, dp_size: int) -> range:
@@ -19,31 +32,33 @@ def _share(n: int, dp_rank: int, dp_size: int) -> range:
     return range(start, start + q + (1 if dp_rank < r else 0))
 
 
-class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
-    def __init__(self, model_path: str, optim: dict, algorithm: dict, temperature: float = 1.0,
-                 threads: int = 0, attn_implementation: str | None = None, imports: list[str] = (),
-                 train_engine: str = "fsdp", seed: int = 0,
-                 sync_timeout_s: float = 300.0, offload: bool = False):
-        from ..engines.train import OptimConfig
+def split_even(items: list, parts: int) -> list[list]:
+    """``items`` cut into ``parts`` contiguous pieces whose sizes differ by at most one."""
+    return [[items[i] for i in _share(len(items), k, parts)] for k in range(parts)]
 
-        set_threads(threads)
-        import_modules(imports)
-        torch.manual_seed(seed + self.rank)
-        self.model_path = model_path
-        self.temperature = temperature
-        self.algo = AlgoSettings.from_dict(algorithm)
-        self.engine = train_engine_class(train_engine)(model_factory(model_path, attn_implementation), OptimConfig(**optim),
-                                 process_group=self.process_group, platform=self.platform)
+
+class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
+    def __init__(self, cfg: dict, optim: str = "optim", sync_timeout_s: float = 300.0):
+        from ..config import offload_idle, policy_loss_name
+
+        self.cfg = c = config_of(cfg)
+        setup_rank(c)
+        torch.manual_seed(c.trainer.seed + self.rank)
+        self.optim_key = optim
+        self.temperature = c.rollout.temperature
+        self.algo = dataclasses.replace(c.algorithm, policy_loss=policy_loss_name(c))
+        self.engine = train_engine_class(c.model.train_engine)(
+            policy_model(c), engine_optim(c, optim), process_group=self.process_group, platform=self.platform)
         self.sender: ws.WeightSender | None = None
         self.sync_timeout_s = sync_timeout_s
         self.published = 0
-        self.start_idle(offload)  # colocated placement: free the device while other roles run
+        self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
 
     # ---- optimisation ----------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
-    def reset_optimizer(self, optim: dict) -> None:
-        from ..engines.train import OptimConfig
-        self.engine.reset_optimizer(OptimConfig(**optim))
+    def reset_optimizer(self, phase: str = "rl") -> None:
+        """A fresh optimizer and schedule for ``phase``: "warmup" (supervised) or "rl"."""
+        self.engine.reset_optimizer(engine_optim(self.cfg, self.optim_key, phase))
 
     @register(Dispatch.ONE_TO_ALL)
     def sft_step(self, prompts: list[list[int]], targets: list[list[int]]) -> dict:
@@ -54,45 +69,92 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         return self.engine.train_step(p, t, {}, sft_loss_fn, temperature=1.0)
 
     @register(Dispatch.ONE_TO_ALL)
-    def compute_log_probs(self, meta: Any) -> Any:
-        """Proximal log-probs (the weights the next update starts from) -> ``old_log_probs``."""
-        per_token_column(self, meta, "old_log_probs", lambda p, r: self.engine.compute_log_probs(
-            p, r, temperature=self.temperature)[0])
+    def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
+        """Log-probs of the responses under the weights held now (proximal log-probs, the
+        weights the next update starts from): [prompt, response] -> one per-token column."""
+        per_token_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["old_log_probs"]),
+                         lambda p, r: self.engine.compute_log_probs(p, r, temperature=self.temperature)[0])
 
     @register(Dispatch.ONE_TO_ALL)
-    def update(self, meta: Any, step: int) -> dict:
-        """One policy update on the step's rows: advantages over the whole batch (group
-        baselines), the loss on this rank's share."""
-        have = set(meta.columns)
-        cols = [c for c in ("prompt_ids", "response_ids", "scores", "behav_log_probs", "old_log_probs",
-                            "ref_log_probs", "values", "gen_version") if c in have]
-        data = self.tq.get_data(meta, cols)
-        prompts, responses = rows(data["prompt_ids"]), rows(data["response_ids"])
-        lengths = [len(r) for r in responses]
-        scores = data["scores"].float()
-        groups = torch.tensor(meta.groups if meta.groups else range(len(meta)), dtype=torch.long)
-        per_token = {c: [x.float() for x in rows(data[c])] for c in
-                     ("behav_log_probs", "old_log_probs", "ref_log_probs", "values") if c in have}
-        adv, _ = compute_advantages(self.algo, scores, groups, lengths, values=per_token.get("values"),
-                                    log_probs=per_token.get("old_log_probs", per_token.get("behav_log_probs")),
-                                    ref_log_probs=per_token.get("ref_log_probs"))
-        mine = _share(len(meta), self.dp_rank, self.dp_size)
-        fields = {"advantages": [adv[i] for i in mine]}
-        for c in ("behav_log_probs", "old_log_probs", "ref_log_probs"):
-            if c in per_token:
-                fields[c] = [per_token[c][i] for i in mine]
-        metrics = self.engine.train_step([prompts[i] for i in mine], [responses[i] for i in mine], fields,
-                                         policy_loss_fn(self.algo), temperature=self.temperature,
-                                         with_entropy=True)
-        out = {(k if "/" in k else f"actor/{k}"): float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-        out.update({"reward/mean": float(scores.mean()), "reward/max": float(scores.max()),
-                    "response_length/mean": sum(lengths) / max(len(lengths), 1),
-                    "rows": float(len(meta)), "tokens": float(sum(lengths) + sum(len(p) for p in prompts)),
-                    "response_tokens": float(sum(lengths))})
-        if "gen_version" in data.keys():
-            stale = step - data["gen_version"].long()
-            out["async/staleness_mean"] = float(stale.float().mean())
-            out["async/staleness_max"] = float(stale.max())
+    def update(self, step: int, batch: dict, io: dict | None = None) -> dict:
+        """The policy update of ``step`` on this rank's share of the step's ``batch["rows"]`` rows
+        (partition, task, timeout in ``batch``): ``ppo_epochs`` passes, each one optimizer step
+        per mini-batch. Returns the step's metrics (the same on every rank); the group's first
+        rank adds the rows it trained (``meta``), for the sample audit."""
+        io = StageIO.of(io, UPDATE_INPUTS, [])
+        meta = self.tq.get_meta(io.inputs, int(batch["rows"]), batch["task"], batch["partition"],
+                                {"name": "token_balanced", "dp_size": self.dp_size},
+                                timeout=float(batch["timeout_s"]), dp_group=self.role,
+                                dp_rank=self.dp_rank, dp_size=self.dp_size)
+        mine = meta.chunk(self.dp_size)[self.dp_rank]
+        have = [c for c in (*PER_TOKEN, "prompt_ids", "response_ids", "scores", "gen_version") if c in io.inputs]
+        if "advantages" not in have:
+            raise ValueError(f"actor rank {self.rank}: the update stage must read an 'advantages' column "
+                             f"(the recipe's advantage stage writes it); it reads {io.inputs}")
+        data = self.tq.get_data(mine, have) if len(mine) else None
+        prompts = rows(data["prompt_ids"]) if data is not None else []
+        responses = rows(data["response_ids"]) if data is not None else []
+        fields = {c: ([x.float() for x in rows(data[c])] if data is not None else []) for c in PER_TOKEN if c in have}
+        metrics = self._train(step, meta, prompts, responses, fields)
+        metrics.update(self._batch_stats(step, data, responses, prompts))
+        if self.group_rank == 0:
+            metrics["meta"] = meta
+        return metrics
+
+    def _train(self, step: int, meta: Any, prompts: list, responses: list, fields: dict) -> dict:
+        a = self.algo
+        n_prompts = len(set(meta.groups)) if meta.groups else len(meta)
+        per_epoch = 1 if a.ppo_mini_batch_size <= 0 else max(1, math.ceil(n_prompts / a.ppo_mini_batch_size))
+        steps = a.ppo_epochs * per_epoch
+        if steps > 1 and "old_log_probs" not in fields:
+            # Several optimizer steps: the ratio is against the weights the update starts from.
+            fields["old_log_probs"] = [x.float() for x in self.engine.compute_log_probs(
+                prompts, responses, temperature=self.temperature)[0]]
+        loss = policy_loss_fn(a)
+        rng = random.Random(self.cfg.trainer.seed * 1_000_003 + step)
+        order = list(range(len(prompts)))
+        results: list[dict] = []
+        for _ in range(a.ppo_epochs):
+            if per_epoch > 1:
+                rng.shuffle(order)
+            for part in split_even(order, per_epoch):
+                results.append(self.engine.train_step(
+                    [prompts[i] for i in part], [responses[i] for i in part],
+                    {c: [v[i] for i in part] for c, v in fields.items()}, loss,
+                    temperature=self.temperature, with_entropy=True))
+        out: dict[str, float] = {}
+        for k in results[0]:
+            vals = [float(r[k]) for r in results if isinstance(r.get(k), (int, float))]
+            if vals:
+                key = k if "/" in k else f"actor/{k}"
+                out[key] = vals[-1] if k == "lr" else sum(vals) / len(vals)
+        out["actor/optimizer_steps"] = float(len(results))
+        return out
+
+    def _batch_stats(self, step: int, data: Any, responses: list, prompts: list) -> dict[str, float]:
+        """Reward, length and staleness over the whole step (summed over the data-parallel ranks)."""
+        lengths = torch.tensor([len(r) for r in responses], dtype=torch.float64)
+        scores = data["scores"].double() if data is not None and "scores" in data.keys() else torch.zeros(0)
+        stale = (step - data["gen_version"].double()) if data is not None and "gen_version" in data.keys() \
+            else torch.zeros(0)
+        inf = float("inf")
+        sums = torch.tensor([float(len(responses)), float(lengths.sum()), float(sum(len(p) for p in prompts)),
+                             float(scores.sum()), float(len(scores)), float(stale.sum()), float(len(stale))],
+                            dtype=torch.float64)
+        maxes = torch.tensor([float(scores.max()) if len(scores) else -inf, float(stale.max()) if len(stale) else -inf,
+                              float(-scores.min()) if len(scores) else -inf], dtype=torch.float64)
+        if self.dp_size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(sums, group=self.process_group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.process_group)
+        n, resp_tokens, prompt_tokens, score_sum, n_scores, stale_sum, n_stale = sums.tolist()
+        out = {"rows": n, "tokens": resp_tokens + prompt_tokens, "response_tokens": resp_tokens,
+               "response_length/mean": resp_tokens / max(n, 1.0)}
+        if n_scores:
+            out.update({"reward/mean": score_sum / n_scores, "reward/max": float(maxes[0]),
+                        "reward/min": -float(maxes[2])})
+        if n_stale:
+            out.update({"async/staleness_mean": stale_sum / n_stale, "async/staleness_max": float(maxes[1])})
         return out
 
     # ---- weights out -----------------------------------------------------------------------
@@ -131,7 +193,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, path: str) -> None:
         from ..models.loading import load_tokenizer
-        self.engine.export_hf(path, tokenizer=load_tokenizer(self.model_path))
+        self.engine.export_hf(path, tokenizer=load_tokenizer(self.cfg.model.path))
 
     @register(Dispatch.ONE_TO_ALL)
     def step_count(self) -> int:

@@ -9,6 +9,41 @@ import torch
 from ..single_controller import Dispatch, register
 
 
+def config_of(cfg: Any) -> Any:
+    """The run's config as the dataclass tree (a worker receives it as a dict)."""
+    from ..config import RunSettings, from_dict
+    return cfg if isinstance(cfg, RunSettings) else from_dict(cfg)
+
+
+def setup_rank(cfg: Any) -> None:
+    """What every role worker does first with the run's config: threads, user imports."""
+    from ..config import rank_threads
+    set_threads(rank_threads(cfg))
+    import_modules(list(cfg.imports))
+
+
+def policy_model(cfg: Any) -> Callable[[], torch.nn.Module]:
+    """The policy's model factory (``model.path``, set by the launcher, and its attention)."""
+    return model_factory(cfg.model.path, cfg.model.attn_implementation or None)
+
+
+def engine_optim(cfg: Any, section: str = "optim", phase: str = "rl") -> Any:
+    """The training engine's optimizer settings from the config section ``section`` ("optim",
+    "critic_optim"): for RL, the cosine (min_lr_ratio < 1) spans trainer.steps; the supervised
+    warm-up takes warmup.lr at a constant rate after its own warm-up steps."""
+    import dataclasses
+    from ..engines.train import OptimConfig
+    o = getattr(cfg, section)
+    settings = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
+    settings["total_steps"] = max(cfg.trainer.steps, o.warmup_steps)
+    if phase == "warmup":
+        w = cfg.warmup
+        settings.update(lr=w.lr, warmup_steps=w.warmup_steps, min_lr_ratio=1.0, total_steps=0)
+    elif phase != "rl":
+        raise ValueError(f"optimizer phase {phase!r}: expected rl or warmup")
+    return OptimConfig(**settings)
+
+
 def rows(column: Any) -> list[torch.Tensor]:
     """A jagged column (nested tensor) or a list as one 1-D tensor per row."""
     if isinstance(column, (list, tuple)):
@@ -61,24 +96,29 @@ def share_of(meta: Any, dp_rank: int, dp_size: int) -> Any:
     return meta.chunk(dp_size)[dp_rank]
 
 
-def share_column(worker: Any, meta: Any, column: str,
+def share_column(worker: Any, meta: Any, io: Any,
                  compute: Callable[[list[torch.Tensor], list[torch.Tensor]], Any]) -> None:
-    """This rank's share of ``meta``: fetch prompts and responses, compute ``column`` from them,
-    write it to those rows. A rank with no rows still calls ``compute`` (empty lists): sharded
-    engines need every rank in their collectives."""
+    """This rank's share of ``meta``: fetch its prompts and responses (the stage's first two
+    input columns), compute the stage's output column from them, write it to those rows. A
+    rank with no rows still calls ``compute`` (empty lists): sharded engines need every rank
+    in their collectives."""
+    if len(io.inputs) < 2 or len(io.outputs) != 1:
+        raise ValueError(f"role {worker.role!r} rank {worker.rank}: this method reads [prompt, response] "
+                         f"columns first and writes one column; the stage declares {io.inputs} -> {io.outputs}")
+    prompt_col, response_col = io.inputs[:2]
     mine = meta.chunk(worker.dp_size)[worker.dp_rank]
-    data = worker.tq.get_data(mine, ["prompt_ids", "response_ids"]) if len(mine) else None
-    prompts = rows(data["prompt_ids"]) if data is not None else []
-    responses = rows(data["response_ids"]) if data is not None else []
+    data = worker.tq.get_data(mine, [prompt_col, response_col]) if len(mine) else None
+    prompts = rows(data[prompt_col]) if data is not None else []
+    responses = rows(data[response_col]) if data is not None else []
     out = compute(prompts, responses)
     if len(mine):
-        worker.tq.put({column: out}, mine.partition, mine)
+        worker.tq.put({io.outputs[0]: out}, mine.partition, mine)
 
 
-def per_token_column(worker: Any, meta: Any, column: str,
+def per_token_column(worker: Any, meta: Any, io: Any,
                      compute: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]) -> None:
     """``share_column`` for one float32 value per response token."""
-    share_column(worker, meta, column, lambda p, r: [x.float() for x in compute(p, r)])
+    share_column(worker, meta, io, lambda p, r: [x.float() for x in compute(p, r)])
 
 
 def pad(seqs: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,50 +1,54 @@
-"""The critic (PPO): a value head on the policy's backbone; values in, a value-loss step out."""
+"""The critic (PPO): a value head on the policy's backbone; values in, a value-loss step out.
+Its regression targets are the ``returns`` column of the recipe's advantage stage."""
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..single_controller import Dispatch, Worker, register
-from .actor import _share
-from .actor_loss import AlgoSettings, compute_advantages
-from .common import (EngineCheckpoints, EngineOffload, import_modules, model_factory, rows,
-                     per_token_column, set_threads, train_engine_class)
+from ..workflow.stages import StageIO
+from .common import (EngineCheckpoints, EngineOffload, config_of, engine_optim, per_token_column, policy_model,
+                     rows, setup_rank, train_engine_class)
 
 
 class CriticWorker(EngineCheckpoints, EngineOffload, Worker):
-    def __init__(self, model_path: str, optim: dict, algorithm: dict, threads: int = 0,
-                 attn_implementation: str | None = None, imports: list[str] = (),
-                 train_engine: str = "fsdp", value_loss: str = "clipped", value_clip: float = 0.2,
-                 offload: bool = False):
-        from ..engines.train import OptimConfig
+    def __init__(self, cfg: dict, optim: str = "critic_optim"):
+        from ..config import offload_idle
 
-        set_threads(threads)
-        import_modules(imports)
-        self.algo = AlgoSettings.from_dict(algorithm)
-        self.value_loss = value_loss
-        self.value_clip = value_clip
-        self.engine = train_engine_class(train_engine)(model_factory(model_path, attn_implementation), OptimConfig(**optim),
-                                 process_group=self.process_group, platform=self.platform, value_head=True)
-        self.start_idle(offload)  # colocated placement: free the device while other roles run
+        self.cfg = c = config_of(cfg)
+        setup_rank(c)
+        self.optim_key = optim
+        self.engine = train_engine_class(c.model.train_engine)(
+            policy_model(c), engine_optim(c, optim), process_group=self.process_group, platform=self.platform,
+            value_head=True)
+        self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
 
     @register(Dispatch.ONE_TO_ALL)
-    def compute_values(self, meta: Any) -> None:
-        per_token_column(self, meta, "values", self.engine.compute_values)
+    def reset_optimizer(self, phase: str = "rl") -> None:
+        self.engine.reset_optimizer(engine_optim(self.cfg, self.optim_key, phase))
 
     @register(Dispatch.ONE_TO_ALL)
-    def update(self, meta: Any) -> dict:
+    def compute_values(self, meta: Any, io: dict | None = None) -> None:
+        """[prompt, response] -> one value per response token."""
+        per_token_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["values"]),
+                         self.engine.compute_values)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def update(self, meta: Any, io: dict | None = None) -> dict:
+        """One value-loss step on this rank's share: [prompt, response, values, returns]."""
         from ..algorithms import VALUE_LOSSES
         from ..algorithms.aggregate import aggregate
 
-        data = self.tq.get_data(meta, ["prompt_ids", "response_ids", "scores", "values"])
-        prompts, responses = rows(data["prompt_ids"]), rows(data["response_ids"])
-        old_values = [v.float() for v in rows(data["values"])]
-        groups = torch.tensor(meta.groups if meta.groups else range(len(meta)), dtype=torch.long)
-        _, returns = compute_advantages(self.algo, data["scores"].float(), groups, [len(r) for r in responses],
-                                        values=old_values)
-        idx = _share(len(meta), self.dp_rank, self.dp_size)
-        loss_name, clip = self.value_loss, self.value_clip
+        io = StageIO.of(io, ["prompt_ids", "response_ids", "values", "returns"], [])
+        if len(io.inputs) < 4:
+            raise ValueError(f"critic rank {self.rank}: update reads [prompt, response, values, returns] "
+                             f"columns; the stage declares {io.inputs}")
+        p_col, r_col, v_col, ret_col = io.inputs[:4]
+        mine = meta.chunk(self.dp_size)[self.dp_rank]
+        data = self.tq.get_data(mine, [p_col, r_col, v_col, ret_col]) if len(mine) else None
+        pick = (lambda c: [x.float() if c in (v_col, ret_col) else x for x in rows(data[c])]) if data is not None \
+            else (lambda c: [])
+        a = self.cfg.algorithm
+        loss_name, clip = a.value_loss, a.value_clip
 
         def loss_fn(values, entropy, mask, fields, norm):
             per_token, diag = VALUE_LOSSES.get(loss_name)(values, fields["old_values"], fields["returns"], mask,
@@ -53,6 +57,6 @@ class CriticWorker(EngineCheckpoints, EngineOffload, Worker):
             m = mask.float()
             return loss, {f"critic/{k}": float((v.float() * m).sum() / m.sum().clamp(min=1)) for k, v in diag.items()}
 
-        fields = {"old_values": [old_values[i] for i in idx], "returns": [returns[i] for i in idx]}
-        m = self.engine.train_step([prompts[i] for i in idx], [responses[i] for i in idx], fields, loss_fn)
+        m = self.engine.train_step(pick(p_col), pick(r_col), {"old_values": pick(v_col), "returns": pick(ret_col)},
+                                   loss_fn)
         return {f"critic/{k}" if "/" not in k else k: float(v) for k, v in m.items() if isinstance(v, (int, float))}

@@ -1,34 +1,36 @@
-"""The reference policy: frozen initial weights; log-probs for the KL term."""
+"""The reference policy: the frozen policy RL starts from; log-probs for the KL term."""
 from __future__ import annotations
 
 from typing import Any
 
 from ..single_controller import Dispatch, Worker, register
-from .common import EngineOffload, import_modules, model_factory, per_token_column, set_threads, train_engine_class
+from ..workflow.stages import StageIO
+from .common import EngineOffload, config_of, per_token_column, policy_model, setup_rank, train_engine_class
 
 
 class ReferenceWorker(EngineOffload, Worker):
-    def __init__(self, model_path: str, temperature: float = 1.0, threads: int = 0,
-                 attn_implementation: str | None = None, imports: list[str] = (),
-                 train_engine: str = "fsdp", offload: bool = False):
+    def __init__(self, cfg: dict):
+        from ..config import offload_idle
         from ..engines.train import OptimConfig
 
-        set_threads(threads)
-        import_modules(imports)
-        self.temperature = temperature
+        c = config_of(cfg)
+        setup_rank(c)
+        self.temperature = c.rollout.temperature
         # A training engine that never steps (its optimizer is never used): the same sharding
         # and log-prob code as the actor.
-        self.engine = train_engine_class(train_engine)(model_factory(model_path, attn_implementation), OptimConfig(lr=1.0),
-                                 process_group=self.process_group, platform=self.platform)
-        self.start_idle(offload)  # colocated placement: free the device while other roles run
+        self.engine = train_engine_class(c.model.train_engine)(policy_model(c), OptimConfig(lr=1.0),
+                                                               process_group=self.process_group, platform=self.platform)
+        self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_state(self, path: str) -> None:
-        """Take the weights of an HF directory (the warmed-up policy's export) as the reference."""
+    def load_reference(self, path: str) -> None:
+        """Take the weights of an HF directory (the warmed-up policy's export) as the reference:
+        the trainer calls this on every role that defines it once warm-up is done."""
         from ..models.loading import load_causal_lm
         self.engine.load_model_state(load_causal_lm(path).state_dict())
 
     @register(Dispatch.ONE_TO_ALL)
-    def compute_log_probs(self, meta: Any) -> None:
-        per_token_column(self, meta, "ref_log_probs", lambda p, r: self.engine.compute_log_probs(
-            p, r, temperature=self.temperature)[0])
+    def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
+        """[prompt, response] -> the reference's per-token log-probs."""
+        per_token_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["ref_log_probs"]),
+                         lambda p, r: self.engine.compute_log_probs(p, r, temperature=self.temperature)[0])

@@ -1,38 +1,69 @@
-"""The reward role: decodes responses and scores them with a rule from the registry."""
+"""The reward role: decodes responses and scores them with a rule from the registry.
+
+A reward function is called as ``fn(response, answer, prompt=..., **metadata)`` when its
+stage reads the ``prompt`` and ``metadata`` columns (the prompt text and the data record's
+other fields); keywords the function does not take are left out.
+"""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
 from ..single_controller import Dispatch, Worker, register
-from .common import import_modules, rows, values
+from ..workflow.stages import StageIO
+from .common import config_of, rows, setup_rank, values
+
+
+def _accepted(fn: Any) -> set[str] | None:
+    """The keyword names ``fn`` takes; None when it takes any (``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 class RewardWorker(Worker):
     needs_device = False  # a rule over decoded text: the roles beside it stay loaded
 
-    def __init__(self, model_path: str, reward: str = "number", timeout_s: float = 10.0, on_error: str = "zero",
-                 imports: list[str] = ()):
+    def __init__(self, cfg: dict):
         from ..models.loading import load_tokenizer
         from ..rewards.runner import RewardRunner
 
-        import_modules(imports)
-        self.tokenizer = load_tokenizer(model_path)
-        self.runner = RewardRunner(reward, timeout_s=timeout_s, on_error=on_error)
+        c = config_of(cfg)
+        setup_rank(c)
+        self.tokenizer = load_tokenizer(c.model.path)
+        self.runner = RewardRunner(c.reward.name, timeout_s=c.reward.timeout_s, on_error=c.reward.on_error)
+        self.takes = _accepted(self.runner.fn)
         self.errors = 0
         self.timeouts = 0
 
     @register(Dispatch.DP_COMPUTE)
-    def compute(self, data: Any) -> dict:
-        texts = self.tokenizer.batch_decode([r.tolist() for r in rows(data["response_ids"])],
+    def compute(self, data: Any, io: dict | None = None) -> dict:
+        """[response, answer, and optionally prompt, metadata] -> one score per row."""
+        io = StageIO.of(io, ["response_ids", "answer"], ["scores"])
+        texts = self.tokenizer.batch_decode([r.tolist() for r in rows(data[io.inputs[0]])],
                                             skip_special_tokens=True)
-        answers = [str(a) for a in values(data["answer"])]
-        scores, stats = self.runner.score(texts, answers, [{} for _ in texts])
+        answers = [str(a) for a in values(data[io.inputs[1]])]
+        extra = [{} for _ in texts]
+        if "prompt" in io.inputs:
+            for e, p in zip(extra, values(data["prompt"])):
+                e["prompt"] = p
+        if "metadata" in io.inputs:
+            for e, m in zip(extra, values(data["metadata"])):
+                e.update({k: v for k, v in dict(m or {}).items() if k != "prompt"})
+        if self.takes is not None:
+            extra = [{k: v for k, v in e.items() if k in self.takes} for e in extra]
+        scores, stats = self.runner.score(texts, answers, extra)
         self.errors += int(stats.get("errors", 0))
         self.timeouts += int(stats.get("timeouts", 0))
-        return {"scores": torch.tensor(scores, dtype=torch.float32)}
+        return {io.outputs[0]: torch.tensor(scores, dtype=torch.float32)}
 
     @register(Dispatch.ONE_TO_ALL)
-    def stats(self) -> dict:
+    def reward_stats(self) -> dict:
+        """Reward calls that raised or timed out so far (the trainer sums every role that has this)."""
         return {"reward/errors": self.errors, "reward/timeouts": self.timeouts}

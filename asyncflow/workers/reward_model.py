@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from ..single_controller import Dispatch, Worker, register
-from .common import EngineOffload, import_modules, set_threads, share_column, train_engine_class
+from ..workflow.stages import StageIO
+from .common import EngineOffload, config_of, setup_rank, share_column, train_engine_class
 
 
 def score_sequences(engine: Any, prompts: list[torch.Tensor], responses: list[torch.Tensor],
@@ -20,26 +21,25 @@ def score_sequences(engine: Any, prompts: list[torch.Tensor], responses: list[to
 
 
 class RewardModelWorker(EngineOffload, Worker):
-    def __init__(self, model_path: str, reward_model_path: str, threads: int = 0,
-                 attn_implementation: str | None = None, imports: list[str] = (), train_engine: str = "fsdp",
-                 offload: bool = False):
+    def __init__(self, cfg: dict):
+        from ..config import offload_idle
         from ..engines.train import OptimConfig
         from ..models.loading import load_reward_model, load_tokenizer
 
-        set_threads(threads)
-        import_modules(imports)
-        self.pad_id = int(load_tokenizer(model_path).pad_token_id)
+        c = config_of(cfg)
+        setup_rank(c)
+        if not c.reward.model_path:
+            raise ValueError("RewardModelWorker: reward.model_path names no reward model checkpoint")
+        self.pad_id = int(load_tokenizer(c.model.path).pad_token_id)
+        path, attn = c.reward.model_path, c.model.attn_implementation or None
         # A training engine that never steps: the same sharding and forward code as the critic.
-        self.engine = train_engine_class(train_engine)(
-            lambda: load_reward_model(reward_model_path, attn_implementation=attn_implementation),
+        self.engine = train_engine_class(c.model.train_engine)(
+            lambda: load_reward_model(path, attn_implementation=attn),
             OptimConfig(lr=1.0), process_group=self.process_group, platform=self.platform, value_head=True)
-        self.start_idle(offload)  # colocated placement: free the device while other roles run
+        self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
 
     @register(Dispatch.ONE_TO_ALL)
-    def compute(self, meta: Any) -> None:
-        share_column(self, meta, "scores", lambda p, r: torch.tensor(
-            score_sequences(self.engine, p, r, self.pad_id), dtype=torch.float32))
-
-    @register(Dispatch.ONE_TO_ALL)
-    def stats(self) -> dict:
-        return {"reward/errors": 0, "reward/timeouts": 0}
+    def compute(self, meta: Any, io: dict | None = None) -> None:
+        """[prompt, response] -> the reward model's score of each whole sequence."""
+        share_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["scores"]),
+                     lambda p, r: torch.tensor(score_sequences(self.engine, p, r, self.pad_id), dtype=torch.float32))

@@ -23,47 +23,49 @@ import torch
 
 from ..engines.rollout.base import GenerationRequest
 from ..single_controller import Dispatch, Worker, register
-from ..workflow import weight_sync as ws
-from .common import EngineOffload, import_modules, set_threads
-from .rollout_stream import RowStream, result_columns, row_inputs
+from . import weight_sync as ws
+from ..engines.rollout import SamplingParams
+from ..workflow.stages import StageIO
+from .common import EngineOffload, config_of, setup_rank
+from .rollout_stream import ROLLOUT_INPUTS, ROLLOUT_OUTPUTS, RowStream, result_columns, row_inputs, stage_params
 
 
 class RolloutWorker(EngineOffload, Worker):
-    def __init__(self, model_path: str, sampling: dict, engine: str = "builtin", threads: int = 0,
-                 partial_rollout: bool = False, swap_mode: str = "keep", max_running_rows: int = 256,
-                 max_kv_tokens: int = 0, prefill_chunk: int = 2048, attn_implementation: str | None = None,
-                 sync_timeout_s: float = 300.0, gpu_memory_utilization: float = 0.5,
-                 imports: list[str] = (), offload: bool = False):
-        from ..engines.rollout import SamplingParams
+    def __init__(self, cfg: dict, sync_timeout_s: float = 300.0):
+        from ..config import offload_idle
         from ..engines.rollout.service import RolloutService
         from ..models.loading import load_tokenizer
 
-        set_threads(threads)
-        import_modules(imports)
-        self.tokenizer = load_tokenizer(model_path)
+        c = config_of(cfg)
+        setup_rank(c)
+        r = c.rollout
+        self.tokenizer = load_tokenizer(c.model.path)
         eos = [self.tokenizer.eos_token_id]
-        if engine == "builtin":
+        if r.engine == "builtin":
             from ..engines.rollout.builtin import BuiltinRolloutEngine
             from ..models.loading import load_causal_lm
-            model = load_causal_lm(model_path, attn_implementation=attn_implementation, device=str(self.device))
+            model = load_causal_lm(c.model.path, attn_implementation=c.model.attn_implementation or None,
+                                   device=str(self.device))
             self.engine = BuiltinRolloutEngine(model, eos_token_ids=eos, pad_token_id=self.tokenizer.pad_token_id,
-                                               device=self.device, max_running_rows=max_running_rows,
-                                               max_kv_tokens=max_kv_tokens, prefill_chunk=prefill_chunk)
-        elif engine == "vllm":
+                                               device=self.device, max_running_rows=r.max_running_rows,
+                                               max_kv_tokens=r.max_kv_tokens, prefill_chunk=r.prefill_chunk)
+        elif r.engine == "vllm":
             from ..engines.rollout.vllm import VLLMRolloutEngine
             # pinned to this rank's device (a rank is one instance; tensor parallel over several
             # devices goes through VLLMRolloutEngine(devices=[...]) directly)
             devices = [self.device.index] if self.device.type == "cuda" and self.device.index is not None else None
-            self.engine = VLLMRolloutEngine(model_path, devices=devices, gpu_memory_utilization=gpu_memory_utilization,
-                                            max_num_seqs=max_running_rows)
+            self.engine = VLLMRolloutEngine(c.model.path, devices=devices,
+                                            gpu_memory_utilization=r.gpu_memory_utilization,
+                                            max_num_seqs=r.max_running_rows)
         else:
-            raise ValueError(f"rollout worker rank {self.rank}: unknown engine {engine!r} (builtin | vllm)")
+            raise ValueError(f"rollout worker rank {self.rank}: unknown engine {r.engine!r} (builtin | vllm)")
         self.engine.version = 0
-        self.params = SamplingParams(**sampling)
-        self.service = RolloutService(self.engine, name=f"rollout-rank{self.rank}", in_flight=partial_rollout,
-                                      swap_mode=swap_mode)
+        self.params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                     top_k=r.top_k)
+        self.service = RolloutService(self.engine, name=f"rollout-rank{self.rank}", in_flight=r.partial_rollout,
+                                      swap_mode=r.swap_mode)
         self.stream = RowStream(self.service, lambda: self.tq, self.params,
-                                capacity=max_running_rows + max(1, max_running_rows // 4),
+                                capacity=r.max_running_rows + max(1, r.max_running_rows // 4),
                                 version=lambda: int(self.engine.version), name=f"rollout-rank{self.rank}")
         self._eval_runners: dict[tuple, Any] = {}  # (reward, timeout, on_error) -> RewardRunner: one thread each
         self._call_ids = itertools.count()  # ids of generate/evaluate calls (atomic next() across threads)
@@ -71,7 +73,7 @@ class RolloutWorker(EngineOffload, Worker):
         self.local = False  # this instance shares a process with the actor's first rank
         self.sync_timeout_s = sync_timeout_s
         self.seq = 0  # publish counter of the weights held
-        self.start_idle(offload)  # colocated placement: free the device while other roles run
+        self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
 
     # ---- colocation --------------------------------------------------------------------------
     def _free_engine(self) -> None:
@@ -124,12 +126,14 @@ class RolloutWorker(EngineOffload, Worker):
 
     # ---- rows in, rows out -------------------------------------------------------------------
     @register(Dispatch.RANK_ZERO, concurrent=True)
-    def submit(self, meta: Any, min_version: int, want_free: int = 1, wait_s: float = 30.0) -> dict:
+    def submit(self, meta: Any, min_version: int, want_free: int = 1, wait_s: float = 30.0,
+               io: dict | None = None) -> dict:
         """Queue the meta's rows (each admitted once the weights held are at least ``min_version``;
-        None: queue nothing, only wait and report); return once ``want_free`` more rows fit, with what was written to the TransferQueue since
-        the last report (rows and engine seconds per partition)."""
+        None: queue nothing, only wait and report) for the stage ``io``; return once ``want_free``
+        more rows fit, with what was written to the TransferQueue since the last report (rows and
+        engine seconds per partition)."""
         if meta is not None:
-            self.stream.submit(meta, min_version)
+            self.stream.submit(meta, min_version, StageIO.of(io, ROLLOUT_INPUTS, ROLLOUT_OUTPUTS))
         return self.stream.wait_capacity(want_free, wait_s)
 
     @register(Dispatch.RANK_ZERO, concurrent=True)
@@ -143,14 +147,26 @@ class RolloutWorker(EngineOffload, Worker):
         return self.stream.rows_written
 
     @register(Dispatch.DP_COMPUTE)
-    def generate(self, data: Any, min_version: int) -> dict:
+    def generate(self, data: Any, min_version: int, io: dict | None = None) -> dict:
         """All rows of one call, through the service (the colocated path: the call holds the rank)."""
-        prompts, seeds, budgets = row_inputs(data)
-        results = self._run_requests(prompts, seeds, budgets, self.params, min_version, "generate")
+        io = StageIO.of(io, ROLLOUT_INPUTS, ROLLOUT_OUTPUTS)
+        prompts, seeds, budgets = row_inputs(data, io.inputs)
+        params = stage_params(self.params, io.options)
+        # one_per_group: rows of a group share their prompt, so one response per distinct prompt
+        # (the data of a call carries no group ids)
+        pick = list(range(len(prompts)))
+        if io.options.get("one_per_group"):
+            first: dict[tuple, int] = {}
+            pick = [first.setdefault(tuple(p.tolist()), i) for i, p in enumerate(prompts)]
+        lead = sorted(set(pick))
+        done = self._run_requests([prompts[i] for i in lead], [seeds[i] for i in lead], [budgets[i] for i in lead],
+                                  params, min_version, "generate")
+        by_lead = dict(zip(lead, done))
+        results = [by_lead[i] for i in pick]
         for r in results:
             if r.finish_reason == "error":
                 raise ValueError(f"rollout rank {self.rank}: a row was refused: {r.error}")
-        return result_columns(results, int(self.engine.version))
+        return result_columns(results, int(self.engine.version), io.outputs)
 
     def _run_requests(self, prompts: list[torch.Tensor], seeds: list[int], budgets: list, params: Any,
                       min_version: int, tag: str) -> list:
@@ -173,7 +189,6 @@ class RolloutWorker(EngineOffload, Worker):
         """Greedy accuracy on held-out prompts with the weights held now (its rows join the
         running batch). The reward runs under the same per-call timeout and error policy as in
         training."""
-        from ..engines.rollout import SamplingParams
         from ..rewards.runner import RewardRunner
 
         start = time.monotonic()

@@ -21,35 +21,75 @@ import torch
 
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 
-__all__ = ["RowStream", "result_columns", "row_inputs"]
+__all__ = ["RowStream", "group_leaders", "result_columns", "row_inputs", "stage_params"]
 
 
-def result_columns(results: list[RequestResult], fallback_version: int) -> dict:
-    """The rollout stage's output columns for these results (in their order)."""
-    return {
-        "response_ids": [r.response_ids for r in results],
-        "behav_log_probs": [r.log_probs.float() for r in results],
-        "token_versions": [r.token_versions for r in results],
-        "gen_version": torch.tensor([r.gen_version if r.gen_version is not None else fallback_version
-                                     for r in results], dtype=torch.long),
-    }
+ROLLOUT_OUTPUTS = ["response_ids", "behav_log_probs", "token_versions", "gen_version"]
+ROLLOUT_INPUTS = ["prompt_ids", "seed"]
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "max_new_tokens")
 
 
-def row_inputs(data: Any) -> tuple[list[torch.Tensor], list[int], list[int | None]]:
+def result_columns(results: list[RequestResult], fallback_version: int, outputs: list[str] | None = None) -> dict:
+    """The rollout stage's output columns for these results (in their order): the stage's
+    output names stand, in order, for response ids, their log-probs, each token's policy
+    version and the row's version; a stage that declares fewer writes only those."""
+    names = ROLLOUT_OUTPUTS if outputs is None else list(outputs)
+    if len(names) > len(ROLLOUT_OUTPUTS):
+        raise ValueError(f"a rollout stage writes at most {len(ROLLOUT_OUTPUTS)} columns "
+                         f"({ROLLOUT_OUTPUTS}); it declares {names}")
+    make = [
+        lambda: [r.response_ids for r in results],
+        lambda: [r.log_probs.float() for r in results],
+        lambda: [r.token_versions for r in results],
+        lambda: torch.tensor([r.gen_version if r.gen_version is not None else fallback_version
+                              for r in results], dtype=torch.long),
+    ]
+    return {name: make[i]() for i, name in enumerate(names)}
+
+
+def row_inputs(data: Any, inputs: list[str] | None = None) -> tuple[list[torch.Tensor], list[int], list[int | None]]:
     """Prompts, seeds and per-row budgets (None: the sampling default) of the rollout stage's
-    input columns; a ``max_new_tokens`` column comes with ``rollout.length_profile``."""
+    input columns: [prompt, seed, and optionally a ``max_new_tokens`` column of per-row budgets]."""
     from .common import rows
-    prompts = rows(data["prompt_ids"])
-    seeds = [int(s) for s in data["seed"].tolist()]
-    budgets = ([int(b) for b in data["max_new_tokens"].tolist()] if "max_new_tokens" in data.keys()
-               else [None] * len(prompts))
+    names = ROLLOUT_INPUTS if inputs is None else list(inputs)
+    if len(names) < 2:
+        raise ValueError(f"a rollout stage reads [prompt, seed] columns first; it declares {names}")
+    prompts = rows(data[names[0]])
+    seeds = [int(s) for s in data[names[1]].tolist()]
+    budget = "max_new_tokens" in data.keys()  # the data holds the stage's inputs only
+    budgets = ([int(b) for b in data["max_new_tokens"].tolist()] if budget else [None] * len(prompts))
     return prompts, seeds, budgets
+
+
+def stage_params(params: SamplingParams, options: dict) -> SamplingParams:
+    """The instance's sampling parameters with a stage's overrides (e.g. temperature 0 for a
+    greedy baseline rollout)."""
+    import dataclasses
+    bad = sorted(set(options) - set(SAMPLING_OPTIONS) - {"one_per_group"})
+    if bad:
+        raise ValueError(f"rollout stage options {bad} are unknown; known: {[*SAMPLING_OPTIONS, 'one_per_group']}")
+    over = {k: options[k] for k in SAMPLING_OPTIONS if k in options}
+    return dataclasses.replace(params, **over) if over else params
+
+
+def group_leaders(groups: list[int] | None, n: int) -> dict[int, list[int]]:
+    """Row index of each group's first row -> every row of the group (each row its own group
+    when the rows carry none)."""
+    if not groups:
+        return {i: [i] for i in range(n)}
+    out: dict[int, list[int]] = {}
+    first: dict[int, int] = {}
+    for i, g in enumerate(groups):
+        lead = first.setdefault(g, i)
+        out.setdefault(lead, []).append(i)
+    return out
 
 
 @dataclass
 class _Batch:
-    """The rows of one submitted BatchMeta."""
+    """The rows of one submitted BatchMeta, and the columns its stage writes."""
     meta: Any
+    outputs: list[str] | None = None
 
 
 class RowStream:
@@ -75,18 +115,26 @@ class RowStream:
         self._writer.start()
 
     # ---- the executor's side ---------------------------------------------------------------
-    def submit(self, meta: Any, min_version: int) -> None:
-        """Queue the meta's rows on the service (fetching their prompts from the TransferQueue)."""
+    def submit(self, meta: Any, min_version: int, io: Any = None) -> None:
+        """Queue the meta's rows on the service (fetching their prompts from the TransferQueue).
+        ``io``: the stage's columns and options (sampling overrides; ``one_per_group``: one
+        response per group, written to every row of the group, as a greedy baseline wants)."""
         self.check()
         if not len(meta):
             return
-        prompts, seeds, budgets = row_inputs(self._tq().get_data(meta))
-        batch = _Batch(meta)
+        inputs = None if io is None else io.inputs
+        prompts, seeds, budgets = row_inputs(self._tq().get_data(meta, inputs), inputs)
+        options = {} if io is None else io.options
+        params = stage_params(self.params, options)
+        batch = _Batch(meta, None if io is None else io.outputs)
+        fan = (group_leaders(meta.groups, len(prompts)) if options.get("one_per_group")
+               else {i: [i] for i in range(len(prompts))})
         with self._cond:
             self.in_flight += len(prompts)
-        for i, (p, s, b) in enumerate(zip(prompts, seeds, budgets)):
-            req = GenerationRequest((self.name, next(self._ids)), p, self.params, s, b, int(min_version))
-            self.service.submit(req, on_done=lambda r, i=i: self._done.put((batch, i, r)))
+        for i, members in fan.items():
+            req = GenerationRequest((self.name, next(self._ids)), prompts[i], params, seeds[i], budgets[i],
+                                    int(min_version))
+            self.service.submit(req, on_done=lambda r, m=members: [self._done.put((batch, j, r)) for j in m])
 
     def wait_capacity(self, want_free: int, timeout_s: float) -> dict:
         """Block until ``want_free`` rows fit (or the timeout); report what was written since the
@@ -172,13 +220,16 @@ class RowStream:
             per_batch: dict[int, tuple[_Batch, list[tuple[int, RequestResult]]]] = {}
             for batch, i, r in items:
                 per_batch.setdefault(id(batch), (batch, []))[1].append((i, r))
-            metas, results = [], []
+            by_outputs: dict[tuple, tuple[list, list]] = {}  # rows of stages that write other columns
             for batch, rows in per_batch.values():
                 rows.sort(key=lambda x: x[0])
+                metas, results = by_outputs.setdefault(tuple(batch.outputs or ()), ([], []))
                 metas.append(batch.meta.select([i for i, _ in rows]))
                 results += [r for _, r in rows]
-            meta = metas[0] if len(metas) == 1 else BatchMeta.concat(metas)
-            tq.put(result_columns(results, version), part, meta)
+            for outputs, (metas, results) in by_outputs.items():
+                meta = metas[0] if len(metas) == 1 else BatchMeta.concat(metas)
+                tq.put(result_columns(results, version, list(outputs) or None), part, meta)
+            results = [r for _, rows in per_batch.values() for _, r in rows]
             with self._cond:
                 self.in_flight -= len(results)
                 self.rows_written += len(results)

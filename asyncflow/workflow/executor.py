@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from .ledger import Ledger
-from .stages import Stage
+from .stages import DRIVER, DriverBatch, Stage
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,23 @@ class StepReport:
     rows: int
     started: float
     finished: float
+    # Taken when the update finished, before any observer awaits: what a checkpoint of this
+    # moment records (the data position and the prompts issued to later steps).
+    next_uid: int = 0
+    in_flight_uids: list[int] = field(default_factory=list)
+    role_busy: dict[str, float] = field(default_factory=dict)  # seconds each role worked since the start
+
+
+class StepObserver:
+    """What the executor tells about each step, in order: ``trained`` after the update (its rows
+    are still in the TransferQueue), ``step_done`` once they are freed. Metrics, checkpoints,
+    evaluations and the sample audit are observers; override what you need."""
+
+    async def trained(self, step: int, meta: Any) -> None:
+        pass
+
+    async def step_done(self, report: StepReport) -> None:
+        pass
 
 
 @dataclass
@@ -76,18 +93,18 @@ class Executor:
 
     def __init__(self, cfg: ExecutorConfig, stages: list[Stage], groups: dict[str, Any],
                  rollout_instances: list[Any], tq: Any, source: Callable[[int, int], Awaitable[dict]],
-                 *, timeline: Any = None, on_step: Callable[[StepReport], Awaitable[None]] | None = None,
-                 on_trained: Callable[[int, Any], Awaitable[None]] | None = None,
-                 start_version: int = 0, first_step: int = 0):
+                 *, timeline: Any = None, observers: list[StepObserver] = (),
+                 start_version: int = 0, first_step: int = 0, policy: str | None = None):
         self.cfg = cfg
         self.stages = stages
         self.groups = groups
+        # the role whose weights the rollout serves: the one that runs the update
+        self.policy = policy or next(s.role for s in stages if s.kind == "update")
         self.instances = rollout_instances
         self.tq = tq
         self.source = source  # (step, n_prompts) -> columns of n_prompts * group_size new rows
         self.timeline = timeline
-        self.on_step = on_step
-        self.on_trained = on_trained  # (step, meta) after the update, before the rows are freed
+        self.observers = list(observers)
         self.ledger = Ledger()
         self.state = {s.name: _StageState(low=first_step) for s in stages}
         self.filter_index = next((i for i, s in enumerate(stages) if s.kind == "filter"), None)
@@ -98,6 +115,7 @@ class Executor:
         self._stop = False
         self._sync_queue: asyncio.Queue[int] = asyncio.Queue()
         self.step_timing: dict[int, dict[str, float]] = {}
+        self.step_metrics: dict[int, dict[str, float]] = {}  # what map stages reported, by step
         self.role_busy: dict[str, float] = {}
         self.step_started: dict[int, float] = {}
         self.prompts_issued = 0
@@ -123,6 +141,8 @@ class Executor:
                 tasks.append(asyncio.create_task(self._update_loop(s), name=s.name))
             elif s.kind == "filter":
                 tasks.append(asyncio.create_task(self._filter_loop(s), name=s.name))
+            elif s.role == DRIVER:
+                tasks.append(asyncio.create_task(self._driver_loop(s, i), name=s.name))
             else:
                 tasks.append(asyncio.create_task(self._map_loop(s, i), name=s.name))
         update_task = tasks[-1] if self.stages[-1].kind == "update" else None
@@ -305,6 +325,7 @@ class Executor:
         inst = self.instances[k]
         index = self.stages.index(stage)
         lag, g = self.cfg.lag, self.cfg.group_size
+        io = stage.io.to_wire()
         free = await inst.capacity()
         if free < g:
             raise ValueError(f"rollout instance {k} holds at most {free} rows in flight, less than one group "
@@ -318,7 +339,8 @@ class Executor:
                 break
             t, n = work
             meta = await self._get_meta(stage, t, n)
-            free = self._account(stage, inst, await inst.submit(meta, max(0, t - lag), want_free=g, wait_s=5.0))
+            free = self._account(stage, inst, await inst.submit(meta, max(0, t - lag), want_free=g, wait_s=5.0,
+                                                                io=io))
         # every row is out: what is left to report is the time it took
         self._account(stage, inst, await inst.submit(None, 0, want_free=0, wait_s=0.0))
 
@@ -352,7 +374,8 @@ class Executor:
         while work := await self._next_work(stage, index, lambda t: self.instance_version[k] >= t - lag):
             t, n = work
             meta = await self._get_meta(stage, t, n)
-            await self._timed(stage, inst.role, inst.ranks, t, n, getattr(inst, stage.method)(meta, max(0, t - lag)))
+            await self._timed(stage, inst.role, inst.ranks, t, n,
+                              getattr(inst, stage.method)(meta, max(0, t - lag), stage.io.to_wire()))
 
     async def _map_loop(self, stage: Stage, index: int) -> None:
         group = self.groups[stage.role]
@@ -361,33 +384,59 @@ class Executor:
         while work := await self._next_work(stage, index, allowed):
             t, n = work
             meta = await self._get_meta(stage, t, n)
-            await self._timed(stage, group.role, group.ranks, t, n, getattr(group, stage.method)(meta))
+            out = await self._timed(stage, group.role, group.ranks, t, n,
+                                    getattr(group, stage.method)(meta, stage.io.to_wire()))
+            self._keep_metrics(t, out)
+
+    async def _driver_batch(self, stage: Stage, t: int, meta: Any) -> DriverBatch:
+        cols = await self.tq.get_columns(meta, list(stage.inputs))
+        return DriverBatch(t, {c: _plain(col) for c, col in cols.items()},
+                           list(meta.groups) if meta.groups else list(range(len(meta))), dict(stage.options))
+
+    async def _run_fn(self, stage: Stage, batch: DriverBatch) -> Any:
+        """The stage's function, off the event loop (it may be heavy tensor math)."""
+        try:
+            return await asyncio.to_thread(stage.fn, batch)
+        except Exception as e:
+            raise RuntimeError(f"driver stage {stage.name!r} ({_fn_name(stage.fn)}) raised at step {batch.step}: "
+                               f"{type(e).__name__}: {e}") from e
+
+    async def _driver_loop(self, stage: Stage, index: int) -> None:
+        """A driver stage: its function computes new columns from the batch's columns."""
+        while work := await self._next_work(stage, index, lambda t: True):
+            t, n = work
+            meta = await self._get_meta(stage, t, n)
+            start = time.monotonic()
+            out = _outputs(stage, await self._run_fn(stage, await self._driver_batch(stage, t, meta)), len(meta))
+            if out:
+                await self.tq.put(out, partition_name(t), meta)
+            timing = self.step_timing.setdefault(t, {})
+            timing[stage.name] = timing.get(stage.name, 0.0) + time.monotonic() - start
 
     async def _filter_loop(self, stage: Stage) -> None:
-        """Driver-side: drop groups whose scores are all equal (no learning signal)."""
+        """Driver-side: the stage's function keeps or drops whole groups (dynamic sampling);
+        dropped rows leave the step, kept rows get the stage's output column (the gate the
+        later stages read), and the step is refilled with new prompts until it is full."""
         index = self.stages.index(stage)
         while work := await self._next_work(stage, index, lambda t: True):
             t, n = work
             meta = await self._get_meta(stage, t, n)
-            cols = await self.tq.get_columns(meta, [stage.inputs[0]])
-            scores = cols[stage.inputs[0]].data.tolist()
-            spread: dict[int, tuple[float, float]] = {}
-            for grp, sc in zip(meta.groups, scores):
-                lo, hi = spread.get(grp, (sc, sc))
-                spread[grp] = (min(lo, sc), max(hi, sc))
-            keep = {grp for grp, (lo, hi) in spread.items() if hi - lo > 1e-6}
-            rows_keep = [i for i, grp in enumerate(meta.groups) if grp in keep]
-            rows_drop = [i for i, grp in enumerate(meta.groups) if grp not in keep]
+            batch = await self._driver_batch(stage, t, meta)
+            keep_mask = await self._run_fn(stage, batch)
+            keep_rows = _keep_mask(stage, keep_mask, batch)
+            keep = {g for g, k in zip(batch.groups, keep_rows) if k}
+            rows_keep = [i for i, k in enumerate(keep_rows) if k]
+            rows_drop = [i for i, k in enumerate(keep_rows) if not k]
             s = self.ledger.step(t)
             if rows_drop:
                 await self.tq.clear_rows(meta.select(rows_drop))
             s.accepted += len(rows_keep)
-            if rows_keep:
+            if rows_keep and stage.outputs:
                 import torch
                 await self.tq.put({stage.outputs[0]: torch.ones(len(rows_keep), dtype=torch.int8)},
                                   partition_name(t), meta.select(rows_keep))
             s.accepted_groups += len(keep)
-            s.rejected_groups += len(spread) - len(keep)
+            s.rejected_groups += len(set(batch.groups)) - len(keep)
             await self.ledger.notify()
 
     async def _update_loop(self, stage: Stage) -> None:
@@ -403,29 +452,50 @@ class Executor:
             metrics: dict[str, float] = {}
             if n > 0:
                 self.state[stage.name].taken[t] = n
-                meta = await self._get_meta(stage, t, n)
+                # The group's ranks fetch their own shares (token-balanced); the first returns the rows.
+                batch = {"partition": partition_name(t), "task": stage.name, "rows": n,
+                         "timeout_s": self.cfg.wait_timeout_s}
                 results = await self._timed(stage, group.role, group.ranks, t, n,
-                                            getattr(group, stage.method)(meta, t))
-                metrics = dict(results[0]) if isinstance(results, list) else dict(results)
-                if self.on_trained is not None:
-                    await self.on_trained(t, meta)
+                                            getattr(group, stage.method)(t, batch, stage.io.to_wire()))
+                metrics = {**self.step_metrics.get(t, {}),
+                           **(dict(results[0]) if isinstance(results, list) else dict(results))}
+                meta = metrics.pop("meta", None)
+                if meta is not None:
+                    for o in self.observers:
+                        await o.trained(t, meta)
             else:
                 log.warning("step %d: no rows left to train on; the policy is unchanged", t)
             self.actor_version = t + 1
+            now = time.monotonic()
+            report = StepReport(t, metrics, {}, n, now, now, next_uid=int(getattr(self.source, "next_uid", 0)),
+                                in_flight_uids=self.in_flight_uids(t), role_busy=dict(self.role_busy))
             started = self._forget(t)
+            report.started = started if started is not None else now
             await self.ledger.notify()
             self._sync_queue.put_nowait(t + 1)
             await self.tq.clear(partition_name(t))
-            if self.on_step is not None:
-                now = time.monotonic()
-                await self.on_step(StepReport(t, metrics, dict(self.step_timing.pop(t, {})), n,
-                                              started if started is not None else now, now))
+            report.timing = dict(self.step_timing.pop(t, {}))
+            for o in self.observers:
+                await o.step_done(report)
             t += 1
+
+    def _keep_metrics(self, t: int, out: Any) -> None:
+        """A map stage that returns metrics (a dict of numbers, or one per rank: the first is
+        kept) adds them to its step's report, e.g. the critic update's value loss."""
+        first = out[0] if isinstance(out, list) and out else out
+        if t not in self.ledger.steps:  # its step is reported already: the next report carries them
+            if not self.ledger.steps:
+                return
+            t = min(self.ledger.steps)
+        if isinstance(first, dict):
+            self.step_metrics.setdefault(t, {}).update(
+                {k: float(v) for k, v in first.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
 
     def _forget(self, t: int) -> float | None:
         """Step ``t`` is trained, so every stage is done with it: drop its bookkeeping (a run of
         days has millions of steps) and return when it started."""
         self.ledger.steps.pop(t, None)
+        self.step_metrics.pop(t, None)
         for st in self.state.values():
             st.taken.pop(t, None)
             st.low = max(st.low, t + 1)
@@ -433,7 +503,7 @@ class Executor:
 
     # ---- weight sync: publish each version, then every instance receives it in the background ----
     async def _weight_sync(self) -> None:
-        actor = self.groups["actor"]
+        actor = self.groups[self.policy]
         while True:
             v = await self._sync_queue.get()
             taken = 1
@@ -455,3 +525,49 @@ class Executor:
 
 
 _SYNC = Stage("weight_sync", role="actor", method="publish_weights", inputs=["-"], kind="map")
+
+
+def _plain(col: Any) -> Any:
+    """A TransferQueue column as a driver function sees it: a tensor per fixed column, a list
+    of 1-D tensors per jagged one, a list per object column."""
+    if col.kind == "object":
+        return list(col.items)
+    if col.kind == "jagged":
+        offs = col.offsets.tolist()
+        return [col.values[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
+    return col.data
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _outputs(stage: Stage, out: Any, n: int) -> dict:
+    """A driver function's result as the stage's declared output columns."""
+    if len(stage.outputs) == 1 and not isinstance(out, dict):
+        out = {stage.outputs[0]: out}
+    if not isinstance(out, dict):
+        raise TypeError(f"driver stage {stage.name!r}: {_fn_name(stage.fn)} must return a dict of its output "
+                        f"columns {stage.outputs}, got {type(out).__name__}")
+    missing = [c for c in stage.outputs if c not in out]
+    if missing:
+        raise ValueError(f"driver stage {stage.name!r}: {_fn_name(stage.fn)} returned {sorted(out)}, "
+                         f"without its declared outputs {missing}")
+    for c in stage.outputs:
+        if len(out[c]) != n:
+            raise ValueError(f"driver stage {stage.name!r}: column {c!r} has {len(out[c])} rows for a batch of {n}")
+    return {c: out[c] for c in stage.outputs}
+
+
+def _keep_mask(stage: Stage, keep: Any, batch: DriverBatch) -> list[bool]:
+    """A filter function's result as one bool per row, deciding whole groups."""
+    flags = [bool(k) for k in (keep.tolist() if hasattr(keep, "tolist") else keep)]
+    if len(flags) != len(batch):
+        raise ValueError(f"filter stage {stage.name!r}: {_fn_name(stage.fn)} returned {len(flags)} flags for "
+                         f"{len(batch)} rows (one bool per row: True keeps it)")
+    decided: dict[int, bool] = {}
+    for g, k in zip(batch.groups, flags):
+        if decided.setdefault(g, k) != k:
+            raise ValueError(f"filter stage {stage.name!r}: {_fn_name(stage.fn)} keeps part of group {g}; a "
+                             "filter keeps or drops whole groups (the group sampler gives it whole groups)")
+    return flags

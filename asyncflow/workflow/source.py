@@ -4,6 +4,9 @@ Every row carries its own sampling seed, derived from the run seed, the prompt's
 position in the stream and the sample's index in its group, so a response does not
 depend on how rows are batched (sync and stream see the same samples).
 
+Besides the token ids, each row carries the prompt's text and its record's metadata (the
+data file's other fields), for reward functions that want them.
+
 An optional ``budget_fn(uid, j)`` gives each row its own token budget, written as the
 ``max_new_tokens`` column (benchmarks: ``rollout.length_profile=longtail``).
 """
@@ -75,7 +78,7 @@ class PromptSource:
         self.replay = list(replay)  # (uid, record) issued before a crash but never trained: these go first
 
     async def __call__(self, step: int, n_prompts: int) -> dict[str, Any]:
-        prompt_ids, answers, seeds, index, groups, budgets = [], [], [], [], [], []
+        prompt_ids, answers, seeds, index, groups, budgets, texts, metas = [], [], [], [], [], [], [], []
         for _ in range(n_prompts):
             if self.replay:  # same uid, so the same row seeds as before the crash
                 uid, rec = self.replay.pop(0)
@@ -84,16 +87,20 @@ class PromptSource:
                 uid = self.next_uid
                 self.next_uid += 1
             ids = torch.as_tensor(rec["prompt_ids"], dtype=torch.long)
+            text, meta = str(rec.get("prompt", "")), dict(rec.get("metadata") or {})
             for j in range(self.group_size):
                 prompt_ids.append(ids)
                 answers.append(str(rec["answer"]))
+                texts.append(text)
+                metas.append(meta)
                 seeds.append(row_seed(self.seed, uid, j))
                 index.append(int(rec.get("index", uid)))
                 groups.append(uid)
                 if self.budget_fn is not None:
                     budgets.append(int(self.budget_fn(uid, j)))
         cols = {"prompt_ids": prompt_ids, "answer": answers, "seed": torch.tensor(seeds, dtype=torch.long),
-                "prompt_index": torch.tensor(index, dtype=torch.long), "__groups__": groups}
+                "prompt_index": torch.tensor(index, dtype=torch.long), "prompt": texts, "metadata": metas,
+                "__groups__": groups}
         if self.budget_fn is not None:
             cols["max_new_tokens"] = torch.tensor(budgets, dtype=torch.long)
         return cols

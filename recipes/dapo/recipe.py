@@ -1,16 +1,30 @@
 """DAPO: GRPO with dynamic sampling (groups whose rewards are all equal are dropped and
-refilled from new prompts), asymmetric clip-higher, token-level loss, no KL.
-The stage graph is GRPO's; the recipe differs in the names config.yaml gives."""
-from pathlib import Path
-import importlib.util
+refilled from new prompts), asymmetric clip-higher, token-level loss, no KL, and the soft
+overlong punishment: responses running into the last ``reward.overlong_buffer`` tokens of
+the budget lose part of their score, in a driver stage before the filter and advantages."""
+from __future__ import annotations
 
-_grpo = Path(__file__).resolve().parents[1] / "grpo" / "recipe.py"
-_spec = importlib.util.spec_from_file_location("asyncflow_recipe_grpo_for_dapo", _grpo)
-_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_mod)
+from asyncflow.workflow import driver_stages
+from asyncflow.workflow.stages import DRIVER, RecipeSpec, Stage
+from recipes.grpo import recipe as grpo
 
 
-def stages(cfg):
+def build(cfg) -> RecipeSpec:
     if not cfg.algorithm.dynamic_sampling:
         raise ValueError("recipe dapo: algorithm.dynamic_sampling must stay true (it is what DAPO is)")
-    return _mod.stages(cfg)
+    r = cfg.reward
+    stages = [grpo.rollout(cfg), grpo.reward(cfg)]
+    score = "scores"
+    if r.overlong_buffer > 0:
+        stages.append(Stage("overlong", role=DRIVER, method="", inputs=["scores", "response_ids"],
+                            outputs=["shaped_scores"], batch_rows=grpo.batch_rows(cfg),
+                            fn=driver_stages.overlong_shaping(cfg.rollout.max_new_tokens, r.overlong_buffer,
+                                                              r.overlong_penalty)))
+        score = "shaped_scores"
+    stages.append(Stage("filter", role=DRIVER, method="", inputs=[score], outputs=["accepted"],
+                        batch_rows=grpo.batch_rows(cfg), sampler=grpo.groups(cfg), kind="filter",
+                        fn=driver_stages.equal_score_filter(score)))
+    stages += grpo.log_prob_stages(cfg, ["accepted"])
+    stages.append(grpo.advantage(cfg, [score, "response_ids", "accepted"], score=score))
+    stages.append(grpo.update(cfg))
+    return RecipeSpec(grpo.roles(cfg), stages)

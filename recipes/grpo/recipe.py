@@ -1,41 +1,103 @@
 """GRPO: group-relative advantages, clipped policy loss, no critic.
 
-The stages below are the whole algorithm's data flow; the executor overlaps them.
-Copy this folder to start a new algorithm: change the stages, or name another
-advantage / loss from asyncflow.algorithms in config.yaml.
+``build`` declares the whole algorithm: the roles (worker classes and where they run) and
+the stages with the columns each reads and writes; the executor overlaps the stages. Copy
+this folder to start a new algorithm; the pieces below (``roles``, ``reward``,
+``log_prob_stages``, ``advantage``, ``update``) are plain functions other recipes import
+(``from recipes.grpo.recipe import roles``).
 """
-from asyncflow.workflow.stages import Stage
+from __future__ import annotations
+
+from asyncflow.algorithms import GROUP_RELATIVE_ADVANTAGES
+from asyncflow.workflow import driver_stages
+from asyncflow.workflow.stages import DRIVER, RecipeSpec, Role, Stage
 
 
-def stages(cfg) -> list[Stage]:
-    n = cfg.rollout.n
-    batch = cfg.rollout.batch_prompts * n
-    groups = {"name": "grpo_group", "group_size": n}
+def batch_rows(cfg) -> int:
+    return cfg.rollout.batch_prompts * cfg.rollout.n
+
+
+def groups(cfg) -> dict:
+    """The sampler of stages that need whole groups (a prompt's n responses together)."""
+    return {"name": "grpo_group", "group_size": cfg.rollout.n}
+
+
+def roles(cfg) -> dict[str, Role]:
+    """The policy (trained, on the training ranks), the rollout instances (one per generation
+    rank), the reward (a rule, or a reward model when reward.model_path is set) and, with a
+    KL term, the frozen reference."""
+    out = {
+        "actor": Role("asyncflow.workers.actor:ActorWorker", on="actor"),
+        "rollout": Role("asyncflow.workers.rollout:RolloutWorker", on="rollout", per_rank=True),
+        "reward": Role("asyncflow.workers.reward_model:RewardModelWorker" if cfg.reward.model_path
+                       else "asyncflow.workers.reward:RewardWorker", on=cfg.placement.reward_with),
+    }
+    if cfg.algorithm.kl_coef > 0:
+        out["ref"] = Role("asyncflow.workers.reference:ReferenceWorker", on=cfg.placement.ref_with)
+    return out
+
+
+def rollout(cfg, name: str = "rollout", outputs: list[str] | None = None, options: dict | None = None) -> Stage:
     budget = ["max_new_tokens"] if cfg.rollout.length_profile else []  # per-row token budgets (benchmarks)
-    gate = []  # with dynamic sampling, later stages see only the groups the filter kept
-    out = [
-        Stage("rollout", role="rollout", method="generate", inputs=["prompt_ids", "seed", *budget],
-              outputs=["response_ids", "behav_log_probs", "token_versions", "gen_version"],
-              batch_rows=batch, sampler=groups, kind="rollout"),
-        Stage("reward", role="reward", method="compute", inputs=["response_ids", "answer"], outputs=["scores"],
-              batch_rows=batch),
-    ]
-    if cfg.algorithm.dynamic_sampling:
-        out.append(Stage("filter", role="driver", method="", inputs=["scores"], outputs=["accepted"],
-                         batch_rows=batch, sampler=groups, kind="filter"))
-        gate = ["accepted"]
-    old = []
+    return Stage(name, role="rollout", method="generate", inputs=["prompt_ids", "seed", *budget],
+                 outputs=outputs or ["response_ids", "behav_log_probs", "token_versions", "gen_version"],
+                 batch_rows=batch_rows(cfg), sampler=groups(cfg), kind="rollout", options=options or {})
+
+
+def reward(cfg, name: str = "reward", response: str = "response_ids", output: str = "scores") -> Stage:
+    """Scores of ``response``: the rule sees the decoded text, the answer, the prompt text and
+    the record's metadata; a reward model sees prompt and response tokens."""
+    inputs = ["prompt_ids", response] if cfg.reward.model_path else [response, "answer", "prompt", "metadata"]
+    return Stage(name, role="reward", method="compute", inputs=inputs, outputs=[output], batch_rows=batch_rows(cfg))
+
+
+def log_prob_stages(cfg, gate: list[str]) -> list[Stage]:
+    """Proximal log-probs (algorithm.recompute_proximal) and the reference's (kl_coef > 0)."""
+    out = []
     if cfg.algorithm.recompute_proximal:
         out.append(Stage("old_log_prob", role="actor", method="compute_log_probs",
                          inputs=["prompt_ids", "response_ids", *gate], outputs=["old_log_probs"],
-                         batch_rows=batch, on_policy_weights=True))
-        old = ["old_log_probs"]
-    ref = []
+                         batch_rows=batch_rows(cfg), on_policy_weights=True))
     if cfg.algorithm.kl_coef > 0:
         out.append(Stage("ref_log_prob", role="ref", method="compute_log_probs",
-                         inputs=["prompt_ids", "response_ids", *gate], outputs=["ref_log_probs"], batch_rows=batch))
-        ref = ["ref_log_probs"]
-    out.append(Stage("update", role="actor", method="update",
-                     inputs=["prompt_ids", "response_ids", "scores", "behav_log_probs", *old,
-                             "gen_version", *ref, *gate], kind="update"))
+                         inputs=["prompt_ids", "response_ids", *gate], outputs=["ref_log_probs"],
+                         batch_rows=batch_rows(cfg)))
     return out
+
+
+def advantage(cfg, inputs: list[str], outputs: list[str] = ("advantages",), score: str = "scores") -> Stage:
+    """Advantages once per row, in the driver. Group estimators take whole groups as they are
+    ready; the others (whitening over the batch) take the whole step."""
+    a = cfg.algorithm
+    extra = []
+    if a.kl_in_reward and a.kl_coef > 0:
+        extra = ["ref_log_probs", "old_log_probs" if a.recompute_proximal else "behav_log_probs"]
+    grouped = a.advantage in GROUP_RELATIVE_ADVANTAGES
+    return Stage("advantages", role=DRIVER, method="", inputs=[*inputs, *extra], outputs=list(outputs),
+                 batch_rows=batch_rows(cfg) if grouped else 0, sampler=groups(cfg) if grouped else "sequential",
+                 fn=driver_stages.advantages(a, score=score))
+
+
+def update(cfg, extra: list[str] = ()) -> Stage:
+    """The policy update: reads advantages and the log-probs the loss needs."""
+    a = cfg.algorithm
+    cols = ["prompt_ids", "response_ids", "advantages", "behav_log_probs", "scores", "gen_version"]
+    if a.recompute_proximal:
+        cols.append("old_log_probs")
+    if a.kl_coef > 0 and not a.kl_in_reward:
+        cols.append("ref_log_probs")
+    return Stage("update", role="actor", method="update", inputs=[*cols, *extra], kind="update")
+
+
+def build(cfg) -> RecipeSpec:
+    stages = [rollout(cfg), reward(cfg)]
+    gate = []  # with dynamic sampling, later stages see only the groups the filter kept
+    if cfg.algorithm.dynamic_sampling:
+        stages.append(Stage("filter", role=DRIVER, method="", inputs=["scores"], outputs=["accepted"],
+                            batch_rows=batch_rows(cfg), sampler=groups(cfg), kind="filter",
+                            fn=driver_stages.equal_score_filter("scores")))
+        gate = ["accepted"]
+    stages += log_prob_stages(cfg, gate)
+    stages.append(advantage(cfg, ["scores", "response_ids", *gate]))
+    stages.append(update(cfg))
+    return RecipeSpec(roles(cfg), stages)

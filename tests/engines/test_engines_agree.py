@@ -149,7 +149,7 @@ def trained(model_dir, tokenizer):
 
 
 def test_weight_sync_makes_rollout_match_actor(trained):
-    from asyncflow.workflow.weight_sync import pack_weights
+    from asyncflow.workers.weight_sync import pack_weights
 
     rollout, actor, prompts, params = trained["rollout"], trained["actor"], trained["prompts"], trained["params"]
     m = trained["metrics"]

@@ -27,17 +27,16 @@ def test_rollout_memory_is_released_while_the_actor_runs(cluster2):
     from asyncflow.config import load_config, to_dict
 
     d, path = cluster2.driver, _model_path()
-    algo = {**to_dict(load_config())["algorithm"], "policy_loss": "ppo_clip"}
-    sampling = {"max_new_tokens": 6, "temperature": 1.0}
+    common = [f"model.path={path}", "trainer.threads=1", "workflow.mode=sync", "optim.lr=0.01",
+              "optim.warmup_steps=0", "rollout.max_new_tokens=6"]
+    colocated = to_dict(load_config(overrides=[*common, "placement.mode=colocated"]))  # idle roles offload
+    apart = to_dict(load_config(overrides=common))  # disaggregated placement: nothing offloads
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
     async def go():
-        actor = await d.create_group(W.ProbingActor, "actor", model_path=path, optim={"lr": 1e-2},
-                                     algorithm=algo, threads=1, offload=True)
-        insts = [await d.create_group(W.ProbedRollout, f"rollout{r}", ranks=[r], model_path=path,
-                                      sampling=sampling, threads=1, offload=True) for r in (0, 1)]
-        plain = await d.create_group(W.ProbedRollout, "plain", ranks=[0], model_path=path, sampling=sampling,
-                                     threads=1)  # offload=False: disaggregated placement
+        actor = await d.create_group(W.ProbingActor, "actor", cfg=colocated)
+        insts = [await d.create_group(W.ProbedRollout, f"rollout{r}", ranks=[r], cfg=colocated) for r in (0, 1)]
+        plain = await d.create_group(W.ProbedRollout, "plain", ranks=[0], cfg=apart)
         await d.make_group([0, 1])  # the weight-sync group of the instance on rank 1
         await asyncio.gather(actor.init_weight_sync([[0], [1]]), *(i.init_weight_sync(0) for i in insts))
         before = [await i.evaluate(prompts, ["0"] * 3, samples=3) for i in insts]

@@ -14,7 +14,8 @@ import torch
 import zmq.asyncio
 
 from asyncflow.transfer_queue import AsyncTransferQueueClient, TransferQueueConfig, TransferQueueService
-from asyncflow.workflow.executor import Executor, ExecutorConfig
+from asyncflow.workflow.driver_stages import equal_score_filter
+from asyncflow.workflow.executor import Executor, ExecutorConfig, StepObserver
 from asyncflow.workflow.source import PromptSource
 from asyncflow.workflow.stages import Stage
 
@@ -31,7 +32,7 @@ class Rollout(Group):
         super().__init__(tq, f"rollout{k}", [k + 1], delay)
         self.version, self.log = 0, log
 
-    async def generate(self, meta, min_version):
+    async def generate(self, meta, min_version, io=None):
         assert self.version >= min_version, (self.version, min_version)
         self.log.append(("gen", meta.partition, asyncio.get_running_loop().time()))
         await asyncio.sleep(self.delay * len(meta) / 8)
@@ -68,7 +69,7 @@ class ServiceRollout(Rollout):
     async def capacity(self):
         return self.CAP
 
-    async def submit(self, meta, min_version, want_free=1, wait_s=5.0):
+    async def submit(self, meta, min_version, want_free=1, wait_s=5.0, io=None):
         if meta is not None:
             assert self.in_flight + len(meta) <= self.CAP, "the executor overfilled the instance"
             self.in_flight += len(meta)
@@ -105,7 +106,7 @@ class Reward(Group):
         super().__init__(tq, "reward", [1])
         self.score_fn = score_fn
 
-    async def compute(self, meta):
+    async def compute(self, meta, io=None):
         data = await self.tq.get_data(meta, ["seed"])
         scores = [self.score_fn(int(s), g) for s, g in zip(data["seed"].tolist(), meta.groups)]
         await self.tq.put({"scores": torch.tensor(scores, dtype=torch.float32)}, meta.partition, meta)
@@ -117,13 +118,17 @@ class Actor(Group):
         super().__init__(tq, "actor", [0], delay)
         self.version, self.trained, self.staleness, self.log = 0, [], [], log
 
-    async def compute_log_probs(self, meta):
+    async def compute_log_probs(self, meta, io=None):
         assert self.version == int(meta.partition[4:]), "proximal log-probs must use the step's weights"
         n = len(meta)
         await self.tq.put({"old_log_probs": [torch.zeros(3) for _ in range(n)]}, meta.partition, meta)
         return meta
 
-    async def update(self, meta, step):
+    async def update(self, step, batch, io):
+        # as the real actor: the group's ranks fetch the step's rows themselves
+        meta = await self.tq.get_meta(io["inputs"], batch["rows"], batch["task"], batch["partition"],
+                                      {"name": "token_balanced", "dp_size": 1}, timeout=batch["timeout_s"],
+                                      dp_group=self.role, dp_rank=0, dp_size=1)
         self.log.append(("update_start", meta.partition, asyncio.get_running_loop().time()))
         data = await self.tq.get_data(meta, ["gen_version", "prompt_index"])
         self.staleness += (step - data["gen_version"]).tolist()
@@ -131,7 +136,7 @@ class Actor(Group):
         await asyncio.sleep(self.delay)
         self.version = step + 1
         self.log.append(("update_end", meta.partition, asyncio.get_running_loop().time()))
-        return [{"reward/mean": 0.0, "rows": float(len(meta))}]
+        return [{"reward/mean": 0.0, "rows": float(len(meta)), "meta": meta}]
 
     async def publish_weights(self, v):
         return [{}]
@@ -151,7 +156,8 @@ def stages(dynamic: bool):
     gate = []
     if dynamic:
         s.append(Stage("filter", "driver", "", ["scores"], ["accepted"], batch_rows=2 * G,
-                       sampler={"name": "grpo_group", "group_size": G}, kind="filter"))
+                       sampler={"name": "grpo_group", "group_size": G}, kind="filter",
+                       fn=equal_score_filter("scores")))
         gate = ["accepted"]
     s.append(Stage("old_log_prob", "actor", "compute_log_probs", ["response_ids", *gate], ["old_log_probs"],
                    batch_rows=2 * G, on_policy_weights=True))
@@ -174,9 +180,10 @@ def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, ins
         src = PromptSource(records(), G, seed=0)
         reports = []
 
-        async def on_step(rep):
-            reports.append(rep)
-        ex = Executor(cfg, stages(dynamic), groups, insts, tq, src, on_step=on_step)
+        class Reports(StepObserver):
+            async def step_done(self, rep):
+                reports.append(rep)
+        ex = Executor(cfg, stages(dynamic), groups, insts, tq, src, observers=[Reports()])
         try:
             await asyncio.wait_for(ex.run(steps), 60)
         finally:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from asyncflow.workflow import weight_sync as ws
+from asyncflow.workers import weight_sync as ws
 
 
 def _port() -> int:

@@ -1,0 +1,122 @@
+"""Step observers: what happens after each RL step besides training, one idea each. The
+executor calls them in order (``StepObserver``): the step's metrics and progress bar, the
+sample audit, the checkpoint policy, the evaluation schedule and the time budget."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from ..workflow.executor import StepObserver, StepReport
+
+
+class StepMetrics(StepObserver):
+    """Throughput, idle ratios, stage timings and TransferQueue occupancy per step, to the
+    metrics log and the progress bar; run totals for the summary."""
+
+    def __init__(self, logger: Any, progress: Any, tq: Any, nproc: int, first_step: int):
+        self.logger, self.progress, self.tq, self.nproc, self.first = logger, progress, tq, nproc, first_step
+        self.start = self.last = time.monotonic()
+        self.totals = {"rows": 0.0, "tokens": 0.0, "stale_sum": 0.0, "stale_max": 0.0}
+
+    async def step_done(self, rep: StepReport) -> None:
+        now = time.monotonic()
+        m = dict(rep.metrics)
+        dt = max(now - self.last, 1e-9)
+        self.last = now
+        rows, tokens = m.pop("rows", 0.0), m.pop("tokens", 0.0)
+        t = self.totals
+        t["rows"] += rows
+        t["tokens"] += tokens
+        t["stale_sum"] += m.get("async/staleness_mean", 0.0) * rows
+        t["stale_max"] = max(t["stale_max"], m.get("async/staleness_max", 0.0))
+        m["perf/samples_per_s"] = rows / dt
+        m["perf/tokens_per_s"] = tokens / dt
+        m["perf/throughput_tokens_per_s_per_device"] = tokens / dt / self.nproc
+        m.update({f"timing_s/{k}": v for k, v in rep.timing.items()})
+        wall = now - self.start
+        for role, busy in rep.role_busy.items():
+            m[f"perf/idle_ratio/{role}"] = max(0.0, 1.0 - busy / max(wall, 1e-9))
+        m["step_time_s"] = rep.finished - rep.started
+        held = await self.tq.unit_stats()  # the step's partition is cleared: this must not grow
+        m["tq/rows_held"] = float(sum(u["rows"] for u in held))
+        m["tq/bytes_held"] = float(sum(u["bytes"] for u in held))
+        self.logger.log(rep.step + 1, m)
+        self.progress.update(rep.step + 1 - self.first, m)
+
+    def summary(self, rl_s: float) -> dict[str, float]:
+        t = self.totals
+        return {"samples_per_s": t["rows"] / max(rl_s, 1e-9), "tokens_per_s": t["tokens"] / max(rl_s, 1e-9),
+                "staleness_mean": t["stale_sum"] / max(t["rows"], 1.0), "staleness_max": t["stale_max"]}
+
+
+AUDIT_COLUMNS = ["prompt_index", "seed", "response_ids", "gen_version", "scores", "token_versions"]
+
+
+class SampleAudit(StepObserver):
+    """samples.jsonl: which prompt, seed and policy version each trained row came from (the
+    fields whose columns the recipe has)."""
+
+    def __init__(self, path: Path, tq: Any, append: bool, columns: list[str]):
+        self.tq = tq
+        self.columns = [c for c in AUDIT_COLUMNS if c in set(columns)]
+        self.file = open(path, "a" if append else "w")
+
+    async def trained(self, step: int, meta: Any) -> None:
+        cols = await self.tq.get_columns(meta, self.columns)
+        lines = [{"step": step, "uid": int(meta.groups[i]) if meta.groups else -1} for i in range(len(meta))]
+        for name, col in cols.items():
+            key = "score" if name == "scores" else name
+            if col.kind == "jagged":
+                offs, vals = col.offsets.tolist(), col.values.tolist()
+                for i, line in enumerate(lines):
+                    line[key] = vals[offs[i]:offs[i + 1]]
+            else:
+                for line, v in zip(lines, col.data.tolist()):
+                    line[key] = v
+        for line in lines:
+            self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class CheckpointPolicy(StepObserver):
+    """A run checkpoint every ``every`` steps, at the data position of the step's end."""
+
+    def __init__(self, every: int, save: Callable[[int, int, list[int]], Awaitable[Any]]):
+        self.every, self.save = every, save
+
+    async def step_done(self, rep: StepReport) -> None:
+        if self.every and (rep.step + 1) % self.every == 0:
+            await self.save(rep.step + 1, rep.next_uid, rep.in_flight_uids)
+
+
+class EvalSchedule(StepObserver):
+    """A held-out evaluation every ``every`` steps, running beside training."""
+
+    def __init__(self, every: int, evaluate: Callable[[int, str], Awaitable[float]]):
+        self.every, self.evaluate = every, evaluate
+        self.pending: list[asyncio.Task] = []
+
+    async def step_done(self, rep: StepReport) -> None:
+        if self.every and (rep.step + 1) % self.every == 0:
+            self.pending.append(asyncio.create_task(self.evaluate(rep.step + 1, "rl")))
+
+    async def wait(self) -> None:
+        await asyncio.gather(*self.pending)
+
+
+class TimeBudget(StepObserver):
+    """Stop issuing steps once RL has run ``budget_s`` seconds (0: no budget)."""
+
+    def __init__(self, budget_s: float, stop: Callable[[], None]):
+        self.budget_s, self.stop = budget_s, stop
+        self.start = time.monotonic()
+
+    async def step_done(self, rep: StepReport) -> None:
+        if self.budget_s and time.monotonic() - self.start >= self.budget_s:
+            self.stop()

@@ -1,0 +1,75 @@
+"""The phases around RL: weight sync to the rollout instances, evaluation on held-out
+prompts, and the supervised warm-up of the built-in task."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+from ..config import RunSettings
+from .roles import RunRoles
+
+log = logging.getLogger("asyncflow.trainer")
+
+
+async def sync_weights(roles: RunRoles, version: int) -> None:
+    """Publish the policy's weights as ``version`` and have every instance take them."""
+    await roles.policy.publish_weights(version)
+    await asyncio.gather(*(inst.receive_weights(version) for inst in roles.instances))
+    for inst in roles.instances:  # in turn: never all instances paused at once
+        await inst.swap_weights(version)
+
+
+async def reward_failures(roles: RunRoles) -> dict[str, float]:
+    """Reward calls that raised or timed out so far, over every role that counts them."""
+    total = {"reward/errors": 0.0, "reward/timeouts": 0.0}
+    for g in roles.with_method("reward_stats"):
+        for s in await g.reward_stats():
+            for k in total:
+                total[k] += float(s.get(k, 0))
+    return total
+
+
+class Evaluator:
+    """Greedy accuracy on the held-out prompts, on the first rollout instance."""
+
+    def __init__(self, cfg: RunSettings, roles: RunRoles, logger: Any, prompts: list[list[int]],
+                 answers: list[str]):
+        self.cfg, self.roles, self.logger = cfg, roles, logger
+        self.prompts, self.answers = prompts, answers
+
+    async def __call__(self, step: int, phase: str) -> float:
+        rc = self.cfg.reward
+        r = await self.roles.instances[0].evaluate(self.prompts, self.answers, reward=rc.name,
+                                                   max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                                   timeout_s=rc.timeout_s, on_error=rc.on_error)
+        failures = await reward_failures(self.roles)
+        self.logger.log(step, {"eval/accuracy": r["accuracy"], "phase": phase, "eval/version": r["version"],
+                               "eval/reward_errors": r["reward_errors"],
+                               "eval/reward_timeouts": r["reward_timeouts"], **failures})
+        log.info("eval (%s, step %d): accuracy %.3f  e.g. %s", phase, step, r["accuracy"],
+                 "; ".join(f"{e['prompt']}{e['response']!r} (want {e['answer']})" for e in r["examples"][:3]))
+        return float(r["accuracy"])
+
+
+async def warmup(cfg: RunSettings, roles: RunRoles, data: Any, logger: Any, evaluate: Evaluator) -> int:
+    """Supervised steps on the task's answers until the held-out check passes; returns the steps."""
+    w = cfg.warmup
+    if not w.enabled or data.sft_examples is None:
+        return 0
+    policy = roles.policy
+    await policy.reset_optimizer("warmup")
+    rng = random.Random(cfg.trainer.seed)
+    step = 0
+    while step < w.max_steps:
+        for _ in range(w.check_every):
+            batch = data.sft_examples(w.batch_size, rng)
+            m = (await policy.sft_step([b[0] for b in batch], [b[1] for b in batch]))[0]
+            step += 1
+            if step % 5 == 0:
+                logger.log(step, {"sft/loss": float(m.get("loss", float("nan"))), "phase": "sft"})
+        await sync_weights(roles, 0)
+        if await evaluate(step, "sft") >= w.target_accuracy:
+            break
+    return step

@@ -1,0 +1,98 @@
+"""Starting a recipe's roles: each declared role becomes a worker group on the ranks of its
+placement side (one group per rank for the rollout instances), every worker built from the
+run's config; then the weight-sync groups between the policy and each instance."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import RunSettings, to_dict
+from ..workflow.stages import RecipeSpec
+
+
+@dataclass
+class Placement:
+    actor: list[int]
+    rollout: list[int]
+
+    @staticmethod
+    def from_config(cfg: RunSettings) -> "Placement":
+        n = cfg.trainer.nproc
+        if cfg.placement.mode == "colocated" or n == 1:
+            return Placement(list(range(n)), list(range(n)))
+        return Placement(list(cfg.placement.actor_ranks), list(cfg.placement.rollout_ranks))
+
+    def ranks(self, on: str | list[int], nproc: int) -> list[int]:
+        """The ranks of a role placed ``on`` a side ("actor", "rollout", "all") or given ranks."""
+        if not isinstance(on, str):
+            bad = [r for r in on if not 0 <= int(r) < nproc]
+            if bad:
+                raise ValueError(f"ranks {bad} lie outside 0..{nproc - 1} (trainer.nproc={nproc})")
+            return sorted(int(r) for r in on)
+        if on == "all":
+            return list(range(nproc))
+        return list(self.actor if on == "actor" else self.rollout)
+
+
+@dataclass
+class RunRoles:
+    """The started worker groups of a run."""
+    spec: RecipeSpec
+    placement: Placement
+    groups: dict[str, Any] = field(default_factory=dict)  # role -> group (not the per-rank roles)
+    instances: list[Any] = field(default_factory=list)  # the rollout role's groups, one per rank
+
+    @property
+    def policy(self) -> Any:
+        return self.groups[self.spec.policy]
+
+    def with_method(self, name: str) -> list[Any]:
+        """The groups whose worker class defines ``name`` (e.g. save_checkpoint, load_reference)."""
+        return [g for g in self.groups.values() if callable(getattr(g.cls, name, None))]
+
+    def all_groups(self) -> list[Any]:
+        return [*self.groups.values(), *self.instances]
+
+
+async def start_roles(driver: Any, cfg: RunSettings, spec: RecipeSpec, out: Path) -> RunRoles:
+    """Create every role's group (policy first: its ranks lead), then the weight-sync groups."""
+    place = Placement.from_config(cfg)
+    roles = RunRoles(spec, place)
+    wire_cfg = to_dict(cfg)
+    order = sorted(spec.roles, key=lambda r: (r != spec.policy, r))
+    for name in order:
+        role = spec.roles[name]
+        cls = role.worker_class()
+        ranks = place.ranks(role.on, cfg.trainer.nproc)
+        if not ranks:
+            raise ValueError(f"role {name!r} has no ranks (on={role.on!r}): check placement")
+        if role.per_rank:
+            for k, r in enumerate(ranks):  # one instance per rank: each swaps weights on its own
+                roles.instances.append(await driver.create_group(cls, f"{name}{k}", ranks=[r], cfg=wire_cfg,
+                                                                 **role.options))
+        else:
+            roles.groups[name] = await driver.create_group(cls, name, ranks=ranks, cfg=wire_cfg, **role.options)
+    write_ranks(driver, roles, out)
+    policy = roles.policy
+    for inst in roles.instances:  # one weight-sync group each: the policy's first rank and the instance
+        members = sorted({policy.ranks[0], *inst.ranks})
+        if len(members) > 1:
+            await driver.make_group(members, backend="gloo", timeout_s=cfg.workflow.call_timeout_s)
+    await asyncio.gather(policy.init_weight_sync([inst.ranks for inst in roles.instances]),
+                         *(inst.init_weight_sync(policy.ranks[0]) for inst in roles.instances))
+    return roles
+
+
+def write_ranks(driver: Any, roles: RunRoles, out: Path) -> None:
+    """ranks.json: which process (host, pid) serves which roles, for operators (and fault tests)."""
+    by_rank: dict[int, list[str]] = {}
+    for g in roles.all_groups():
+        for r in g.ranks:
+            by_rank.setdefault(r, []).append(g.role)
+    info = [{"rank": ep.rank, "host": ep.info.get("host"), "pid": ep.info.get("pid"),
+             "roles": by_rank.get(ep.rank, [])}
+            for ep in driver.ranks if getattr(ep, "info", None)]
+    (out / "ranks.json").write_text(json.dumps(info, indent=1))

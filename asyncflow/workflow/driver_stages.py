@@ -1,0 +1,101 @@
+"""Driver-side stage functions the built-in recipes use: plain functions of a ``DriverBatch``
+that return new columns (or, for a filter, which rows to keep). A recipe of your own writes
+its own the same way and names it in ``Stage(..., role="driver", fn=...)``.
+
+Each is built from its settings (``advantages(cfg.algorithm)``) so that the stage reads as
+one line in a recipe; the function itself is pure tensor math over the batch.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .stages import DriverBatch
+
+__all__ = ["advantages", "equal_score_filter", "overlong_shaping", "pad_rows", "unpad_rows"]
+
+
+def pad_rows(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D float tensors to [B, T]; returns (padded, mask)."""
+    n = max((len(s) for s in seqs), default=0)
+    out = torch.zeros(len(seqs), max(n, 1), dtype=torch.float32)
+    mask = torch.zeros(len(seqs), max(n, 1), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = s.float()
+        mask[i, :len(s)] = True
+    return out, mask
+
+
+def unpad_rows(x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    return [x[i][mask[i]].float().contiguous() for i in range(x.shape[0])]
+
+
+def advantages(algo: Any, score: str = "scores", response: str = "response_ids") -> Callable[[DriverBatch], dict]:
+    """The step's per-token advantages and returns, once, from outcome scores (with critic
+    ``values`` for GAE, and the KL to a reference folded into the reward with
+    ``algo.kl_in_reward``). Group estimators need whole groups in the batch (a group sampler)."""
+    from ..algorithms import ADVANTAGES
+    from ..algorithms.advantages import outcome_to_token_rewards
+    from ..algorithms.kl import kl_penalty_to_reward
+
+    estimator = ADVANTAGES.get(algo.advantage)
+
+    def compute(batch: DriverBatch) -> dict:
+        lengths = [len(r) for r in batch[response]]
+        mask = torch.zeros(len(lengths), max(lengths, default=1) or 1, dtype=torch.bool)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = True
+        token_rewards = outcome_to_token_rewards(batch[score].float(), mask)
+        if algo.kl_in_reward and algo.kl_coef > 0:
+            proximal = batch.columns.get("old_log_probs", batch.columns.get("behav_log_probs"))
+            if proximal is None or "ref_log_probs" not in batch.columns:
+                raise ValueError("algorithm.kl_in_reward: the advantage stage must read ref_log_probs and "
+                                 "old_log_probs (or behav_log_probs)")
+            token_rewards = kl_penalty_to_reward(token_rewards, _fit(pad_rows(proximal)[0], mask),
+                                                 _fit(pad_rows(batch["ref_log_probs"])[0], mask), mask,
+                                                 algo.kl_coef, algo.kl_estimator)
+        values = _fit(pad_rows(batch["values"])[0], mask) if "values" in batch.columns else None
+        groups = torch.tensor(batch.groups, dtype=torch.long)
+        adv, ret = estimator(token_rewards, mask, group_ids=groups, values=values, cfg=algo)
+        return {"advantages": unpad_rows(adv, mask), "returns": unpad_rows(ret, mask)}
+    return compute
+
+
+def _fit(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` padded to ``mask``'s width (rows of length 0 pad to one column)."""
+    if x.shape[1] == mask.shape[1]:
+        return x
+    out = torch.zeros(mask.shape, dtype=x.dtype)
+    w = min(x.shape[1], mask.shape[1])
+    out[:, :w] = x[:, :w]
+    return out
+
+
+def equal_score_filter(score: str = "scores") -> Callable[[DriverBatch], torch.Tensor]:
+    """Dynamic sampling (DAPO): keep the groups whose scores are not all equal (a group of
+    equal rewards has zero advantage everywhere: no learning signal)."""
+    def keep(batch: DriverBatch) -> torch.Tensor:
+        scores = batch[score].tolist()
+        spread: dict[int, tuple[float, float]] = {}
+        for g, s in zip(batch.groups, scores):
+            lo, hi = spread.get(g, (s, s))
+            spread[g] = (min(lo, s), max(hi, s))
+        return torch.tensor([spread[g][1] > spread[g][0] for g in batch.groups], dtype=torch.bool)
+    return keep
+
+
+def overlong_shaping(max_new_tokens: int, buffer: int, penalty: float, score: str = "scores",
+                     response: str = "response_ids") -> Callable[[DriverBatch], torch.Tensor]:
+    """DAPO's soft overlong punishment: a response longer than ``max_new_tokens - buffer``
+    loses ``penalty * excess / buffer`` of its score (at most ``penalty``, reached at the cap)."""
+    if buffer < 1 or buffer > max_new_tokens:
+        raise ValueError(f"overlong shaping: the buffer must be within 1..max_new_tokens ({max_new_tokens}), "
+                         f"got {buffer} (reward.overlong_buffer)")
+    start = max_new_tokens - buffer
+
+    def shape(batch: DriverBatch) -> torch.Tensor:
+        lengths = torch.tensor([len(r) for r in batch[response]], dtype=torch.float32)
+        excess = (lengths - start).clamp(min=0)
+        return batch[score].float() - penalty * (excess / buffer).clamp(max=1.0)
+    return shape

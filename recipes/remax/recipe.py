@@ -1,0 +1,37 @@
+"""ReMax: REINFORCE with the greedy response as each prompt's baseline.
+
+A second rollout stage generates one greedy response per prompt (temperature 0, written to
+every row of the prompt's group), the reward scores both, and a driver stage of this recipe
+turns ``score - baseline score`` into every token's advantage. No critic, no group
+statistics: the baseline is the policy's own best guess.
+"""
+from __future__ import annotations
+
+import torch
+
+from asyncflow.workflow.stages import DRIVER, DriverBatch, RecipeSpec, Stage
+from recipes.grpo import recipe as grpo
+
+
+def remax_advantages(batch: DriverBatch) -> dict:
+    """Outcome reward minus the greedy baseline's, on every token of the response."""
+    gap = batch["scores"].float() - batch["baseline_scores"].float()
+    return {"advantages": [torch.full((len(r),), float(g)) for r, g in zip(batch["response_ids"], gap.tolist())]}
+
+
+def build(cfg) -> RecipeSpec:
+    if cfg.algorithm.dynamic_sampling:
+        raise ValueError("recipe remax: set algorithm.dynamic_sampling=false (the greedy baseline, not the "
+                         "group, gives each prompt its signal)")
+    stages = [
+        grpo.rollout(cfg),
+        grpo.rollout(cfg, name="baseline", outputs=["baseline_ids"],
+                     options={"temperature": 0.0, "one_per_group": True}),
+        grpo.reward(cfg),
+        grpo.reward(cfg, name="baseline_reward", response="baseline_ids", output="baseline_scores"),
+        *grpo.log_prob_stages(cfg, []),
+        Stage("advantages", role=DRIVER, method="", inputs=["scores", "baseline_scores", "response_ids"],
+              outputs=["advantages"], batch_rows=grpo.batch_rows(cfg), fn=remax_advantages),
+        grpo.update(cfg),
+    ]
+    return RecipeSpec(grpo.roles(cfg), stages)

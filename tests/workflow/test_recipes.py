@@ -1,0 +1,134 @@
+"""Recipes declare their algorithm: roles (worker classes, placement), stages and the columns
+each reads and writes. Pins: the built-in recipes build for their configs; a recipe in any
+directory is imported as a package (so recipes share code by importing each other); every
+mistake in a declaration fails at start with the recipe file and the stage or role named."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from asyncflow.config import ConfigError, load_config
+from asyncflow.trainer import source_columns
+from asyncflow.workflow.recipe import available, find_recipe
+
+
+def _build(name_or_dir, *overrides):
+    r = find_recipe(str(name_or_dir))
+    cfg = load_config(r.config, list(overrides))
+    return r.build(cfg, source_columns(cfg))
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo", "remax"])
+@pytest.mark.parametrize("extra", [[], ["algorithm.kl_coef=0.1"]])
+def test_builtin_recipes_declare_valid_algorithms(name, extra):
+    assert name in available()
+    spec = _build(name, *extra)
+    names = [s.name for s in spec.stages]
+    assert spec.stages[-1].kind == "update" and spec.policy == "actor" and spec.rollout_role == "rollout"
+    assert ("ref_log_prob" in names) == bool(extra) and ("ref" in spec.roles) == bool(extra)
+    # advantages are computed once, by their own stage, and the update reads them
+    adv = [s for s in spec.stages if "advantages" in s.outputs]
+    assert len(adv) == 1 and adv[0].role == "driver" and "advantages" in spec.update.inputs
+
+
+def test_recipes_share_code_by_importing_each_other():
+    import recipes.grpo.recipe as grpo  # importable once any recipe was found
+    spec = _build("dapo")
+    assert [s.name for s in spec.stages][:2] == ["rollout", "reward"]
+    assert spec.roles.keys() == grpo.roles(load_config(find_recipe("dapo").config)).keys()
+    assert "overlong" in [s.name for s in spec.stages]  # DAPO's own stage, shaping before the filter
+    assert "shaped_scores" in next(s for s in spec.stages if s.kind == "filter").inputs
+
+
+def test_ppo_trains_the_critic_on_returns_of_the_advantage_stage():
+    spec = _build("ppo")
+    adv = next(s for s in spec.stages if s.name == "advantages")
+    assert adv.outputs == ["advantages", "returns"] and adv.batch_rows == 0  # gae whitens over the step
+    assert "returns" in next(s for s in spec.stages if s.name == "critic_update").inputs
+    assert "critic" in spec.roles
+
+
+def test_remax_baseline_is_a_second_greedy_rollout():
+    spec = _build("remax")
+    base = next(s for s in spec.stages if s.name == "baseline")
+    assert base.kind == "rollout" and base.outputs == ["baseline_ids"]
+    assert base.options == {"temperature": 0.0, "one_per_group": True}
+    assert "baseline_scores" in next(s for s in spec.stages if s.name == "advantages").inputs
+
+
+def test_group_estimator_with_one_response_is_refused():
+    with pytest.raises(ConfigError, match="rollout.n=1 with algorithm.advantage=grpo"):
+        load_config(overrides=["rollout.n=1"])
+    load_config(overrides=["rollout.n=1", "algorithm.advantage=reinforce_pp", "algorithm.dynamic_sampling=false"])
+
+
+GOOD = """
+from asyncflow.workflow.stages import DRIVER, RecipeSpec, Role, Stage
+from recipes.grpo import recipe as grpo
+
+def build(cfg):
+    roles = grpo.roles(cfg)
+    stages = [grpo.rollout(cfg), grpo.reward(cfg), grpo.advantage(cfg, ["scores", "response_ids"]), grpo.update(cfg)]
+    {mutation}
+    return RecipeSpec(roles, stages)
+"""
+
+
+def _recipe(tmp_path, mutation: str):
+    # a package name of its own per test: an imported recipe stays in sys.modules
+    d = tmp_path / ("r_" + "".join(c if c.isalnum() else "_" for c in tmp_path.name))
+    d.mkdir()
+    (d / "recipe.py").write_text(textwrap.dedent(GOOD).replace("{mutation}", mutation))
+    (d / "config.yaml").write_text("algorithm:\n  dynamic_sampling: false\n")
+    return d
+
+
+def test_a_recipe_in_any_directory_builds(tmp_path):
+    spec = _build(_recipe(tmp_path, "pass"))
+    assert [s.name for s in spec.stages] == ["rollout", "reward", "advantages", "update"]
+
+
+@pytest.mark.parametrize("mutation, message", [
+    ('roles["reward"] = Role("no_such_module:Nope", on="actor")', r"role 'reward'.*cannot import module"),
+    ('roles["reward"] = Role("asyncflow.workers.reward:Nope", on="actor")', r"role 'reward'.*has no class 'Nope'"),
+    ('stages.insert(2, Stage("shape", DRIVER, "", ["nobody_writes"], ["x"], fn=len))',
+     r"stage 'shape' reads \['nobody_writes'\]"),
+    ('stages.insert(2, Stage("again", DRIVER, "", ["scores"], ["scores"], fn=len))',
+     r"stage 'again' writes column 'scores', which stage 'reward' already writes"),
+    ('roles["reward"] = Role("asyncflow.workers.reward:RewardWorker", on=[])', r"role 'reward' has no ranks"),
+    ('stages.insert(2, Stage("judge", "judge", "compute", ["scores"], ["y"]))',
+     r"stage 'judge' runs on role 'judge', which the recipe does not declare"),
+    ('stages[1] = Stage("reward", "reward", "no_such_method", ["response_ids"], ["scores"])',
+     r"stage 'reward' calls 'no_such_method'"),
+    ('roles["rollout"] = Role("asyncflow.workers.rollout:RolloutWorker", on="rollout")', r"per_rank=True"),
+    ('roles["spare"] = Role("asyncflow.workers.reward:RewardWorker")', r"roles \['spare'\] are declared but"),
+    ('stages.pop()', r"exactly one update stage"),
+])
+def test_a_wrong_declaration_fails_at_start_naming_the_recipe(tmp_path, mutation, message):
+    d = _recipe(tmp_path, mutation)
+    with pytest.raises((ValueError, TypeError)) as e:
+        _build(d)
+    assert str(d / "recipe.py") in str(e.value)
+    assert __import__("re").search(message, str(e.value)), str(e.value)
+
+
+def test_build_must_return_a_recipe_spec(tmp_path):
+    d = _recipe(tmp_path, "return stages")
+    with pytest.raises(TypeError, match="must return a RecipeSpec"):
+        _build(d)
+
+
+def test_a_driver_stage_needs_a_function_and_a_filter_runs_in_the_driver():
+    from asyncflow.workflow.stages import Stage
+    with pytest.raises(ValueError, match="driver stage needs a function"):
+        Stage("f", "driver", "", ["scores"], ["x"])
+    with pytest.raises(ValueError, match="filter stage runs in the driver"):
+        Stage("f", "reward", "compute", ["scores"], ["x"], kind="filter")
+
+
+def test_the_launcher_refuses_a_wrong_recipe_before_starting_processes(tmp_path):
+    from asyncflow.launcher import prepare
+    d = _recipe(tmp_path, 'stages.insert(2, Stage("shape", DRIVER, "", ["nobody_writes"], ["x"], fn=len))')
+    with pytest.raises(ConfigError, match="nobody_writes"):
+        prepare([str(d), f"trainer.out_dir={tmp_path / 'out'}"])
