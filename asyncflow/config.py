@@ -9,10 +9,8 @@ import os
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Optional, Sequence
 
-MODES = ("sync", "stream", "async")
-LENGTH_PROFILES = ("", "longtail")
 
 
 class ConfigError(ValueError):
@@ -35,25 +33,27 @@ class ModelConfig:
     path: str = ""  # a local Hugging Face directory; "" builds (once) and caches the built-in tiny model
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     attn_implementation: str = ""  # "": eager for the built-in tiny model (faster at its size), else transformers' default
-    train_engine: str = "fsdp"  # fsdp (CPU / CUDA / NPU) | mindspeed (Ascend)
+    train_engine: Literal["fsdp", "mindspeed"] = "fsdp"  # fsdp (CPU / CUDA / NPU) | mindspeed (Ascend)
 
 
 @dataclass
 class DataConfig:
-    task: str = "addition"  # built-in task, or "file" for prompts from `path`
+    task: Literal["addition", "file"] = "addition"  # built-in task, or "file" for prompts from `path`
     path: str = ""  # .jsonl or .parquet with a prompt and a ground-truth answer per row
     eval_path: str = ""  # held-out prompts of the same format (file task)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     max_prompt_tokens: int = 512  # longer prompts are dropped (counted in the log), never truncated
     chat_template: bool = False
-    system_prompt: str = ""
+    system_prompt: str = ""  # used only with the chat template
     num_eval: int = 256
+    shuffle: bool = True  # each epoch a seeded shuffle of the records
+    seed: int = -1  # the shuffle's seed; -1: trainer.seed
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "builtin"  # builtin (CPU default) | vllm (CUDA / Ascend through vllm-ascend)
+    engine: Literal["builtin", "vllm"] = "builtin"  # builtin (CPU default) | vllm (CUDA / Ascend through vllm-ascend)
     n: int = 8  # responses per prompt (the GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -64,13 +64,13 @@ class RolloutConfig:
     # rows go on (their later tokens carry the new version). Off: the instance stops admitting
     # rows and swaps once its running batch has drained, so each row has one version.
     partial_rollout: bool = False
-    swap_mode: str = "keep"  # keep: running rows go on over the cache they have | recompute: re-prefill it
+    swap_mode: Literal["keep", "recompute"] = "keep"  # keep: running rows go on over the cache they have | recompute: re-prefill it
     max_running_rows: int = 256  # rows one instance decodes together (continuous batching)
     max_kv_tokens: int = 0  # cache positions the running rows may reserve (prompt + budget each); 0: no limit
     prefill_chunk: int = 2048  # prompt tokens prefilled per decode step (longer prompts take several)
     # Benchmark workload. "": each row stops at EOS or max_new_tokens. "longtail": each row gets its own
     # token budget (a seeded lognormal draw capped at max_new_tokens: most short, a few at the cap).
-    length_profile: str = ""
+    length_profile: Literal["", "longtail"] = ""
     gpu_memory_utilization: float = 0.5  # vllm only
 
 
@@ -78,7 +78,7 @@ class RolloutConfig:
 class RewardConfig:
     name: str = "number"  # a name in asyncflow.rewards.REWARDS
     timeout_s: float = 10.0
-    on_error: str = "zero"  # zero | fail
+    on_error: Literal["zero", "fail"] = "zero"
     # A reward model (local sequence-classification checkpoint, one label) served by the
     # training engine instead of the rule `name` (which still scores evaluations).
     model_path: str = ""
@@ -129,19 +129,49 @@ class AlgorithmConfig:
 
 
 @dataclass
-class OptimSettings:
-    lr: float = 3e-4
-    warmup_steps: int = 20
+class OptimConfig:
+    """AdamW, warm-up + cosine LR, gradient clipping and the micro-batch token budget: the
+    ``optim`` and ``critic_optim`` sections, and what the training engines take. The class
+    defaults are the engines' (a constant rate); RunConfig gives a run's."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    min_lr_ratio: float = 1.0  # 1.0: constant after warm-up
-    micro_batch_tokens: int = 8192
-    # Cut micro-batches to minimise padding + this per-pass charge (in padded tokens); -1: the
-    # fewest micro-batches within micro_batch_tokens.
+    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warm-up from lr/warmup_steps to lr
+    total_steps: int = 0  # cosine decay ends here; 0 => constant after warm-up
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    grad_clip: float = 1.0  # max total grad norm; <= 0 => no clipping (norm still reported)
+    micro_batch_tokens: int = 8192  # token budget per micro-batch (prompt+response, padded size)
+    # Micro-batches are cut to minimise padded tokens + this charge per micro-batch (the cost of
+    # one more forward/backward pass, in padded tokens); -1: fill each up to the budget.
     micro_batch_overhead_tokens: int = 256
-    # A step whose loss or gradient norm is NaN/inf is skipped (weights and optimizer untouched)
-    # and reported; this many skipped in a row stop the run.
+    # A step with a NaN/inf loss or gradient norm is skipped; this many in a row raise NonFiniteUpdateError.
     max_nonfinite_in_row: int = 3
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.total_steps < 0:
+            raise ValueError(
+                f"OptimConfig.warmup_steps ({self.warmup_steps}) and total_steps "
+                f"({self.total_steps}) must be >= 0"
+            )
+        if self.total_steps and self.total_steps < self.warmup_steps:
+            raise ValueError(
+                f"OptimConfig.total_steps ({self.total_steps}) must be 0 or >= "
+                f"warmup_steps ({self.warmup_steps})"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_nonfinite_in_row < 1:
+            raise ValueError(f"OptimConfig.max_nonfinite_in_row must be >= 1, got {self.max_nonfinite_in_row}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"OptimConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.micro_batch_overhead_tokens < -1:
+            raise ValueError(f"OptimConfig.micro_batch_overhead_tokens must be >= 0, or -1 to fill each "
+                             f"micro-batch up to the budget; got {self.micro_batch_overhead_tokens}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
 
 
 @dataclass
@@ -158,33 +188,34 @@ class WarmupConfig:
 
 @dataclass
 class WorkflowConfig:
-    mode: str = "async"  # sync | stream | async
+    mode: Literal["sync", "stream", "async"] = "async"
     max_staleness: int = 1  # async: no row trains more than this many versions after its generation
     call_timeout_s: float = 600.0
 
 
 @dataclass
-class PlacementSettings:
-    mode: str = "disaggregated"  # colocated | disaggregated
+class PlacementConfig:
+    mode: Literal["colocated", "disaggregated"] = "disaggregated"
     rollout_ranks: list[int] = field(default_factory=lambda: [1])  # disaggregated: rollout ranks
     actor_ranks: list[int] = field(default_factory=lambda: [0])  # disaggregated: training ranks
-    reward_with: str = "actor"  # actor | rollout: the ranks the reward role shares
+    reward_with: Literal["actor", "rollout"] = "actor"  # the ranks the reward role shares
     # actor | rollout: the ranks the reference model shares. With the rollout ranks, its forward
     # pass runs beside generation instead of in the training ranks' critical path (async mode's
     # actor side is the busier one on small setups). The critic always sits with the actor.
-    ref_with: str = "actor"
+    ref_with: Literal["actor", "rollout"] = "actor"
     # colocated: the roles that are not running free memory (training roles: gradients, and on
     # accelerators parameters and optimizer state to host; rollout on accelerators: weights to
     # host and the cached blocks returned), as verl's hybrid engine does. auto: in sync mode
     # only, where roles switch once per stage of a step; stream and async switch roles per
     # micro-batch, where moving that state at every switch would cost more than it frees.
-    offload_idle: str = "auto"  # auto | on | off
+    # auto | on | off (a str, not a Literal: YAML reads a bare on / off as true / false)
+    offload_idle: str = "auto"
 
 
 @dataclass
 class TrainerConfig:
     nproc: int = 2
-    platform: str = "auto"
+    platform: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     seed: int = 0
     steps: int = 2000  # RL steps at most
     time_budget_s: float = 420.0  # stop RL after this much time (0: no limit)
@@ -201,19 +232,31 @@ class TrainerConfig:
     # "": start fresh; "auto": continue from the newest complete checkpoint in out_dir (fresh if none);
     # or a checkpoint directory.
     resume: str = ""
+    # Metric backends besides metrics.jsonl (always written): tensorboard, wandb (offline under
+    # out_dir/wandb unless trainer.wandb says otherwise). None: TensorBoard when it is installed.
+    loggers: Optional[list[str]] = None
+    wandb: dict[str, Any] = field(default_factory=dict)  # wandb.init arguments: project, name, mode, tags...
 
 
 @dataclass
-class TransferQueueSettings:
+class UnitsConfig:
+    """The ``transfer_queue`` section: where the TransferQueue's storage units run and their
+    bounds (what the launcher hands to asyncflow.single_controller.tq_units)."""
     # driver: one storage unit, in rank 0's process. per_node: one per node, hosted by the node's
     # local rank 0; every process writes to its own node's unit (multi-node runs).
-    storage_units: str = "driver"
+    storage_units: Literal["driver", "per_node"] = "driver"
     max_rows_per_unit: int = 0  # backpressure: a put of new rows waits for room (0: unbounded)
     max_bytes_per_unit: int = 0
+    stats_path: str = ""  # rank 0 writes every unit's stats there as JSON at the end ("": out_dir/tq_units.json)
+    register_timeout_s: float = 120.0  # a node's unit must register with the controller within this
+
+    @property
+    def per_node(self) -> bool:
+        return self.storage_units == "per_node"
 
 
 @dataclass
-class RunSettings:
+class RunConfig:
     recipe: str = "grpo"
     # Modules every worker imports first: where your own @register_reward / registry entries live.
     imports: list[str] = field(default_factory=list)
@@ -222,13 +265,15 @@ class RunSettings:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    optim: OptimSettings = field(default_factory=OptimSettings)
-    critic_optim: OptimSettings = field(default_factory=lambda: OptimSettings(lr=1e-3))
+    # RL: the cosine (min_lr_ratio < 1) spans trainer.steps unless total_steps is set
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-4, warmup_steps=20, min_lr_ratio=1.0))
+    critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20,
+                                                                          min_lr_ratio=1.0))
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
-    placement: PlacementSettings = field(default_factory=PlacementSettings)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    transfer_queue: TransferQueueSettings = field(default_factory=TransferQueueSettings)
+    transfer_queue: UnitsConfig = field(default_factory=UnitsConfig)
     # Free-form keys of a recipe of your own (read them in its build(cfg) or its workers).
     recipe_options: dict[str, Any] = field(default_factory=dict)
 
@@ -241,7 +286,7 @@ def _group_relative() -> set[str]:
     return set(GROUP_RELATIVE_ADVANTAGES)
 
 
-def rank_threads(cfg: RunSettings, cpus: int | None = None) -> int:
+def rank_threads(cfg: RunConfig, cpus: int | None = None) -> int:
     """torch threads per rank: ``trainer.threads``, or with 0 (auto) the node's cores shared out
     among its ranks whenever ranks compute at the same time (stream and async modes, and any
     colocated run); 0 (torch's default: every core) in sync disaggregated runs, whose stages
@@ -256,14 +301,14 @@ def rank_threads(cfg: RunSettings, cpus: int | None = None) -> int:
     return max(1, cpus // max(1, per_node))
 
 
-def policy_loss_name(cfg: RunSettings) -> str:
+def policy_loss_name(cfg: RunConfig) -> str:
     """``algorithm.policy_loss``, with auto resolved: decoupled_ppo in async mode, else ppo_clip."""
     if cfg.algorithm.policy_loss != "auto":
         return cfg.algorithm.policy_loss
     return "decoupled_ppo" if cfg.workflow.mode == "async" else "ppo_clip"
 
 
-def offload_idle(cfg: RunSettings) -> bool:
+def offload_idle(cfg: RunConfig) -> bool:
     """Whether the idle roles of a colocated rank offload (``placement.offload_idle``)."""
     if cfg.placement.mode != "colocated":
         return False
@@ -271,15 +316,11 @@ def offload_idle(cfg: RunSettings) -> bool:
     return cfg.workflow.mode == "sync" if forced is None else forced
 
 
-def _check(cfg: RunSettings) -> RunSettings:
+def _check(cfg: RunConfig) -> RunConfig:
     w, r, t = cfg.workflow, cfg.rollout, cfg.trainer
     problems = []
-    if w.mode not in MODES:
-        problems.append(f"workflow.mode: expected one of {MODES}, got {w.mode!r}")
     if w.max_staleness < 0:
         problems.append(f"workflow.max_staleness: must be >= 0, got {w.max_staleness}")
-    if cfg.placement.mode not in ("colocated", "disaggregated"):
-        problems.append(f"placement.mode: expected colocated or disaggregated, got {cfg.placement.mode!r}")
     if r.n < 1:
         problems.append(f"rollout.n: must be >= 1, got {r.n}")
     a = cfg.algorithm
@@ -294,21 +335,11 @@ def _check(cfg: RunSettings) -> RunSettings:
     if cfg.reward.overlong_buffer < 0 or cfg.reward.overlong_buffer > r.max_new_tokens:
         problems.append(f"reward.overlong_buffer: must lie within 0..rollout.max_new_tokens ({r.max_new_tokens}), "
                         f"got {cfg.reward.overlong_buffer}")
-    if r.length_profile not in LENGTH_PROFILES:
-        problems.append(f"rollout.length_profile: expected one of {LENGTH_PROFILES}, got {r.length_profile!r}")
-    if cfg.model.train_engine not in ("fsdp", "mindspeed"):
-        problems.append(f"model.train_engine: expected fsdp or mindspeed, got {cfg.model.train_engine!r}")
-    if t.platform not in ("auto", "cpu", "cuda", "npu"):
-        problems.append(f"trainer.platform: expected auto, cpu, cuda or npu, got {t.platform!r}")
     if t.nproc == 1 and cfg.placement.mode == "disaggregated":
         problems.append("placement.mode: trainer.nproc=1 runs every role on rank 0: set placement.mode=colocated")
     problems += _registry_problems(cfg)
     from .algorithms import algorithm_config_problems  # the rules the algorithm functions enforce
     problems += algorithm_config_problems(cfg.algorithm)
-    if r.engine not in ("builtin", "vllm"):
-        problems.append(f"rollout.engine: expected builtin or vllm, got {r.engine!r}")
-    if r.swap_mode not in ("keep", "recompute"):
-        problems.append(f"rollout.swap_mode: expected keep or recompute, got {r.swap_mode!r}")
     if r.max_running_rows < r.n:
         problems.append(f"rollout.max_running_rows: must hold at least one group (rollout.n={r.n}), "
                         f"got {r.max_running_rows}")
@@ -319,18 +350,10 @@ def _check(cfg: RunSettings) -> RunSettings:
         problems.append("trainer.prompts_per_step and rollout.batch_prompts must be >= 1")
     if t.nproc < 1:
         problems.append(f"trainer.nproc: must be >= 1, got {t.nproc}")
-    if cfg.reward.on_error not in ("zero", "fail"):
-        problems.append(f"reward.on_error: expected zero or fail, got {cfg.reward.on_error!r}")
-    if cfg.data.task not in ("addition", "file"):
-        problems.append(f"data.task: expected addition or file, got {cfg.data.task!r}")
     if cfg.data.task == "file" and not cfg.data.path:
         problems.append("data.path: data.task=file needs a .jsonl or .parquet path")
     if str(cfg.placement.offload_idle).lower() not in OFFLOAD_IDLE:
         problems.append(f"placement.offload_idle: expected auto, on or off, got {cfg.placement.offload_idle!r}")
-    for name in ("reward_with", "ref_with"):
-        where = getattr(cfg.placement, name)
-        if where not in ("actor", "rollout"):
-            problems.append(f"placement.{name}: expected actor or rollout, got {where!r}")
     if cfg.placement.mode == "disaggregated" and t.nproc > 1:
         both = set(cfg.placement.rollout_ranks) & set(cfg.placement.actor_ranks)
         if both:
@@ -342,17 +365,13 @@ def _check(cfg: RunSettings) -> RunSettings:
             if not ranks or bad:
                 problems.append(f"placement.{name}: {list(ranks)} must be non-empty ranks within "
                                 f"0..{t.nproc - 1} (trainer.nproc={t.nproc})")
+    unknown = sorted(set(t.loggers or []) - {"jsonl", "tensorboard", "wandb"})
+    if unknown:
+        problems.append(f"trainer.loggers: {unknown} unknown; choose from jsonl, tensorboard, wandb")
     if t.save_every < 0 or t.keep_checkpoints < 1:
         problems.append(f"trainer.save_every must be >= 0 and trainer.keep_checkpoints >= 1, got "
                         f"{t.save_every} and {t.keep_checkpoints}")
-    if cfg.optim.max_nonfinite_in_row < 1:
-        problems.append(f"optim.max_nonfinite_in_row: must be >= 1, got {cfg.optim.max_nonfinite_in_row}")
-    if cfg.optim.micro_batch_overhead_tokens < -1:
-        problems.append(f"optim.micro_batch_overhead_tokens: must be >= 0, or -1 for the fewest micro-batches; "
-                        f"got {cfg.optim.micro_batch_overhead_tokens}")
     tq = cfg.transfer_queue
-    if tq.storage_units not in ("driver", "per_node"):
-        problems.append(f"transfer_queue.storage_units: expected driver or per_node, got {tq.storage_units!r}")
     if tq.max_rows_per_unit < 0 or tq.max_bytes_per_unit < 0:
         problems.append(f"transfer_queue.max_rows_per_unit and max_bytes_per_unit must be >= 0 (0: unbounded), "
                         f"got {tq.max_rows_per_unit} and {tq.max_bytes_per_unit}")
@@ -361,7 +380,7 @@ def _check(cfg: RunSettings) -> RunSettings:
     return cfg
 
 
-def _registry_problems(cfg: RunSettings) -> list[str]:
+def _registry_problems(cfg: RunConfig) -> list[str]:
     """Names that must exist in the registries (checked at start, not at the first update)."""
     from .algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES
     from .rewards import REWARDS
@@ -381,12 +400,12 @@ def _registry_problems(cfg: RunSettings) -> list[str]:
     return out
 
 
-def load_config(yaml_path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunSettings:
+def load_config(yaml_path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Defaults <- recipe yaml <- ``key=value`` overrides; typed and checked."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    base = OmegaConf.structured(RunSettings)
+    base = OmegaConf.structured(RunConfig)
     layers = []
     try:
         if yaml_path is not None:
@@ -403,19 +422,33 @@ def load_config(yaml_path: str | Path | None = None, overrides: Sequence[str] = 
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or getattr(e, "key", None)
         raise ConfigError(f"config key {key!r}: {str(e).splitlines()[0]}") from None
-    cfg = OmegaConf.to_object(merged)
-    assert isinstance(cfg, RunSettings)
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except ValueError as e:  # a section's own checks (OptimConfig of optim / critic_optim)
+        raise ConfigError(f"invalid configuration: {_failing_section(merged)}{e}") from None
+    assert isinstance(cfg, RunConfig)
     return _check(cfg)
 
 
-def from_dict(d: dict[str, Any]) -> RunSettings:
+def _failing_section(merged: Any) -> str:
+    """``"<section>: "`` of the first top-level section whose dataclass refuses its values."""
+    from omegaconf import OmegaConf
+    for name in merged:
+        try:
+            OmegaConf.to_object(merged[name]) if OmegaConf.is_config(merged[name]) else None
+        except ValueError:
+            return f"{name}: "
+    return ""
+
+
+def from_dict(d: dict[str, Any]) -> RunConfig:
     """A config sent as a dict (to a worker) back as the dataclass tree (already checked)."""
     from omegaconf import OmegaConf
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunSettings), d))
-    assert isinstance(cfg, RunSettings)
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), d))
+    assert isinstance(cfg, RunConfig)
     return cfg
 
 
-def to_dict(cfg: RunSettings) -> dict[str, Any]:
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
     from omegaconf import OmegaConf
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]

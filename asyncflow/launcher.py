@@ -9,13 +9,14 @@ launcher; under ``torchrun`` (RANK is set) each rank joins the run directly:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from .config import ConfigError, RunSettings, load_config
+from .config import ConfigError, RunConfig, load_config
 
 
 def parse_train_args(argv: Sequence[str]) -> tuple[str, list[str]]:
@@ -30,7 +31,7 @@ def parse_train_args(argv: Sequence[str]) -> tuple[str, list[str]]:
     return recipe, overrides
 
 
-def prepare(argv: Sequence[str]) -> tuple[RunSettings, Path]:
+def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
     """Load and check the config, build the tiny model once, write the resolved config."""
     from omegaconf import OmegaConf
 
@@ -58,8 +59,7 @@ def prepare(argv: Sequence[str]) -> tuple[RunSettings, Path]:
 
 def train_main(argv: Sequence[str]) -> int:
     from .single_controller.driver import DriverConfig
-    from .single_controller.launch import RunConfig, launch_local, run_from_env
-    from .single_controller.tq_units import UnitsConfig
+    from .single_controller.launch import RunConfig as LaunchConfig, launch_local, run_from_env
     from .trainer import CONFIG_ENV
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -71,11 +71,9 @@ def train_main(argv: Sequence[str]) -> int:
     os.environ[CONFIG_ENV] = str(path.resolve())
     if cfg.trainer.threads:
         os.environ["OMP_NUM_THREADS"] = str(cfg.trainer.threads)
-    tq = cfg.transfer_queue
-    units = UnitsConfig(storage_units=tq.storage_units, max_rows_per_unit=tq.max_rows_per_unit,
-                        max_bytes_per_unit=tq.max_bytes_per_unit,
-                        stats_path=str(Path(cfg.trainer.out_dir) / "tq_units.json"))
-    run = RunConfig(main="asyncflow.trainer:driver_main", platform=cfg.trainer.platform,
+    units = dataclasses.replace(cfg.transfer_queue, stats_path=cfg.transfer_queue.stats_path
+                                or str(Path(cfg.trainer.out_dir) / "tq_units.json"))
+    run = LaunchConfig(main="asyncflow.trainer:driver_main", platform=cfg.trainer.platform,
                     driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units)
     if "RANK" in os.environ:
         return run_from_env(run)

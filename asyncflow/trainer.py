@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import RunSettings, load_config, to_dict
+from .config import RunConfig, load_config, to_dict
 from .training import phases
 from .training.roles import RunRoles, start_roles
 from .workflow import checkpoints as ckpts
@@ -26,7 +26,7 @@ log = logging.getLogger("asyncflow.trainer")
 CONFIG_ENV = "ASYNCFLOW_CONFIG"
 
 
-def resolve_model(cfg: RunSettings) -> str:
+def resolve_model(cfg: RunConfig) -> str:
     """The model directory: the user's, or the built-in tiny model (built once, cached)."""
     if cfg.model.path:
         return cfg.model.path
@@ -40,14 +40,14 @@ def resolve_model(cfg: RunSettings) -> str:
     return str(ensure_tiny_model(spec=spec))
 
 
-def source_columns(cfg: RunSettings) -> list[str]:
+def source_columns(cfg: RunConfig) -> list[str]:
     """The columns the prompt source writes for every row (what a recipe's first stages read)."""
     return ["prompt_ids", "answer", "seed", "prompt_index", "prompt", "metadata",
             *(["max_new_tokens"] if cfg.rollout.length_profile else [])]
 
 
 class Training:
-    def __init__(self, driver: Any, cfg: RunSettings):
+    def __init__(self, driver: Any, cfg: RunConfig):
         self.driver = driver
         self.cfg = cfg
         self.out = Path(cfg.trainer.out_dir)
@@ -227,7 +227,8 @@ class Training:
                 r.get("phase") != "after_rl" and r.get("step", 0) <= state.steps_done))
         # With the progress bar on, per-step lines stay in the files; evaluations still print.
         self.logger = MetricsLogger(self.out, t0=self.timeline.t0 - resumed_at, console=not cfg.trainer.progress,
-                                    append=state is not None)
+                                    append=state is not None, backends=cfg.trainer.loggers,
+                                    wandb_init={"config": to_dict(cfg), **cfg.trainer.wandb})
         self.tq = AsyncTransferQueueClient(self.driver.transfer_queue_address)
         try:
             await asyncio.to_thread(self._data)  # tokenizing the prompts must not stall the driver's heartbeat

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from asyncflow.config import DataConfig  # the config tree's data section is what the dataset reads
 from asyncflow.data.addition import AdditionTask
 from asyncflow.data.chat import apply_chat_template
 
@@ -31,18 +32,6 @@ BUILTIN_ADDITION = "builtin:addition"
 
 class DataError(ValueError):
     """A data file or record cannot be used; the message names file, row and field."""
-
-
-@dataclass
-class DataConfig:
-    path: str
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    max_prompt_tokens: int = 512
-    chat_template: bool = False  # wrap plain prompts with the tokenizer's chat template
-    system_prompt: str | None = None  # used only with the chat template
-    shuffle: bool = True
-    seed: int = 0
 
 
 def read_records(path: Path) -> Iterator[tuple[str, Any]]:
@@ -157,7 +146,7 @@ class PromptDataset:
         wheres, texts, answers, metas, templated = [], [], [], [], []
         for where, (prompt, answer, meta) in rows:
             use_template = config.chat_template or isinstance(prompt, list)  # messages need a template
-            texts.append(apply_chat_template(tokenizer, prompt, config.system_prompt) if use_template else prompt)
+            texts.append(apply_chat_template(tokenizer, prompt, config.system_prompt or None) if use_template else prompt)
             templated.append(use_template)
             wheres.append(where)
             answers.append(answer)

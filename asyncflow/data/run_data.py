@@ -1,12 +1,13 @@
 """A run's prompt data from its config: training stream, held-out set, warm-up examples."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .addition import AdditionTask
-from .dataset import BUILTIN_ADDITION, DataConfig, PromptDataset, addition_dataset
+from .dataset import BUILTIN_ADDITION, PromptDataset, addition_dataset
 
 
 @dataclass
@@ -21,16 +22,15 @@ class RunData:
 
 
 def build_prompt_data(cfg: Any, model_path: str) -> RunData:
-    """``cfg`` is the run's RunSettings; the tokenizer is the model's."""
+    """``cfg`` is the run's RunConfig; the tokenizer is the model's."""
     from ..models.loading import load_tokenizer
 
     tok = load_tokenizer(model_path)
-    d = cfg.data
-    seed = cfg.trainer.seed
+    seed = cfg.data.seed if cfg.data.seed >= 0 else cfg.trainer.seed
+    d = dataclasses.replace(cfg.data, seed=seed)
     if d.task == "addition":
         task = AdditionTask(seed=seed, num_eval=d.num_eval)
-        train = addition_dataset(tok, task, DataConfig(path=BUILTIN_ADDITION, seed=seed,
-                                                       max_prompt_tokens=d.max_prompt_tokens))
+        train = addition_dataset(tok, task, dataclasses.replace(d, path=BUILTIN_ADDITION))
         evals = [{"prompt_ids": tok.encode(r["prompt"], add_special_tokens=False), "answer": r["answer"]}
                  for r in task.eval_records()]
         pairs = [(tok.encode(r["prompt"], add_special_tokens=False),
@@ -40,16 +40,13 @@ def build_prompt_data(cfg: Any, model_path: str) -> RunData:
         def sft(n: int, rng: random.Random) -> list[tuple[list[int], list[int]]]:
             return rng.choices(pairs, k=n)
         return RunData(train, evals, sft)
-    conf = DataConfig(path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                      max_prompt_tokens=d.max_prompt_tokens, chat_template=d.chat_template,
-                      system_prompt=d.system_prompt or None, seed=seed)
-    train = PromptDataset(conf, tok)
+    train = PromptDataset(d, tok)
     if d.eval_path:
-        ev = PromptDataset(DataConfig(**{**conf.__dict__, "path": d.eval_path, "shuffle": False}), tok)
+        ev = PromptDataset(dataclasses.replace(d, path=d.eval_path, shuffle=False), tok)
         evals = [{"prompt_ids": [int(x) for x in r["prompt_ids"]], "answer": r["answer"]}
                  for r in ev.take(min(len(ev), d.num_eval))]
     else:
         evals = [{"prompt_ids": [int(x) for x in r["prompt_ids"]], "answer": r["answer"]}
-                 for r in PromptDataset(DataConfig(**{**conf.__dict__, "shuffle": False}), tok).take(
+                 for r in PromptDataset(dataclasses.replace(d, shuffle=False), tok).take(
                      min(len(train), d.num_eval))]
     return RunData(train, evals, None, train.num_filtered)

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
+from ..config import UnitsConfig
 from ..rpc.alloc import freeze_gc_heap
 from .driver import Driver, DriverConfig
 from .errors import LaunchError
 from .placement import PlacementConfig
 from .rendezvous import connect_store, publish_address, rendezvous_host, share_run_key, wait_addresses
 from .runtime import RuntimeConfig, WorkerRuntime
-from .tq_units import (UnitsConfig, node_from_env, start_for_rank, wait_for_node_units, nodes_of_ranks,
+from .tq_units import (node_from_env, start_for_rank, wait_for_node_units, nodes_of_ranks,
                        write_unit_stats)
 
 log = logging.getLogger(__name__)

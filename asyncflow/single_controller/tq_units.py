@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config import UnitsConfig  # the config tree's transfer_queue section
 from ..rpc.store_wait import wait_for_value
 from ..rpc.transport import EventLoopThread
 from ..transfer_queue import locality
@@ -39,23 +40,6 @@ CONTROLLER_KEY = f"{KEY_PREFIX}tq/controller"
 def _node_key(rank: int) -> str:
     return f"{KEY_PREFIX}node/{rank}"
 
-
-@dataclass
-class UnitsConfig:
-    storage_units: str = "driver"  # driver | per_node
-    max_rows_per_unit: int = 0  # backpressure bounds of every unit (0: unbounded)
-    max_bytes_per_unit: int = 0
-    stats_path: str = ""  # rank 0 writes every unit's stats there as JSON at the end of the run ("": not written)
-    register_timeout_s: float = 120.0  # a node's unit must register with the controller within this
-
-    def check(self) -> None:
-        if self.storage_units not in STORAGE_UNITS:
-            raise LaunchError(f"transfer_queue.storage_units: expected one of {STORAGE_UNITS}, "
-                              f"got {self.storage_units!r}")
-
-    @property
-    def per_node(self) -> bool:
-        return self.storage_units == "per_node"
 
 
 def node_from_env() -> int:
@@ -126,6 +110,12 @@ class RankTransferQueue:
             self.service.stop_in_thread()  # idempotent: run_driver may have stopped it already
 
 
+def check_units(cfg: UnitsConfig) -> None:
+    if cfg.storage_units not in STORAGE_UNITS:
+        raise LaunchError(f"transfer_queue.storage_units: expected one of {STORAGE_UNITS}, "
+                          f"got {cfg.storage_units!r}")
+
+
 def start_for_rank(cfg: UnitsConfig, store: Any, rank: int, local_rank: int, node: int, host: str,
                    timeout_s: float, *, driver: bool) -> RankTransferQueue:
     """Before the rank publishes its worker address. The driver's rank starts the controller
@@ -133,7 +123,7 @@ def start_for_rank(cfg: UnitsConfig, store: Any, rank: int, local_rank: int, nod
     local rank 0 of every other node starts its node's unit and waits until it registered."""
     from ..transfer_queue import TransferQueueConfig, TransferQueueService
 
-    cfg.check()
+    check_units(cfg)
     out = RankTransferQueue()
     store.set(_node_key(rank), str(node))
     if driver:

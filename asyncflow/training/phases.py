@@ -7,7 +7,7 @@ import logging
 import random
 from typing import Any
 
-from ..config import RunSettings
+from ..config import RunConfig
 from .roles import RunRoles
 
 log = logging.getLogger("asyncflow.trainer")
@@ -34,7 +34,7 @@ async def reward_failures(roles: RunRoles) -> dict[str, float]:
 class Evaluator:
     """Greedy accuracy on the held-out prompts, on the first rollout instance."""
 
-    def __init__(self, cfg: RunSettings, roles: RunRoles, logger: Any, prompts: list[list[int]],
+    def __init__(self, cfg: RunConfig, roles: RunRoles, logger: Any, prompts: list[list[int]],
                  answers: list[str]):
         self.cfg, self.roles, self.logger = cfg, roles, logger
         self.prompts, self.answers = prompts, answers
@@ -53,7 +53,7 @@ class Evaluator:
         return float(r["accuracy"])
 
 
-async def warmup(cfg: RunSettings, roles: RunRoles, data: Any, logger: Any, evaluate: Evaluator) -> int:
+async def warmup(cfg: RunConfig, roles: RunRoles, data: Any, logger: Any, evaluate: Evaluator) -> int:
     """Supervised steps on the task's answers until the held-out check passes; returns the steps."""
     w = cfg.warmup
     if not w.enabled or data.sft_examples is None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import RunSettings, to_dict
+from ..config import RunConfig, to_dict
 from ..workflow.stages import RecipeSpec
 
 
@@ -19,7 +19,7 @@ class Placement:
     rollout: list[int]
 
     @staticmethod
-    def from_config(cfg: RunSettings) -> "Placement":
+    def from_config(cfg: RunConfig) -> "Placement":
         n = cfg.trainer.nproc
         if cfg.placement.mode == "colocated" or n == 1:
             return Placement(list(range(n)), list(range(n)))
@@ -57,7 +57,7 @@ class RunRoles:
         return [*self.groups.values(), *self.instances]
 
 
-async def start_roles(driver: Any, cfg: RunSettings, spec: RecipeSpec, out: Path) -> RunRoles:
+async def start_roles(driver: Any, cfg: RunConfig, spec: RecipeSpec, out: Path) -> RunRoles:
     """Create every role's group (policy first: its ranks lead), then the weight-sync groups."""
     place = Placement.from_config(cfg)
     roles = RunRoles(spec, place)

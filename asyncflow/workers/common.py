@@ -11,8 +11,8 @@ from ..single_controller import Dispatch, register
 
 def config_of(cfg: Any) -> Any:
     """The run's config as the dataclass tree (a worker receives it as a dict)."""
-    from ..config import RunSettings, from_dict
-    return cfg if isinstance(cfg, RunSettings) else from_dict(cfg)
+    from ..config import RunConfig, from_dict
+    return cfg if isinstance(cfg, RunConfig) else from_dict(cfg)
 
 
 def setup_rank(cfg: Any) -> None:
@@ -28,20 +28,18 @@ def policy_model(cfg: Any) -> Callable[[], torch.nn.Module]:
 
 
 def engine_optim(cfg: Any, section: str = "optim", phase: str = "rl") -> Any:
-    """The training engine's optimizer settings from the config section ``section`` ("optim",
-    "critic_optim"): for RL, the cosine (min_lr_ratio < 1) spans trainer.steps; the supervised
-    warm-up takes warmup.lr at a constant rate after its own warm-up steps."""
+    """The training engine's optimizer settings: the config section ``section`` ("optim",
+    "critic_optim"); for RL the cosine (min_lr_ratio < 1) spans trainer.steps unless the
+    section sets total_steps; the supervised warm-up takes warmup.lr at a constant rate after
+    its own warm-up steps."""
     import dataclasses
-    from ..engines.train import OptimConfig
     o = getattr(cfg, section)
-    settings = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
-    settings["total_steps"] = max(cfg.trainer.steps, o.warmup_steps)
     if phase == "warmup":
         w = cfg.warmup
-        settings.update(lr=w.lr, warmup_steps=w.warmup_steps, min_lr_ratio=1.0, total_steps=0)
-    elif phase != "rl":
+        return dataclasses.replace(o, lr=w.lr, warmup_steps=w.warmup_steps, min_lr_ratio=1.0, total_steps=0)
+    if phase != "rl":
         raise ValueError(f"optimizer phase {phase!r}: expected rl or warmup")
-    return OptimConfig(**settings)
+    return dataclasses.replace(o, total_steps=o.total_steps or max(cfg.trainer.steps, o.warmup_steps))
 
 
 def rows(column: Any) -> list[torch.Tensor]:

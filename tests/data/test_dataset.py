@@ -135,7 +135,7 @@ def test_resume_refuses_changed_data(tmp_path, char_tok):
     q = _jsonl(tmp_path / "e.jsonl", _rows(8))
     with pytest.raises(DataError, match="num_records=7 but the dataset has 8"):
         PromptDataset(DataConfig(path=str(q)), char_tok).load_state_dict(state)
-    with pytest.raises(DataError, match="seed=0 but the dataset has 9"):
+    with pytest.raises(DataError, match="seed=-1 but the dataset has 9"):
         PromptDataset(DataConfig(path=str(p), seed=9), char_tok).load_state_dict(state)
 
 

@@ -18,51 +18,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from ...config import OptimConfig  # the config tree's section is what the engines take
+
 __all__ = ["LossFn", "LossNorm", "NonFiniteUpdateError", "OptimConfig", "TrainEngine", "move_train_state"]
-
-
-@dataclass
-class OptimConfig:
-    """AdamW, warm-up + cosine LR, gradient clipping and the micro-batch token budget."""
-
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    eps: float = 1e-8
-    warmup_steps: int = 0  # linear warm-up from lr/warmup_steps to lr
-    total_steps: int = 0  # cosine decay ends here; 0 => constant after warm-up
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
-    grad_clip: float = 1.0  # max total grad norm; <= 0 => no clipping (norm still reported)
-    micro_batch_tokens: int = 8192  # token budget per micro-batch (prompt+response, padded size)
-    # Micro-batches are cut to minimise padded tokens + this charge per micro-batch (the cost of
-    # one more forward/backward pass, in padded tokens); -1: fill each up to the budget.
-    micro_batch_overhead_tokens: int = 256
-    # A step with a NaN/inf loss or gradient norm is skipped; this many in a row raise NonFiniteUpdateError.
-    max_nonfinite_in_row: int = 3
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
-        if self.warmup_steps < 0 or self.total_steps < 0:
-            raise ValueError(
-                f"OptimConfig.warmup_steps ({self.warmup_steps}) and total_steps "
-                f"({self.total_steps}) must be >= 0"
-            )
-        if self.total_steps and self.total_steps < self.warmup_steps:
-            raise ValueError(
-                f"OptimConfig.total_steps ({self.total_steps}) must be 0 or >= "
-                f"warmup_steps ({self.warmup_steps})"
-            )
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.max_nonfinite_in_row < 1:
-            raise ValueError(f"OptimConfig.max_nonfinite_in_row must be >= 1, got {self.max_nonfinite_in_row}")
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"OptimConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
-        if self.micro_batch_overhead_tokens < -1:
-            raise ValueError(f"OptimConfig.micro_batch_overhead_tokens must be >= 0, or -1 to fill each "
-                             f"micro-batch up to the budget; got {self.micro_batch_overhead_tokens}")
-        self.betas = (float(self.betas[0]), float(self.betas[1]))
 
 
 class NonFiniteUpdateError(FloatingPointError):
