@@ -233,9 +233,7 @@ class Training:
         try:
             await asyncio.to_thread(self._data)  # tokenizing the prompts must not stall the driver's heartbeat
             self.roles: RunRoles = await start_roles(self.driver, cfg, self.spec, self.out)
-            self.evaluate = phases.Evaluator(cfg, self.roles, self.logger,
-                                             [list(map(int, r["prompt_ids"])) for r in self.data.eval_records],
-                                             [str(r["answer"]) for r in self.data.eval_records])
+            self.evaluate = phases.Evaluator(cfg, self.roles, self.logger, self.data.eval_records)
             if state is None:
                 self.warm_steps = await phases.warmup(cfg, self.roles, self.data, self.logger, self.evaluate)
                 refs = self.roles.with_method("load_reference")

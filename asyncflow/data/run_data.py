@@ -13,12 +13,17 @@ from .dataset import BUILTIN_ADDITION, PromptDataset, addition_dataset
 @dataclass
 class RunData:
     train: PromptDataset
-    eval_records: list[dict[str, Any]]  # {"prompt_ids": list[int], "answer": str}
+    eval_records: list[dict[str, Any]]  # {"prompt_ids": list[int], "answer": str, "prompt": str, "metadata": dict}
     sft_examples: Callable[[int, random.Random], list[tuple[list[int], list[int]]]] | None
     filtered: int = 0
 
     def train_records(self) -> Iterator[dict[str, Any]]:
         return iter(self.train)
+
+
+def _eval_record(r: dict[str, Any]) -> dict[str, Any]:
+    return {"prompt_ids": [int(x) for x in r["prompt_ids"]], "answer": r["answer"], "prompt": r["prompt"],
+            "metadata": r["metadata"]}
 
 
 def build_prompt_data(cfg: Any, model_path: str) -> RunData:
@@ -31,8 +36,8 @@ def build_prompt_data(cfg: Any, model_path: str) -> RunData:
     if d.task == "addition":
         task = AdditionTask(seed=seed, num_eval=d.num_eval)
         train = addition_dataset(tok, task, dataclasses.replace(d, path=BUILTIN_ADDITION))
-        evals = [{"prompt_ids": tok.encode(r["prompt"], add_special_tokens=False), "answer": r["answer"]}
-                 for r in task.eval_records()]
+        evals = [{"prompt_ids": tok.encode(r["prompt"], add_special_tokens=False), "answer": r["answer"],
+                  "prompt": r["prompt"]} for r in task.eval_records()]
         pairs = [(tok.encode(r["prompt"], add_special_tokens=False),
                   tok.encode(r["answer"], add_special_tokens=False) + [tok.eos_token_id])
                  for r in task.all_train_records()]
@@ -43,10 +48,8 @@ def build_prompt_data(cfg: Any, model_path: str) -> RunData:
     train = PromptDataset(d, tok)
     if d.eval_path:
         ev = PromptDataset(dataclasses.replace(d, path=d.eval_path, shuffle=False), tok)
-        evals = [{"prompt_ids": [int(x) for x in r["prompt_ids"]], "answer": r["answer"]}
-                 for r in ev.take(min(len(ev), d.num_eval))]
+        evals = [_eval_record(r) for r in ev.take(min(len(ev), d.num_eval))]
     else:
-        evals = [{"prompt_ids": [int(x) for x in r["prompt_ids"]], "answer": r["answer"]}
-                 for r in PromptDataset(dataclasses.replace(d, shuffle=False), tok).take(
+        evals = [_eval_record(r) for r in PromptDataset(dataclasses.replace(d, shuffle=False), tok).take(
                      min(len(train), d.num_eval))]
     return RunData(train, evals, None, train.num_filtered)

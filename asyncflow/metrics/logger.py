@@ -37,7 +37,7 @@ CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
     ("eval/accuracy", "eval_acc"),
     ("sft/loss", "sft_loss"),
     ("actor/loss", "loss"),
-    ("actor/kl", "kl"),
+    ("actor/kl_loss", "kl"),
     ("perf/samples_per_s", "samples/s"),
     ("async/staleness_mean", "staleness"),
 )

@@ -34,16 +34,19 @@ async def reward_failures(roles: RunRoles) -> dict[str, float]:
 class Evaluator:
     """Greedy accuracy on the held-out prompts, on the first rollout instance."""
 
-    def __init__(self, cfg: RunConfig, roles: RunRoles, logger: Any, prompts: list[list[int]],
-                 answers: list[str]):
+    def __init__(self, cfg: RunConfig, roles: RunRoles, logger: Any, records: list[dict]):
         self.cfg, self.roles, self.logger = cfg, roles, logger
-        self.prompts, self.answers = prompts, answers
+        self.prompts = [[int(x) for x in r["prompt_ids"]] for r in records]
+        self.answers = [str(r["answer"]) for r in records]
+        # what a reward function gets besides response and answer, as in training
+        self.extra = [{**dict(r.get("metadata") or {}), "prompt": str(r.get("prompt", ""))} for r in records]
 
     async def __call__(self, step: int, phase: str) -> float:
         rc = self.cfg.reward
         r = await self.roles.instances[0].evaluate(self.prompts, self.answers, reward=rc.name,
                                                    max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                                   timeout_s=rc.timeout_s, on_error=rc.on_error)
+                                                   timeout_s=rc.timeout_s, on_error=rc.on_error,
+                                                   extra=self.extra)
         failures = await reward_failures(self.roles)
         self.logger.log(step, {"eval/accuracy": r["accuracy"], "phase": phase, "eval/version": r["version"],
                                "eval/reward_errors": r["reward_errors"],

@@ -183,8 +183,9 @@ class GroupSampler(Sampler):
 
 class TokenBalancedSampler(Sampler):
     """Picks rows with an inner sampler, then orders them so that ``meta.chunk(dp_size)``
-    gives every data-parallel rank the same row count and near-equal token totals
-    (Karmarkar-Karp), so no rank waits for the one with the longest sequences."""
+    gives every data-parallel rank near-equal token totals (Karmarkar-Karp), with the same
+    row count whenever the batch divides, so no rank waits for the one with the longest
+    sequences."""
 
     def __init__(self, dp_size: int, group_size: int | None = None):
         if int(dp_size) < 1:
@@ -193,18 +194,15 @@ class TokenBalancedSampler(Sampler):
         self.inner: Sampler = GroupSampler(group_size) if group_size else SequentialSampler()
 
     def sample(self, ready, batch_size, info, partial=False, ended=False):
-        if batch_size % self.dp_size:
-            raise ValueError(f"token_balanced sampler: batch_size {batch_size} is not a multiple of "
-                             f"dp_size {self.dp_size}")
         got = self.inner.sample(ready, batch_size, info, partial, ended)
         if got is None:
             return None
         rows = got.rows
         k = self.dp_size
-        if len(rows) % k:  # a drained tail: balance what divides, keep the rest on the last ranks
-            return Sample(rows, [])
         tokens = info.tokens
-        parts = karmarkar_karp([tokens.get(r, 0) for r in rows], k, equal_size=True)
+        # Equal row counts when they divide; otherwise (e.g. 3 groups of 3 rows over 2 ranks)
+        # balanced tokens with counts that differ.
+        parts = karmarkar_karp([tokens.get(r, 0) for r in rows], k, equal_size=len(rows) % k == 0)
         return Sample([rows[i] for p in parts for i in p], [len(p) for p in parts])
 
 

@@ -79,8 +79,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
     def update(self, step: int, batch: dict, io: dict | None = None) -> dict:
         """The policy update of ``step`` on this rank's share of the step's ``batch["rows"]`` rows
         (partition, task, timeout in ``batch``): ``ppo_epochs`` passes, each one optimizer step
-        per mini-batch. Returns the step's metrics (the same on every rank); the group's first
-        rank adds the rows it trained (``meta``), for the sample audit."""
+        per mini-batch. Returns the step's metrics (the same on every rank)."""
         io = StageIO.of(io, UPDATE_INPUTS, [])
         meta = self.tq.get_meta(io.inputs, int(batch["rows"]), batch["task"], batch["partition"],
                                 {"name": "token_balanced", "dp_size": self.dp_size},
@@ -97,8 +96,6 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         fields = {c: ([x.float() for x in rows(data[c])] if data is not None else []) for c in PER_TOKEN if c in have}
         metrics = self._train(step, meta, prompts, responses, fields)
         metrics.update(self._batch_stats(step, data, responses, prompts))
-        if self.group_rank == 0:
-            metrics["meta"] = meta
         return metrics
 
     def _train(self, step: int, meta: Any, prompts: list, responses: list, fields: dict) -> dict:

@@ -16,6 +16,12 @@ from ..workflow.stages import StageIO
 from .common import config_of, rows, setup_rank, values
 
 
+def reward_kwargs(fn: Any, extra: list[dict]) -> list[dict]:
+    """Each row's keyword arguments for ``fn``: those of ``extra`` it takes (all with ``**kwargs``)."""
+    takes = _accepted(fn)
+    return extra if takes is None else [{k: v for k, v in e.items() if k in takes} for e in extra]
+
+
 def _accepted(fn: Any) -> set[str] | None:
     """The keyword names ``fn`` takes; None when it takes any (``**kwargs``)."""
     try:
@@ -38,7 +44,6 @@ class RewardWorker(Worker):
         setup_rank(c)
         self.tokenizer = load_tokenizer(c.model.path)
         self.runner = RewardRunner(c.reward.name, timeout_s=c.reward.timeout_s, on_error=c.reward.on_error)
-        self.takes = _accepted(self.runner.fn)
         self.errors = 0
         self.timeouts = 0
 
@@ -56,9 +61,7 @@ class RewardWorker(Worker):
         if "metadata" in io.inputs:
             for e, m in zip(extra, values(data["metadata"])):
                 e.update({k: v for k, v in dict(m or {}).items() if k != "prompt"})
-        if self.takes is not None:
-            extra = [{k: v for k, v in e.items() if k in self.takes} for e in extra]
-        scores, stats = self.runner.score(texts, answers, extra)
+        scores, stats = self.runner.score(texts, answers, reward_kwargs(self.runner.fn, extra))
         self.errors += int(stats.get("errors", 0))
         self.timeouts += int(stats.get("timeouts", 0))
         return {io.outputs[0]: torch.tensor(scores, dtype=torch.float32)}

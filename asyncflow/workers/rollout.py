@@ -27,6 +27,7 @@ from . import weight_sync as ws
 from ..engines.rollout import SamplingParams
 from ..workflow.stages import StageIO
 from .common import EngineOffload, config_of, setup_rank
+from .reward import reward_kwargs
 from .rollout_stream import ROLLOUT_INPUTS, ROLLOUT_OUTPUTS, RowStream, result_columns, row_inputs, stage_params
 
 
@@ -185,10 +186,10 @@ class RolloutWorker(EngineOffload, Worker):
     @register(Dispatch.RANK_ZERO)
     def evaluate(self, prompts: list[list[int]], answers: list[str], reward: str = "number",
                  max_new_tokens: int = 8, samples: int = 4, timeout_s: float = 10.0,
-                 on_error: str = "zero") -> dict:
+                 on_error: str = "zero", extra: list[dict] | None = None) -> dict:
         """Greedy accuracy on held-out prompts with the weights held now (its rows join the
         running batch). The reward runs under the same per-call timeout and error policy as in
-        training."""
+        training, with each prompt's ``extra`` keywords (its text and record metadata)."""
         from ..rewards.runner import RewardRunner
 
         start = time.monotonic()
@@ -200,7 +201,9 @@ class RolloutWorker(EngineOffload, Worker):
         key = (reward, timeout_s, on_error)
         if key not in self._eval_runners:
             self._eval_runners[key] = RewardRunner(reward, timeout_s=timeout_s, on_error=on_error)
-        scores, stats = self._eval_runners[key].score(texts, answers)
+        runner = self._eval_runners[key]
+        kwargs = reward_kwargs(runner.fn, list(extra) if extra is not None else [{} for _ in texts])
+        scores, stats = runner.score(texts, answers, kwargs)
         shown = [{"prompt": self.tokenizer.decode(prompts[i]), "response": texts[i], "answer": answers[i]}
                  for i in range(min(samples, len(prompts)))]
         return {"accuracy": sum(scores) / max(len(scores), 1), "version": version,

@@ -452,17 +452,19 @@ class Executor:
             metrics: dict[str, float] = {}
             if n > 0:
                 self.state[stage.name].taken[t] = n
-                # The group's ranks fetch their own shares (token-balanced); the first returns the rows.
+                # Wait here until the step's rows are ready (under a task of its own, consuming
+                # nothing of the update's): the update then holds its ranks only to train. Its
+                # ranks fetch their own shares of the rows (token-balanced, sampled once for all).
+                meta = await self.tq.get_meta(stage.inputs, n, f"{stage.name}.ready", partition_name(t),
+                                              timeout=self.cfg.wait_timeout_s)
                 batch = {"partition": partition_name(t), "task": stage.name, "rows": n,
                          "timeout_s": self.cfg.wait_timeout_s}
                 results = await self._timed(stage, group.role, group.ranks, t, n,
                                             getattr(group, stage.method)(t, batch, stage.io.to_wire()))
                 metrics = {**self.step_metrics.get(t, {}),
                            **(dict(results[0]) if isinstance(results, list) else dict(results))}
-                meta = metrics.pop("meta", None)
-                if meta is not None:
-                    for o in self.observers:
-                        await o.trained(t, meta)
+                for o in self.observers:
+                    await o.trained(t, meta)
             else:
                 log.warning("step %d: no rows left to train on; the policy is unchanged", t)
             self.actor_version = t + 1
@@ -539,7 +541,13 @@ def _plain(col: Any) -> Any:
 
 
 def _fn_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
+    """The function's name and the file that defines it (the recipe's, usually)."""
+    import inspect
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    try:
+        return f"{name} in {inspect.getsourcefile(fn)}"
+    except TypeError:  # a builtin or a callable object
+        return name
 
 
 def _outputs(stage: Stage, out: Any, n: int) -> dict:

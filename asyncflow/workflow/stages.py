@@ -31,8 +31,9 @@ class StageIO:
         return {"inputs": list(self.inputs), "outputs": list(self.outputs), "options": dict(self.options)}
 
     @staticmethod
-    def of(x: "StageIO | dict | None", inputs: list[str], outputs: list[str]) -> "StageIO":
-        """``x`` as a StageIO; None: the method's own default column names."""
+    def of(x: "StageIO | dict | None", inputs: list[str] = (), outputs: list[str] = ()) -> "StageIO":
+        """``x`` (what a worker method receives as ``io``) as a StageIO; None (a direct call,
+        no stage): the method's own default column names ``inputs`` and ``outputs``."""
         if x is None:
             return StageIO(list(inputs), list(outputs))
         if isinstance(x, StageIO):

@@ -84,3 +84,32 @@ def test_partial_rollout_async_two_instances_audit(tmp_path):
     for a0, a1 in spans[0]:
         for b0, b1 in spans[1]:
             assert a1 <= b0 or b1 <= a0, "both instances paused for a swap at once"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, placement", [("async", "disaggregated"), ("sync", "colocated")])
+def test_remax_trains_against_a_greedy_baseline(tmp_path, mode, placement):
+    """The baseline rollout runs through the service (one request per group) and through the
+    colocated batch call (one per distinct prompt); either way every row of a group gets the
+    same greedy baseline, and the advantage is the score minus the baseline's."""
+    out = tmp_path / "run"
+    ok(train(out, "remax", "trainer.steps=2", f"workflow.mode={mode}", f"placement.mode={placement}",
+             "reward.name=digits", "trainer.eval_every=0"))
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "actor/grad_norm" in m]
+    # the baseline's reward reads the baseline rollout's column: it ran for every step's rows
+    assert len(steps) == 2 and all("timing_s/baseline_reward" in m for m in steps)
+
+
+@pytest.mark.slow
+def test_ppo_epochs_and_mini_batches_take_several_steps_and_clip(tmp_path):
+    """GRPO with 2 epochs over 2 mini-batches: 4 optimizer steps per RL step against proximal
+    log-probs fixed before the first, so the ratio leaves 1 and clipping acts."""
+    out = tmp_path / "run"
+    ok(train(out, "grpo", "trainer.steps=2", "workflow.mode=sync", "reward.name=digits", "trainer.eval_every=0",
+             "algorithm.dynamic_sampling=false", "algorithm.ppo_epochs=2", "algorithm.ppo_mini_batch_size=2",
+             "optim.lr=0.02", "optim.warmup_steps=0", "algorithm.clip_low=0.01", "algorithm.clip_high=0.01"))
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "actor/grad_norm" in m]
+    assert len(steps) == 2 and all(m["actor/optimizer_steps"] == 4 for m in steps)
+    assert any(m["actor/pg_clipfrac"] > 0 for m in steps), steps

@@ -104,6 +104,21 @@ def test_token_balanced_sampler_with_groups_keeps_whole_groups(tq):
     assert set(_group_counts(meta).values()) == {2}
 
 
+def test_token_balanced_sampler_balances_tokens_when_rows_do_not_divide(tq):
+    """9 rows (3 groups of 3) over 2 ranks: every row goes to a rank, token totals near-equal."""
+    c = tq.client
+    c.create_partition("p")
+    lengths = [5, 90, 7, 40, 41, 3, 60, 8, 30]
+    c.put({"key": torch.arange(9), "resp": [torch.zeros(n, dtype=torch.int32) for n in lengths]}, "p")
+    meta = c.get_meta(["key", "resp"], 9, "t", "p", {"name": "token_balanced", "dp_size": 2}, timeout=2)
+    assert sum(meta.dp_parts) == 9 and len(meta.dp_parts) == 2
+    keys = c.get_columns(meta)["key"].data.tolist()
+    parts = meta.chunk(2)
+    totals = [sum(lengths[keys[meta.rows.index(r)]] for r in p.rows) for p in parts]
+    assert sorted(r for p in parts for r in p.rows) == sorted(meta.rows)
+    assert max(totals) / (sum(lengths) / 2) < 1.05, totals
+
+
 def _take(c, dp_group, rank, n=4, **kw):
     return c.get_meta(["key"], n, "train", "p", dp_group=dp_group, dp_rank=rank, dp_size=2, timeout=2, **kw)
 

@@ -136,7 +136,7 @@ class Actor(Group):
         await asyncio.sleep(self.delay)
         self.version = step + 1
         self.log.append(("update_end", meta.partition, asyncio.get_running_loop().time()))
-        return [{"reward/mean": 0.0, "rows": float(len(meta)), "meta": meta}]
+        return [{"reward/mean": 0.0, "rows": float(len(meta))}]
 
     async def publish_weights(self, v):
         return [{}]
