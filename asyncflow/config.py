@@ -101,9 +101,9 @@ class AlgorithmConfig:
     lam: float = 1.0  # GAE lambda, in [0, 1]
     whiten: bool = True  # reinforce_pp and gae whiten their advantages over the batch's valid tokens
     policy_loss: str = "auto"  # auto: decoupled_ppo in async mode, ppo_clip otherwise
-    # An old_log_prob stage recomputes the proximal log-probs before the update. The update
-    # takes one optimizer step per batch, so they equal the update's own log-probs at its
-    # forward: without the stage they are taken there, at no extra cost.
+    # An old_log_prob stage recomputes the proximal log-probs before the update. Without it, an
+    # update of one optimizer step takes them at its own forward (the same values, at no extra
+    # cost); an update of several (ppo_epochs, mini-batches) computes them first itself.
     recompute_proximal: bool = False
     loss_agg: str = "token-mean"
     clip_low: float = 0.2  # ratio clip range [1 - clip_low, 1 + clip_high]; clip_low in [0, 1)
@@ -281,11 +281,6 @@ class RunConfig:
 OFFLOAD_IDLE = {"auto": None, "on": True, "true": True, "off": False, "false": False}
 
 
-def _group_relative() -> set[str]:
-    from .algorithms import GROUP_RELATIVE_ADVANTAGES
-    return set(GROUP_RELATIVE_ADVANTAGES)
-
-
 def rank_threads(cfg: RunConfig, cpus: int | None = None) -> int:
     """torch threads per rank: ``trainer.threads``, or with 0 (auto) the node's cores shared out
     among its ranks whenever ranks compute at the same time (stream and async modes, and any
@@ -324,11 +319,6 @@ def _check(cfg: RunConfig) -> RunConfig:
     if r.n < 1:
         problems.append(f"rollout.n: must be >= 1, got {r.n}")
     a = cfg.algorithm
-    if r.n == 1 and a.advantage in _group_relative():
-        problems.append(f"rollout.n=1 with algorithm.advantage={a.advantage}: a group-relative estimator compares "
-                        "each response with the other responses to its prompt, so one response per prompt gives "
-                        "every row advantage 0 and nothing is learned; set rollout.n >= 2, or pick an estimator "
-                        "that needs no group (reinforce_pp, gae)")
     if a.ppo_epochs < 1 or a.ppo_mini_batch_size < 0:
         problems.append(f"algorithm.ppo_epochs must be >= 1 and algorithm.ppo_mini_batch_size >= 0 (0: the whole "
                         f"step), got {a.ppo_epochs} and {a.ppo_mini_batch_size}")
@@ -337,7 +327,7 @@ def _check(cfg: RunConfig) -> RunConfig:
                         f"got {cfg.reward.overlong_buffer}")
     if t.nproc == 1 and cfg.placement.mode == "disaggregated":
         problems.append("placement.mode: trainer.nproc=1 runs every role on rank 0: set placement.mode=colocated")
-    problems += _registry_problems(cfg)
+    problems += _import_problems(cfg) or _registry_problems(cfg)
     from .algorithms import algorithm_config_problems  # the rules the algorithm functions enforce
     problems += algorithm_config_problems(cfg.algorithm)
     if r.max_running_rows < r.n:
@@ -380,6 +370,19 @@ def _check(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def _import_problems(cfg: RunConfig) -> list[str]:
+    """The run's ``imports`` (where user rewards, estimators and losses register), imported
+    here too, so that the names they register are checked like the built-in ones."""
+    import importlib
+    out = []
+    for name in cfg.imports:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            out.append(f"imports: cannot import {name!r}: {e}")
+    return out
+
+
 def _registry_problems(cfg: RunConfig) -> list[str]:
     """Names that must exist in the registries (checked at start, not at the first update)."""
     from .algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES
@@ -393,8 +396,6 @@ def _registry_problems(cfg: RunConfig) -> list[str]:
         checks.append(("algorithm.policy_loss", POLICY_LOSSES, a.policy_loss))
     out = []
     for key, reg, name in checks:
-        if cfg.imports and key == "reward.name":
-            continue  # may be registered by one of cfg.imports, which the workers import
         if name not in (reg.names() if hasattr(reg, "names") else reg):
             out.append(f"{key}: {name!r} is not registered; known: {', '.join(sorted(reg.names()))}")
     return out

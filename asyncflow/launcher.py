@@ -65,7 +65,7 @@ def train_main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         cfg, path = prepare(argv)
-    except (ConfigError, FileNotFoundError, ImportError, AttributeError) as e:
+    except (ConfigError, FileNotFoundError, ImportError, AttributeError, ValueError) as e:
         print(f"asyncflow train: {e}", file=sys.stderr)
         return 2
     os.environ[CONFIG_ENV] = str(path.resolve())

@@ -66,7 +66,7 @@ async def warmup(cfg: RunConfig, roles: RunRoles, data: Any, logger: Any, evalua
     rng = random.Random(cfg.trainer.seed)
     step = 0
     while step < w.max_steps:
-        for _ in range(w.check_every):
+        for _ in range(min(w.check_every, w.max_steps - step)):
             batch = data.sft_examples(w.batch_size, rng)
             m = (await policy.sft_step([b[0] for b in batch], [b[1] for b in batch]))[0]
             step += 1

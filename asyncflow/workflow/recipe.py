@@ -35,7 +35,10 @@ class Recipe:
     def build(self, cfg: Any, source_columns: list[str]) -> RecipeSpec:
         """The recipe's roles and stages for ``cfg``, checked (errors name the recipe file)."""
         where = f"recipe {self.code}"
-        spec = self.module.build(cfg)
+        try:
+            spec = self.module.build(cfg)
+        except (ValueError, TypeError) as e:  # a Stage or Role refused, or the recipe's own checks
+            raise type(e)(f"{where}: {e}") from e
         if not isinstance(spec, RecipeSpec):
             raise TypeError(f"{where}: build(cfg) must return a RecipeSpec, got {type(spec).__name__}")
         check_graph(spec.stages, source_columns, where)

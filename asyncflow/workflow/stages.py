@@ -168,9 +168,31 @@ def check_graph(stages: list[Stage], source_columns: list[str], where: str = "re
                 raise ValueError(f"{where}: stage {s.name!r} writes column {c!r}, which {have[c]} already "
                                  "writes: a column has one writer (name the new one differently)")
             have[c] = f"stage {s.name!r}"
+    _check_gates(stages, where)
     updates = [s.name for s in stages if s.kind == "update"]
     if len(updates) != 1 or stages[-1].kind != "update":
         raise ValueError(f"{where}: a recipe needs exactly one update stage, last; got update stages {updates}")
+
+
+def _check_gates(stages: list[Stage], where: str) -> None:
+    """At most one filter; every stage after it reads its gate column, directly or through a
+    column written from gated rows (only the rows the filter kept reach those stages)."""
+    filters = [i for i, s in enumerate(stages) if s.kind == "filter"]
+    if len(filters) > 1:
+        raise ValueError(f"{where}: filter stages {[stages[i].name for i in filters]}: a recipe has one filter")
+    if not filters:
+        return
+    f = stages[filters[0]]
+    if len(f.outputs) != 1:
+        raise ValueError(f"{where}: filter stage {f.name!r} writes one gate column (the kept rows get it); "
+                         f"it declares {f.outputs}")
+    gated = set(f.outputs)
+    for s in stages[filters[0] + 1:]:
+        if not gated & set(s.inputs):
+            raise ValueError(f"{where}: stage {s.name!r} comes after the filter {f.name!r} but reads none of "
+                             f"{sorted(gated)}: add {f.outputs[0]!r} to its inputs, so it waits for the "
+                             "filter's decision and sees only the kept rows")
+        gated.update(s.outputs)
 
 
 def check_roles(spec: RecipeSpec, where: str = "recipe") -> None:

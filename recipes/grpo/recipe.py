@@ -69,6 +69,11 @@ def advantage(cfg, inputs: list[str], outputs: list[str] = ("advantages",), scor
     """Advantages once per row, in the driver. Group estimators take whole groups as they are
     ready; the others (whitening over the batch) take the whole step."""
     a = cfg.algorithm
+    if cfg.rollout.n == 1 and a.advantage in GROUP_RELATIVE_ADVANTAGES:
+        raise ValueError(f"rollout.n=1 with algorithm.advantage={a.advantage}: a group-relative estimator compares "
+                         "each response with the other responses to its prompt, so one response per prompt gives "
+                         "every row advantage 0 and nothing is learned; set rollout.n >= 2, or pick an estimator "
+                         "that needs no group (reinforce_pp, gae)")
     extra = []
     if a.kl_in_reward and a.kl_coef > 0:
         extra = ["ref_log_probs", "old_log_probs" if a.recompute_proximal else "behav_log_probs"]

@@ -23,6 +23,9 @@ def build(cfg) -> RecipeSpec:
     if cfg.algorithm.dynamic_sampling:
         raise ValueError("recipe remax: set algorithm.dynamic_sampling=false (the greedy baseline, not the "
                          "group, gives each prompt its signal)")
+    if cfg.algorithm.kl_in_reward:
+        raise ValueError("recipe remax: algorithm.kl_in_reward is not supported (its advantage is score minus "
+                         "baseline score); use the KL loss (algorithm.kl_coef with kl_in_reward=false)")
     stages = [
         grpo.rollout(cfg),
         grpo.rollout(cfg, name="baseline", outputs=["baseline_ids"],

@@ -58,9 +58,25 @@ def test_remax_baseline_is_a_second_greedy_rollout():
 
 
 def test_group_estimator_with_one_response_is_refused():
-    with pytest.raises(ConfigError, match="rollout.n=1 with algorithm.advantage=grpo"):
-        load_config(overrides=["rollout.n=1"])
-    load_config(overrides=["rollout.n=1", "algorithm.advantage=reinforce_pp", "algorithm.dynamic_sampling=false"])
+    with pytest.raises(ValueError, match="rollout.n=1 with algorithm.advantage=grpo") as e:
+        _build("grpo", "rollout.n=1")
+    assert "recipes/grpo/recipe.py" in str(e.value)
+    _build("grpo", "rollout.n=1", "algorithm.advantage=reinforce_pp", "algorithm.dynamic_sampling=false")
+    _build("remax", "rollout.n=1")  # its baseline is the greedy response, not the group
+
+
+def test_an_algorithm_piece_registered_by_a_user_module_is_accepted(tmp_path, monkeypatch):
+    (tmp_path / "my_estimators.py").write_text(
+        "from asyncflow.algorithms import ADVANTAGES\n"
+        "from asyncflow.algorithms.advantages import rloo\n"
+        "ADVANTAGES.register('my_rloo')(rloo)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="'my_rloo' is not registered"):
+        load_config(overrides=["algorithm.advantage=my_rloo"])
+    cfg = load_config(overrides=["algorithm.advantage=my_rloo", "imports=[my_estimators]"])
+    assert cfg.algorithm.advantage == "my_rloo"
+    with pytest.raises(ConfigError, match="imports: cannot import 'no_such_module'"):
+        load_config(overrides=["imports=[no_such_module]"])
 
 
 GOOD = """
@@ -104,6 +120,10 @@ def test_a_recipe_in_any_directory_builds(tmp_path):
     ('roles["rollout"] = Role("asyncflow.workers.rollout:RolloutWorker", on="rollout")', r"per_rank=True"),
     ('roles["spare"] = Role("asyncflow.workers.reward:RewardWorker")', r"roles \['spare'\] are declared but"),
     ('stages.pop()', r"exactly one update stage"),
+    ('stages.insert(2, Stage("f", DRIVER, "", ["scores"], ["ok"], kind="filter", fn=len))',
+     r"stage 'advantages' comes after the filter 'f' but reads none of \['ok'\]"),
+    ('stages.insert(1, Stage("bad", DRIVER, "", ["prompt_ids"], ["x"], kind="nonsense", fn=len))',
+     r"stage 'bad': kind must be one of"),
 ])
 def test_a_wrong_declaration_fails_at_start_naming_the_recipe(tmp_path, mutation, message):
     d = _recipe(tmp_path, mutation)
