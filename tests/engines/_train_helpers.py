@@ -42,6 +42,23 @@ def make_batch(n: int, seed: int, max_prompt: int = 6, max_response: int = 9):
     return prompts, responses, fields
 
 
+def loss_masks_for(responses: list[Tensor], seed: int) -> list[Tensor]:
+    """Multi-turn-like loss masks (int8, 1 = model token): each row of 3+ tokens has a tool span
+    strictly inside it (model tokens before and after), row 1 is all tool output."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, r in enumerate(responses):
+        m = torch.ones(r.numel(), dtype=torch.int8)
+        if i == 1:
+            m.zero_()
+        elif r.numel() >= 3:
+            a = int(torch.randint(1, r.numel() - 1, (1,), generator=g))
+            b = int(torch.randint(a + 1, r.numel(), (1,), generator=g))
+            m[a:b] = 0
+        out.append(m)
+    return out
+
+
 def split_batch(prompts, responses, fields, idx: list[int]):
     sub = {k: (v[torch.tensor(idx)] if isinstance(v, Tensor) else [v[i] for i in idx]) for k, v in fields.items()}
     return [prompts[i] for i in idx], [responses[i] for i in idx], sub
@@ -150,9 +167,33 @@ def _dist_scenarios(rank: int, group, workdir: Path) -> dict:
                    "b_state": b.full_state_dict(), "extra": extra, "b_step": b.step,
                    "a_rand": a_rand, "b_rand": b_rand_after_load,
                    "rank_files": sorted(os.listdir(Path(workdir) / "ckpt" / "rng"))}
+    out["loss_mask"] = _loss_mask_scenario(rank, group, platform)
     out["nonfinite"] = _nonfinite_scenario(rank, group, platform, mine)
     out["ckpt_fail"] = _failed_save_scenario(rank, a, Path(workdir) / "ckpt")
     return out
+
+
+def loss_mask_batch():
+    """The global batch of the 2-rank loss-mask scenario: make_batch(GLOBAL_N, seed=1) with
+    tool spans (row 1, on rank 0, all tool output)."""
+    prompts, responses, fields = make_batch(GLOBAL_N, seed=1)
+    fields["loss_mask"] = loss_masks_for(responses, seed=1)
+    return prompts, responses, fields
+
+
+def _loss_mask_scenario(rank: int, group, platform) -> dict:
+    """One masked step on RANK_SHARES; the parent compares it with a 1-rank step."""
+    from asyncflow.engines.train import FSDPEngine, OptimConfig
+
+    norms = []
+
+    def loss_fn(log_probs, entropy, mask, fields, norm):
+        norms.append((norm.num_tokens, norm.num_seqs))
+        return ppo_loss(log_probs, entropy, mask, fields, norm)
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2, micro_batch_tokens=24)
+    engine = FSDPEngine(lambda: tiny_model(seed=0), cfg, process_group=group, platform=platform)
+    metrics = engine.train_step(*split_batch(*loss_mask_batch(), RANK_SHARES[rank]), loss_fn, with_entropy=True)
+    return {"metrics": metrics, "norms": norms, "state": engine.full_state_dict()}
 
 
 def nan_on_rank1(rank: int):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import pytest
 
-from tests.engines._train_helpers import (BUDGETS, GLOBAL_N, RANK_SHARES, dist_child, make_batch, ppo_loss,
-                                          spawn_ranks, tiny_model)
+from tests.engines._train_helpers import (BUDGETS, GLOBAL_N, RANK_SHARES, dist_child, loss_mask_batch, make_batch,
+                                          ppo_loss, spawn_ranks, tiny_model)
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -72,6 +72,29 @@ def test_two_rank_log_probs_match_one_rank(dist_results):
         for i, lp in zip(RANK_SHARES[r], dist_results[r]["big"]["log_probs"]):
             assert lp.shape == responses[i].shape
             assert (lp - ref[i]).abs().max().item() <= 1e-5
+
+
+def test_two_rank_loss_mask_counts_model_tokens_and_equals_one_rank(dist_results):
+    """num_tokens / num_seqs count model tokens of both ranks (all-reduced), and the masked
+    2-rank step is the masked 1-rank step."""
+    from asyncflow.engines.train import FSDPEngine, OptimConfig
+
+    prompts, responses, fields = loss_mask_batch()
+    masks = fields["loss_mask"]
+    n_tokens = sum(int(m.sum()) for m in masks)
+    n_seqs = sum(1 for m in masks if int(m.sum()))
+    assert n_tokens < sum(r.numel() for r in responses) and n_seqs == GLOBAL_N - 1
+    engine = FSDPEngine(lambda: tiny_model(seed=0), OptimConfig(lr=1e-3, warmup_steps=2, micro_batch_tokens=24))
+    ref = engine.train_step(prompts, responses, fields, ppo_loss, with_entropy=True)
+    ref_state = engine.full_state_dict()
+    for r in range(WORLD):
+        got = dist_results[r]["loss_mask"]
+        assert got["norms"] and set(got["norms"]) == {(float(n_tokens), float(n_seqs))}, (r, got["norms"])
+        assert got["metrics"]["tokens"] == n_tokens == ref["tokens"]
+        assert got["metrics"]["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+        assert got["metrics"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    state = dist_results[0]["loss_mask"]["state"]
+    assert max((state[k] - ref_state[k]).abs().max().item() for k in ref_state) <= 1e-5
 
 
 def test_two_rank_checkpoint_resume_equals_continue(dist_results):

@@ -6,6 +6,23 @@ own share of the global batch; the engine makes the ranks agree on everything th
 must match (loss normalisation, number of micro-batches, gradients).
 
 The engine knows nothing about RL algorithms: `train_step` receives a `LossFn`.
+
+Multi-turn rows (model tokens interleaved with tool / environment tokens in one response):
+the optional per-token field ``"loss_mask"`` of `train_step` (``LOSS_MASK``) says which response
+tokens are the model's own. Contract: one 1-D tensor per sequence, the response's length, dtype
+bool or any integer/float dtype holding only 0 and 1 (anything else raises ValueError);
+1 = a model token (trained on), 0 = a tool / environment token (no gradient, and it counts in no
+loss normalisation and no metric). Without the field every response token is a model token.
+The engine then
+* hands ``loss_fn`` ``mask`` = real response token AND loss_mask, and zero-fills the log-probs
+  (values for a critic), the entropy and every per-token field outside that mask, so a masked
+  token looks exactly like padding (its log-prob gets no gradient even if a loss forgets the
+  mask, and garbage such as NaN in a field there cannot leak into the loss);
+* counts ``LossNorm.num_tokens`` = model tokens and ``LossNorm.num_seqs`` = sequences with at
+  least one model token (a row without any adds nothing to a loss sum, so it must not dilute a
+  per-sequence mean either: the definition of ``algorithms.aggregate.count_seqs``), both summed
+  over the data-parallel ranks; the ``tokens`` metric is that num_tokens;
+* averages loss_fn's metrics over the micro-batches that hold at least one model token.
 """
 
 from __future__ import annotations
@@ -20,7 +37,10 @@ from torch import Tensor
 
 from ...config import OptimConfig  # the config tree's section is what the engines take
 
-__all__ = ["LossFn", "LossNorm", "NonFiniteUpdateError", "OptimConfig", "TrainEngine", "move_train_state"]
+__all__ = ["LOSS_MASK", "LossFn", "LossNorm", "NonFiniteUpdateError", "OptimConfig", "TrainEngine", "move_train_state"]
+
+
+LOSS_MASK = "loss_mask"  # the optional per-token train_step field: 1 = model token (see the module docstring)
 
 
 class NonFiniteUpdateError(FloatingPointError):
@@ -31,8 +51,8 @@ class NonFiniteUpdateError(FloatingPointError):
 class LossNorm:
     """Global counts over the WHOLE global batch, summed over all data-parallel ranks."""
 
-    num_tokens: float  # response tokens (mask sum)
-    num_seqs: float
+    num_tokens: float  # model tokens: response tokens where loss_mask (if given) is 1
+    num_seqs: float  # sequences with at least one such token
 
 
 class LossFn(Protocol):
@@ -41,7 +61,9 @@ class LossFn(Protocol):
     log_probs: [b, T] float32, log-prob of each response token (right-padded; for a
         critic engine this argument holds the predicted values instead).
     entropy: [b, T] float32 or None (when with_entropy is False, and for critics).
-    mask: [b, T] bool, True on real response tokens.
+    mask: [b, T] bool, True on real response tokens that are model tokens (the
+        "loss_mask" field AND not padding). log_probs, entropy and every per-token field
+        are 0 where mask is False.
     fields: each per-token input given to train_step, right-padded to [b, T]; each
         per-sequence input as [b].
     norm: global counts; the returned loss must already be normalised by them, so
@@ -104,9 +126,13 @@ class TrainEngine(ABC):
     ) -> dict[str, float]:
         """One optimizer step over this rank's share of the global batch.
 
+        fields: per-token inputs (a list of 1-D tensors shaped like the responses) and
+        per-sequence ones (a tensor [n, ...]); the per-token "loss_mask" restricts training
+        to model tokens (module docstring).
         Returns metrics identical on every rank: loss (full global-batch loss),
         grad_norm (before clipping), lr (used for this step), n_micro_batches, tokens
-        (global response tokens) and loss_fn's metrics averaged over micro-batches.
+        (global model tokens = LossNorm.num_tokens) and loss_fn's metrics averaged over the
+        micro-batches holding at least one model token.
         """
 
     @abstractmethod
@@ -149,6 +175,34 @@ def check_batch(prompts: list[Tensor], responses: list[Tensor]) -> None:
                 raise ValueError(f"{name} {i} must hold integer token ids, got {t.dtype}")
         if p.numel() == 0:
             raise ValueError(f"prompt {i} is empty: the first response token needs a preceding token")
+
+
+def response_loss_masks(fields: dict[str, list[Tensor] | Tensor],
+                        responses: list[Tensor]) -> list[Tensor] | None:
+    """The ``"loss_mask"`` field as one bool tensor per sequence (True = model token), or None
+    when there is none. Raises ValueError unless it is per-token, shaped like the responses,
+    and holds only 0/1 (bool, integer or float)."""
+    value = fields.get(LOSS_MASK)
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        raise ValueError(f"field {LOSS_MASK!r} must be per-token (one 1-D tensor per sequence, "
+                         f"the response's length), got a per-sequence tensor {tuple(value.shape)}")
+    if len(value) != len(responses):
+        raise ValueError(f"field {LOSS_MASK!r}: {len(value)} entries for {len(responses)} sequences")
+    out = []
+    for i, (m, r) in enumerate(zip(value, responses)):
+        if not isinstance(m, Tensor) or m.shape != r.shape:
+            raise ValueError(f"field {LOSS_MASK!r}, sequence {i}: per-token tensor must have shape "
+                             f"{tuple(r.shape)} like its response, got "
+                             f"{tuple(m.shape) if isinstance(m, Tensor) else type(m).__name__}")
+        if m.dtype != torch.bool:
+            if m.is_complex() or not bool(((m == 0) | (m == 1)).all()):
+                raise ValueError(f"field {LOSS_MASK!r}, sequence {i}: must hold only 0 and 1 "
+                                 f"(1 = model token), got the values {torch.unique(m)[:8].tolist()}")
+            m = m != 0
+        out.append(m.detach().to("cpu"))
+    return out
 
 
 def _on(t: Tensor, device: torch.device) -> bool:

@@ -6,7 +6,8 @@ and then the root are wrapped with `fully_shard` over a 1-D DeviceMesh built fro
 group. Every collective runs on that group and is bounded by its timeout.
 
 Per train_step:
-1. LossNorm (global response tokens and sequences): all_reduce SUM.
+1. LossNorm (global model tokens and sequences with one: the response tokens unless the
+   per-token "loss_mask" field drops tool/environment tokens, see base.py): all_reduce SUM.
 2. Micro-batches by token budget (microbatch.py); the ranks agree on the count with
    all_reduce MAX and a rank with fewer runs empty placeholder micro-batches (zero loss,
    but forward + backward run, so FSDP's all-gathers/reduce-scatters line up).
@@ -36,7 +37,7 @@ from torch import Tensor, nn
 
 from asyncflow.engines.train import checkpoint as ckpt
 from asyncflow.engines.train.base import (LossFn, LossNorm, NonFiniteUpdateError, OptimConfig, TrainEngine,
-                                          check_batch, move_train_state)
+                                          check_batch, move_train_state, response_loss_masks)
 from asyncflow.engines.train.microbatch import (MicroBatch, build_micro_batch, empty_micro_batch,
                                                 plan_micro_batches, slice_fields)
 from asyncflow.engines.train.schedule import build_scheduler
@@ -148,7 +149,8 @@ class FSDPEngine(TrainEngine):
     # ---------------------------------------------------------------- forward
     def _forward(self, mb: MicroBatch, temperature: float,
                  with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """(log-probs or values [b, R] fp32 zeroed on padding, entropy [b, R] or None)."""
+        """(log-probs or values [b, R] fp32, entropy [b, R] or None), both 0 wherever mb.mask is
+        False (padding, and tokens a loss mask drops: no gradient reaches the model from there)."""
         mb = mb.to(self.device)
         rows = torch.arange(mb.input_ids.shape[0], device=self.device)[:, None]
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -238,8 +240,11 @@ class FSDPEngine(TrainEngine):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         with_entropy = with_entropy and not self.value_head
+        loss_masks = response_loss_masks(fields, responses)  # None: every response token is trained on
+        trained = ([int(m.sum()) for m in loss_masks] if loss_masks is not None
+                   else [r.numel() for r in responses])
         num_tokens, num_seqs = self._all_reduce(
-            [float(sum(r.numel() for r in responses)), float(len(responses))], dist.ReduceOp.SUM)
+            [float(sum(trained)), float(sum(1 for n in trained if n > 0))], dist.ReduceOp.SUM)
         norm = LossNorm(num_tokens=num_tokens, num_seqs=num_seqs)
         groups, count = self._plan(prompts, responses)
 
@@ -247,17 +252,20 @@ class FSDPEngine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         metric_sums: dict[str, float] = {}
+        n_metric = 0  # micro-batches with at least one model token: only they report metrics
         for i in range(count):
             if i < len(groups):
-                mb = build_micro_batch(prompts, responses, groups[i])
+                mb = build_micro_batch(prompts, responses, groups[i], loss_masks=loss_masks)
                 values, entropy = self._forward(mb, temperature, with_entropy)
                 mb_fields = slice_fields(fields, mb, self.device)
                 loss, metrics = loss_fn(values, entropy, mb.mask.to(self.device), mb_fields, norm)
                 if not isinstance(loss, Tensor) or loss.dim() != 0:
                     raise TypeError(f"rank {self.rank}: loss_fn must return a scalar Tensor, got "
                                     f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
-                for key, value in metrics.items():
-                    metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
+                if bool(mb.mask.any()):  # mb.mask is still on the host: no device sync
+                    n_metric += 1
+                    for key, value in metrics.items():
+                        metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
             else:  # placeholder: keeps FSDP's collectives in step with the other ranks
                 values, _ = self._forward(empty_micro_batch(), temperature, False)
                 loss = values.sum() * 0.0
@@ -278,7 +286,7 @@ class FSDPEngine(TrainEngine):
 
         out = {"loss": loss_total, "grad_norm": grad_norm, "lr": float(lr),
                "n_micro_batches": float(count), "tokens": num_tokens, "skipped_nonfinite": float(skipped)}
-        out.update(self._average_metrics(metric_sums, len(groups)))
+        out.update(self._average_metrics(metric_sums, n_metric))
         return out
 
     def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
@@ -304,7 +312,8 @@ class FSDPEngine(TrainEngine):
         return float(norm)
 
     def _average_metrics(self, sums: dict[str, float], n_real: int) -> dict[str, float]:
-        """loss_fn metrics averaged over all real micro-batches of all ranks."""
+        """loss_fn metrics averaged over the micro-batches of all ranks that hold a model token
+        (``n_real`` of them on this rank)."""
         if self.process_group is None:
             return {k: v / n_real for k, v in sums.items()} if n_real else {}
         gathered: list[Any] = [None] * self.world_size

@@ -12,7 +12,8 @@ Layout of one micro-batch of b sequences, L = longest prompt+response, R = longe
 response: `input_ids` [b, L] right-padded; `position_ids` 0..len-1 per row; the
 response token j of row i sits at input position p_i + j and is predicted by the
 logits at position p_i + j - 1 (`logit_pos` [b, R]); `targets` [b, R] are the
-response tokens; `mask` [b, R] marks the real ones.
+response tokens; `mask` [b, R] marks the real ones that are trained on: with per-sequence
+``loss_masks`` (multi-turn rows, see base.py) only the model tokens among them.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class MicroBatch:
     position_ids: Tensor  # [b, L] long
     logit_pos: Tensor  # [b, R] long, position whose output predicts each response token
     targets: Tensor  # [b, R] long, the response tokens (0 on padding)
-    mask: Tensor  # [b, R] bool, True on real response tokens
+    mask: Tensor  # [b, R] bool, True on real response tokens (that the loss mask, if any, keeps)
     response_lens: list[int]
 
     @property
@@ -113,8 +114,12 @@ class MicroBatch:
 
 
 def build_micro_batch(prompts: list[Tensor], responses: list[Tensor], indices: list[int],
-                      pad_id: int = 0) -> MicroBatch:
-    """Right-pad the sequences `indices` (prompt then response) into one MicroBatch."""
+                      pad_id: int = 0, loss_masks: list[Tensor] | None = None) -> MicroBatch:
+    """Right-pad the sequences `indices` (prompt then response) into one MicroBatch.
+
+    loss_masks: one bool tensor per sequence (all of them, like ``prompts``), True on the
+    response tokens to train on; ``mask`` is then the real response tokens AND it. The
+    layout (input_ids, logit_pos, targets) does not depend on it."""
     if not indices:
         raise ValueError("a micro-batch needs at least one sequence")
     seqs, plens, rlens = [], [], []
@@ -136,6 +141,8 @@ def build_micro_batch(prompts: list[Tensor], responses: list[Tensor], indices: l
     # value is masked out afterwards.
     logit_pos = torch.tensor(plens)[:, None] - 1 + rcols[None, :] * mask
     targets = torch.gather(input_ids, 1, (logit_pos + 1).clamp(max=width - 1)) * mask
+    if loss_masks is not None:
+        mask = mask & pad_right([loss_masks[i].to("cpu", torch.bool) for i in indices], rwidth, False)
     return MicroBatch(list(indices), input_ids, attention_mask, position_ids.contiguous(), logit_pos,
                       targets, mask, rlens)
 
@@ -150,13 +157,16 @@ def empty_micro_batch() -> MicroBatch:
 
 def slice_fields(fields: dict[str, list[Tensor] | Tensor], mb: MicroBatch,
                  device: torch.device) -> dict[str, Tensor]:
-    """The loss inputs of one micro-batch: per-token lists padded to [b, R], per-sequence
-    tensors indexed to [b]."""
+    """The loss inputs of one micro-batch: per-token lists padded to [b, R] and 0 wherever
+    ``mb.mask`` is False (padding, and tokens the loss mask drops: a loss never sees their
+    values), per-sequence tensors indexed to [b]."""
     width = mb.mask.shape[1]
+    keep = mb.mask.to("cpu")
     out: dict[str, Tensor] = {}
     for key, value in fields.items():
         if isinstance(value, Tensor):
             out[key] = value[torch.tensor(mb.indices, dtype=torch.long, device=value.device)].to(device)
         else:
-            out[key] = pad_right([value[i] for i in mb.indices], width).to(device)
+            padded = pad_right([value[i] for i in mb.indices], width)
+            out[key] = padded.masked_fill(~keep.to(padded.device), 0).to(device)
     return out
