@@ -61,12 +61,21 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.engine.reset_optimizer(engine_optim(self.cfg, self.optim_key, phase))
 
     @register(Dispatch.ONE_TO_ALL)
-    def sft_step(self, prompts: list[list[int]], targets: list[list[int]]) -> dict:
-        """One supervised step on the global batch (each rank trains on its share)."""
+    def sft_step(self, prompts: list[list[int]], targets: list[list[int]],
+                 masks: list[list[int]] | None = None) -> dict:
+        """One supervised step on the global batch (each rank trains on its share).
+
+        masks: optional, one 0/1 list per target and as long as it: 1 = train on this target
+        token, 0 = not the model's (tool output in a multi-turn example). It becomes the
+        engine's ``loss_mask`` field: the NLL and its token-mean count only the 1s."""
+        if masks is not None and len(masks) != len(targets):
+            raise ValueError(f"actor rank {self.rank}: sft_step got {len(masks)} masks for {len(targets)} targets")
         mine = _share(len(prompts), self.dp_rank, self.dp_size)
         p = [torch.tensor(prompts[i], dtype=torch.long) for i in mine]
         t = [torch.tensor(targets[i], dtype=torch.long) for i in mine]
-        return self.engine.train_step(p, t, {}, sft_loss_fn, temperature=1.0)
+        # the engine checks each mask's length and that it holds only 0/1
+        fields = {} if masks is None else {"loss_mask": [torch.tensor(masks[i]).reshape(-1) for i in mine]}
+        return self.engine.train_step(p, t, fields, sft_loss_fn, temperature=1.0)
 
     @register(Dispatch.ONE_TO_ALL)
     def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
@@ -86,7 +95,8 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                                 timeout=float(batch["timeout_s"]), dp_group=self.role,
                                 dp_rank=self.dp_rank, dp_size=self.dp_size)
         mine = meta.chunk(self.dp_size)[self.dp_rank]
-        have = [c for c in (*PER_TOKEN, "prompt_ids", "response_ids", "scores", "gen_version") if c in io.inputs]
+        have = [c for c in (*PER_TOKEN, "loss_mask", "prompt_ids", "response_ids", "scores", "gen_version")
+                if c in io.inputs]
         if "advantages" not in have:
             raise ValueError(f"actor rank {self.rank}: the update stage must read an 'advantages' column "
                              f"(the recipe's advantage stage writes it); it reads {io.inputs}")
@@ -94,8 +104,10 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         prompts = rows(data["prompt_ids"]) if data is not None else []
         responses = rows(data["response_ids"]) if data is not None else []
         fields = {c: ([x.float() for x in rows(data[c])] if data is not None else []) for c in PER_TOKEN if c in have}
+        if "loss_mask" in have:  # multi-turn rows: 1 = model token; tool/env tokens get no gradient
+            fields["loss_mask"] = rows(data["loss_mask"]) if data is not None else []  # engine checks 0/1
         metrics = self._train(step, meta, prompts, responses, fields)
-        metrics.update(self._batch_stats(step, data, responses, prompts))
+        metrics.update(self._batch_stats(step, data, responses, prompts, fields.get("loss_mask")))
         return metrics
 
     def _train(self, step: int, meta: Any, prompts: list, responses: list, fields: dict) -> dict:
@@ -128,25 +140,34 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         out["actor/optimizer_steps"] = float(len(results))
         return out
 
-    def _batch_stats(self, step: int, data: Any, responses: list, prompts: list) -> dict[str, float]:
-        """Reward, length and staleness over the whole step (summed over the data-parallel ranks)."""
+    def _batch_stats(self, step: int, data: Any, responses: list, prompts: list,
+                     loss_masks: list | None = None) -> dict[str, float]:
+        """Reward, length and staleness over the whole step (summed over the data-parallel ranks).
+
+        Lengths and ``tokens`` count every response token, tool output included (what the
+        rollout produced and the update's forward passes process); with a loss mask,
+        ``response_model_tokens`` and ``response_model_length/mean`` count the model's own
+        tokens (the trained ones: the engine's ``actor/tokens``)."""
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.float64)
+        model_tokens = float(sum(int((m != 0).sum()) for m in loss_masks)) if loss_masks else 0.0
         scores = data["scores"].double() if data is not None and "scores" in data.keys() else torch.zeros(0)
         stale = (step - data["gen_version"].double()) if data is not None and "gen_version" in data.keys() \
             else torch.zeros(0)
         inf = float("inf")
         sums = torch.tensor([float(len(responses)), float(lengths.sum()), float(sum(len(p) for p in prompts)),
-                             float(scores.sum()), float(len(scores)), float(stale.sum()), float(len(stale))],
-                            dtype=torch.float64)
+                             float(scores.sum()), float(len(scores)), float(stale.sum()), float(len(stale)),
+                             model_tokens], dtype=torch.float64)
         maxes = torch.tensor([float(scores.max()) if len(scores) else -inf, float(stale.max()) if len(stale) else -inf,
                               float(-scores.min()) if len(scores) else -inf], dtype=torch.float64)
         if self.dp_size > 1:
             import torch.distributed as dist
             dist.all_reduce(sums, group=self.process_group)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.process_group)
-        n, resp_tokens, prompt_tokens, score_sum, n_scores, stale_sum, n_stale = sums.tolist()
+        n, resp_tokens, prompt_tokens, score_sum, n_scores, stale_sum, n_stale, model = sums.tolist()
         out = {"rows": n, "tokens": resp_tokens + prompt_tokens, "response_tokens": resp_tokens,
                "response_length/mean": resp_tokens / max(n, 1.0)}
+        if loss_masks is not None:  # the same on every rank: whether the update stage reads a loss_mask
+            out.update({"response_model_tokens": model, "response_model_length/mean": model / max(n, 1.0)})
         if n_scores:
             out.update({"reward/mean": score_sum / n_scores, "reward/max": float(maxes[0]),
                         "reward/min": -float(maxes[2])})

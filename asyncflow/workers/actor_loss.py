@@ -42,6 +42,8 @@ def policy_loss_fn(algo: Any) -> Callable[..., tuple[torch.Tensor, dict[str, flo
 
 
 def sft_loss_fn(log_probs, entropy, mask, fields, norm):
-    """Negative log-likelihood of the target tokens, token-mean over the global batch."""
+    """Negative log-likelihood of the trained target tokens, token-mean over the global batch:
+    ``mask`` is the engine's (real target token AND the ``loss_mask`` field, when sft_step got
+    masks) and ``norm.num_tokens`` counts exactly those tokens over all ranks."""
     loss = -(log_probs * mask).sum() / max(norm.num_tokens, 1.0)
     return loss, {"sft/nll": float(-(log_probs.detach() * mask).sum() / mask.sum().clamp(min=1))}

@@ -34,17 +34,21 @@ class CriticWorker(EngineCheckpoints, EngineOffload, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def update(self, meta: Any, io: dict | None = None) -> dict:
-        """One value-loss step on this rank's share: [prompt, response, values, returns]."""
+        """One value-loss step on this rank's share: [prompt, response, values, returns], plus a
+        ``loss_mask`` column when the stage reads one (multi-turn rows: only model tokens, 1, are
+        regressed on and counted; tool/environment tokens, 0, are not)."""
         from ..algorithms import VALUE_LOSSES
         from ..algorithms.aggregate import aggregate
 
         io = StageIO.of(io, ["prompt_ids", "response_ids", "values", "returns"], [])
-        if len(io.inputs) < 4:
+        positional = [c for c in io.inputs if c != "loss_mask"]
+        if len(positional) < 4:
             raise ValueError(f"critic rank {self.rank}: update reads [prompt, response, values, returns] "
-                             f"columns; the stage declares {io.inputs}")
-        p_col, r_col, v_col, ret_col = io.inputs[:4]
+                             f"columns (and optionally loss_mask); the stage declares {io.inputs}")
+        p_col, r_col, v_col, ret_col = positional[:4]
+        mask_cols = ["loss_mask"] if "loss_mask" in io.inputs else []
         mine = meta.chunk(self.dp_size)[self.dp_rank]
-        data = self.tq.get_data(mine, [p_col, r_col, v_col, ret_col]) if len(mine) else None
+        data = self.tq.get_data(mine, [p_col, r_col, v_col, ret_col, *mask_cols]) if len(mine) else None
         pick = (lambda c: [x.float() if c in (v_col, ret_col) else x for x in rows(data[c])]) if data is not None \
             else (lambda c: [])
         a = self.cfg.algorithm
@@ -57,6 +61,8 @@ class CriticWorker(EngineCheckpoints, EngineOffload, Worker):
             m = mask.float()
             return loss, {f"critic/{k}": float((v.float() * m).sum() / m.sum().clamp(min=1)) for k, v in diag.items()}
 
-        m = self.engine.train_step(pick(p_col), pick(r_col), {"old_values": pick(v_col), "returns": pick(ret_col)},
-                                   loss_fn)
+        fields = {"old_values": pick(v_col), "returns": pick(ret_col)}
+        if mask_cols:  # the engine ANDs it into the mask and counts only model tokens
+            fields["loss_mask"] = pick("loss_mask")
+        m = self.engine.train_step(pick(p_col), pick(r_col), fields, loss_fn)
         return {f"critic/{k}" if "/" not in k else k: float(v) for k, v in m.items() if isinstance(v, (int, float))}

@@ -4,6 +4,10 @@ normalisation and no metric. The 2-rank version is in test_train_fsdp_dist.py.""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import types
+
 import pytest
 import torch
 
@@ -182,3 +186,106 @@ def test_bad_loss_mask_raises(bad, match):
     with pytest.raises(ValueError, match=match):
         _engine().train_step(prompts, responses, {**fields, "loss_mask": bad(responses)}, ppo_loss)
 
+
+
+# ------------------------------------------------------------------ the workers hand the mask on
+class _FakeQueue:
+    """Just enough TransferQueue for ActorWorker.update on one rank: every row, these columns."""
+
+    class Meta(list):
+        groups: list
+
+        def chunk(self, parts):
+            return [self]
+
+    def __init__(self, columns: dict, groups: list[int]):
+        self.columns, self.groups = columns, groups
+
+    def get_meta(self, *args, **kwargs):
+        meta = self.Meta(range(len(self.groups)))
+        meta.groups = list(self.groups)
+        return meta
+
+    def get_data(self, meta, cols):
+        return {c: self.columns[c] for c in cols}
+
+
+def _bare_actor(engine, queue=None):
+    """An ActorWorker without a cluster: one rank, the given engine and queue."""
+    from asyncflow.config import AlgorithmConfig
+    from asyncflow.workers.actor import ActorWorker
+
+    class Bare(ActorWorker):
+        rank, dp_rank, dp_size, role, process_group, tq = 0, 0, 1, "actor", None, None
+
+        def __init__(self):
+            self.engine, self.tq, self.temperature = engine, queue, 1.0
+            self.algo = dataclasses.replace(AlgorithmConfig(), policy_loss="ppo_clip")
+            self.cfg = types.SimpleNamespace(trainer=types.SimpleNamespace(seed=0))
+    return Bare()
+
+
+def test_actor_sft_step_masks_become_the_loss_mask():
+    from asyncflow.workers.actor_loss import sft_loss_fn
+
+    prompts, targets, _, masks = _batch(5, seed=25)
+    as_lists = [[int(x) for x in m] for m in masks]
+    got = _bare_actor(_engine()).sft_step([p.tolist() for p in prompts], [t.tolist() for t in targets], as_lists)
+    direct = _engine().train_step(prompts, targets, {"loss_mask": masks}, sft_loss_fn)
+    plain = _bare_actor(_engine()).sft_step([p.tolist() for p in prompts], [t.tolist() for t in targets])
+    assert got["tokens"] == direct["tokens"] == sum(sum(m) for m in as_lists) < plain["tokens"]
+    assert got["loss"] == direct["loss"] and got["grad_norm"] == direct["grad_norm"]
+    assert got["sft/nll"] == direct["sft/nll"] and plain["loss"] != got["loss"]
+    with pytest.raises(ValueError, match="2 masks for 5 targets"):
+        _bare_actor(_engine()).sft_step([p.tolist() for p in prompts], [t.tolist() for t in targets], as_lists[:2])
+
+
+def test_actor_update_reads_the_loss_mask_column():
+    from asyncflow.config import AlgorithmConfig
+    from asyncflow.workers.actor_loss import policy_loss_fn
+
+    prompts, responses, fields, masks = _batch(6, seed=26)
+    columns = {"prompt_ids": prompts, "response_ids": responses, "advantages": fields["advantages"],
+               "loss_mask": masks, "scores": torch.arange(6, dtype=torch.float32),
+               "gen_version": torch.zeros(6, dtype=torch.long)}
+    groups = [0, 0, 0, 1, 1, 1]
+    io = {"inputs": ["prompt_ids", "response_ids", "advantages", "scores", "gen_version", "loss_mask"],
+          "outputs": []}
+    batch = {"rows": 6, "task": "update", "partition": "p", "timeout_s": 1.0}
+    got = _bare_actor(_engine(), _FakeQueue(columns, groups)).update(0, batch, io)
+    direct = _engine().train_step(prompts, responses, {"advantages": fields["advantages"], "loss_mask": masks},
+                                  policy_loss_fn(dataclasses.replace(AlgorithmConfig(), policy_loss="ppo_clip")),
+                                  with_entropy=True)
+    n_model = sum(int(m.sum()) for m in masks)
+    assert got["actor/tokens"] == direct["tokens"] == n_model
+    assert got["actor/loss"] == direct["loss"] and got["actor/grad_norm"] == direct["grad_norm"]
+    assert got["response_model_tokens"] == n_model and got["response_model_length/mean"] == n_model / 6
+    assert got["response_tokens"] == sum(r.numel() for r in responses)  # lengths count tool output too
+    io["inputs"].remove("loss_mask")
+    plain = _bare_actor(_engine(), _FakeQueue(columns, groups)).update(0, batch, io)
+    assert plain["actor/tokens"] == sum(r.numel() for r in responses) and "response_model_tokens" not in plain
+
+
+
+def test_critic_update_reads_the_loss_mask_column():
+    from asyncflow.config import AlgorithmConfig
+    from asyncflow.workers.critic import CriticWorker
+
+    prompts, responses, _, masks = _batch(5, seed=27)
+    returns = [torch.linspace(0.0, 1.0, r.numel()) for r in responses]
+    columns = {"prompt_ids": prompts, "response_ids": responses, "values": [torch.zeros(r.shape) for r in responses],
+               "returns": [x.masked_fill(~m.bool(), float("nan")) for x, m in zip(returns, masks)],
+               "loss_mask": masks}
+
+    class Bare(CriticWorker):
+        rank, dp_rank, dp_size, tq = 0, 0, 1, None
+
+        def __init__(self):
+            self.engine = _engine(value_head=True)
+            self.tq = _FakeQueue(columns, list(range(5)))
+            self.cfg = types.SimpleNamespace(algorithm=AlgorithmConfig())
+    # loss_mask anywhere in the stage's inputs: the other four are read by position
+    got = Bare().update(_FakeQueue.Meta(range(5)), {"inputs": ["loss_mask", "prompt_ids", "response_ids", "values",
+                                                               "returns"], "outputs": []})
+    assert got["critic/tokens"] == sum(int(m.sum()) for m in masks) and got["critic/skipped_nonfinite"] == 0.0
+    assert math.isfinite(got["critic/loss"]) and got["critic/loss"] > 0  # the NaN returns on tool tokens: unread
