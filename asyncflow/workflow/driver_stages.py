@@ -31,10 +31,19 @@ def unpad_rows(x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     return [x[i][mask[i]].float().contiguous() for i in range(x.shape[0])]
 
 
-def advantages(algo: Any, score: str = "scores", response: str = "response_ids") -> Callable[[DriverBatch], dict]:
+def advantages(algo: Any, score: str = "scores", response: str = "response_ids",
+               loss_mask: str = "loss_mask") -> Callable[[DriverBatch], dict]:
     """The step's per-token advantages and returns, once, from outcome scores (with critic
     ``values`` for GAE, and the KL to a reference folded into the reward with
-    ``algo.kl_in_reward``). Group estimators need whole groups in the batch (a group sampler)."""
+    ``algo.kl_in_reward``). Group estimators need whole groups in the batch (a group sampler).
+
+    Multi-turn rows: when the batch has a ``loss_mask`` column (one 0/1 or bool tensor per
+    row, the response's length; 1 = model token, 0 = tool / environment token), the
+    estimator's token mask is that column: the outcome reward sits on the last MODEL token,
+    the KL penalty, returns and GAE recursions skip tool tokens (no reward, no discount step,
+    as if they were cut out), whitening counts model tokens only, and the advantages and
+    returns written are 0 on tool tokens. Rows keep their response length. A row without any
+    model token gets no reward (the group estimators then take its score as 0)."""
     from ..algorithms import ADVANTAGES
     from ..algorithms.advantages import outcome_to_token_rewards
     from ..algorithms.kl import kl_penalty_to_reward
@@ -43,9 +52,11 @@ def advantages(algo: Any, score: str = "scores", response: str = "response_ids")
 
     def compute(batch: DriverBatch) -> dict:
         lengths = [len(r) for r in batch[response]]
-        mask = torch.zeros(len(lengths), max(lengths, default=1) or 1, dtype=torch.bool)
+        rows_mask = torch.zeros(len(lengths), max(lengths, default=1) or 1, dtype=torch.bool)
         for i, n in enumerate(lengths):
-            mask[i, :n] = True
+            rows_mask[i, :n] = True
+        mask = (_model_tokens(batch[loss_mask], lengths, rows_mask.shape[1], loss_mask)
+                if loss_mask in batch.columns else rows_mask)
         token_rewards = outcome_to_token_rewards(batch[score].float(), mask)
         if algo.kl_in_reward and algo.kl_coef > 0:
             proximal = batch.columns.get("old_log_probs", batch.columns.get("behav_log_probs"))
@@ -58,8 +69,27 @@ def advantages(algo: Any, score: str = "scores", response: str = "response_ids")
         values = _fit(pad_rows(batch["values"])[0], mask) if "values" in batch.columns else None
         groups = torch.tensor(batch.groups, dtype=torch.long)
         adv, ret = estimator(token_rewards, mask, group_ids=groups, values=values, cfg=algo)
-        return {"advantages": unpad_rows(adv, mask), "returns": unpad_rows(ret, mask)}
+        # 0 on tool tokens whatever the estimator (a recipe's own may not promise it); full-length rows
+        adv, ret = adv.masked_fill(~mask, 0.0), ret.masked_fill(~mask, 0.0)
+        return {"advantages": unpad_rows(adv, rows_mask), "returns": unpad_rows(ret, rows_mask)}
     return compute
+
+
+def _model_tokens(column: Any, lengths: list[int], width: int, name: str) -> torch.Tensor:
+    """The ``loss_mask`` column as a bool [B, width] mask (True = model token), after checking
+    that each row is the response's length and holds only 0 and 1."""
+    if len(column) != len(lengths):
+        raise ValueError(f"column {name!r}: {len(column)} rows for {len(lengths)} responses")
+    out = torch.zeros(len(lengths), width, dtype=torch.bool)
+    for i, (m, n) in enumerate(zip(column, lengths)):
+        m = torch.as_tensor(m).reshape(-1)
+        if m.numel() != n:
+            raise ValueError(f"column {name!r}, row {i}: {m.numel()} entries for a response of {n} tokens")
+        if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
+            raise ValueError(f"column {name!r}, row {i}: must hold only 0 and 1 (1 = model token), "
+                             f"got the values {torch.unique(m)[:8].tolist()}")
+        out[i, :n] = m != 0
+    return out
 
 
 def _fit(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -69,3 +69,85 @@ def test_remax_advantage_is_score_minus_the_greedy_baseline():
     b = _batch([1.0, 0.0, 1.0], [2, 3, 1], [0, 0, 1], baseline_scores=torch.tensor([0.5, 0.5, 1.0]))
     adv = remax_advantages(b)["advantages"]
     assert [a.tolist() for a in adv] == [[0.5, 0.5], [-0.5, -0.5, -0.5], [0.0]]
+
+
+# ------------------------------------------------------------------ multi-turn rows: a loss_mask column
+def _compact(rows, masks):
+    """Each row with its tool tokens cut out."""
+    return [r[m.bool()] for r, m in zip(rows, masks)]
+
+
+_TOOL_MASKS = [torch.tensor([1, 1, 0, 0, 1, 0], dtype=torch.int8),  # ends in tool output
+               torch.tensor([1, 0, 1], dtype=torch.int8),
+               torch.tensor([1, 1, 1, 1], dtype=torch.int8),  # no tool call
+               torch.tensor([0, 1, 1, 0, 0, 1, 1], dtype=torch.int8),
+               torch.tensor([True, False]),  # bool works too
+               torch.tensor([1, 1, 0, 1, 1], dtype=torch.int8)]
+
+
+@pytest.mark.parametrize("algo", [
+    AlgorithmConfig(),
+    AlgorithmConfig(advantage="dr_grpo"),
+    AlgorithmConfig(advantage="rloo"),
+    AlgorithmConfig(advantage="reinforce_pp", gamma=0.9),
+    AlgorithmConfig(advantage="reinforce_pp", gamma=0.8, whiten=False),
+    AlgorithmConfig(advantage="gae", gamma=0.9, lam=0.8),
+    AlgorithmConfig(advantage="gae", gamma=0.95, lam=0.9, whiten=False),
+    AlgorithmConfig(kl_coef=0.3, kl_in_reward=True, advantage="reinforce_pp", gamma=0.9),
+], ids=lambda a: f"{a.advantage}-g{a.gamma}-w{int(a.whiten)}-kl{int(a.kl_in_reward)}")
+def test_loss_mask_advantages_are_those_of_the_rows_without_their_tool_tokens(algo):
+    """A tool token is as if cut out of its row: the advantages and returns on the model tokens
+    are those of the compacted rows (reward on the last model token, no discount step, no KL,
+    whitening over model tokens), and 0 on the tool tokens; rows keep their full length."""
+    masks = _TOOL_MASKS
+    lengths = [len(m) for m in masks]
+    scores, groups = [1.0, 0.0, 0.5, 1.0, 0.0, 0.25], [0, 0, 0, 1, 1, 1]
+    g = torch.Generator().manual_seed(0)
+    extra = {"values": [torch.randn(n, generator=g) for n in lengths],
+             "behav_log_probs": [-torch.rand(n, generator=g) for n in lengths],
+             "ref_log_probs": [-torch.rand(n, generator=g) for n in lengths]}
+    got = advantages(algo)(_batch(scores, lengths, groups, loss_mask=masks, **extra))
+    compact = {k: _compact(v, masks) for k, v in extra.items()}
+    want = advantages(algo)(_batch(scores, [int(m.sum()) for m in masks], groups, **compact))
+    for key in ("advantages", "returns"):
+        assert [len(a) for a in got[key]] == lengths
+        for row, ref, m in zip(got[key], want[key], masks):
+            assert torch.all(row[~m.bool()] == 0.0), key
+            assert torch.allclose(row[m.bool()], ref, atol=1e-6), (key, row, ref)
+    assert any(float(a.abs().max()) > 0 for a in got["advantages"])
+
+
+def test_loss_mask_puts_the_reward_on_the_last_model_token():
+    # gamma 0.5, no whitening: row [m, m, tool, tool, m, tool] with score 1 -> returns
+    # [0.25, 0.5, 0, 0, 1, 0]: the reward sits on position 4, and the tool tokens cost no discount
+    algo = AlgorithmConfig(advantage="reinforce_pp", gamma=0.5, whiten=False)
+    out = advantages(algo)(_batch([1.0], [6], [0], loss_mask=[torch.tensor([1, 1, 0, 0, 1, 0])]))
+    assert out["returns"][0].tolist() == [0.25, 0.5, 0.0, 0.0, 1.0, 0.0]
+    assert out["advantages"][0].tolist() == [0.25, 0.5, 0.0, 0.0, 1.0, 0.0]
+    # GRPO: the group's advantages on model tokens only, the same as without tool tokens
+    masks = [torch.tensor([1, 0, 1]), torch.tensor([0, 1])]
+    out = advantages(AlgorithmConfig())(_batch([1.0, 0.0], [3, 2], [0, 0], loss_mask=masks))
+    a = 0.5 / (0.5 ** 0.5 + 1e-6)  # deviations +-0.5, Bessel std sqrt(0.5)
+    assert out["advantages"][0].tolist() == pytest.approx([a, 0.0, a])
+    assert out["advantages"][1].tolist() == pytest.approx([0.0, -a])
+
+
+def test_loss_mask_ignores_values_at_tool_tokens():
+    algo = AlgorithmConfig(advantage="gae", gamma=0.9, lam=0.9, whiten=False)
+    masks = [torch.tensor([1, 0, 0, 1])]
+    values = [torch.tensor([0.2, 0.3, 0.4, 0.5])]
+    base = advantages(algo)(_batch([1.0], [4], [0], loss_mask=masks, values=values))
+    values[0] = torch.tensor([0.2, 1e6, float("nan"), 0.5])
+    other = advantages(algo)(_batch([1.0], [4], [0], loss_mask=masks, values=values))
+    for key in ("advantages", "returns"):
+        assert torch.equal(base[key][0], other[key][0]), key
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([torch.ones(3), torch.ones(1)], "row 1: 1 entries for a response of 2 tokens"),
+    ([torch.ones(3), torch.tensor([1, 2])], "row 1: must hold only 0 and 1"),
+    ([torch.ones(3)], "1 rows for 2 responses"),
+])
+def test_bad_loss_mask_column_raises(bad, match):
+    with pytest.raises(ValueError, match=match):
+        advantages(AlgorithmConfig())(_batch([1.0, 0.0], [3, 2], [0, 0], loss_mask=bad))
