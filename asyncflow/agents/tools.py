@@ -32,7 +32,6 @@ seconds); ``TOOL_STATS.snapshot()`` reads them.
 from __future__ import annotations
 
 import ast
-import asyncio
 import inspect
 import math
 import threading
@@ -144,7 +143,7 @@ def register_tool(
         if sandbox:
             check_sandboxable(fn)
         old = TOOLS.get(name)
-        if old is not None and _ident(old.fn) != _ident(fn) and not overwrite:
+        if old is not None and old.fn is not fn and not overwrite and not _same_function(old.fn, fn):
             raise ValueError(f"register_tool: {name!r} is already registered to {_ident(old.fn)}; "
                              f"pick another name or pass overwrite=True")
         TOOLS[name] = ToolSpec(
@@ -158,6 +157,12 @@ def register_tool(
 
 def _ident(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _same_function(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
+    """The same top-level function, as after a module reload (nested functions and lambdas
+    share qualified names, so those must be the very same object)."""
+    return _ident(a) == _ident(b) and "<" not in _ident(a)
 
 
 def get_tool(name: str) -> ToolSpec:
@@ -250,6 +255,8 @@ _Outcome = tuple[str, str, "BaseException | None"]
 
 
 async def _call_in_thread(spec: ToolSpec, args: tuple, kwargs: dict) -> _Outcome:
+    import asyncio  # here and below, not at the top: a sandboxed tool's module imports this module
+    # in a fresh process for every call, and importing asyncio would be most of that import's time
     if num_hung_threads() > MAX_HUNG_THREADS:
         raise _too_many_hung(spec.name)
     loop = asyncio.get_running_loop()
@@ -281,6 +288,7 @@ async def _call_in_thread(spec: ToolSpec, args: tuple, kwargs: dict) -> _Outcome
 
 
 async def _call_async(spec: ToolSpec, args: tuple, kwargs: dict) -> _Outcome:
+    import asyncio
     task = asyncio.ensure_future(spec.fn(*args, **kwargs))
     try:
         finished, _ = await asyncio.wait({task}, timeout=spec.timeout_s)
