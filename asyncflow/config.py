@@ -38,7 +38,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: Literal["addition", "file"] = "addition"  # built-in task, or "file" for prompts from `path`
+    # built-in tasks: addition (a+b=), calc (three-term sums, solved with a calculator tool);
+    # or "file" for prompts from `path`
+    task: Literal["addition", "calc", "file"] = "addition"
     path: str = ""  # .jsonl or .parquet with a prompt and a ground-truth answer per row
     eval_path: str = ""  # held-out prompts of the same format (file task)
     prompt_key: str = "prompt"
@@ -72,6 +74,13 @@ class RolloutConfig:
     # token budget (a seeded lognormal draw capped at max_new_tokens: most short, a few at the cap).
     length_profile: Literal["", "longtail"] = ""
     gpu_memory_utilization: float = 0.5  # vllm only
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn episodes (a rollout stage with an ``episode`` option, e.g. recipes/calc_tool)."""
+    max_turns: int = 4  # model turns per episode at most
+    max_tokens: int = 64  # tokens after the prompt at most, model and tool text together
 
 
 @dataclass
@@ -264,6 +273,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     # RL: the cosine (min_lr_ratio < 1) spans trainer.steps unless total_steps is set
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-4, warmup_steps=20, min_lr_ratio=1.0))
@@ -336,6 +346,9 @@ def _check(cfg: RunConfig) -> RunConfig:
     if r.max_kv_tokens < 0 or r.prefill_chunk < 1:
         problems.append(f"rollout.max_kv_tokens must be >= 0 and rollout.prefill_chunk >= 1, got "
                         f"{r.max_kv_tokens} and {r.prefill_chunk}")
+    if cfg.agent.max_turns < 1 or cfg.agent.max_tokens < 1:
+        problems.append(f"agent.max_turns and agent.max_tokens must be >= 1, got {cfg.agent.max_turns} and "
+                        f"{cfg.agent.max_tokens}")
     if t.prompts_per_step < 1 or r.batch_prompts < 1:
         problems.append("trainer.prompts_per_step and rollout.batch_prompts must be >= 1")
     if t.nproc < 1:

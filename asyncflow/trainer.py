@@ -46,6 +46,17 @@ def source_columns(cfg: RunConfig) -> list[str]:
             *(["max_new_tokens"] if cfg.rollout.length_profile else [])]
 
 
+def episode_summary(instances: list[dict]) -> dict[str, Any]:
+    """Tool statistics over every instance's episodes (nothing for a run without episodes)."""
+    total = {k: sum(i.get("episodes", {}).get(k, 0) for i in instances)
+             for k in ("episodes", "turns", "tool_calls", "tool_errors")}
+    if not total["episodes"]:
+        return {}
+    n = total["episodes"]
+    return {"episodes": n, "turns_mean": total["turns"] / n, "tool_calls_per_episode": total["tool_calls"] / n,
+            "tool_errors": total["tool_errors"]}
+
+
 class Training:
     def __init__(self, driver: Any, cfg: RunConfig):
         self.driver = driver
@@ -167,7 +178,12 @@ class Training:
             if state is not None:  # rows trained after the checkpoint are trained again: drop their lines
                 keep_rows(self.out / "samples.jsonl", lambda row: row.get("step", 0) < first)
             written = [*source_columns(cfg), *(c for s in self.spec.stages for c in s.outputs)]
-            audit = SampleAudit(self.out / "samples.jsonl", self.tq, append=state is not None, columns=written)
+            decode = None
+            if "loss_mask" in written:  # episodes: the audit shows their turns as text
+                from .models.loading import load_tokenizer
+                decode = load_tokenizer(self.model_path)
+            audit = SampleAudit(self.out / "samples.jsonl", self.tq, append=state is not None, columns=written,
+                                decode=decode)
             observers.insert(0, audit)
         executor = Executor(ecfg, self.spec.stages, roles.groups, roles.instances, self.tq, self.source,
                             timeline=self.timeline, observers=observers, start_version=first, first_step=first,
@@ -191,11 +207,12 @@ class Training:
             "idle_ratio": {r: max(0.0, 1 - b / rl_s) for r, b in executor.role_busy.items()},
             "rollout_instances": await self._instance_stats(),
         })
+        self.summary.update(episode_summary(self.summary["rollout_instances"]))
 
     async def _instance_stats(self) -> list[dict]:
         """Per instance: swaps and their pauses ([start, end, version], monotonic clock of the host)."""
         keys = ("swaps", "aborted", "unknown_aborts", "errors", "tokens", "steps", "recomputed_rows",
-                "service_busy_s", "pauses")
+                "service_busy_s", "pauses", "episodes")
         out = []
         for inst in self.roles.instances:
             st = (await inst.stats())[0]
@@ -233,7 +250,8 @@ class Training:
         try:
             await asyncio.to_thread(self._data)  # tokenizing the prompts must not stall the driver's heartbeat
             self.roles: RunRoles = await start_roles(self.driver, cfg, self.spec, self.out)
-            self.evaluate = phases.Evaluator(cfg, self.roles, self.logger, self.data.eval_records)
+            episode = next((s.options.get("episode", "") for s in self.spec.stages if s.kind == "rollout"), "")
+            self.evaluate = phases.Evaluator(cfg, self.roles, self.logger, self.data.eval_records, episode)
             if state is None:
                 self.warm_steps = await phases.warmup(cfg, self.roles, self.data, self.logger, self.evaluate)
                 refs = self.roles.with_method("load_reference")

@@ -8,6 +8,8 @@ apart from what can be redrawn at any time:
     throughput.png        samples/s and tokens/s over steps
     timeline.png          which worker ran which stage when
     trace.json            the same timeline for ui.perfetto.dev / chrome://tracing
+    episodes.md           a few whole episodes (turns, tool output, reward) of a multi-turn
+                          run, from samples.jsonl (only when its rows carry episode text)
 
 A run that crashed may leave half a line at the end of a file; that line is skipped with
 a warning. Any other bad line is an error naming the file and line number.
@@ -115,9 +117,41 @@ def build_report(out_dir: str | Path) -> dict[str, Path]:
         spans = []
 
     report_dir = out_dir / REPORT_DIR
-    return {
+    out = {
         "training_curves": plot_training_curves(rows, report_dir / "training_curves.png"),
         "throughput": plot_throughput(rows, report_dir / "throughput.png"),
         "timeline": plot_timeline(spans, report_dir / "timeline.png"),
         "trace": export_chrome_trace(spans, report_dir / "trace.json"),
     }
+    episodes = write_episodes(out_dir / "samples.jsonl", report_dir / "episodes.md")
+    if episodes is not None:
+        out["episodes"] = episodes
+    return out
+
+
+def write_episodes(samples: Path, path: Path, per_step: int = 3, steps: int = 3) -> Path | None:
+    """A few whole episodes of the first, a middle and the last trained step, as text;
+    None when the run's rows are not episodes."""
+    if not samples.is_file():
+        return None
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for _, row in iter_jsonl(samples):
+        if "text" not in row:
+            return None
+        by_step.setdefault(int(row.get("step", 0)), []).append(row)
+    if not by_step:
+        return None
+    order = sorted(by_step)
+    picked = sorted({order[0], order[len(order) // 2], order[-1]})[:steps]
+    lines = ["# Episodes", "", "Model text as written; tool and environment text in [[...]].", ""]
+    for step in picked:
+        lines.append(f"## Step {step}")
+        for row in by_step[step][:per_step]:
+            ep = row.get("episode") or {}
+            lines += ["", f"- prompt {row.get('prompt', row.get('prompt_index'))!r}, reward {row.get('score')}, "
+                          f"turns {ep.get('turns', '?')}, tool calls {ep.get('tool_calls', '?')}, "
+                          f"ended by {ep.get('finish_reason', '?')}", "", "  " + repr(row["text"])]
+        lines.append("")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -52,15 +52,17 @@ class StepMetrics(StepObserver):
                 "staleness_mean": t["stale_sum"] / max(t["rows"], 1.0), "staleness_max": t["stale_max"]}
 
 
-AUDIT_COLUMNS = ["prompt_index", "seed", "response_ids", "gen_version", "scores", "token_versions"]
+AUDIT_COLUMNS = ["prompt_index", "prompt", "seed", "response_ids", "gen_version", "scores", "token_versions", "loss_mask",
+                 "episode"]
 
 
 class SampleAudit(StepObserver):
     """samples.jsonl: which prompt, seed and policy version each trained row came from (the
     fields whose columns the recipe has)."""
 
-    def __init__(self, path: Path, tq: Any, append: bool, columns: list[str]):
+    def __init__(self, path: Path, tq: Any, append: bool, columns: list[str], decode: Any = None):
         self.tq = tq
+        self.decode = decode  # a tokenizer: episodes (rows with a loss mask) get their text too
         self.columns = [c for c in AUDIT_COLUMNS if c in set(columns)]
         self.file = open(path, "a" if append else "w")
 
@@ -69,13 +71,20 @@ class SampleAudit(StepObserver):
         lines = [{"step": step, "uid": int(meta.groups[i]) if meta.groups else -1} for i in range(len(meta))]
         for name, col in cols.items():
             key = "score" if name == "scores" else name
-            if col.kind == "jagged":
+            if col.kind == "object":
+                for line, v in zip(lines, col.items):
+                    line[key] = v
+            elif col.kind == "jagged":
                 offs, vals = col.offsets.tolist(), col.values.tolist()
                 for i, line in enumerate(lines):
                     line[key] = vals[offs[i]:offs[i + 1]]
             else:
                 for line, v in zip(lines, col.data.tolist()):
                     line[key] = v
+        if self.decode is not None and "loss_mask" in cols:
+            from ..agents.runner import render_turns
+            for line in lines:
+                line["text"] = render_turns(self.decode, line["response_ids"], line["loss_mask"])
         for line in lines:
             self.file.write(json.dumps(line) + "\n")
         self.file.flush()

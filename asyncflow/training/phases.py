@@ -34,8 +34,9 @@ async def reward_failures(roles: RunRoles) -> dict[str, float]:
 class Evaluator:
     """Greedy accuracy on the held-out prompts, on the first rollout instance."""
 
-    def __init__(self, cfg: RunConfig, roles: RunRoles, logger: Any, records: list[dict]):
+    def __init__(self, cfg: RunConfig, roles: RunRoles, logger: Any, records: list[dict], episode: str = ""):
         self.cfg, self.roles, self.logger = cfg, roles, logger
+        self.episode = episode  # multi-turn recipes: each prompt is a greedy episode scored by itself
         self.prompts = [[int(x) for x in r["prompt_ids"]] for r in records]
         self.answers = [str(r["answer"]) for r in records]
         # what a reward function gets besides response and answer, as in training
@@ -46,11 +47,12 @@ class Evaluator:
         r = await self.roles.instances[0].evaluate(self.prompts, self.answers, reward=rc.name,
                                                    max_new_tokens=self.cfg.rollout.max_new_tokens,
                                                    timeout_s=rc.timeout_s, on_error=rc.on_error,
-                                                   extra=self.extra)
+                                                   extra=self.extra, episode=self.episode)
         failures = await reward_failures(self.roles)
+        episodes = {f"eval/{k}": r[k] for k in ("turns_mean", "tool_calls_per_episode") if k in r}
         self.logger.log(step, {"eval/accuracy": r["accuracy"], "phase": phase, "eval/version": r["version"],
                                "eval/reward_errors": r["reward_errors"],
-                               "eval/reward_timeouts": r["reward_timeouts"], **failures})
+                               "eval/reward_timeouts": r["reward_timeouts"], **episodes, **failures})
         log.info("eval (%s, step %d): accuracy %.3f  e.g. %s", phase, step, r["accuracy"],
                  "; ".join(f"{e['prompt']}{e['response']!r} (want {e['answer']})" for e in r["examples"][:3]))
         return float(r["accuracy"])
@@ -68,7 +70,8 @@ async def warmup(cfg: RunConfig, roles: RunRoles, data: Any, logger: Any, evalua
     while step < w.max_steps:
         for _ in range(min(w.check_every, w.max_steps - step)):
             batch = data.sft_examples(w.batch_size, rng)
-            m = (await policy.sft_step([b[0] for b in batch], [b[1] for b in batch]))[0]
+            masks = [b[2] for b in batch] if len(batch[0]) > 2 else None  # tool text is not the model's
+            m = (await policy.sft_step([b[0] for b in batch], [b[1] for b in batch], masks))[0]
             step += 1
             if step % 5 == 0:
                 logger.log(step, {"sft/loss": float(m.get("loss", float("nan"))), "phase": "sft"})

@@ -28,6 +28,8 @@ from ..engines.rollout import SamplingParams
 from ..workflow.stages import StageIO
 from .common import EngineOffload, config_of, setup_rank
 from .reward import reward_kwargs
+from ..agents.episode import EpisodeLimits
+from ..agents.runner import EpisodeRunner, episode_columns, episode_rows, show_episode
 from .rollout_stream import ROLLOUT_INPUTS, ROLLOUT_OUTPUTS, RowStream, result_columns, row_inputs, stage_params
 
 
@@ -68,6 +70,10 @@ class RolloutWorker(EngineOffload, Worker):
         self.stream = RowStream(self.service, lambda: self.tq, self.params,
                                 capacity=r.max_running_rows + max(1, r.max_running_rows // 4),
                                 version=lambda: int(self.engine.version), name=f"rollout-rank{self.rank}")
+        # multi-turn episodes (a stage option "episode"): run on their own loop, turns through the service
+        self.episodes = EpisodeRunner(self.service, self.tokenizer, EpisodeLimits(c.agent.max_turns, c.agent.max_tokens),
+                                      name=f"rollout-rank{self.rank}")
+        self.stream.episodes = self.episodes
         self._eval_runners: dict[tuple, Any] = {}  # (reward, timeout, on_error) -> RewardRunner: one thread each
         self._call_ids = itertools.count()  # ids of generate/evaluate calls (atomic next() across threads)
         self.receiver: ws.WeightReceiver | None = None
@@ -151,6 +157,8 @@ class RolloutWorker(EngineOffload, Worker):
     def generate(self, data: Any, min_version: int, io: dict | None = None) -> dict:
         """All rows of one call, through the service (the colocated path: the call holds the rank)."""
         io = StageIO.of(io, ROLLOUT_INPUTS, ROLLOUT_OUTPUTS)
+        if io.options.get("episode"):
+            return self._run_episodes(data, min_version, io)
         prompts, seeds, budgets = row_inputs(data, io.inputs)
         params = stage_params(self.params, io.options)
         # one_per_group: rows of a group share their prompt, so one response per distinct prompt
@@ -169,6 +177,20 @@ class RolloutWorker(EngineOffload, Worker):
                 raise ValueError(f"rollout rank {self.rank}: a row was refused: {r.error}")
         return result_columns(results, int(self.engine.version), io.outputs)
 
+    def _run_episodes(self, data: Any, min_version: int, io: StageIO) -> dict:
+        """One episode per row of the call; the columns of their trajectories."""
+        n = len(data[io.inputs[0]])
+        rows = episode_rows(data, n)
+        params = stage_params(self.params, {k: v for k, v in io.options.items() if k != "episode"})
+        call = next(self._call_ids)
+        futs = [self.episodes.start(io.options["episode"], row, params, int(min_version), ("episode", call, i))
+                for i, row in enumerate(rows)]
+        trajs = [f.result(self.sync_timeout_s) for f in futs]
+        for t in trajs:
+            if t.finish_reason == "error":
+                raise RuntimeError(f"rollout rank {self.rank}: {t.error}")
+        return episode_columns(trajs, int(self.engine.version), io.outputs)
+
     def _run_requests(self, prompts: list[torch.Tensor], seeds: list[int], budgets: list, params: Any,
                       min_version: int, tag: str) -> list:
         call = next(self._call_ids)
@@ -186,15 +208,18 @@ class RolloutWorker(EngineOffload, Worker):
     @register(Dispatch.RANK_ZERO)
     def evaluate(self, prompts: list[list[int]], answers: list[str], reward: str = "number",
                  max_new_tokens: int = 8, samples: int = 4, timeout_s: float = 10.0,
-                 on_error: str = "zero", extra: list[dict] | None = None) -> dict:
+                 on_error: str = "zero", extra: list[dict] | None = None, episode: str = "") -> dict:
         """Greedy accuracy on held-out prompts with the weights held now (its rows join the
         running batch). The reward runs under the same per-call timeout and error policy as in
-        training, with each prompt's ``extra`` keywords (its text and record metadata)."""
+        training, with each prompt's ``extra`` keywords (its text and record metadata). With
+        ``episode``, each prompt is a greedy episode scored by its own reward."""
         from ..rewards.runner import RewardRunner
 
         start = time.monotonic()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         version = int(self.engine.version)
+        if episode:
+            return self._evaluate_episodes(prompts, answers, extra, params, episode, samples, start)
         results = self._run_requests([torch.tensor(p, dtype=torch.long) for p in prompts], list(range(len(prompts))),
                                      [None] * len(prompts), params, version, "eval")
         texts = self.tokenizer.batch_decode([r.response_ids.tolist() for r in results], skip_special_tokens=True)
@@ -210,7 +235,29 @@ class RolloutWorker(EngineOffload, Worker):
                 "eval_s": time.monotonic() - start, "examples": shown,
                 "reward_errors": stats["errors"], "reward_timeouts": stats["timeouts"]}
 
+    def _evaluate_episodes(self, prompts: list[list[int]], answers: list[str], extra: list[dict] | None,
+                           params: Any, episode: str, samples: int, start: float) -> dict:
+        version = int(self.engine.version)
+        extra = list(extra) if extra is not None else [{} for _ in prompts]
+        rows = [{**e, "prompt_ids": list(p), "answer": a, "seed": i}
+                for i, (p, a, e) in enumerate(zip(prompts, answers, extra))]
+        call = next(self._call_ids)
+        futs = [self.episodes.start(episode, row, params, version, ("eval-episode", call, i))
+                for i, row in enumerate(rows)]
+        trajs = [f.result(self.sync_timeout_s) for f in futs]
+        for t in trajs:
+            if t.finish_reason == "error":
+                raise RuntimeError(f"rollout rank {self.rank}: evaluation {t.error}")
+        shown = [{"prompt": self.tokenizer.decode(prompts[i]), "answer": answers[i],
+                  "response": show_episode(self.tokenizer, trajs[i])} for i in range(min(samples, len(prompts)))]
+        n = max(len(trajs), 1)
+        return {"accuracy": sum(t.reward for t in trajs) / n, "version": version,
+                "eval_s": time.monotonic() - start, "examples": shown, "reward_errors": 0, "reward_timeouts": 0,
+                "turns_mean": sum(t.metrics.get("turns", 0) for t in trajs) / n,
+                "tool_calls_per_episode": sum(t.metrics.get("tool_calls", 0) for t in trajs) / n}
+
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def stats(self) -> dict:
         s = self.service.stats(self.sync_timeout_s)
-        return {**s, "aborts": s.get("aborted", 0), "rows_written": self.stream.rows_written}
+        return {**s, "aborts": s.get("aborted", 0), "rows_written": self.stream.rows_written,
+                "episodes": self.episodes.snapshot()}

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..agents.runner import episode_columns
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 
 __all__ = ["RowStream", "group_leaders", "result_columns", "row_inputs", "stage_params"]
@@ -65,9 +66,10 @@ def stage_params(params: SamplingParams, options: dict) -> SamplingParams:
     """The instance's sampling parameters with a stage's overrides (e.g. temperature 0 for a
     greedy baseline rollout)."""
     import dataclasses
-    bad = sorted(set(options) - set(SAMPLING_OPTIONS) - {"one_per_group"})
+    bad = sorted(set(options) - set(SAMPLING_OPTIONS) - {"one_per_group", "episode"})
     if bad:
-        raise ValueError(f"rollout stage options {bad} are unknown; known: {[*SAMPLING_OPTIONS, 'one_per_group']}")
+        raise ValueError(f"rollout stage options {bad} are unknown; known: "
+                         f"{[*SAMPLING_OPTIONS, 'one_per_group', 'episode']}")
     over = {k: options[k] for k in SAMPLING_OPTIONS if k in options}
     return dataclasses.replace(params, **over) if over else params
 
@@ -87,9 +89,11 @@ def group_leaders(groups: list[int] | None, n: int) -> dict[int, list[int]]:
 
 @dataclass
 class _Batch:
-    """The rows of one submitted BatchMeta, and the columns its stage writes."""
+    """The rows of one submitted BatchMeta, the columns its stage writes, and whether its rows
+    are episodes (trajectories) rather than single requests."""
     meta: Any
     outputs: list[str] | None = None
+    episodes: bool = False
 
 
 class RowStream:
@@ -111,6 +115,7 @@ class RowStream:
         self._busy_mark = 0.0
         self._error: BaseException | None = None
         self.rows_written = 0
+        self.episodes: Any = None  # the instance's EpisodeRunner, for stages with an episode option
         self._writer = threading.Thread(target=self._write_loop, name=f"{name}-writer", daemon=True)
         self._writer.start()
 
@@ -123,8 +128,11 @@ class RowStream:
         if not len(meta):
             return
         inputs = None if io is None else io.inputs
-        prompts, seeds, budgets = row_inputs(self._tq().get_data(meta, inputs), inputs)
         options = {} if io is None else io.options
+        data = self._tq().get_data(meta, inputs)
+        if options.get("episode"):
+            return self._submit_episodes(meta, data, min_version, io)
+        prompts, seeds, budgets = row_inputs(data, inputs)
         params = stage_params(self.params, options)
         batch = _Batch(meta, None if io is None else io.outputs)
         fan = (group_leaders(meta.groups, len(prompts)) if options.get("one_per_group")
@@ -135,6 +143,21 @@ class RowStream:
             req = GenerationRequest((self.name, next(self._ids)), prompts[i], params, seeds[i], budgets[i],
                                     int(min_version))
             self.service.submit(req, on_done=lambda r, m=members: [self._done.put((batch, j, r)) for j in m])
+
+    def _submit_episodes(self, meta: Any, data: Any, min_version: int, io: Any) -> None:
+        """One episode per row (``io.options["episode"]``, run by the instance's EpisodeRunner);
+        each row is written when its episode ends."""
+        from ..agents.runner import episode_rows
+        if self.episodes is None:
+            raise RuntimeError(f"{self.name}: this instance runs no episodes (no EpisodeRunner)")
+        params = stage_params(self.params, {k: v for k, v in io.options.items() if k != "episode"})
+        batch = _Batch(meta, io.outputs, episodes=True)
+        rows = episode_rows(data, len(meta))
+        with self._cond:
+            self.in_flight += len(rows)
+        for i, row in enumerate(rows):
+            self.episodes.start(io.options["episode"], row, params, int(min_version), (self.name, next(self._ids)),
+                                on_done=lambda t, i=i: self._done.put((batch, i, t)))
 
     def wait_capacity(self, want_free: int, timeout_s: float) -> dict:
         """Block until ``want_free`` rows fit (or the timeout); report what was written since the
@@ -223,12 +246,14 @@ class RowStream:
             by_outputs: dict[tuple, tuple[list, list]] = {}  # rows of stages that write other columns
             for batch, rows in per_batch.values():
                 rows.sort(key=lambda x: x[0])
-                metas, results = by_outputs.setdefault(tuple(batch.outputs or ()), ([], []))
+                key = (batch.episodes, tuple(batch.outputs or ()))
+                metas, results = by_outputs.setdefault(key, ([], []))
                 metas.append(batch.meta.select([i for i, _ in rows]))
                 results += [r for _, r in rows]
-            for outputs, (metas, results) in by_outputs.items():
+            for (episodes, outputs), (metas, results) in by_outputs.items():
                 meta = metas[0] if len(metas) == 1 else BatchMeta.concat(metas)
-                tq.put(result_columns(results, version, list(outputs) or None), part, meta)
+                columns = episode_columns if episodes else result_columns
+                tq.put(columns(results, version, list(outputs) or None), part, meta)
             results = [r for _, rows in per_batch.values() for _, r in rows]
             with self._cond:
                 self.in_flight -= len(results)

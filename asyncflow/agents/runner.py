@@ -1,0 +1,152 @@
+"""Running episodes on a rollout instance: an asyncio loop on a thread of its own, where every
+episode is a task; their model turns go to the instance's ``RolloutService`` as requests, so
+they share its running batch with each other (and with plain rows)."""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import traceback
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import torch
+
+from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
+from ..rpc.transport import EventLoopThread
+from .episode import EpisodeContext, EpisodeLimits, Trajectory
+
+EPISODE_OUTPUTS = ["response_ids", "behav_log_probs", "token_versions", "gen_version", "loss_mask", "scores",
+                   "episode"]
+STAT_KEYS = ("episodes", "turns", "tool_calls", "tool_errors")
+
+
+def load_episode(path: str) -> Callable[..., Any]:
+    """The episode function named "package.module:function"."""
+    mod, _, name = str(path).partition(":")
+    if not mod or not name:
+        raise ValueError(f"episode {path!r}: expected 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"episode {path!r}: cannot load it: {e}") from e
+    if not asyncio.iscoroutinefunction(fn):
+        raise ValueError(f"episode {path!r} must be an async function episode(row, ctx) -> Trajectory")
+    return fn
+
+
+def episode_columns(trajs: list[Trajectory], fallback_version: int, outputs: list[str] | None = None) -> dict:
+    """An episode stage's output columns, in the order of ``EPISODE_OUTPUTS`` (a stage that
+    declares fewer writes only those)."""
+    names = EPISODE_OUTPUTS if outputs is None else list(outputs)
+    if len(names) > len(EPISODE_OUTPUTS):
+        raise ValueError(f"an episode stage writes at most {len(EPISODE_OUTPUTS)} columns ({EPISODE_OUTPUTS}); "
+                         f"it declares {names}")
+    make = [
+        lambda: [t.response_ids for t in trajs],
+        lambda: [t.log_probs for t in trajs],
+        lambda: [t.token_versions for t in trajs],
+        lambda: torch.tensor([t.gen_version if t.gen_version is not None else fallback_version for t in trajs],
+                             dtype=torch.long),
+        lambda: [t.loss_mask for t in trajs],
+        lambda: torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+        lambda: [{**t.metrics, "finish_reason": t.finish_reason, "turn_starts": t.turn_starts} for t in trajs],
+    ]
+    return {name: make[i]() for i, name in enumerate(names)}
+
+
+class EpisodeRunner:
+    def __init__(self, service: Any, tokenizer: Any, limits: EpisodeLimits, name: str = "episodes"):
+        self.service = service
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.name = name
+        self._loop: EventLoopThread | None = None  # started with the first episode
+        self._fns: dict[str, Callable[..., Any]] = {}
+        self.stats = {k: 0 for k in STAT_KEYS}
+        self.finish_reasons: dict[str, int] = {}
+
+    def function(self, path: str) -> Callable[..., Any]:
+        if path not in self._fns:
+            self._fns[path] = load_episode(path)
+        return self._fns[path]
+
+    def start(self, path: str, row: dict[str, Any], params: SamplingParams, min_version: int, request_id: Any,
+              on_done: Callable[[Trajectory], None] | None = None) -> Future:
+        """Run one episode; its future (and ``on_done``) gets the trajectory. An episode that
+        raises gives a trajectory with finish reason "error" and the traceback."""
+        fn = self.function(path)
+        if self._loop is None:
+            self._loop = EventLoopThread(name=f"{self.name}-loop")
+
+        async def run() -> Trajectory:
+            ctx = EpisodeContext(row, generate=self._generate, tokenizer=self.tokenizer, params=params,
+                                 limits=self.limits, min_version=min_version, request_id=request_id)
+            try:
+                traj = await fn(row, ctx)
+                if not isinstance(traj, Trajectory):
+                    raise TypeError(f"returned {type(traj).__name__}; an episode returns conv.finish(reward)")
+            except Exception as e:  # noqa: BLE001 - the stream reports it as this row's error
+                traj = _failed(f"episode {path} on prompt {row.get('prompt', '')!r} raised "
+                               f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
+            self._count(traj)
+            if on_done is not None:
+                on_done(traj)
+            return traj
+        return asyncio.run_coroutine_threadsafe(run(), self._loop.loop)
+
+    async def _generate(self, req: GenerationRequest) -> RequestResult:
+        return await asyncio.wrap_future(self.service.submit(req))
+
+    def _count(self, t: Trajectory) -> None:
+        self.stats["episodes"] += 1
+        for k in ("turns", "tool_calls", "tool_errors"):
+            self.stats[k] += int(t.metrics.get(k, 0))
+        self.finish_reasons[t.finish_reason] = self.finish_reasons.get(t.finish_reason, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self.stats, "finish_reasons": dict(self.finish_reasons)}
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.stop()
+
+
+def _failed(error: str) -> Trajectory:
+    empty = torch.zeros(0, dtype=torch.long)
+    return Trajectory(empty, torch.zeros(0, dtype=torch.int8), torch.zeros(0), empty, [], 0.0, "error", error=error)
+
+
+def episode_rows(data: Any, n: int) -> list[dict[str, Any]]:
+    """One dict per row from a stage's input data (prompt ids as a list of ints)."""
+    from ..workers.common import rows, values
+    out: list[dict[str, Any]] = [{} for _ in range(n)]
+    for key in data.keys():
+        col = data[key]
+        if key == "prompt_ids":
+            vals = [[int(x) for x in r.tolist()] for r in rows(col)]
+        elif getattr(col, "is_nested", False):
+            vals = [r.tolist() for r in rows(col)]
+        elif isinstance(col, torch.Tensor):
+            vals = col.tolist()
+        else:
+            vals = values(col)
+        for d, v in zip(out, vals):
+            d[key] = v
+    return out
+
+
+def show_episode(tokenizer: Any, t: Trajectory) -> str:
+    return render_turns(tokenizer, t.response_ids.tolist(), t.loss_mask.tolist())
+
+
+def render_turns(tokenizer: Any, ids: list[int], mask: list[int]) -> str:
+    """A response as text: the model's tokens as they are, tool and environment text in [[...]]."""
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and mask[j] == mask[i]:
+            j += 1
+        text = tokenizer.decode(ids[i:j], skip_special_tokens=False)
+        out.append(text if mask[i] else f"[[{text}]]")
+        i = j
+    return "".join(out)
