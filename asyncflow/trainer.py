@@ -172,7 +172,9 @@ class Training:
                             desc=f"RL ({budget:.0f} s budget)" if budget else "RL")
         metrics = StepMetrics(self.logger, progress, self.tq, cfg.trainer.nproc, first)
         evals = EvalSchedule(cfg.trainer.eval_every, self.evaluate)
-        observers = [metrics, CheckpointPolicy(cfg.trainer.save_every, self.save_checkpoint), evals]
+        executor: Executor | None = None  # the budget stops the executor built below
+        observers = [metrics, CheckpointPolicy(cfg.trainer.save_every, self.save_checkpoint), evals,
+                     TimeBudget(budget, lambda: executor.stop())]
         audit = None
         if cfg.trainer.log_samples:
             if state is not None:  # rows trained after the checkpoint are trained again: drop their lines
@@ -188,7 +190,6 @@ class Training:
         executor = Executor(ecfg, self.spec.stages, roles.groups, roles.instances, self.tq, self.source,
                             timeline=self.timeline, observers=observers, start_version=first, first_step=first,
                             policy=self.spec.policy)
-        observers.append(TimeBudget(budget, executor.stop))
         start = time.monotonic()
         try:
             await executor.run(max(0, cfg.trainer.steps - first))

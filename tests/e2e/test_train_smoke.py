@@ -47,6 +47,15 @@ def test_default_pipeline_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_time_budget_ends_rl(tmp_path):
+    """The default job ends on trainer.time_budget_s, not on trainer.steps."""
+    out = tmp_path / "run"
+    ok(train(out, "grpo", "trainer.steps=100000", "trainer.time_budget_s=3", "trainer.eval_every=0"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert 1 <= summary["rl_steps"] < 1000 and summary["rl_s"] < 60, summary
+
+
+@pytest.mark.slow
 def test_bad_config_key_fails_before_starting(tmp_path):
     p = train(tmp_path / "bad", "grpo", "trainer.no_such_key=1", timeout=60)
     assert p.returncode == 2
