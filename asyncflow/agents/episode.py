@@ -20,7 +20,7 @@ from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingPar
 
 __all__ = ["Conversation", "EpisodeContext", "EpisodeLimits", "Trajectory"]
 
-FINISH_REASONS = ("stop", "max_turns", "max_tokens", "tool_end", "length", "abort", "error")
+FINISH_REASONS = ("stop", "max_turns", "max_tokens", "tool_end", "abort", "error")
 
 
 @dataclass
@@ -75,6 +75,7 @@ class EpisodeContext:
     async def generate(self, ids: list[int], max_new_tokens: int, stop: list[int], **sampling: Any) -> RequestResult:
         """One model turn from token ids (the whole conversation so far)."""
         import dataclasses
+        stop = [*stop, *sampling.pop("stop_token_ids", ())]
         params = dataclasses.replace(self.params, stop_token_ids=tuple(self.params.stop_token_ids) + tuple(stop),
                                      **sampling)
         seed = (int(self.row.get("seed", 0)) * 1_000_003 + self._turn * 7919) % (2 ** 31 - 1)
@@ -139,7 +140,7 @@ class Conversation:
         if self.done:
             raise RuntimeError(f"episode {self.ctx.row.get('prompt', '')!r}: model() after it ended "
                                f"({self.finish_reason}); check conv.done")
-        budget = min(max_new_tokens or self.ctx.params.max_new_tokens, self.tokens_left)
+        budget = min(self.ctx.params.max_new_tokens if max_new_tokens is None else max_new_tokens, self.tokens_left)
         r = await self.ctx.generate(self.prompt_ids + self.ids, budget, self.ctx.stop_ids(stop), **sampling)
         if r.finish_reason == "error":
             raise RuntimeError(f"episode turn refused by the engine: {r.error}")

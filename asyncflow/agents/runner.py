@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import threading
 import traceback
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -62,21 +63,26 @@ class EpisodeRunner:
         self.name = name
         self._loop: EventLoopThread | None = None  # started with the first episode
         self._fns: dict[str, Callable[..., Any]] = {}
-        self.stats = {k: 0 for k in STAT_KEYS}
+        self._lock = threading.Lock()  # episodes start from the stream's and the call queue's threads
+        self.stats = {k: 0 for k in STAT_KEYS}  # training episodes only (evaluations are not counted)
         self.finish_reasons: dict[str, int] = {}
 
     def function(self, path: str) -> Callable[..., Any]:
-        if path not in self._fns:
-            self._fns[path] = load_episode(path)
-        return self._fns[path]
+        with self._lock:
+            if path not in self._fns:
+                self._fns[path] = load_episode(path)
+            return self._fns[path]
 
     def start(self, path: str, row: dict[str, Any], params: SamplingParams, min_version: int, request_id: Any,
-              on_done: Callable[[Trajectory], None] | None = None) -> Future:
+              on_done: Callable[[Trajectory], None] | None = None, count: bool = True) -> Future:
         """Run one episode; its future (and ``on_done``) gets the trajectory. An episode that
-        raises gives a trajectory with finish reason "error" and the traceback."""
+        raises gives a trajectory with finish reason "error" and the traceback. ``count``: the
+        episode enters the stats (training episodes; evaluations pass False)."""
         fn = self.function(path)
-        if self._loop is None:
-            self._loop = EventLoopThread(name=f"{self.name}-loop")
+        with self._lock:
+            if self._loop is None:
+                self._loop = EventLoopThread(name=f"{self.name}-loop")
+            loop = self._loop
 
         async def run() -> Trajectory:
             ctx = EpisodeContext(row, generate=self._generate, tokenizer=self.tokenizer, params=params,
@@ -88,23 +94,26 @@ class EpisodeRunner:
             except Exception as e:  # noqa: BLE001 - the stream reports it as this row's error
                 traj = _failed(f"episode {path} on prompt {row.get('prompt', '')!r} raised "
                                f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
-            self._count(traj)
+            if count:
+                self._count(traj)
             if on_done is not None:
                 on_done(traj)
             return traj
-        return asyncio.run_coroutine_threadsafe(run(), self._loop.loop)
+        return asyncio.run_coroutine_threadsafe(run(), loop.loop)
 
     async def _generate(self, req: GenerationRequest) -> RequestResult:
         return await asyncio.wrap_future(self.service.submit(req))
 
     def _count(self, t: Trajectory) -> None:
-        self.stats["episodes"] += 1
-        for k in ("turns", "tool_calls", "tool_errors"):
-            self.stats[k] += int(t.metrics.get(k, 0))
-        self.finish_reasons[t.finish_reason] = self.finish_reasons.get(t.finish_reason, 0) + 1
+        with self._lock:
+            self.stats["episodes"] += 1
+            for k in ("turns", "tool_calls", "tool_errors"):
+                self.stats[k] += int(t.metrics.get(k, 0))
+            self.finish_reasons[t.finish_reason] = self.finish_reasons.get(t.finish_reason, 0) + 1
 
     def snapshot(self) -> dict[str, Any]:
-        return {**self.stats, "finish_reasons": dict(self.finish_reasons)}
+        with self._lock:
+            return {**self.stats, "finish_reasons": dict(self.finish_reasons)}
 
     def close(self) -> None:
         if self._loop is not None:

@@ -42,7 +42,7 @@ def get_reward(name_or_fn: str | RewardFn) -> RewardFn:
     """The function for a registered name; a callable is returned as is."""
     if callable(name_or_fn):
         return name_or_fn
-    import asyncflow.rewards.builtin  # noqa: F401 - registers the built-in rewards
+    # the built-ins registered when the package asyncflow.rewards (this module's parent) was imported
 
     try:
         return REWARDS[name_or_fn]

@@ -52,7 +52,7 @@ class StepMetrics(StepObserver):
                 "staleness_mean": t["stale_sum"] / max(t["rows"], 1.0), "staleness_max": t["stale_max"]}
 
 
-AUDIT_COLUMNS = ["prompt_index", "prompt", "seed", "response_ids", "gen_version", "scores", "token_versions", "loss_mask",
+AUDIT_COLUMNS = ["prompt_index", "seed", "response_ids", "gen_version", "scores", "token_versions", "loss_mask",
                  "episode"]
 
 
@@ -63,7 +63,8 @@ class SampleAudit(StepObserver):
     def __init__(self, path: Path, tq: Any, append: bool, columns: list[str], decode: Any = None):
         self.tq = tq
         self.decode = decode  # a tokenizer: episodes (rows with a loss mask) get their text too
-        self.columns = [c for c in AUDIT_COLUMNS if c in set(columns)]
+        audit = [*AUDIT_COLUMNS, "prompt"] if decode is not None else AUDIT_COLUMNS  # episodes: with their prompt
+        self.columns = [c for c in audit if c in set(columns)]
         self.file = open(path, "a" if append else "w")
 
     async def trained(self, step: int, meta: Any) -> None:

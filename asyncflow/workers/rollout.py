@@ -239,10 +239,12 @@ class RolloutWorker(EngineOffload, Worker):
                            params: Any, episode: str, samples: int, start: float) -> dict:
         version = int(self.engine.version)
         extra = list(extra) if extra is not None else [{} for _ in prompts]
-        rows = [{**e, "prompt_ids": list(p), "answer": a, "seed": i}
+        # the same shape as a training row: prompt text, answer, seed and the record's metadata
+        rows = [{"prompt_ids": list(p), "answer": a, "seed": i, "prompt": e.get("prompt", ""),
+                 "metadata": {k: v for k, v in e.items() if k != "prompt"}}
                 for i, (p, a, e) in enumerate(zip(prompts, answers, extra))]
         call = next(self._call_ids)
-        futs = [self.episodes.start(episode, row, params, version, ("eval-episode", call, i))
+        futs = [self.episodes.start(episode, row, params, version, ("eval-episode", call, i), count=False)
                 for i, row in enumerate(rows)]
         trajs = [f.result(self.sync_timeout_s) for f in futs]
         for t in trajs:

@@ -70,6 +70,8 @@ def stage_params(params: SamplingParams, options: dict) -> SamplingParams:
     if bad:
         raise ValueError(f"rollout stage options {bad} are unknown; known: "
                          f"{[*SAMPLING_OPTIONS, 'one_per_group', 'episode']}")
+    if options.get("episode") and options.get("one_per_group"):
+        raise ValueError("rollout stage options: one_per_group does not apply to episodes (one per row)")
     over = {k: options[k] for k in SAMPLING_OPTIONS if k in options}
     return dataclasses.replace(params, **over) if over else params
 
@@ -235,7 +237,8 @@ class RowStream:
         by_part: dict[str, list[tuple[_Batch, int, RequestResult]]] = {}
         for batch, i, r in finished:
             if r.finish_reason == "error":
-                raise ValueError(f"{self.name}: row {i} of partition {batch.meta.partition!r} was refused: {r.error}")
+                what = "failed" if batch.episodes else "was refused"
+                raise ValueError(f"{self.name}: row {i} of partition {batch.meta.partition!r} {what}: {r.error}")
             by_part.setdefault(batch.meta.partition, []).append((batch, i, r))
         tq = self._tq()
         version = self._version()

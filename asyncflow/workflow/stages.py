@@ -169,6 +169,7 @@ def check_graph(stages: list[Stage], source_columns: list[str], where: str = "re
                                  "writes: a column has one writer (name the new one differently)")
             have[c] = f"stage {s.name!r}"
     _check_gates(stages, where)
+    _check_loss_mask(stages, where)
     updates = [s.name for s in stages if s.kind == "update"]
     if len(updates) != 1 or stages[-1].kind != "update":
         raise ValueError(f"{where}: a recipe needs exactly one update stage, last; got update stages {updates}")
@@ -193,6 +194,18 @@ def _check_gates(stages: list[Stage], where: str) -> None:
                              f"{sorted(gated)}: add {f.outputs[0]!r} to its inputs, so it waits for the "
                              "filter's decision and sees only the kept rows")
         gated.update(s.outputs)
+
+
+def _check_loss_mask(stages: list[Stage], where: str) -> None:
+    """Rows with a loss mask (episodes: tool text in the response) must be trained by it: the
+    stages that compute advantages and the update read it, or tool text would be trained as
+    the model's own."""
+    if not any("loss_mask" in s.outputs for s in stages):
+        return
+    for s in stages:
+        if (s.kind == "update" or "advantages" in s.outputs) and "loss_mask" not in s.inputs:
+            raise ValueError(f"{where}: stage {s.name!r} must read 'loss_mask' (a stage writes it: the rows hold "
+                             "text the model did not write, which must not be trained)")
 
 
 def check_roles(spec: RecipeSpec, where: str = "recipe") -> None:
@@ -225,6 +238,13 @@ def check_roles(spec: RecipeSpec, where: str = "recipe") -> None:
         if s.kind == "rollout" and not role.per_rank:
             raise ValueError(f"{where}: rollout stage {s.name!r} runs on role {s.role!r}, which must be "
                              "declared per_rank=True (each rollout instance swaps weights on its own)")
+    for s in spec.stages:
+        if s.kind == "rollout" and s.options.get("episode"):
+            from ..agents.runner import load_episode  # a wrong path fails here, not on a worker mid-run
+            try:
+                load_episode(s.options["episode"])
+            except ValueError as e:
+                raise ValueError(f"{where}: stage {s.name!r}: {e}") from None
     rollout_roles = {s.role for s in spec.stages if s.kind == "rollout"}
     if len(rollout_roles) > 1:
         raise ValueError(f"{where}: rollout stages run on roles {sorted(rollout_roles)}: they share one role")

@@ -124,6 +124,10 @@ def test_a_recipe_in_any_directory_builds(tmp_path):
      r"stage 'advantages' comes after the filter 'f' but reads none of \['ok'\]"),
     ('stages.insert(1, Stage("bad", DRIVER, "", ["prompt_ids"], ["x"], kind="nonsense", fn=len))',
      r"stage 'bad': kind must be one of"),
+    ('stages.insert(1, Stage("m", DRIVER, "", ["response_ids"], ["loss_mask"], fn=len))',
+     r"stage 'advantages' must read 'loss_mask'"),
+    ('stages[0] = grpo.rollout(cfg, options={"episode": "no_such_episodes:run"})',
+     r"stage 'rollout': episode 'no_such_episodes:run': cannot load it"),
 ])
 def test_a_wrong_declaration_fails_at_start_naming_the_recipe(tmp_path, mutation, message):
     d = _recipe(tmp_path, mutation)
