@@ -24,8 +24,13 @@ def test_calc_tool_recipe_in_every_mode(tmp_path, mode):
         assert key in summary, key
     rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 4 * 4
+    lag = 1 if mode == "async" else 0
     for r in rows:
         assert len(r["loss_mask"]) == len(r["response_ids"]) == len(r["token_versions"])
+        # turns may span versions: never going down, the row's version its oldest model token's
+        model = [v for v, m in zip(r["token_versions"], r["loss_mask"]) if m]
+        assert r["token_versions"] == sorted(r["token_versions"])
+        assert r["gen_version"] == min(model) and r["step"] - r["gen_version"] <= lag
         assert r["episode"]["turns"] >= 1 and "text" in r
         if r["episode"]["tool_calls"]:  # the calculator's output is in the row, not trained
             assert 0 in r["loss_mask"] and "[[" in r["text"]
