@@ -13,11 +13,11 @@ from typing import Any, Callable
 import torch
 
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
+from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..rpc.transport import EventLoopThread
 from .episode import EpisodeContext, EpisodeLimits, Trajectory
 
-EPISODE_OUTPUTS = ["response_ids", "behav_log_probs", "token_versions", "gen_version", "loss_mask", "scores",
-                   "episode"]
+EPISODE_OUTPUTS = [*ROLLOUT_OUTPUTS, "loss_mask", "scores", "episode"]
 STAT_KEYS = ("episodes", "turns", "tool_calls", "tool_errors")
 
 
@@ -36,23 +36,15 @@ def load_episode(path: str) -> Callable[..., Any]:
 
 
 def episode_columns(trajs: list[Trajectory], fallback_version: int, outputs: list[str] | None = None) -> dict:
-    """An episode stage's output columns, in the order of ``EPISODE_OUTPUTS`` (a stage that
-    declares fewer writes only those)."""
-    names = EPISODE_OUTPUTS if outputs is None else list(outputs)
-    if len(names) > len(EPISODE_OUTPUTS):
-        raise ValueError(f"an episode stage writes at most {len(EPISODE_OUTPUTS)} columns ({EPISODE_OUTPUTS}); "
-                         f"it declares {names}")
-    make = [
-        lambda: [t.response_ids for t in trajs],
-        lambda: [t.log_probs for t in trajs],
-        lambda: [t.token_versions for t in trajs],
-        lambda: torch.tensor([t.gen_version if t.gen_version is not None else fallback_version for t in trajs],
-                             dtype=torch.long),
+    """An episode stage's output columns, in the order of ``EPISODE_OUTPUTS``: the rollout
+    stage's four, then the loss mask, the reward and the episode's metrics."""
+    extra = [
         lambda: [t.loss_mask for t in trajs],
         lambda: torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         lambda: [{**t.metrics, "finish_reason": t.finish_reason, "turn_starts": t.turn_starts} for t in trajs],
     ]
-    return {name: make[i]() for i, name in enumerate(names)}
+    return result_columns(trajs, fallback_version, EPISODE_OUTPUTS if outputs is None else outputs, extra,
+                          what="an episode stage")
 
 
 class EpisodeRunner:

@@ -21,16 +21,17 @@ from typing import Any
 
 import torch
 
-from ..engines.rollout.base import GenerationRequest
-from ..single_controller import Dispatch, Worker, register
-from . import weight_sync as ws
-from ..engines.rollout import SamplingParams
-from ..workflow.stages import StageIO
-from .common import EngineOffload, config_of, setup_rank
-from .reward import reward_kwargs
 from ..agents.episode import EpisodeLimits
 from ..agents.runner import EpisodeRunner, episode_columns, episode_rows, show_episode
-from .rollout_stream import ROLLOUT_INPUTS, ROLLOUT_OUTPUTS, RowStream, result_columns, row_inputs, stage_params
+from ..engines.rollout import SamplingParams
+from ..engines.rollout.base import GenerationRequest
+from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
+from ..single_controller import Dispatch, Worker, register
+from ..workflow.stages import StageIO
+from . import weight_sync as ws
+from .common import EngineOffload, config_of, setup_rank
+from .reward import reward_kwargs
+from .rollout_stream import ROLLOUT_INPUTS, RowStream, row_inputs, stage_params
 
 
 class RolloutWorker(EngineOffload, Worker):

@@ -21,31 +21,13 @@ import torch
 
 from ..agents.runner import episode_columns
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
+from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 
-__all__ = ["RowStream", "group_leaders", "result_columns", "row_inputs", "stage_params"]
+__all__ = ["RowStream", "group_leaders", "row_inputs", "stage_params"]
 
 
-ROLLOUT_OUTPUTS = ["response_ids", "behav_log_probs", "token_versions", "gen_version"]
 ROLLOUT_INPUTS = ["prompt_ids", "seed"]
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "max_new_tokens")
-
-
-def result_columns(results: list[RequestResult], fallback_version: int, outputs: list[str] | None = None) -> dict:
-    """The rollout stage's output columns for these results (in their order): the stage's
-    output names stand, in order, for response ids, their log-probs, each token's policy
-    version and the row's version; a stage that declares fewer writes only those."""
-    names = ROLLOUT_OUTPUTS if outputs is None else list(outputs)
-    if len(names) > len(ROLLOUT_OUTPUTS):
-        raise ValueError(f"a rollout stage writes at most {len(ROLLOUT_OUTPUTS)} columns "
-                         f"({ROLLOUT_OUTPUTS}); it declares {names}")
-    make = [
-        lambda: [r.response_ids for r in results],
-        lambda: [r.log_probs.float() for r in results],
-        lambda: [r.token_versions for r in results],
-        lambda: torch.tensor([r.gen_version if r.gen_version is not None else fallback_version
-                              for r in results], dtype=torch.long),
-    ]
-    return {name: make[i]() for i, name in enumerate(names)}
 
 
 def row_inputs(data: Any, inputs: list[str] | None = None) -> tuple[list[torch.Tensor], list[int], list[int | None]]:
