@@ -53,7 +53,7 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
         description="asyncflow train [RECIPE] [key=value ...]  e.g. asyncflow train grpo workflow.mode=sync")
     parser.add_argument("recipe", nargs="?", default=None,
                         help="a recipe name in recipes/ (grpo, ppo, dapo) or a recipe directory")
-    parser.add_argument("overrides", nargs="*", help="config overrides, key=value (see README: config reference)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value (see docs/configuration.md)")
     parser.set_defaults(func=_cmd_train)
 
 

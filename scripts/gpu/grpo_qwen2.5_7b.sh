@@ -5,10 +5,10 @@
 #
 # NOT RUN ON HARDWARE. Written against AsyncFlow's config and torchrun; no GPU was
 # available when it was written. Check it with one node first. Known gaps of the code
-# it drives (README "Known limitations", "Running on GPUs"):
-#   - TransferQueue: ONE storage unit, in rank 0's process; every sample passes through
-#     node 0. Per-node storage units are not wired into `asyncflow train` yet, so this
-#     script sets no transfer_queue key (none exists).
+# it drives (README "Known limitations", docs/deploy.md, docs/deploy.md "Running on GPUs"):
+#   - TransferQueue: ONE storage unit by default, in rank 0's process: every sample passes
+#     through node 0. transfer_queue.storage_units=per_node puts one unit on each node (the
+#     prompts still start on node 0); this script keeps the default.
 #   - FSDP2 data parallelism only (no tensor or pipeline parallelism).
 #   - Each actor rank loads the full model in float32 on the host and moves it to its
 #     device before sharding (7B: ~30 GB per rank, host RAM: 8 of them per node).

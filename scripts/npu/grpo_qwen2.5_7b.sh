@@ -4,11 +4,11 @@
 #
 # NOT RUN ON HARDWARE. Written against AsyncFlow's config and torchrun; no NPU, CANN,
 # torch_npu, MindSpeed or vllm-ascend was available when it was written. Check it on a
-# small NNODES first. Known gaps of the code it drives (README "Known limitations",
+# small NNODES first. Known gaps of the code it drives (README "Known limitations", docs/deploy.md,
 # "Running on Ascend NPUs"):
-#   - TransferQueue: ONE storage unit, in rank 0's process; every sample passes through
-#     node 0. Per-node storage units are not wired into `asyncflow train` yet, so this
-#     script sets no transfer_queue key (none exists).
+#   - TransferQueue: ONE storage unit by default, in rank 0's process: every sample passes
+#     through node 0. transfer_queue.storage_units=per_node puts one unit on each node (the
+#     prompts still start on node 0); this script keeps the default.
 #   - model.train_engine=mindspeed applies mindspeed.megatron_adaptor and then runs the
 #     same FSDP2 loop as the fsdp engine: no tensor or pipeline parallelism.
 #   - Each actor rank loads the full model in float32 on the host and moves it to its
