@@ -8,6 +8,7 @@ import os
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import Tensor
@@ -289,3 +290,13 @@ def _fsdp2_move(rank: int, group, workdir: Path) -> dict:
     out["optimizer_follows"] = (len(in_opt) == len(now) and all(a is b for a, b in zip(in_opt, now))
                                 and {id(p) for p in engine.optimizer.state} == {id(p) for p in now})
     return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: a second thread only adds contention. A test
+    module uses it with ``from tests.engines._train_helpers import one_thread as _one_thread``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

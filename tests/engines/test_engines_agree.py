@@ -19,18 +19,11 @@ import pytest
 import torch
 
 from asyncflow.engines.rollout import SamplingParams
+from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse, and model_dir's
 
 TOL = 1e-4
 N_ROWS = 16
 MAX_NEW = 10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,12 @@ from __future__ import annotations
 import torch
 import pytest
 
+from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 from tests.engines._train_helpers import (BUDGETS, GLOBAL_N, RANK_SHARES, dist_child, loss_mask_batch, make_batch,
                                           ppo_loss, spawn_ranks, tiny_model)
 
 pytestmark = pytest.mark.slow
 WORLD = 2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: a second thread only adds contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

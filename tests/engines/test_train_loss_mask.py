@@ -13,16 +13,8 @@ import torch
 
 from asyncflow.engines.train import FSDPEngine, OptimConfig
 from asyncflow.engines.train.microbatch import build_micro_batch, pad_right
+from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 from tests.engines._train_helpers import loss_masks_for, make_batch, ppo_loss, tiny_model, value_loss
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: a second thread only adds contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _engine(budget: int = 24, **kw) -> FSDPEngine:
