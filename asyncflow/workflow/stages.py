@@ -40,10 +40,6 @@ class StageIO:
             return x
         return StageIO(list(x["inputs"]), list(x["outputs"]), dict(x.get("options") or {}))
 
-    def output(self, i: int) -> str | None:
-        """The name of the method's ``i``-th output (None: the stage does not write it)."""
-        return self.outputs[i] if i < len(self.outputs) else None
-
 
 @dataclass
 class Stage:
