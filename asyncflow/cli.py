@@ -101,6 +101,20 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_cmd_bench)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from asyncflow.planning.command import run
+    return run(args)
+
+
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    from asyncflow.planning.command import add_arguments  # stdlib only: cheap at parser build
+    parser = subparsers.add_parser(
+        "plan", help="memory per device and role, and the fastest rollout/training split, for a model",
+        description="asyncflow plan [CONFIG.JSON | MODEL_DIR] --devices N ...  (see docs/plan.md)")
+    add_arguments(parser)
+    parser.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncflow",
@@ -112,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(subparsers)
     _add_report(subparsers)
     _add_bench(subparsers)
+    _add_plan(subparsers)
     return parser
 
 
