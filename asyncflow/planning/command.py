@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dev.add_argument("--device-memory-gb", type=float, help="memory per device in GiB (preset: h100 80, 910b 64)")
     dev.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (preset)")
     dev.add_argument("--memory-bandwidth-tbs", type=float, help="device memory bandwidth, TB/s (preset)")
+    dev.add_argument("--devices-per-node", type=int, default=Hardware.devices_per_node,
+                     help="a rollout instance's tensor parallelism stays within a node (default 8)")
     dev.add_argument("--reserved-gb", type=float, default=Hardware.reserved_gib,
                      help="GiB per device kept for the runtime, collective buffers, fragmentation (default 4)")
     place = parser.add_argument_group("placement")
@@ -60,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--ppo-epochs", type=int, default=T.ppo_epochs)
     roll = parser.add_argument_group("rollout")
     roll.add_argument("--rollout-dtype", choices=dtypes, default=R.dtype, help="weights and KV cache")
-    roll.add_argument("--tensor-parallel", type=int, default=R.tensor_parallel, help="devices per rollout instance")
+    roll.add_argument("--tensor-parallel", type=int, default=R.tensor_parallel,
+                      help="devices per rollout instance (default 0: try each size that divides the heads, "
+                           "within a node)")
     roll.add_argument("--max-running-rows", type=int, default=R.max_running_rows,
                       help="rows an instance decodes together")
     roll.add_argument("--context-length", type=int, default=R.context_length,
@@ -91,6 +95,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     shape = ModelShape.from_config(config, source)
     memory, tflops, bandwidth = PRESETS[args.device]
     hardware = Hardware(count=args.devices, name=args.device, reserved_gib=args.reserved_gb,
+                        devices_per_node=args.devices_per_node,
                         memory_gib=args.device_memory_gb or memory, peak_tflops=args.peak_tflops or tflops,
                         bandwidth_tbs=args.memory_bandwidth_tbs or bandwidth)
     inputs = PlanInputs(

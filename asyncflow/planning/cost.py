@@ -51,7 +51,7 @@ class DecodeStep:
 
 def decode_step(shape: ModelShape, params: ParamCount, rollout: RolloutSettings, work: Workload, hw: Hardware,
                 cost: CostAssumptions, rows: int) -> DecodeStep:
-    tp = rollout.tensor_parallel
+    tp = rollout.tp
     mean_context = work.prompt_tokens + work.response_tokens / 2
     read = (params.total * dtype_bytes(rollout.dtype, "rollout dtype") / tp
             + rows * mean_context * kv_bytes_per_token(shape, rollout.dtype, tp))
@@ -66,7 +66,7 @@ def rollout_seconds(shape: ModelShape, params: ParamCount, rollout: RolloutSetti
     the samples shared out evenly)."""
     if cost.rollout_tokens_per_s is not None:
         return work.generated_tokens / (devices * cost.rollout_tokens_per_s)
-    instances = devices // rollout.tensor_parallel
+    instances = devices // rollout.tp
     per_instance = math.ceil(work.samples / instances)
     step = decode_step(shape, params, rollout, work, hw, cost, min(rollout.max_running_rows, per_instance))
     decode_steps = math.ceil(per_instance * work.response_tokens / step.rows)

@@ -27,10 +27,13 @@ class Hardware:
     bandwidth_tbs: float  # device memory, TB/s (10^12 bytes/s)
     reserved_gib: float = 4.0  # runtime context, collective buffers, allocator fragmentation
     name: str = "custom"
+    devices_per_node: int = 8  # a rollout instance's tensor parallelism stays within one node
+
 
     def __post_init__(self) -> None:
-        if self.count < 1:
-            raise PlanInputError(f"devices: need at least 1, got {self.count}")
+        if self.count < 1 or self.devices_per_node < 1:
+            raise PlanInputError(f"devices and devices per node: need at least 1, got {self.count} and "
+                                 f"{self.devices_per_node}")
         if min(self.memory_gib, self.peak_tflops, self.bandwidth_tbs) <= 0:
             raise PlanInputError(f"device memory, peak TFLOP/s and bandwidth must be > 0, got {self.memory_gib}, "
                                  f"{self.peak_tflops}, {self.bandwidth_tbs}")

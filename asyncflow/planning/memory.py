@@ -100,7 +100,7 @@ def kv_bytes_per_token(shape: ModelShape, dtype: str, tensor_parallel: int = 1) 
 def rollout_memory(shape: ModelShape, params: ParamCount, rollout: RolloutSettings) -> RoleMemory:
     """One device of a rollout instance (``tensor_parallel`` devices) with every running row
     holding a full context of KV cache (the worst case the engine must be able to reach)."""
-    tp, b = rollout.tensor_parallel, dtype_bytes(rollout.dtype, "rollout dtype")
+    tp, b = rollout.tp, dtype_bytes(rollout.dtype, "rollout dtype")
     kv = rollout.max_running_rows * rollout.context_length * kv_bytes_per_token(shape, rollout.dtype, tp)
     # One prefill chunk's widest intermediates (hidden in/out, q/k/v, gate/up), split by TP, and
     # the fp32 logits of every running row at sampling (the vocabulary is gathered whole).

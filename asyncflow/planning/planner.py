@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from asyncflow.planning.advice import advice
-from asyncflow.planning.split import Candidate, PlanInputs, candidates
+from asyncflow.planning.split import Candidate, PlanInputs, candidates, with_tensor_parallel
 
 __all__ = ["Plan", "make_plan"]
 
@@ -30,4 +30,4 @@ class Plan:
 def make_plan(inputs: PlanInputs, source: str = "") -> Plan:
     found = candidates(inputs)
     nearest = found[0] if found[0].fits else min(found, key=lambda c: c.fill)
-    return Plan(inputs, source, found, advice(inputs, nearest))
+    return Plan(inputs, source, found, advice(with_tensor_parallel(inputs, nearest.tensor_parallel), nearest))

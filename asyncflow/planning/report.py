@@ -56,8 +56,8 @@ def _role_rows(c: Candidate) -> list[str]:
 
 def _label(c: Candidate) -> str:
     if c.placement == "colocated":
-        return f"colocated on {c.train_devices} (FSDP {c.fsdp_size})"
-    return f"{c.rollout_devices} rollout + {c.train_devices} training (FSDP {c.fsdp_size})"
+        return f"colocated on {c.train_devices} (TP {c.tensor_parallel}, FSDP {c.fsdp_size})"
+    return f"{c.rollout_devices} rollout (TP {c.tensor_parallel}) + {c.train_devices} training (FSDP {c.fsdp_size})"
 
 
 def _times(c: Candidate) -> str:
@@ -81,9 +81,9 @@ def plan_text(plan: Plan, top: int = 10) -> str:
              f"tokens each", ""]
     shown = plan.shown
     if plan.chosen:
-        lines.append(f"fastest that fits: {_label(shown)}, tensor parallel {x.rollout.tensor_parallel}")
+        lines.append(f"fastest that fits: {_label(shown)}")
     else:
-        lines.append(f"NOTHING FITS; nearest to fitting: {_label(shown)}, tensor parallel {x.rollout.tensor_parallel}")
+        lines.append(f"NOTHING FITS; nearest to fitting: {_label(shown)}")
     lines.append(f"  {_times(shown)}")
     lines.append("")
     lines.append("memory per device (GiB):")
@@ -93,18 +93,18 @@ def plan_text(plan: Plan, top: int = 10) -> str:
     fitting = sum(c.fits for c in plan.candidates)
     lines += ["", f"candidates ({len(plan.candidates)}, {fitting} fit; fastest first"
                   + (f", first {top} shown" if len(plan.candidates) > top else "") + "):",
-              f"  {'placement':<36}{'rollout s':>10}{'train s':>9}{'sync/offl s':>12}{'step s':>8}"
+              f"  {'placement':<44}{'rollout s':>10}{'train s':>9}{'sync/offl s':>12}{'step s':>8}"
               f"{'max GiB':>9}  fits"]
     for c in plan.candidates[:top]:
         t = c.times
-        lines.append(f"  {_label(c):<36}{t.rollout_s:>10.1f}{t.train_s:>9.1f}{t.sync_s + t.switch_s:>12.1f}"
+        lines.append(f"  {_label(c):<44}{t.rollout_s:>10.1f}{t.train_s:>9.1f}{t.sync_s + t.switch_s:>12.1f}"
                      f"{t.step_s:>8.1f}{_g(max(c.side_bytes.values())):>9}  {'yes' if c.fits else 'no'}")
     lines += ["", "assumptions (override with flags; see docs/plan.md):", *(f"  {a}" for a in assumptions(plan))]
     return "\n".join(lines)
 
 
 def _candidate_dict(c: Candidate) -> dict[str, Any]:
-    return {"placement": c.placement, "rollout_devices": c.rollout_devices, "train_devices": c.train_devices,
+    return {"placement": c.placement, "tensor_parallel": c.tensor_parallel, "rollout_devices": c.rollout_devices, "train_devices": c.train_devices,
             "fsdp_size": c.fsdp_size, "fits": c.fits, "times_s": asdict(c.times),
             "bytes_per_device": dict(c.side_bytes), "usable_bytes": c.usable_bytes,
             "roles": {side: [{**asdict(r), "total": r.total} for r in roles] for side, roles in c.sides.items()}}

@@ -59,15 +59,24 @@ class TrainSettings:
 @dataclass(frozen=True)
 class RolloutSettings:
     dtype: str = "bf16"  # weights and KV cache
-    tensor_parallel: int = 1  # devices per rollout instance
+    tensor_parallel: int = 0  # devices per rollout instance; 0: try each valid size within a node
     max_running_rows: int = 256  # rows one instance decodes together (rollout.max_running_rows)
     context_length: int = 4096  # KV positions reserved per row: prompt + max new tokens
     prefill_tokens: int = 2048  # prompt tokens prefilled per step (rollout.prefill_chunk)
 
     def __post_init__(self) -> None:
         dtype_bytes(self.dtype, "rollout dtype")
-        for name in ("tensor_parallel", "max_running_rows", "context_length", "prefill_tokens"):
+        _at_least("tensor_parallel", self.tensor_parallel, 0)
+        for name in ("max_running_rows", "context_length", "prefill_tokens"):
             _at_least(name, getattr(self, name), 1)
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel size, once chosen (0 means "search", which split.candidates resolves)."""
+        if self.tensor_parallel < 1:
+            raise PlanInputError("tensor_parallel 0 (try each size) is resolved by split.candidates; "
+                                 "pass a size to compute one instance's memory or time")
+        return self.tensor_parallel
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,16 @@ fastest that fits.
 
 - disaggregated (the AsyncFlow paper's async mode): rollout and training devices apart; a step
   takes max(rollout, training) + weight sync, since generation of the next step runs while the
-  current one trains. Every split with whole rollout instances is a candidate.
+  current one trains. Every split into whole rollout instances (beyond one node: whole nodes)
+  is a candidate, for each tensor-parallel size tried.
 - colocated (verl's hybrid engine): every role on every device, taking turns; a step takes
   rollout + training (+ moving the idle role's state to host and back when ``offload_idle``).
   The in-place weight update is not charged.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from asyncflow.planning import cost as costs
 from asyncflow.planning.hardware import Hardware
@@ -18,7 +20,8 @@ from asyncflow.planning.memory import RoleMemory, actor_memory, device_bytes, re
 from asyncflow.planning.params import ModelShape, ParamCount, PlanInputError
 from asyncflow.planning.settings import CostAssumptions, PlacementRequest, RolloutSettings, TrainSettings, Workload
 
-__all__ = ["Candidate", "PlanInputs", "StepTimes", "candidates", "check_parallelism", "colocated", "disaggregated"]
+__all__ = ["Candidate", "PlanInputs", "StepTimes", "candidates", "check_parallelism", "colocated", "disaggregated",
+           "split_step", "tensor_parallel_sizes", "with_tensor_parallel"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class StepTimes:
 @dataclass(frozen=True)
 class Candidate:
     placement: str  # colocated | disaggregated
+    tensor_parallel: int  # devices per rollout instance
     rollout_devices: int
     train_devices: int  # colocated: the same devices as the rollout's
     fsdp_size: int
@@ -64,15 +68,34 @@ class Candidate:
 
 
 def check_parallelism(shape: ModelShape, rollout: RolloutSettings, devices: int) -> None:
-    """Tensor parallelism splits attention heads: the engines need it to divide them."""
-    tp = rollout.tensor_parallel
+    """Tensor parallelism splits attention heads: the engines (vLLM) need it to divide them, and
+    to divide the KV heads or be a multiple of them (each device then keeps a copy of one)."""
+    tp, kv = rollout.tensor_parallel, shape.num_kv_heads
     if shape.num_heads % tp:
         raise PlanInputError(f"tensor_parallel {tp} does not divide num_attention_heads {shape.num_heads}")
-    if tp > shape.num_kv_heads and tp % shape.num_kv_heads:
-        raise PlanInputError(f"tensor_parallel {tp} is above num_key_value_heads {shape.num_kv_heads} "
-                             "and not a multiple of it")
+    if (kv % tp) if tp <= kv else (tp % kv):
+        raise PlanInputError(f"tensor_parallel {tp} neither divides num_key_value_heads {kv} nor is a multiple of it")
     if tp > devices:
         raise PlanInputError(f"tensor_parallel {tp} is more than the {devices} devices")
+
+
+def tensor_parallel_sizes(x: PlanInputs) -> list[int]:
+    """The sizes to try: the one asked for, or (0) every valid size within a node."""
+    if x.rollout.tensor_parallel:
+        check_parallelism(x.shape, x.rollout, x.hardware.count)
+        return [x.rollout.tensor_parallel]
+    out = []
+    for tp in range(1, min(x.hardware.devices_per_node, x.hardware.count) + 1):
+        try:
+            check_parallelism(x.shape, replace(x.rollout, tensor_parallel=tp), x.hardware.count)
+        except PlanInputError:
+            continue
+        out.append(tp)
+    return out
+
+
+def with_tensor_parallel(x: PlanInputs, tp: int) -> PlanInputs:
+    return replace(x, rollout=replace(x.rollout, tensor_parallel=tp))
 
 
 def _reference(x: PlanInputs, shard: int) -> list[RoleMemory]:
@@ -97,7 +120,7 @@ def disaggregated(x: PlanInputs, rollout_devices: int) -> Candidate | None:
     train_s += ref_s if ref_side == "actor" else 0.0
     sync_s = costs.sync_seconds(x.params, x.rollout, x.cost)
     times = StepTimes(rollout_s, train_s, sync_s, 0.0, max(rollout_s, train_s) + sync_s)
-    return Candidate("disaggregated", rollout_devices, train_devices, fsdp,
+    return Candidate("disaggregated", x.rollout.tensor_parallel, rollout_devices, train_devices, fsdp,
                      {"training": training, "rollout": rollout},
                      {"training": device_bytes(training), "rollout": device_bytes(rollout)},
                      times, x.hardware.usable_bytes)
@@ -124,30 +147,37 @@ def colocated(x: PlanInputs) -> Candidate | None:
     rollout_s = costs.rollout_seconds(x.shape, x.params, x.rollout, x.work, x.hardware, x.cost, n)
     train_s = costs.train_seconds(x.params, x.train, x.work, x.hardware, x.cost, n) + ref_s
     times = StepTimes(rollout_s, train_s, 0.0, switch_s, rollout_s + train_s + switch_s)
-    return Candidate("colocated", n, n, fsdp, {"all": roles}, {"all": need}, times, x.hardware.usable_bytes)
+    return Candidate("colocated", x.rollout.tensor_parallel, n, n, fsdp, {"all": roles}, {"all": need}, times, x.hardware.usable_bytes)
+
+
+def _for_tensor_parallel(x: PlanInputs) -> list[Candidate | None]:
+    request, n, tp = x.placement, x.hardware.count, x.rollout.tensor_parallel
+    found = [colocated(x)] if request.mode in ("colocated", "both") else []
+    if request.mode in ("disaggregated", "both"):
+        if request.rollout_devices is not None:
+            found.append(disaggregated(x, request.rollout_devices))
+        else:
+            found += [disaggregated(x, r) for r in range(split_step(x), n, split_step(x))]
+    return found
+
+
+def split_step(x: PlanInputs) -> int:
+    """Rollout devices go in whole instances; beyond one node, in whole nodes (an instance's
+    tensor parallelism stays within a node, and nodes are what a launcher hands out)."""
+    per_node, tp = x.hardware.devices_per_node, x.rollout.tp
+    return tp if x.hardware.count <= per_node else math.lcm(tp, per_node)
 
 
 def candidates(x: PlanInputs) -> list[Candidate]:
     """Every placement the request allows, fastest fitting first, then the rest by step time."""
-    check_parallelism(x.shape, x.rollout, x.hardware.count)
-    found: list[Candidate | None] = []
-    request, n, tp = x.placement, x.hardware.count, x.rollout.tensor_parallel
-    if request.mode in ("colocated", "both"):
-        found.append(colocated(x))
-    if request.mode in ("disaggregated", "both"):
-        if request.rollout_devices is not None:
-            fixed = disaggregated(x, request.rollout_devices)
-            if fixed is None:
-                raise PlanInputError(
-                    f"rollout_devices {request.rollout_devices}: needs whole rollout instances (a multiple of "
-                    f"tensor_parallel {tp}) and at least one training device whose count the FSDP shard size "
-                    f"({x.train.fsdp_size or 'all'}) divides, out of {n} devices")
-            found.append(fixed)
-        else:
-            found += [disaggregated(x, r) for r in range(tp, n, tp)]
-    kept = [c for c in found if c is not None]
+    sizes = tensor_parallel_sizes(x)
+    kept = [c for tp in sizes for c in _for_tensor_parallel(with_tensor_parallel(x, tp)) if c is not None]
     if not kept:
-        raise PlanInputError(f"no placement of {n} devices fits the request: disaggregated needs at least "
-                             f"tensor_parallel ({tp}) + 1 devices, colocated a device count divisible by "
-                             f"tensor_parallel and fsdp_size")
-    return sorted(kept, key=lambda c: (not c.fits, c.times.step_s))
+        n, fixed = x.hardware.count, x.placement.rollout_devices
+        what = (f"rollout_devices {fixed}: needs" if fixed is not None
+                else f"no placement of {n} devices fits the request: disaggregated needs")
+        raise PlanInputError(f"{what} whole rollout instances (a multiple of tensor_parallel, tried {sizes}) and at "
+                             f"least one training device whose count the FSDP shard size "
+                             f"({x.train.fsdp_size or 'all'}) divides, out of {n} devices; colocated needs a device "
+                             "count divisible by tensor_parallel and fsdp_size")
+    return sorted(kept, key=lambda c: (not c.fits, c.times.step_s, c.tensor_parallel))

@@ -35,14 +35,14 @@ def test_json_plan_for_qwen_7b_on_8_devices(qwen7b, capsys):
 
 def test_text_plan_says_what_to_change_when_nothing_fits(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_32B))
-    assert main(["plan", str(tmp_path), "--devices", "8"]) == 1
+    assert main(["plan", str(tmp_path), "--devices", "8", "--tensor-parallel", "1"]) == 1
     out = capsys.readouterr().out
     assert "NOTHING FITS" in out and "DOES NOT FIT" in out and "to make it fit:" in out
-    assert "--tensor-parallel" in out
+    assert "--tensor-parallel 8 (now 1)" in out and "--optimizer-offload" in out
     # 32.8 B x 16 bytes of training state is 122 GiB per device over 4: only offloading the optimizer fits
-    assert main(["plan", str(tmp_path), "--devices", "8", "--tensor-parallel", "4", "--max-running-rows", "64",
-                 "--optimizer-offload"]) == 0
-    assert "fastest that fits: 4 rollout + 4 training" in capsys.readouterr().out
+    assert main(["plan", str(tmp_path), "--devices", "8", "--max-running-rows", "64", "--optimizer-offload"]) == 0
+    # TP 1 holds 61 GiB of weights and 64 GiB of KV cache (over); TP 2 and 4 fit and tie: the smaller is shown
+    assert "fastest that fits: 4 rollout (TP 2) + 4 training (FSDP 4)" in capsys.readouterr().out
 
 
 def test_placement_both_lists_colocated(qwen7b, capsys):
@@ -52,7 +52,7 @@ def test_placement_both_lists_colocated(qwen7b, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--devices", "0"], ["devices: need at least 1"]),
+    (["--devices", "0"], ["devices and devices per node: need at least 1, got 0"]),
     (["--rollout-devices", "8"], ["rollout_devices 8"]),
     (["--tensor-parallel", "3"], ["tensor_parallel 3 does not divide num_attention_heads 28"]),
     (["--train-mfu", "1.5"], ["train_mfu"]),

@@ -2,20 +2,22 @@
 colocated sum, and what the advice says to change."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
-from _plan_helpers import QWEN25_7B, SMALL_PARAMS, small
+from _plan_helpers import QWEN25_7B, QWEN25_32B, SMALL_PARAMS, small
 
 from asyncflow.planning import (CostAssumptions, Hardware, ModelShape, PlacementRequest, PlanInputError, PlanInputs,
                                 RolloutSettings, TrainSettings, Workload, count_params, make_plan)
 from asyncflow.planning.hardware import GIB
-from asyncflow.planning.split import colocated, disaggregated
+from asyncflow.planning.split import colocated, disaggregated, tensor_parallel_sizes
 
 # 6 samples of 1000 generated tokens and no prompt: 6000 tokens generated and 6000 trained per step.
 # At 1000 generated and 3000 trained tokens/s per device: rollout 6/R s, training 2/T s (R + T = 8).
 # Weight sync moves the bf16 weights (2 * 2824 bytes) at 2 * 2824 bytes/s: 1 s.
 WORK = Workload(prompts_per_step=6, responses_per_prompt=1, prompt_tokens=0, response_tokens=1000)
 RATES = CostAssumptions(rollout_tokens_per_s=1000, train_tokens_per_s=3000, sync_gbs=2 * SMALL_PARAMS / 1e9)
-ROLLOUT = RolloutSettings(max_running_rows=3, context_length=5, prefill_tokens=7)
+ROLLOUT = RolloutSettings(tensor_parallel=1, max_running_rows=3, context_length=5, prefill_tokens=7)
 
 
 def inputs(usable_bytes: int = 10 * GIB, **kw) -> PlanInputs:
@@ -80,7 +82,7 @@ def test_advice_gives_the_values_that_fit():
     # TP 2 halves the weights: 2824 + 7 * 40 * 2 + 10 * 400 + 10 * 160 = 8984 fits.
     x = inputs(usable_bytes=10000, placement=PlacementRequest(rollout_devices=1),
                train=TrainSettings(micro_batch_tokens=1, optimizer_offload=True),
-               rollout=RolloutSettings(max_running_rows=10, context_length=5, prefill_tokens=7))
+               rollout=RolloutSettings(tensor_parallel=1, max_running_rows=10, context_length=5, prefill_tokens=7))
     plan = make_plan(x)
     assert plan.chosen is None and plan.shown.side_bytes == {"training": 6893, "rollout": 12144}
     text = "\n".join(plan.advice)
@@ -102,3 +104,34 @@ def test_training_advice_for_qwen_7b_on_one_training_device():
     # = 86.4 GB = 80.5 GiB > 76 usable; at FSDP 3: 63.7 GiB fits.
     assert "--micro-batch-tokens" not in text and "--activation-checkpointing" not in text
     assert "--optimizer-offload" in text and "shard the training state over 3 devices or more" in text
+
+
+@pytest.mark.parametrize("config, sizes", [
+    (QWEN25_7B, [1, 2, 4]),  # 28 heads, 4 KV heads: 7 divides the heads but not the KV heads
+    (QWEN25_32B, [1, 2, 4, 8]),  # 40 heads, 8 KV heads: 5 divides the heads, not the KV heads
+])
+def test_tensor_parallel_sizes_tried_within_a_node(config, sizes):
+    shape = ModelShape.from_config(config)
+    x = PlanInputs(shape=shape, params=count_params(shape), hardware=Hardware(64, 80, 989, 3.35))
+    assert tensor_parallel_sizes(x) == sizes
+    assert tensor_parallel_sizes(replace(x, hardware=Hardware(64, 80, 989, 3.35, devices_per_node=2))) == [1, 2]
+
+
+def test_auto_tensor_parallel_picks_the_size_that_fits():
+    # the advice case above with 2 rollout devices: TP 1 needs 12144 bytes (over 10000), TP 2 8984;
+    # training at FSDP 6: 942 + 3200 + 1883 + 1272 = 7297 fits
+    x = inputs(usable_bytes=10000, placement=PlacementRequest(rollout_devices=2),
+               train=TrainSettings(micro_batch_tokens=1, optimizer_offload=True),
+               rollout=RolloutSettings(tensor_parallel=0, max_running_rows=10, context_length=5, prefill_tokens=7))
+    plan = make_plan(x)
+    assert [(c.tensor_parallel, c.fits) for c in plan.candidates] == [(2, True), (1, False)]
+    assert plan.chosen.side_bytes == {"training": 7297, "rollout": 8984}
+
+
+def test_beyond_one_node_splits_are_whole_nodes():
+    x = inputs()  # 8 devices, 8 per node: any split into whole instances
+    assert sorted(c.rollout_devices for c in make_plan(x).candidates) == [1, 2, 3, 4, 5, 6, 7]
+    two_nodes = replace(x, hardware=replace(x.hardware, count=24))
+    assert sorted(c.rollout_devices for c in make_plan(two_nodes).candidates) == [8, 16]
+    fixed = replace(two_nodes, placement=PlacementRequest(rollout_devices=3))  # a fixed split may cut a node
+    assert [c.rollout_devices for c in make_plan(fixed).candidates] == [3]
