@@ -139,7 +139,10 @@ def colocated(x: PlanInputs) -> Candidate | None:
     roles = [actor, rollout, *ref]
     if x.placement.offload_idle:  # one side loaded at a time; the other's state waits in host memory
         need = max(device_bytes([actor, *ref]), device_bytes([rollout]))
-        moved = actor.weights + actor.optimizer + rollout.weights + sum(r.weights for r in ref)
+        # the training side's sharded weights (not the transient gather buffer), optimizer state and
+        # reference weights, and the rollout's weights; the KV cache is freed, not copied
+        shard_bytes = math.ceil(x.params.total * x.train.bytes_per_param()["param"] / fsdp)
+        moved = shard_bytes * (1 + len(ref)) + actor.optimizer + rollout.weights
         switch_s = 2 * moved / (x.cost.host_gbs * 1e9)  # out and back in, once per step
     else:
         need, switch_s = device_bytes(roles), 0.0

@@ -2,6 +2,7 @@
 colocated sum, and what the advice says to change."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -56,11 +57,11 @@ def test_colocated_is_the_sum_and_both_compares():
     assert (col.times.rollout_s, col.times.train_s, col.times.sync_s) == (0.75, 0.25, 0.0)
     assert col.times.step_s == pytest.approx(1.0)
     assert make_plan(x).chosen.placement == "colocated"
-    # offload: bf16 weights (2824 * 2 / 8 = 706, + 3200 gathered) + optimizer (4236) of the actor at FSDP 8 and the
-    # rollout's weights (5648) go to host and back once per step, at 2824 bytes/s
+    # offload: the actor's bf16 weight shard (2824 * 2 / 8 = 706) and optimizer state (2824 * 12 / 8 = 4236)
+    # at FSDP 8, and the rollout's weights (5648), go to host and back once per step, at 2824 bytes/s
     offload = colocated(inputs(placement=PlacementRequest(mode="colocated"), cost=CostAssumptions(
         rollout_tokens_per_s=1000, train_tokens_per_s=3000, host_gbs=SMALL_PARAMS / 1e9)))
-    assert offload.times.switch_s == pytest.approx(2 * (706 + 3200 + 4236 + 5648) / SMALL_PARAMS)
+    assert offload.times.switch_s == pytest.approx(2 * (706 + 4236 + 5648) / SMALL_PARAMS)
 
 
 def test_fixed_split_and_invalid_splits():
@@ -135,3 +136,20 @@ def test_beyond_one_node_splits_are_whole_nodes():
     assert sorted(c.rollout_devices for c in make_plan(two_nodes).candidates) == [8, 16]
     fixed = replace(two_nodes, placement=PlacementRequest(rollout_devices=3))  # a fixed split may cut a node
     assert [c.rollout_devices for c in make_plan(fixed).candidates] == [3]
+
+
+@pytest.mark.parametrize("side, chosen, step", [
+    # the reference forward, 6000 tokens x 2 x 2024 matmul parameters at 0.4 x peak, takes 1/devices s here
+    ("actor", 5, 1.2 + 1),  # R=5: max(1.2, 2/3 + 1/3) + 1; R=6: max(1, 1 + 1/2) + 1 = 2.5
+    ("rollout", 6, 1 + 1 / 6 + 1),  # R=6: max(1 + 1/6, 1) + 1; R=5: max(1.2 + 0.2, 2/3) + 1 = 2.4
+])
+def test_reference_adds_its_forward_and_weights_where_it_sits(side, chosen, step):
+    x = inputs(placement=PlacementRequest(reference=side))
+    x = replace(x, hardware=replace(x.hardware, peak_tflops=6000 * 2 * 2024 / (1e12 * 0.4)))
+    plan = make_plan(x)
+    assert plan.chosen.rollout_devices == chosen and plan.chosen.times.step_s == pytest.approx(step)
+    roles = {s: [r.role for r in rs] for s, rs in plan.chosen.sides.items()}
+    assert "reference" in roles["training" if side == "actor" else "rollout"]
+    # its bf16 weights sharded over the devices of its side (6 rollout or 3 training), plus the gather buffer
+    ref = plan.chosen.sides["rollout" if side == "rollout" else "training"][1]
+    assert ref.weights == math.ceil(SMALL_PARAMS * 2 / (6 if side == "rollout" else 3)) + 3200
