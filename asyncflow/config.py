@@ -34,6 +34,12 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     attn_implementation: str = ""  # "": eager for the built-in tiny model (faster at its size), else transformers' default
     train_engine: Literal["fsdp", "mindspeed"] = "fsdp"  # fsdp (CPU / CUDA / NPU) | mindspeed (Ascend)
+    # Training engines (actor, critic, reference): the dtype parameters are gathered in for compute.
+    # auto: bfloat16 on accelerators, float32 on CPU. Master weights, gradient reduction and AdamW stay float32.
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (less memory)
+    cpu_offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, gradients, AdamW state in host memory (steps there)
+    padding_free: bool = False  # micro-batches of packed sequences (position ids restart per sequence), no padding
 
 
 @dataclass

@@ -20,10 +20,12 @@ if TYPE_CHECKING:
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelLoadError",
+    "SafetensorsWeights",
     "check_tokenizer_fits",
     "load_causal_lm",
     "load_reward_model",
     "load_tokenizer",
+    "read_causal_lm_config",
 ]
 
 log = logging.getLogger(__name__)
@@ -142,6 +144,82 @@ def load_causal_lm(
     except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
         raise ModelLoadError(f"load_causal_lm: transformers could not load {p}: {type(exc).__name__}: {exc}") from exc
     return model.to(device)
+
+
+def read_causal_lm_config(path: str | Path, *, attn_implementation: str | None = None) -> Any:
+    """The HF config of a local causal-LM directory (checked like load_causal_lm), with the
+    attention kernel set (None: the directory's asyncflow_spec.json, else transformers' default).
+    What a training engine needs to build the model on the meta device before loading."""
+    p = _model_dir(path, "read_causal_lm_config")
+    _check_architecture(_read_config(p, "read_causal_lm_config"), p / "config.json")
+    _check_weights(p)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
+        raise ModelLoadError(f"read_causal_lm_config: transformers could not read {p / 'config.json'}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    attn = attn_implementation or _default_attn_implementation(p)
+    if attn is not None:
+        config._attn_implementation = attn  # what from_config(attn_implementation=...) records too
+    return config
+
+
+class SafetensorsWeights:
+    """The tensors of a local model directory's safetensors files, read by name and by rows of
+    the first dimension, so that a rank reads only the part it keeps (the files are memory-mapped;
+    nothing else is read). Use as a context manager: the files stay open inside it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = _model_dir(path, "SafetensorsWeights")
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ModelLoadError(f"{index}: not a safetensors index with a weight_map ({exc})") from exc
+            self.files = {name: self.path / file for name, file in weight_map.items()}
+        else:
+            found = sorted(self.path.glob("*.safetensors"))
+            if not found:
+                raise ModelLoadError(
+                    f"{self.path}: no *.safetensors weights; the training engines load safetensors only "
+                    f"(convert a pytorch_model.bin with save_pretrained(..., safe_serialization=True))")
+            self.files = {}
+            from safetensors import safe_open
+            for file in found:
+                with safe_open(str(file), framework="pt") as handle:
+                    self.files.update({name: file for name in handle.keys()})
+        self._open: dict[Path, Any] = {}
+
+    def __enter__(self) -> "SafetensorsWeights":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._open.clear()  # the handles unmap their file when dropped
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def _handle(self, name: str) -> Any:
+        from safetensors import safe_open
+        file = self.files[name]
+        if file not in self._open:
+            if not file.is_file():
+                raise ModelLoadError(f"{self.path}: the index names {file.name} for {name!r}, which is missing")
+            self._open[file] = safe_open(str(file), framework="pt")
+        return self._open[file]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor ``name``, or only its rows [start, stop) of the first dimension."""
+        sliced = self._handle(name).get_slice(name)
+        if rows is None:
+            return sliced[:]
+        return sliced[rows[0]:rows[1]]
 
 
 def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32,

@@ -22,9 +22,13 @@ def setup_rank(cfg: Any) -> None:
     import_modules(list(cfg.imports))
 
 
-def policy_model(cfg: Any) -> Callable[[], torch.nn.Module]:
-    """The policy's model factory (``model.path``, set by the launcher, and its attention)."""
-    return model_factory(cfg.model.path, cfg.model.attn_implementation or None)
+def policy_model(cfg: Any) -> Any:
+    """The policy's model for a training engine (``model.path``, set by the launcher, its attention
+    and the engine keys of the ``model`` section): built on the meta device, loaded shard by shard."""
+    from ..engines.train.model_source import PretrainedModel
+    from ..engines.train.options import EngineOptions
+    return PretrainedModel(cfg.model.path, cfg.model.attn_implementation or None,
+                           options=EngineOptions.from_model_config(cfg.model))
 
 
 def engine_optim(cfg: Any, section: str = "optim", phase: str = "rl") -> Any:
@@ -79,13 +83,6 @@ def train_engine_class(name: str) -> type:
     if name not in engines:
         raise ValueError(f"model.train_engine {name!r}: expected one of {sorted(engines)}")
     return engines[name]
-
-
-def model_factory(path: str, attn_implementation: str | None = None) -> Callable[[], torch.nn.Module]:
-    def build() -> torch.nn.Module:
-        from ..models.loading import load_causal_lm
-        return load_causal_lm(path, attn_implementation=attn_implementation)
-    return build
 
 
 def share_of(meta: Any, dp_rank: int, dp_size: int) -> Any:

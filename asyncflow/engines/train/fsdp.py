@@ -5,6 +5,13 @@ engine (no sharding wrapper, collectives become no-ops); otherwise each decoder 
 and then the root are wrapped with `fully_shard` over a 1-D DeviceMesh built from the
 group. Every collective runs on that group and is bounded by its timeout.
 
+Build: the model is built with its parameters on the meta device, optionally checkpointed
+per decoder layer, sharded, and only then allocated, each rank filling its own shard
+(meta_init.py, model_source.py): no rank holds the whole model on its device. Options
+(options.py): the dtype parameters are gathered in (bf16 on accelerators by default; master
+weights, gradient reduction and AdamW stay fp32), activation checkpointing, FSDP2's CPU
+offload, padding-free micro-batches (packing.py).
+
 Per train_step:
 1. LossNorm (global model tokens and sequences with one: the response tokens unless the
    per-token "loss_mask" field drops tool/environment tokens, see base.py): all_reduce SUM.
@@ -23,6 +30,7 @@ Per train_step:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -36,12 +44,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from asyncflow.engines.train import checkpoint as ckpt
+from asyncflow.engines.train.activation_checkpoint import checkpoint_layers
+from asyncflow.engines.train.critic_init import critic_model
 from asyncflow.engines.train.base import (LossFn, LossNorm, NonFiniteUpdateError, OptimConfig, TrainEngine,
                                           check_batch, move_train_state, response_loss_masks)
+from asyncflow.engines.train.meta_init import fill, materialize, real_tensors
 from asyncflow.engines.train.microbatch import (MicroBatch, build_micro_batch, empty_micro_batch,
                                                 plan_micro_batches, slice_fields)
+from asyncflow.engines.train.model_source import ModelSource, as_model_source
+from asyncflow.engines.train.options import EngineOptions
+from asyncflow.engines.train.packing import (build_packed_micro_batch, check_packing_supported, flash_kwargs,
+                                             plan_packed_micro_batches)
 from asyncflow.engines.train.schedule import build_scheduler
-from asyncflow.engines.train.value_model import ValueModel
 from asyncflow.platform import Platform, get_platform
 
 __all__ = ["FSDPEngine", "decoder_layers"]
@@ -60,16 +74,23 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 class FSDPEngine(TrainEngine):
     """See the module docstring.
 
-    model_factory: builds the HF causal LM (on CPU, same weights on every rank is not
-        required: rank 0's weights are broadcast before sharding).
-    mixed_precision: None => bf16 params / fp32 reduce on accelerators, fp32 on CPU.
+    model: a ModelSource (model_source.py; e.g. PretrainedModel(path), which the workers pass)
+        or a callable building the model (the group's first rank builds it with weights, which
+        every rank receives; the others build it on the meta device). Either way the model is
+        sharded on the meta device and each rank then allocates and fills only its shard
+        (meta_init.py).
+    options: param dtype, activation checkpointing, CPU offload, padding-free micro-batches
+        (options.py); None: the ModelSource's own options, else the defaults.
+    mixed_precision: overrides options.param_dtype when given (True: bf16, False: fp32); None =>
+        options.param_dtype ('auto': bf16 params / fp32 reduce on accelerators, fp32 on CPU).
     value_head: wrap the model in ValueModel and act as a critic: compute_values works,
         and loss_fn's first argument is the values tensor [b, T] instead of log-probs.
     """
 
-    def __init__(self, model_factory: Callable[[], nn.Module], optim: OptimConfig, *,
+    def __init__(self, model_factory: ModelSource | Callable[[], nn.Module], optim: OptimConfig, *,
                  process_group: dist.ProcessGroup | None = None, platform: Platform | None = None,
-                 mixed_precision: bool | None = None, value_head: bool = False) -> None:
+                 mixed_precision: bool | None = None, value_head: bool = False,
+                 options: EngineOptions | None = None) -> None:
         self.optim_config = optim
         self.platform = platform if platform is not None else get_platform("auto")
         self.process_group = process_group
@@ -79,21 +100,22 @@ class FSDPEngine(TrainEngine):
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.device = self.platform.device_for_local_rank(local_rank)
         self.platform.set_device(self.device)
-        self.mixed_precision = self.platform.is_accelerator if mixed_precision is None else mixed_precision
+        source = as_model_source(model_factory)
+        self.options = options or getattr(source, "options", None) or EngineOptions()
+        if mixed_precision is not None:
+            self.options = dataclasses.replace(self.options, param_dtype="bfloat16" if mixed_precision else "float32")
+        self.compute_dtype = self.options.compute_dtype(self.platform.is_accelerator)
+        self.mixed_precision = self.compute_dtype != torch.float32
+        if self.options.cpu_offload and process_group is None:
+            raise ValueError("model.cpu_offload needs a sharded engine (a process group): FSDP2's offload policy "
+                             "does the offloading; turn it off for a single-rank engine")
+        if self.options.padding_free:
+            check_packing_supported()
         self.step = 0
         self.nonfinite_in_row = 0  # skipped updates since the last good one
 
-        model = model_factory()
-        self.hf_config = getattr(model, "config", None)
-        self.hf_class = type(model)
-        if value_head:
-            model = ValueModel(model)
-        model.to(self.device)
-        if process_group is not None:
-            self._broadcast_from_rank0(model)
-            model = self._shard(model)
-        self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
+        self.model = self._build(source)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
                                            eps=optim.eps, weight_decay=optim.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, optim)
 
@@ -112,22 +134,42 @@ class FSDPEngine(TrainEngine):
         set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True))
 
     # ---------------------------------------------------------------- setup
-    def _broadcast_from_rank0(self, model: nn.Module) -> None:
-        src = dist.get_global_rank(self.process_group, 0)
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=src, group=self.process_group)
+    def _build(self, source: ModelSource) -> nn.Module:
+        """Build on meta, shard, allocate this rank's shards, fill them (meta_init.py)."""
+        model = source.build(self.rank)
+        self.hf_config = getattr(model, "config", None)
+        self.hf_class = type(model)
+        source_names: dict[str, str] = {}
+        initial: dict[str, Tensor] = {}
+        if self.value_head:
+            model, source_names, initial = critic_model(model)
+        rank0_tensors = {**initial, **real_tensors(model)}  # the full tensors this rank holds, before sharding
+        if self.options.activation_checkpointing:
+            checkpoint_layers(decoder_layers(model))
+        if self.process_group is not None:
+            model = self._shard(model)
+        # With CPU offload the shards live in host memory; FSDP2 moves them for compute.
+        materialize(model, torch.device("cpu") if self.options.cpu_offload else self.device)
+        with source.weights() as reader:
+            counts = fill(model, reader=reader, source_names=source_names, rank0_tensors=rank0_tensors,
+                          group=self.process_group, device=self.device, where=source.where, rank=self.rank)
+        del rank0_tensors
+        self.load_counts = counts  # tensors read by this rank / broadcast from the first rank
+        log.info("rank %d: %s: %d tensors read, %d broadcast from the first rank", self.rank, source.where,
+                 counts["read"], counts["broadcast"])
+        return model
 
     def _shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         mesh = DeviceMesh.from_group(self.process_group, device_type=self.device.type)
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if self.mixed_precision else MixedPrecisionPolicy())
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        offload = (CPUOffloadPolicy(pin_memory=self.platform.is_accelerator) if self.options.cpu_offload
+                   else OffloadPolicy())
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
         return model
 
     # ---------------------------------------------------------------- collectives
@@ -141,10 +183,19 @@ class FSDPEngine(TrainEngine):
         """This rank's micro-batches and the count every rank runs (max over ranks)."""
         lengths = [p.numel() + r.numel() for p, r in zip(prompts, responses)]
         overhead = self.optim_config.micro_batch_overhead_tokens
-        groups = plan_micro_batches(lengths, self.optim_config.micro_batch_tokens,
-                                    overhead if overhead >= 0 else None)
+        if self.options.padding_free:  # no padding to weigh: the fewest micro-batches within the budget
+            groups = plan_packed_micro_batches(lengths, self.optim_config.micro_batch_tokens)
+        else:
+            groups = plan_micro_batches(lengths, self.optim_config.micro_batch_tokens,
+                                        overhead if overhead >= 0 else None)
         count = int(self._all_reduce([float(len(groups))], dist.ReduceOp.MAX)[0])
         return groups, count
+
+    def _micro_batch(self, prompts: list[Tensor], responses: list[Tensor], indices: list[int],
+                     loss_masks: list[Tensor] | None = None) -> MicroBatch:
+        if self.options.padding_free:
+            return build_packed_micro_batch(prompts, responses, indices, loss_masks=loss_masks)
+        return build_micro_batch(prompts, responses, indices, loss_masks=loss_masks)
 
     # ---------------------------------------------------------------- forward
     def _forward(self, mb: MicroBatch, temperature: float,
@@ -152,16 +203,20 @@ class FSDPEngine(TrainEngine):
         """(log-probs or values [b, R] fp32, entropy [b, R] or None), both 0 wherever mb.mask is
         False (padding, and tokens a loss mask drops: no gradient reaches the model from there)."""
         mb = mb.to(self.device)
-        rows = torch.arange(mb.input_ids.shape[0], device=self.device)[:, None]
+        # Row of each sequence's outputs: its own, or row 0 for every sequence when packed.
+        rows = (torch.zeros(mb.mask.shape[0], 1, dtype=torch.long, device=self.device) if mb.packed
+                else torch.arange(mb.input_ids.shape[0], device=self.device)[:, None])
+        extra = flash_kwargs(mb, getattr(self.hf_config, "_attn_implementation", None))
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                     if self.mixed_precision and self.process_group is None else contextlib.nullcontext())
         with autocast:
             if self.value_head:
+                # (ValueModel takes no attention kwargs: flash kernels find packed rows from position_ids)
                 values = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                                     position_ids=mb.position_ids)
                 return values[rows, mb.logit_pos].float().masked_fill(~mb.mask, 0.0), None
             logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                position_ids=mb.position_ids, use_cache=False).logits
+                                position_ids=mb.position_ids, use_cache=False, **extra).logits
         # Only the response positions: [b, R, V] in fp32.
         logits = logits[rows, mb.logit_pos].float()
         if temperature != 1.0:
@@ -187,7 +242,7 @@ class FSDPEngine(TrainEngine):
         self.model.eval()
         try:
             for i in range(count):
-                mb = (build_micro_batch(prompts, responses, groups[i]) if i < len(groups)
+                mb = (self._micro_batch(prompts, responses, groups[i]) if i < len(groups)
                       else empty_micro_batch())
                 values, entropy = self._forward(mb, temperature, with_entropy)
                 for row, (idx, n) in enumerate(zip(mb.indices, mb.response_lens)):
@@ -255,7 +310,7 @@ class FSDPEngine(TrainEngine):
         n_metric = 0  # micro-batches with at least one model token: only they report metrics
         for i in range(count):
             if i < len(groups):
-                mb = build_micro_batch(prompts, responses, groups[i], loss_masks=loss_masks)
+                mb = self._micro_batch(prompts, responses, groups[i], loss_masks=loss_masks)
                 values, entropy = self._forward(mb, temperature, with_entropy)
                 mb_fields = slice_fields(fields, mb, self.device)
                 loss, metrics = loss_fn(values, entropy, mb.mask.to(self.device), mb_fields, norm)
@@ -333,15 +388,16 @@ class FSDPEngine(TrainEngine):
         too; on an accelerator the parameters and optimizer state then move to host memory and
         the freed blocks go back to the device. On the CPU there is nothing to move."""
         self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" or self.options.cpu_offload:  # (with cpu_offload FSDP2 keeps it on the host)
             return 0
         moved = move_train_state(self.model, self.optimizer, torch.device("cpu"))
         getattr(torch, self.device.type).empty_cache()
         return moved
 
     def onload(self) -> int:
-        """Parameters and optimizer state back onto the device (nothing to do on the CPU)."""
-        if self.device.type == "cpu":
+        """Parameters and optimizer state back onto the device (nothing to do on the CPU, or
+        with cpu_offload: FSDP2 moves each layer's shards in for its compute)."""
+        if self.device.type == "cpu" or self.options.cpu_offload:
             return 0
         return move_train_state(self.model, self.optimizer, self.device)
 

@@ -12,7 +12,7 @@ Layout of one micro-batch of b sequences, L = longest prompt+response, R = longe
 response: `input_ids` [b, L] right-padded; `position_ids` 0..len-1 per row; the
 response token j of row i sits at input position p_i + j and is predicted by the
 logits at position p_i + j - 1 (`logit_pos` [b, R]); `targets` [b, R] are the
-response tokens; `mask` [b, R] marks the real ones that are trained on: with per-sequence
+response tokens (packing.py has the padding-free layout); `mask` [b, R] marks the real ones that are trained on: with per-sequence
 ``loss_masks`` (multi-turn rows, see base.py) only the model tokens among them.
 """
 
@@ -95,13 +95,16 @@ def pad_right(rows: list[Tensor], length: int, value: float | int | bool = 0) ->
 @dataclass
 class MicroBatch:
     indices: list[int]  # positions of these rows in the caller's lists
-    input_ids: Tensor  # [b, L] long
-    attention_mask: Tensor  # [b, L] long, 1 on real tokens
+    input_ids: Tensor  # [b, L] long ([1, N] when packed)
+    attention_mask: Tensor | None  # [b, L] long, 1 on real tokens; None when packed
     position_ids: Tensor  # [b, L] long
     logit_pos: Tensor  # [b, R] long, position whose output predicts each response token
     targets: Tensor  # [b, R] long, the response tokens (0 on padding)
     mask: Tensor  # [b, R] bool, True on real response tokens (that the loss mask, if any, keeps)
     response_lens: list[int]
+    packed: bool = False  # packing.py's layout: every sequence in row 0, positions restart per sequence
+    cu_seqlens: Tensor | None = None  # packed: [b + 1] int32 start offsets of the sequences, then N
+    max_seqlen: int = 0  # packed: the longest sequence
 
     @property
     def padded_tokens(self) -> int:

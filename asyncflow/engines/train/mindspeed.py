@@ -24,6 +24,8 @@ from torch import nn
 
 from asyncflow.engines.train.base import OptimConfig
 from asyncflow.engines.train.fsdp import FSDPEngine
+from asyncflow.engines.train.model_source import ModelSource
+from asyncflow.engines.train.options import EngineOptions
 from asyncflow.platform import Platform, get_platform
 
 __all__ = ["MindSpeedEngine", "import_mindspeed"]
@@ -52,13 +54,14 @@ class MindSpeedEngine(FSDPEngine):
     """FSDPEngine on Ascend NPUs with MindSpeed's adaptor applied. Same interface and
     arguments; `platform` defaults to (and must be) 'npu'."""
 
-    def __init__(self, model_factory: Callable[[], nn.Module], optim: OptimConfig, *,
+    def __init__(self, model_factory: ModelSource | Callable[[], nn.Module], optim: OptimConfig, *,
                  process_group: dist.ProcessGroup | None = None, platform: Platform | None = None,
-                 mixed_precision: bool | None = None, value_head: bool = False) -> None:
+                 mixed_precision: bool | None = None, value_head: bool = False,
+                 options: EngineOptions | None = None) -> None:
         import_mindspeed()
         platform = platform if platform is not None else get_platform("npu")
         if platform.name != "npu":
             raise ValueError(f"MindSpeedEngine runs on the 'npu' platform, got {platform.name!r}; "
                              "use FSDPEngine elsewhere")
         super().__init__(model_factory, optim, process_group=process_group, platform=platform,
-                         mixed_precision=mixed_precision, value_head=value_head)
+                         mixed_precision=mixed_precision, value_head=value_head, options=options)

@@ -1,0 +1,99 @@
+"""Padding-free micro-batches: the sequences of a micro-batch packed end to end in one row.
+
+Layout of one packed micro-batch of b sequences, N = their total length, R = the longest
+response: ``input_ids`` [1, N]; ``position_ids`` [1, N] restarting at 0 with each sequence;
+no attention mask; ``cu_seqlens`` [b + 1] the sequences' start offsets (int32) and
+``max_seqlen`` the longest. The response token j of sequence i (starting at offset o_i, prompt
+length p_i) is predicted by the logits at o_i + p_i + j - 1 (``logit_pos`` [b, R], row 0);
+``targets``/``mask`` as in microbatch.py.
+
+Attention must not cross sequences. Hugging Face models see it from the position ids: with no
+attention mask and no cache, ``transformers.masking_utils`` finds where positions restart
+(``find_packed_sequence_indices``) and builds a block-diagonal causal mask for the eager and
+SDPA kernels (the CPU path, tested against the padded path); flash-attention kernels take the
+cumulative lengths instead (``cu_seq_lens_*`` / ``max_length_*`` keyword arguments, which the
+engine passes for those kernels; not run here: no accelerator).
+
+Cost: no padding, but the eager and SDPA kernels still score an N x N block (masked), where
+the padded path scores b x L x L; flash kernels score only the blocks on the diagonal.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from asyncflow.engines.train.microbatch import MicroBatch, pad_right
+
+__all__ = ["build_packed_micro_batch", "check_packing_supported", "flash_kwargs", "plan_packed_micro_batches"]
+
+
+def check_packing_supported() -> None:
+    """Raise with the fix unless transformers builds packed-sequence masks from position ids."""
+    try:
+        from transformers import masking_utils
+    except ImportError as exc:
+        raise ValueError(f"model.padding_free needs transformers.masking_utils ({exc}); install "
+                         "transformers>=4.56 or set model.padding_free=false") from exc
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        raise ValueError("model.padding_free: this transformers does not detect packed sequences from position ids "
+                         "(masking_utils.find_packed_sequence_indices), so attention would cross sequences; "
+                         "upgrade transformers or set model.padding_free=false")
+
+
+def plan_packed_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most ``token_budget`` tokens in total
+    (a longer sequence gets one of its own): first fit, longest first, so few micro-batches.
+    Deterministic (ties keep input order); within a group, longest first."""
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        slot = next((g for g, room in enumerate(free) if lengths[i] <= room), None)
+        if slot is None:
+            groups.append([i])
+            free.append(token_budget - lengths[i])
+        else:
+            groups[slot].append(i)
+            free[slot] -= lengths[i]
+    return groups
+
+
+def build_packed_micro_batch(prompts: list[Tensor], responses: list[Tensor], indices: list[int],
+                             loss_masks: list[Tensor] | None = None) -> MicroBatch:
+    """Pack the sequences ``indices`` (prompt then response each) into one row; see the module
+    docstring. ``loss_masks`` as in microbatch.build_micro_batch."""
+    if not indices:
+        raise ValueError("a micro-batch needs at least one sequence")
+    seqs, plens, rlens = [], [], []
+    for i in indices:
+        p, r = prompts[i].long().cpu(), responses[i].long().cpu()
+        seqs.append(torch.cat([p, r]))
+        plens.append(p.numel())
+        rlens.append(r.numel())
+    lens = torch.tensor([s.numel() for s in seqs])
+    starts = torch.cumsum(lens, 0) - lens
+    input_ids = torch.cat(seqs)[None, :]
+    position_ids = torch.cat([torch.arange(n) for n in lens.tolist()])[None, :]
+    rwidth = max(max(rlens), 1)
+    rcols = torch.arange(rwidth)
+    mask = rcols[None, :] < torch.tensor(rlens)[:, None]
+    # Padded response slots point at the prompt's last position: valid, and masked out afterwards.
+    logit_pos = starts[:, None] + torch.tensor(plens)[:, None] - 1 + rcols[None, :] * mask
+    targets = input_ids[0][(logit_pos + 1).clamp(max=input_ids.shape[1] - 1)] * mask
+    if loss_masks is not None:
+        mask = mask & pad_right([loss_masks[i].to("cpu", torch.bool) for i in indices], rwidth, False)
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lens, 0).to(torch.int32)])
+    return MicroBatch(list(indices), input_ids, None, position_ids, logit_pos, targets, mask, rlens,
+                      packed=True, cu_seqlens=cu_seqlens, max_seqlen=int(lens.max()))
+
+
+def flash_kwargs(mb: MicroBatch, attn_implementation: str | None) -> dict[str, object]:
+    """The cumulative lengths flash-attention kernels take for a packed micro-batch (so that
+    they need not derive them from the position ids); none for other kernels or layouts."""
+    if not mb.packed or mb.cu_seqlens is None or "flash" not in (attn_implementation or ""):
+        return {}
+    return {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens,
+            "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}

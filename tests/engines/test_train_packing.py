@@ -1,0 +1,114 @@
+"""Padding-free micro-batches (packing.py): the layout, the plan, and that the packed path gives
+the padded path's log-probs, entropies, values and training step (one rank; the 2-rank run is in
+test_train_scale_dist.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncflow.engines.train import FSDPEngine, OptimConfig
+from asyncflow.engines.train.options import EngineOptions
+from asyncflow.engines.train.packing import build_packed_micro_batch, flash_kwargs, plan_packed_micro_batches
+from asyncflow.platform import get_platform
+from tests.engines._train_helpers import loss_masks_for, make_batch, ppo_loss, tiny_model, value_loss
+from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
+
+CPU = get_platform("cpu")
+PACKED = EngineOptions(padding_free=True)
+
+
+def test_plan_respects_the_budget_and_keeps_every_sequence_once():
+    lengths = [5, 9, 3, 30, 7, 7, 2, 12]
+    groups = plan_packed_micro_batches(lengths, 16)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert sum(lengths[i] for i in g) <= 16 or len(g) == 1
+    assert [3] in groups  # longer than the budget: alone
+    assert groups == [[3], [7, 2], [1, 4], [5, 0, 6]]  # 30 | 12+3 | 9+7 | 7+5+2: first fit, longest first
+    assert plan_packed_micro_batches(lengths, 16) == groups  # deterministic
+    with pytest.raises(ValueError, match="token_budget"):
+        plan_packed_micro_batches(lengths, 0)
+
+
+def test_packed_layout():
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
+    responses = [torch.tensor([7, 8]), torch.tensor([9, 10, 11]), torch.tensor([12])]
+    mb = build_packed_micro_batch(prompts, responses, [1, 0, 2])
+    assert mb.packed and mb.attention_mask is None
+    assert mb.input_ids.tolist() == [[4, 9, 10, 11, 1, 2, 3, 7, 8, 5, 6, 12]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2]]
+    assert mb.cu_seqlens.tolist() == [0, 4, 9, 12] and mb.cu_seqlens.dtype == torch.int32 and mb.max_seqlen == 5
+    assert mb.targets.tolist() == [[9, 10, 11], [7, 8, 0], [12, 0, 0]]
+    assert mb.mask.tolist() == [[True] * 3, [True, True, False], [True, False, False]]
+    flat = mb.input_ids[0]
+    for row, n in enumerate(mb.response_lens):  # each response token is predicted by its predecessor
+        assert flat[mb.logit_pos[row, :n] + 1].tolist() == mb.targets[row, :n].tolist()
+    assert flash_kwargs(mb, "flash_attention_2")["cu_seq_lens_q"] is mb.cu_seqlens
+    assert flash_kwargs(mb, "sdpa") == {} and flash_kwargs(mb, None) == {}
+
+
+def _model(attn: str):
+    def build():
+        model = tiny_model(seed=0)
+        model.set_attn_implementation(attn)
+        return model
+    return build
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packed_log_probs_and_entropy_equal_padded(attn):
+    prompts, responses, _ = make_batch(9, seed=4)
+    cfg = OptimConfig(lr=1e-3, micro_batch_tokens=40)
+    padded = FSDPEngine(_model(attn), cfg, platform=CPU)
+    packed = FSDPEngine(_model(attn), cfg, platform=CPU, options=PACKED)
+    want, want_ent = padded.compute_log_probs(prompts, responses, with_entropy=True)
+    got, got_ent = packed.compute_log_probs(prompts, responses, with_entropy=True)
+    for i in range(len(prompts)):
+        assert got[i].shape == responses[i].shape
+        assert (got[i] - want[i]).abs().max().item() <= 1e-5, i
+        assert (got_ent[i] - want_ent[i]).abs().max().item() <= 1e-5, i
+
+
+def test_the_check_can_fail_attention_across_sequences_changes_log_probs():
+    """Without the position ids restarting, HF sees one long sequence: the later sequences'
+    log-probs change, so the equality above is not trivially true."""
+    prompts, responses, _ = make_batch(3, seed=4)
+    engine = FSDPEngine(_model("eager"), OptimConfig(lr=1e-3), platform=CPU, options=PACKED)
+    mb = build_packed_micro_batch(prompts, responses, [0, 1, 2])
+    good, _ = engine._forward(mb, 1.0, False)
+    mb.position_ids = torch.arange(mb.input_ids.shape[1])[None, :]
+    crossed, _ = engine._forward(mb, 1.0, False)
+    assert (good[0] - crossed[0]).abs().max() < 1e-5  # the first sequence sees nothing before it
+    assert (good[1:] - crossed[1:]).abs().max() > 1e-3
+
+
+def test_packed_train_step_equals_padded_with_loss_masks():
+    prompts, responses, fields = make_batch(9, seed=5)
+    fields["loss_mask"] = loss_masks_for(responses, seed=5)
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2, micro_batch_tokens=30)
+    padded = FSDPEngine(lambda: tiny_model(seed=0), cfg, platform=CPU)
+    packed = FSDPEngine(lambda: tiny_model(seed=0), cfg, platform=CPU, options=PACKED)
+    a = padded.train_step(prompts, responses, fields, ppo_loss, with_entropy=True)
+    b = packed.train_step(prompts, responses, fields, ppo_loss, with_entropy=True)
+    assert b["n_micro_batches"] < a["n_micro_batches"]  # packing fits more sequences per budget
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert b["tokens"] == a["tokens"]
+    sa, sb = padded.full_state_dict(), packed.full_state_dict()
+    assert max((sa[k] - sb[k]).abs().max().item() for k in sa) <= 1e-6
+
+
+def test_packed_critic_values_and_step_equal_padded():
+    prompts, responses, _ = make_batch(7, seed=6)
+    fields = {"returns": [torch.randn(r.shape) for r in responses]}
+    cfg = OptimConfig(lr=1e-3, micro_batch_tokens=30)
+    torch.manual_seed(1)
+    padded = FSDPEngine(lambda: tiny_model(seed=0), cfg, platform=CPU, value_head=True)
+    torch.manual_seed(1)  # the same fresh value head
+    packed = FSDPEngine(lambda: tiny_model(seed=0), cfg, platform=CPU, value_head=True, options=PACKED)
+    want, got = padded.compute_values(prompts, responses), packed.compute_values(prompts, responses)
+    assert all((g - w).abs().max().item() <= 1e-5 for g, w in zip(got, want))
+    a = padded.train_step(prompts, responses, fields, value_loss)
+    b = packed.train_step(prompts, responses, fields, value_loss)
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
