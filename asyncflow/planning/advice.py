@@ -30,9 +30,9 @@ def _largest(fits: Callable[[int], bool], high: int) -> int:
     return best
 
 
-def _training_bytes(x: PlanInputs, train: TrainSettings, shard: int) -> int:
+def _training_bytes(x: PlanInputs, c: Candidate, train: TrainSettings, shard: int) -> int:
     roles = [actor_memory(x.shape, x.params, train, shard)]
-    if x.placement.reference == "actor" or (x.placement.reference != "none" and x.placement.mode == "colocated"):
+    if x.placement.reference == "actor" or (x.placement.reference != "none" and c.placement == "colocated"):
         roles.append(reference_memory(x.shape, x.params, train, shard))
     return device_bytes(roles)
 
@@ -46,22 +46,26 @@ def _rollout_bytes(x: PlanInputs, rollout: RolloutSettings, c: Candidate) -> int
 
 def _training_advice(x: PlanInputs, c: Candidate, budget: int) -> list[str]:
     t, shard = x.train, c.fsdp_size
-    need = _training_bytes(x, t, shard)
+    need = _training_bytes(x, c, t, shard)
     if need <= budget:
         return []
     out = [f"training side needs {_gib(need)} per device, {_gib(need - budget)} over: change one of"]
     if not t.activation_checkpointing:
-        with_ckpt = _training_bytes(x, replace(t, activation_checkpointing=True), shard)
+        with_ckpt = _training_bytes(x, c, replace(t, activation_checkpointing=True), shard)
         out.append(f"  --activation-checkpointing (needs {_gib(with_ckpt)})")
-    tokens = _largest(lambda v: _training_bytes(x, replace(t, micro_batch_tokens=v), shard) <= budget,
+    tokens = _largest(lambda v: _training_bytes(x, c, replace(t, micro_batch_tokens=v), shard) <= budget,
                       t.micro_batch_tokens)
     if tokens:
         out.append(f"  --micro-batch-tokens {tokens} or less (now {t.micro_batch_tokens})")
     if not t.optimizer_offload:
-        offloaded = _training_bytes(x, replace(t, optimizer_offload=True), shard)
+        offloaded = _training_bytes(x, c, replace(t, optimizer_offload=True), shard)
         out.append(f"  --optimizer-offload (needs {_gib(offloaded)}; master and moments in host memory)")
-    most = x.hardware.count if c.placement == "colocated" else x.hardware.count - x.rollout.tensor_parallel
-    wider = next((s for s in range(shard + 1, most + 1) if _training_bytes(x, t, s) <= budget), None)
+    n = x.hardware.count
+    # colocated: a shard size that divides the devices; disaggregated: training devices that leave
+    # at least one rollout instance
+    sizes = [s for s in range(shard + 1, n + 1) if n % s == 0] if c.placement == "colocated" \
+        else range(shard + 1, n - x.rollout.tp + 1)
+    wider = next((s for s in sizes if _training_bytes(x, c, t, s) <= budget), None)
     if wider is not None:
         out.append(f"  shard the training state over {wider} devices or more (now {shard}): "
                    + ("--fsdp-size / --devices" if c.placement == "colocated"
@@ -83,7 +87,7 @@ def _rollout_advice(x: PlanInputs, c: Candidate, budget: int) -> list[str]:
     context = _largest(lambda v: _rollout_bytes(x, replace(r, context_length=v), c) <= budget, r.context_length)
     if context:
         out.append(f"  --context-length {context} or less (now {r.context_length})")
-    for tp in range(r.tensor_parallel + 1, x.hardware.count + 1):
+    for tp in range(r.tensor_parallel + 1, min(x.hardware.count, x.hardware.devices_per_node) + 1):
         wider = replace(r, tensor_parallel=tp)
         try:
             check_parallelism(x.shape, wider, x.hardware.count)
@@ -93,7 +97,7 @@ def _rollout_advice(x: PlanInputs, c: Candidate, budget: int) -> list[str]:
             out.append(f"  --tensor-parallel {tp} (now {r.tensor_parallel})")
             break
     if len(out) == 1:
-        out.append("  more memory per device: the weights alone do not fit at any tensor-parallel size")
+        out.append("  more memory per device: no tensor-parallel size within a node is enough")
     return out
 
 

@@ -96,8 +96,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
     memory, tflops, bandwidth = PRESETS[args.device]
     hardware = Hardware(count=args.devices, name=args.device, reserved_gib=args.reserved_gb,
                         devices_per_node=args.devices_per_node,
-                        memory_gib=args.device_memory_gb or memory, peak_tflops=args.peak_tflops or tflops,
-                        bandwidth_tbs=args.memory_bandwidth_tbs or bandwidth)
+                        memory_gib=memory if args.device_memory_gb is None else args.device_memory_gb,
+                        peak_tflops=tflops if args.peak_tflops is None else args.peak_tflops,
+                        bandwidth_tbs=bandwidth if args.memory_bandwidth_tbs is None else args.memory_bandwidth_tbs)
     inputs = PlanInputs(
         shape=shape, params=count_params(shape), hardware=hardware,
         train=TrainSettings(param_dtype=args.param_dtype, grad_dtype=args.grad_dtype, master_dtype=args.master_dtype,

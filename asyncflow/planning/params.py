@@ -39,8 +39,8 @@ def _biases(model_type: str, cfg: dict[str, Any], source: str) -> AttentionBiase
                                mlp_bias=bool(cfg.get("mlp_bias", False)))
     if model_type == "mistral":
         return AttentionBiases(qkv_bias=False, o_bias=False, qk_norm=False)
-    raise PlanInputError(f"{source}: model_type {model_type!r} is not a dense architecture the planner counts; supported: "
-                         "qwen2, qwen3, llama, mistral (mixture-of-experts models are not supported)")
+    raise PlanInputError(f"{source}: model_type {model_type!r} is not a dense architecture the planner counts; "
+                         "supported: qwen2, qwen3, llama, mistral (mixture-of-experts models are not supported)")
 
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")

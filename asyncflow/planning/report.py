@@ -104,7 +104,8 @@ def plan_text(plan: Plan, top: int = 10) -> str:
 
 
 def _candidate_dict(c: Candidate) -> dict[str, Any]:
-    return {"placement": c.placement, "tensor_parallel": c.tensor_parallel, "rollout_devices": c.rollout_devices, "train_devices": c.train_devices,
+    return {"placement": c.placement, "tensor_parallel": c.tensor_parallel, "rollout_devices": c.rollout_devices,
+            "train_devices": c.train_devices,
             "fsdp_size": c.fsdp_size, "fits": c.fits, "times_s": asdict(c.times),
             "bytes_per_device": dict(c.side_bytes), "usable_bytes": c.usable_bytes,
             "roles": {side: [{**asdict(r), "total": r.total} for r in roles] for side, roles in c.sides.items()}}

@@ -150,7 +150,8 @@ def colocated(x: PlanInputs) -> Candidate | None:
     rollout_s = costs.rollout_seconds(x.shape, x.params, x.rollout, x.work, x.hardware, x.cost, n)
     train_s = costs.train_seconds(x.params, x.train, x.work, x.hardware, x.cost, n) + ref_s
     times = StepTimes(rollout_s, train_s, 0.0, switch_s, rollout_s + train_s + switch_s)
-    return Candidate("colocated", x.rollout.tensor_parallel, n, n, fsdp, {"all": roles}, {"all": need}, times, x.hardware.usable_bytes)
+    return Candidate("colocated", x.rollout.tensor_parallel, n, n, fsdp, {"all": roles}, {"all": need}, times,
+                     x.hardware.usable_bytes)
 
 
 def _for_tensor_parallel(x: PlanInputs) -> list[Candidate | None]:

@@ -56,6 +56,7 @@ def test_placement_both_lists_colocated(qwen7b, capsys):
     (["--rollout-devices", "8"], ["rollout_devices 8"]),
     (["--tensor-parallel", "3"], ["tensor_parallel 3 does not divide num_attention_heads 28"]),
     (["--train-mfu", "1.5"], ["train_mfu"]),
+    (["--device-memory-gb", "0"], ["device memory", "must be > 0"]),
 ])
 def test_bad_flags_exit_2(qwen7b, capsys, argv, words):
     assert main(["plan", qwen7b, *argv]) == 2

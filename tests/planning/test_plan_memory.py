@@ -52,7 +52,8 @@ def test_reference_is_weights_and_a_forward():
 def test_rollout_weights_kv_and_activations():
     shape, params = small()
     assert kv_bytes_per_token(shape, "bf16") == 2 * 2 * 1 * 4 * 2  # K and V, 2 layers, 1 KV head of 4, bf16
-    mem = rollout_memory(shape, params, RolloutSettings(tensor_parallel=1, max_running_rows=3, context_length=5, prefill_tokens=7))
+    settings = RolloutSettings(tensor_parallel=1, max_running_rows=3, context_length=5, prefill_tokens=7)
+    mem = rollout_memory(shape, params, settings)
     assert mem.weights == P * 2
     assert mem.kv_cache == 3 * 5 * 32
     # 7 prefill tokens x (2*8 + 8 + 2*4 + 2*16) bf16, and 3 rows x 100 vocab fp32 logits

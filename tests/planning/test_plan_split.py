@@ -153,3 +153,20 @@ def test_reference_adds_its_forward_and_weights_where_it_sits(side, chosen, step
     # its bf16 weights sharded over the devices of its side (6 rollout or 3 training), plus the gather buffer
     ref = plan.chosen.sides["rollout" if side == "rollout" else "training"][1]
     assert ref.weights == math.ceil(SMALL_PARAMS * 2 / (6 if side == "rollout" else 3)) + 3200
+
+
+def test_colocated_advice():
+    # colocated at FSDP 8, 10 micro-batch tokens without checkpointing. Actor: 706 + 3200 weights,
+    # 1412 gradients, 4236 optimizer, 2 * 120 * 10 * 2 + 10000 = 14800 activations (24354 in all);
+    # rollout: 5648 weights + 480 KV cache + 2096 activations. Every role at once: 15682 + 14800 = 30482.
+    no_ckpt = TrainSettings(micro_batch_tokens=10, activation_checkpointing=False)
+    x = inputs(usable_bytes=27000, train=no_ckpt, placement=PlacementRequest(mode="colocated", offload_idle=False))
+    plan = make_plan(x)
+    assert plan.chosen is None and plan.shown.side_bytes == {"all": 30482}
+    assert len(plan.advice) == 1 and "--offload-idle" in plan.advice[0]  # each side alone fits
+    offloaded = make_plan(replace(x, placement=PlacementRequest(mode="colocated")))
+    assert offloaded.chosen.side_bytes == {"all": 24354}  # the training phase, the larger one
+    # 20000 usable: activations are 1480 bytes per token over 9554 persistent, so 7 tokens fit
+    text = "\n".join(make_plan(replace(x, hardware=replace(x.hardware, memory_gib=20000 / GIB)),).advice)
+    assert "--micro-batch-tokens 7 or less (now 10)" in text and "--activation-checkpointing" in text
+    assert "shard" not in text  # FSDP already spans all 8 devices
