@@ -90,3 +90,34 @@ def test_tiny_model_is_the_built_in_shape():
     # hidden 128, 2 layers, 4 heads of 32, 2 KV heads, FFN 512, 53-token vocabulary, tied
     layer = (128 * 128 + 128) + 2 * (128 * 64 + 64) + 128 * 128 + 3 * 128 * 512 + 2 * 128
     assert count.total == 53 * 128 + 2 * layer + 128
+
+
+@pytest.mark.parametrize("config, published", [
+    # Qwen2.5-0.5B: tied embeddings (0.49B on its model card; 494,032,768 loaded in transformers)
+    ({"model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896, "intermediate_size": 4864,
+      "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
+     494_032_768),
+    # Llama-3-8B: no biases, untied (8,030,261,248 loaded in transformers)
+    ({"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+      "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False},
+     8_030_261_248),
+])
+def test_other_known_counts(config, published):
+    assert count_params(ModelShape.from_config(config)).total == published
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("qwen2", {}), ("qwen2", {"tie_word_embeddings": True}), ("qwen3", {"head_dim": 16}),
+    ("qwen3", {"attention_bias": True}), ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("mistral", {"head_dim": 16}),
+])
+def test_count_equals_transformers_on_the_meta_device(model_type, extra):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(
+        model_type, num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=100, **{"tie_word_embeddings": False, **extra})
+    with torch.device("meta"):  # shapes only, no memory
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    expected = sum(p.numel() for p in model.parameters())  # tied weights are one Parameter, counted once
+    assert count_params(ModelShape.from_config(config.to_dict())).total == expected
