@@ -21,70 +21,82 @@ __all__ = ["add_arguments", "build_plan", "run"]
 _ON_OFF = argparse.BooleanOptionalAction
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except None (a flag that is off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _DefaultsShown
     T, R, W, C = TrainSettings, RolloutSettings, Workload, CostAssumptions  # defaults come from the dataclasses
     parser.add_argument("model", nargs="?", default=None,
-                        help="a model's config.json or its directory (default: the built-in tiny model)")
+                        help="a model's config.json or its directory (none: the built-in tiny model)")
     dev = parser.add_argument_group("devices")
-    dev.add_argument("--devices", type=int, default=8, help="accelerators in the run (default 8)")
+    dev.add_argument("--devices", type=int, default=8, help="accelerators in the run")
     dev.add_argument("--device", choices=sorted(PRESETS), default="h100",
-                     help="preset for the three figures below (default h100; see docs/plan.md for sources)")
-    dev.add_argument("--device-memory-gb", type=float, help="memory per device in GiB (preset: h100 80, 910b 64)")
+                     help="preset for the three figures below (sources in docs/plan.md)")
+    dev.add_argument("--device-memory-gb", type=float,
+                     help="memory per device in GiB (preset: h100 80, a100 80, 910b 64)")
     dev.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (preset)")
     dev.add_argument("--memory-bandwidth-tbs", type=float, help="device memory bandwidth, TB/s (preset)")
     dev.add_argument("--devices-per-node", type=int, default=Hardware.devices_per_node,
-                     help="a rollout instance's tensor parallelism stays within a node (default 8)")
+                     help="a rollout instance's tensor parallelism stays within a node")
     dev.add_argument("--reserved-gb", type=float, default=Hardware.reserved_gib,
-                     help="GiB per device kept for the runtime, collective buffers, fragmentation (default 4)")
+                     help="GiB per device kept for the runtime, collective buffers, fragmentation")
     place = parser.add_argument_group("placement")
     place.add_argument("--placement", choices=PLACEMENTS, default=PlacementRequest.mode,
-                       help="colocated, disaggregated (default), or both to compare them")
+                       help="colocated, disaggregated, or both to compare them")
     place.add_argument("--rollout-devices", type=int, help="disaggregated: a fixed number of rollout devices "
-                                                           "(default: try every split)")
+                                                           "(none: try every split)")
     place.add_argument("--reference", choices=REFERENCE_SIDES, default=PlacementRequest.reference,
                        help="a reference model for the KL term, on the actor's or the rollout's devices")
     place.add_argument("--offload-idle", action=_ON_OFF, default=PlacementRequest.offload_idle,
-                       help="colocated: the idle side's state waits in host memory (default on)")
+                       help="colocated: the idle side's state waits in host memory")
     train = parser.add_argument_group("training (the actor, FSDP over the training devices)")
     dtypes = sorted(DTYPE_BYTES)
-    train.add_argument("--param-dtype", choices=dtypes, default=T.param_dtype)
-    train.add_argument("--grad-dtype", choices=dtypes, default=T.grad_dtype)
+    train.add_argument("--param-dtype", choices=dtypes, default=T.param_dtype, help="parameters on the device")
+    train.add_argument("--grad-dtype", choices=dtypes, default=T.grad_dtype, help="gradients")
     train.add_argument("--master-dtype", choices=[*dtypes, "none"], default=T.master_dtype,
                        help="fp32 master copy of bf16 parameters (none: the parameters are the master)")
     train.add_argument("--optimizer-dtype", choices=dtypes, default=T.optimizer_dtype, help="AdamW's two moments")
     train.add_argument("--fsdp-size", type=int, default=T.fsdp_size,
-                       help="devices one copy is sharded over (default 0: all training devices)")
+                       help="devices one copy is sharded over (0: all training devices)")
     train.add_argument("--optimizer-offload", action=_ON_OFF, default=T.optimizer_offload,
-                       help="master copy and moments in host memory (default off)")
+                       help="master copy and moments in host memory")
     train.add_argument("--activation-checkpointing", action=_ON_OFF, default=T.activation_checkpointing,
-                       help="keep only each layer's input for backward (default on)")
-    train.add_argument("--micro-batch-tokens", type=int, default=T.micro_batch_tokens)
-    train.add_argument("--ppo-epochs", type=int, default=T.ppo_epochs)
+                       help="keep only each layer's input for backward")
+    train.add_argument("--micro-batch-tokens", type=int, default=T.micro_batch_tokens,
+                       help="tokens per forward/backward on one device")
+    train.add_argument("--ppo-epochs", type=int, default=T.ppo_epochs, help="passes over a step's samples")
     roll = parser.add_argument_group("rollout")
     roll.add_argument("--rollout-dtype", choices=dtypes, default=R.dtype, help="weights and KV cache")
     roll.add_argument("--tensor-parallel", type=int, default=R.tensor_parallel,
-                      help="devices per rollout instance (default 0: try each size that divides the heads, "
-                           "within a node)")
+                      help="devices per rollout instance (0: try each size that divides the heads, within a node)")
     roll.add_argument("--max-running-rows", type=int, default=R.max_running_rows,
                       help="rows an instance decodes together")
     roll.add_argument("--context-length", type=int, default=R.context_length,
                       help="KV positions per row: prompt + max new tokens")
-    roll.add_argument("--prefill-tokens", type=int, default=R.prefill_tokens)
+    roll.add_argument("--prefill-tokens", type=int, default=R.prefill_tokens, help="prompt tokens prefilled per step")
     work = parser.add_argument_group("one RL step (means)")
-    work.add_argument("--prompts-per-step", type=int, default=W.prompts_per_step)
-    work.add_argument("--responses-per-prompt", type=int, default=W.responses_per_prompt)
-    work.add_argument("--prompt-tokens", type=int, default=W.prompt_tokens)
-    work.add_argument("--response-tokens", type=int, default=W.response_tokens)
+    work.add_argument("--prompts-per-step", type=int, default=W.prompts_per_step, help="prompts per RL step")
+    work.add_argument("--responses-per-prompt", type=int, default=W.responses_per_prompt,
+                      help="the GRPO group (rollout.n)")
+    work.add_argument("--prompt-tokens", type=int, default=W.prompt_tokens, help="mean prompt length")
+    work.add_argument("--response-tokens", type=int, default=W.response_tokens, help="mean response length")
     cost = parser.add_argument_group("cost model (assumptions; measured rates replace the derived ones)")
-    cost.add_argument("--train-mfu", type=float, default=C.train_mfu)
-    cost.add_argument("--bandwidth-efficiency", type=float, default=C.bandwidth_efficiency)
+    cost.add_argument("--train-mfu", type=float, default=C.train_mfu,
+                      help="achieved / peak FLOP/s, training and prefill")
+    cost.add_argument("--bandwidth-efficiency", type=float, default=C.bandwidth_efficiency,
+                      help="achieved / peak memory bandwidth in decode")
     cost.add_argument("--sync-gbs", type=float, default=C.sync_gbs, help="weight sync bandwidth, GB/s")
     cost.add_argument("--host-gbs", type=float, default=C.host_gbs, help="device <-> host, GB/s per device")
     cost.add_argument("--rollout-tokens-per-s", type=float, help="measured generated tokens/s per rollout device")
     cost.add_argument("--train-tokens-per-s", type=float, help="measured trained tokens/s per training device")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
-    out.add_argument("--top", type=int, default=10, help="candidates listed in the text report (default 10)")
+    out.add_argument("--top", type=int, default=10, help="candidates listed in the text report")
 
 
 def build_plan(args: argparse.Namespace) -> Plan:

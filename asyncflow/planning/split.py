@@ -106,7 +106,7 @@ def disaggregated(x: PlanInputs, rollout_devices: int) -> Candidate | None:
     """The split with ``rollout_devices``; None when FSDP's shard size does not divide the rest."""
     train_devices = x.hardware.count - rollout_devices
     fsdp = x.train.fsdp_size or train_devices
-    if train_devices < 1 or train_devices % fsdp or rollout_devices % x.rollout.tensor_parallel:
+    if train_devices < 1 or train_devices % fsdp or rollout_devices % x.rollout.tp:
         return None
     ref_side = x.placement.reference
     training = [actor_memory(x.shape, x.params, x.train, fsdp), *(_reference(x, fsdp) if ref_side == "actor" else [])]
@@ -131,7 +131,7 @@ def colocated(x: PlanInputs) -> Candidate | None:
     and FSDP groups."""
     n = x.hardware.count
     fsdp = x.train.fsdp_size or n
-    if n % fsdp or n % x.rollout.tensor_parallel:
+    if n % fsdp or n % x.rollout.tp:
         return None
     actor = actor_memory(x.shape, x.params, x.train, fsdp)
     rollout = rollout_memory(x.shape, x.params, x.rollout)
@@ -155,7 +155,7 @@ def colocated(x: PlanInputs) -> Candidate | None:
 
 
 def _for_tensor_parallel(x: PlanInputs) -> list[Candidate | None]:
-    request, n, tp = x.placement, x.hardware.count, x.rollout.tensor_parallel
+    request, n = x.placement, x.hardware.count
     found = [colocated(x)] if request.mode in ("colocated", "both") else []
     if request.mode in ("disaggregated", "both"):
         if request.rollout_devices is not None:
