@@ -57,9 +57,13 @@ def _training_advice(x: PlanInputs, c: Candidate, budget: int) -> list[str]:
                       t.micro_batch_tokens)
     if tokens:
         out.append(f"  --micro-batch-tokens {tokens} or less (now {t.micro_batch_tokens})")
-    if not t.optimizer_offload:
+    if not t.optimizer_offload and not t.cpu_offload:
         offloaded = _training_bytes(x, c, replace(t, optimizer_offload=True), shard)
         out.append(f"  --optimizer-offload (needs {_gib(offloaded)}; master and moments in host memory)")
+    if not t.cpu_offload:
+        offloaded = _training_bytes(x, c, replace(t, cpu_offload=True), shard)
+        out.append(f"  --cpu-offload (needs {_gib(offloaded)}; shards, gradients and optimizer state in host "
+                   "memory, the optimizer step on the host)")
     n = x.hardware.count
     # colocated: a shard size that divides the devices; disaggregated: training devices that leave
     # at least one rollout instance

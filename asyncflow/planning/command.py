@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="devices one copy is sharded over (0: all training devices)")
     train.add_argument("--optimizer-offload", action=_ON_OFF, default=T.optimizer_offload,
                        help="master copy and moments in host memory")
+    train.add_argument("--cpu-offload", action=_ON_OFF, default=T.cpu_offload,
+                       help="FSDP2 CPUOffloadPolicy (model.cpu_offload): shards, gradients and optimizer state "
+                            "in host memory")
     train.add_argument("--activation-checkpointing", action=_ON_OFF, default=T.activation_checkpointing,
                        help="keep only each layer's input for backward")
     train.add_argument("--micro-batch-tokens", type=int, default=T.micro_batch_tokens,
@@ -115,7 +118,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         shape=shape, params=count_params(shape), hardware=hardware,
         train=TrainSettings(param_dtype=args.param_dtype, grad_dtype=args.grad_dtype, master_dtype=args.master_dtype,
                             optimizer_dtype=args.optimizer_dtype, fsdp_size=args.fsdp_size,
-                            optimizer_offload=args.optimizer_offload,
+                            optimizer_offload=args.optimizer_offload, cpu_offload=args.cpu_offload,
                             activation_checkpointing=args.activation_checkpointing,
                             micro_batch_tokens=args.micro_batch_tokens, ppo_epochs=args.ppo_epochs),
         rollout=RolloutSettings(dtype=args.rollout_dtype, tensor_parallel=args.tensor_parallel,

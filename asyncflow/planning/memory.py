@@ -51,10 +51,11 @@ def layer_saved_elements(shape: ModelShape) -> int:
     return 4 * h + 2 * shape.q_dim + 2 * shape.kv_dim + 4 * i
 
 
-def _gather_buffer(params: ParamCount, shard: int) -> int:
+def _gather_buffer(params: ParamCount, shard: int, from_host: bool = False) -> int:
     """Sharded FSDP gathers one unit for compute and prefetches the next: two of the largest
-    units, in the compute dtype. Unsharded (one device) there is nothing to gather."""
-    return 0 if shard == 1 else 2 * params.largest_unit * ACTIVATION_BYTES
+    units, in the compute dtype. Unsharded (one device) there is nothing to gather, unless the
+    parameters live in host memory and are copied in unit by unit."""
+    return 0 if shard == 1 and not from_host else 2 * params.largest_unit * ACTIVATION_BYTES
 
 
 def actor_memory(shape: ModelShape, params: ParamCount, train: TrainSettings, shard: int) -> RoleMemory:
@@ -67,12 +68,17 @@ def actor_memory(shape: ModelShape, params: ParamCount, train: TrainSettings, sh
         layers = shape.num_layers * tokens * shape.hidden_size * ACTIVATION_BYTES + per_layer
     else:
         layers = shape.num_layers * per_layer
+    activations = layers + tokens * shape.vocab_size * LOGIT_BYTES
+    if train.cpu_offload:  # FSDP2's CPUOffloadPolicy: shards, gradients and optimizer state in host memory
+        host = math.ceil(n * b["param"] / shard) + math.ceil(n * b["grad"] / shard) + optimizer_state
+        return RoleMemory(role="actor", weights=_gather_buffer(params, shard, from_host=True),
+                          activations=activations, host=host)
     return RoleMemory(
         role="actor",
         weights=math.ceil(n * b["param"] / shard) + _gather_buffer(params, shard),
         gradients=math.ceil(n * b["grad"] / shard),
         optimizer=0 if train.optimizer_offload else optimizer_state,
-        activations=layers + tokens * shape.vocab_size * LOGIT_BYTES,
+        activations=activations,
         host=optimizer_state if train.optimizer_offload else 0,
     )
 

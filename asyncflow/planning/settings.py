@@ -39,6 +39,10 @@ class TrainSettings:
     optimizer_dtype: str = "fp32"  # AdamW's two moments
     fsdp_size: int = 0  # devices one copy is sharded over; 0: all training devices
     optimizer_offload: bool = False  # master copy and moments in host memory
+    # FSDP2's CPUOffloadPolicy (model.cpu_offload): parameter shards, gradients and optimizer state
+    # in host memory, units copied in for compute (the optimizer step runs on the host: slower,
+    # which the cost model does not charge)
+    cpu_offload: bool = False
     activation_checkpointing: bool = True  # keep each layer's input, recompute the rest in backward
     micro_batch_tokens: int = 8192  # tokens per forward/backward on one device (optim.micro_batch_tokens)
     ppo_epochs: int = 1  # passes of the update over a step's samples

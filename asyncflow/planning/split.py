@@ -142,7 +142,8 @@ def colocated(x: PlanInputs) -> Candidate | None:
         # the training side's sharded weights (not the transient gather buffer), optimizer state and
         # reference weights, and the rollout's weights; the KV cache is freed, not copied
         shard_bytes = math.ceil(x.params.total * x.train.bytes_per_param()["param"] / fsdp)
-        moved = shard_bytes * (1 + len(ref)) + actor.optimizer + rollout.weights
+        actor_shard = 0 if x.train.cpu_offload else shard_bytes  # already in host memory
+        moved = actor_shard + shard_bytes * len(ref) + actor.optimizer + rollout.weights
         switch_s = 2 * moved / (x.cost.host_gbs * 1e9)  # out and back in, once per step
     else:
         need, switch_s = device_bytes(roles), 0.0

@@ -37,6 +37,11 @@ def test_actor_without_checkpointing_offloaded_and_unsharded():
     assert (offload.optimizer, offload.host) == (0, P * 12 // 2)
     alone = actor_memory(shape, params, TrainSettings(micro_batch_tokens=10), 1)
     assert alone.weights == P * 2  # nothing to gather on one device
+    cpu = actor_memory(shape, params, TrainSettings(micro_batch_tokens=10, cpu_offload=True), 2)
+    # only the two gathered units are on the device; shards (2824), fp32 gradients (5648), optimizer (16944)
+    # in host memory
+    assert (cpu.weights, cpu.gradients, cpu.optimizer, cpu.host) == (GATHER, 0, 0, 2824 + 5648 + 16944)
+    assert actor_memory(shape, params, TrainSettings(cpu_offload=True), 1).weights == GATHER  # copied in unit by unit
     engine = TrainSettings(param_dtype="fp32", master_dtype="none")  # the FSDP2 engine's layout: 16 B/param
     one = actor_memory(shape, params, engine, 1)
     assert one.weights + one.gradients + one.optimizer == 16 * P

@@ -59,9 +59,13 @@ def test_colocated_is_the_sum_and_both_compares():
     assert make_plan(x).chosen.placement == "colocated"
     # offload: the actor's bf16 weight shard (2824 * 2 / 8 = 706) and optimizer state (2824 * 12 / 8 = 4236)
     # at FSDP 8, and the rollout's weights (5648), go to host and back once per step, at 2824 bytes/s
-    offload = colocated(inputs(placement=PlacementRequest(mode="colocated"), cost=CostAssumptions(
-        rollout_tokens_per_s=1000, train_tokens_per_s=3000, host_gbs=SMALL_PARAMS / 1e9)))
+    offload_inputs = inputs(placement=PlacementRequest(mode="colocated"), cost=CostAssumptions(
+        rollout_tokens_per_s=1000, train_tokens_per_s=3000, host_gbs=SMALL_PARAMS / 1e9))
+    offload = colocated(offload_inputs)
     assert offload.times.switch_s == pytest.approx(2 * (706 + 4236 + 5648) / SMALL_PARAMS)
+    # with --cpu-offload the training state lives in host memory already: only the rollout's weights move
+    host = colocated(replace(offload_inputs, train=TrainSettings(micro_batch_tokens=10, cpu_offload=True)))
+    assert host.times.switch_s == pytest.approx(2 * 5648 / SMALL_PARAMS)
 
 
 def test_fixed_split_and_invalid_splits():
@@ -105,6 +109,9 @@ def test_training_advice_for_qwen_7b_on_one_training_device():
     # = 86.4 GB = 80.5 GiB > 76 usable; at FSDP 3: 63.7 GiB fits.
     assert "--micro-batch-tokens" not in text and "--activation-checkpointing" not in text
     assert "--optimizer-offload" in text and "shard the training state over 3 devices or more" in text
+    # with everything in host memory one device holds the two gathered 545 M-parameter units in bf16
+    # (2.0 GiB) and 14.6 GiB of activations
+    assert "--cpu-offload (needs 16.7 GiB;" in text
 
 
 @pytest.mark.parametrize("config, sizes", [
@@ -169,4 +176,5 @@ def test_colocated_advice():
     # 20000 usable: activations are 1480 bytes per token over 9554 persistent, so 7 tokens fit
     text = "\n".join(make_plan(replace(x, hardware=replace(x.hardware, memory_gib=20000 / GIB)),).advice)
     assert "--micro-batch-tokens 7 or less (now 10)" in text and "--activation-checkpointing" in text
-    assert "shard" not in text  # FSDP already spans all 8 devices
+    assert "shard the training state" not in text  # FSDP already spans all 8 devices
+    assert "--cpu-offload" in text
