@@ -38,6 +38,11 @@ def _scale_scenarios(rank: int, group, workdir: Path) -> dict:
         "counts": engine.load_counts,
     }
     del engine, model
+    try:  # a checkpoint without one tensor: every rank raises (none is left waiting in a broadcast)
+        FSDPEngine(PretrainedModel(str(workdir / "broken")), OptimConfig(lr=1e-3), process_group=group, platform=cpu)
+        out["broken"] = "no error"
+    except KeyError as exc:
+        out["broken"] = str(exc)
 
     batch = split_batch(*loss_mask_batch(), RANK_SHARES[rank])
     cfg = OptimConfig(lr=1e-3, warmup_steps=2, micro_batch_tokens=SCALE_BUDGET)

@@ -20,6 +20,9 @@ WORLD = 2
 def results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("scale")
     tiny_model(seed=3).save_pretrained(workdir / "ckpt", max_shard_size="20KB")  # several files + an index
+    broken = tiny_model(seed=3)
+    broken.model.norm.weight = None  # saved without it
+    broken.save_pretrained(workdir / "broken")
     save_reward_model(workdir / "rm")
     return workdir, spawn_ranks(scale_child, WORLD, workdir, timeout=300)
 
@@ -46,6 +49,12 @@ def test_each_rank_holds_only_its_rows_of_the_checkpoint(results):
     state = res[0]["pretrained"]["state"]
     want = tiny_model(seed=3).state_dict()
     assert set(state) == set(want) and all(torch.equal(state[k], want[k]) for k in want)
+
+
+def test_a_tensor_missing_from_the_checkpoint_fails_on_every_rank(results):
+    workdir, res = results
+    assert "'model.norm.weight'" in res[0]["broken"] and str(workdir / "broken") in res[0]["broken"], res[0]["broken"]
+    assert "rank 1" in res[1]["broken"] and "first rank found no weights for 1 tensors" in res[1]["broken"], res[1]["broken"]
 
 
 def _one_rank_padded():
