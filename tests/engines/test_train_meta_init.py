@@ -48,6 +48,11 @@ def test_parameters_on_meta_keeps_buffers_and_ties_and_restores_torch():
     assert tensor_names(model)["model.embed_tokens.weight"] == ["model.embed_tokens.weight", "lm_head.weight"]
     real = nn.Linear(2, 2)  # outside the context: real again
     assert real.weight.device.type == "cpu"
+    with parameters_on_meta():  # nested: the inner one restores the outer's patch
+        with parameters_on_meta():
+            inner = nn.Linear(2, 2)
+        outer = nn.Linear(2, 2)
+    assert inner.weight.is_meta and outer.weight.is_meta and nn.Module.register_parameter is register
 
 
 def test_shard_rows_of_a_plain_tensor_is_everything():

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 __all__ = ["WeightReader", "fill", "materialize", "parameters_on_meta", "real_tensors", "shard_rows", "tensor_names"]
 
-_patch_lock = threading.Lock()
+_patch_lock = threading.RLock()  # reentrant: a build inside a build restores what it found
+_PATCH_WAIT_S = 600.0  # another thread's build of a large model may take minutes
 
 
 @contextlib.contextmanager
@@ -37,19 +38,23 @@ def parameters_on_meta() -> Iterator[None]:
 
     It patches ``nn.Module.register_parameter`` for the duration, process-wide: build nothing
     else on another thread meanwhile (a lock keeps two builds of this kind apart)."""
-    original = nn.Module.register_parameter
-
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
             param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
-    with _patch_lock:
+    if not _patch_lock.acquire(timeout=_PATCH_WAIT_S):
+        raise TimeoutError(f"parameters_on_meta: another thread has been building a model on the meta device for "
+                           f"over {_PATCH_WAIT_S:.0f} s")
+    try:
+        original = nn.Module.register_parameter  # (inside the lock: what an enclosing build installed)
         nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
         try:
             yield
         finally:
             nn.Module.register_parameter = original  # type: ignore[method-assign]
+    finally:
+        _patch_lock.release()
 
 
 class WeightReader(Protocol):
