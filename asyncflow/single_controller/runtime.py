@@ -101,6 +101,10 @@ class RuntimeConfig:
     # Also take calls on a Unix socket, which a driver on the same host uses instead of TCP
     # loopback (measured ~5% off a small call's round trip); other nodes use TCP.
     local_ipc: bool = True
+    # False: this rank makes no torch.distributed groups (its workers see None for every group
+    # and run no collectives), so many ranks can share one process: the simulated ranks of
+    # asyncflow.simulation, which serve the real calls without a device or a process group.
+    collectives: bool = True
 
 
 def import_class(path: str) -> type:
@@ -283,7 +287,7 @@ class WorkerRuntime:
 
         def group(ranks: list[int]) -> Any:  # a single rank needs no communicator; the same ranks, one
             key = tuple(ranks)
-            if len(key) > 1 and key not in made:
+            if len(key) > 1 and key not in made and self.config.collectives:
                 made[key] = dist.new_group(ranks, timeout=timeout, backend=self.platform.backend)
             return made.get(key)
 
@@ -315,6 +319,10 @@ class WorkerRuntime:
 
         key = tuple(sorted(ranks))
         if len(key) < 2 or key in self._made_groups:
+            return None
+        if not self.config.collectives:  # a simulated rank: members get None, as a lone rank does
+            if self.rank in key:
+                self._made_groups[key] = None
             return None
         group = dist.new_group(list(key), timeout=timedelta(seconds=timeout_s), backend=backend)
         if self.rank in key:

@@ -1,0 +1,312 @@
+"""One simulated cluster run: the real driver, executor and TransferQueue drive simulated ranks.
+
+What runs for real: the driver (``single_controller.Driver``: calls, heartbeats, dispatch),
+the workflow ``Executor`` with the simulation recipe's stages, the prompt source, the
+TransferQueue controller (in this process, on its own event-loop thread, as in a run) and
+its storage units (one per host process of simulated ranks: a node's unit), the worker
+runtimes of every rank, the rollout service and row stream, every RPC and every put/get.
+What is simulated: the device work inside each worker call (``workers.py``, priced by
+``costs.py``, slowed to wall time by ``clock.py``).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..single_controller import Driver, DriverConfig
+from ..transfer_queue import AsyncTransferQueueClient, TransferQueueConfig, TransferQueueService
+from ..workflow.executor import Executor, ExecutorConfig, StepObserver, StepReport
+from ..workflow.source import PromptSource, longtail_budgets, row_seed
+from . import probes
+from .costs import MODELS
+from .driver_data import DriverDataGroup
+from .hosts import SimHosts
+from .recipe import RecipeSizes, build
+from .spec import SimSpec
+
+log = logging.getLogger(__name__)
+MODES = ("sync", "stream", "async")
+DATA_PATHS = ("tq", "driver")
+
+
+@dataclass
+class ClusterConfig:
+    devices: int = 16
+    mode: str = "async"  # sync (colocated, verl-style) | stream | async (disaggregated)
+    data_path: str = "tq"  # tq | driver (the centralized baseline)
+    model: str = "qwen2.5-7b"
+    scale: float = 0.5  # wall seconds per simulated second of device work
+    prompts_per_step: int = 4
+    group_size: int = 8
+    steps: int = 4
+    warm_steps: int = 1  # steps left out of the throughput window
+    rollout_share: float = 0.5  # disaggregated: the devices that generate
+    max_staleness: int = 1
+    prompt_tokens: tuple[int, int] = (128, 512)  # uniform per prompt
+    max_response_tokens: int = 2048  # long-tailed lengths below it (workflow.source.longtail_budgets)
+    response_median_frac: float = 0.4  # median 819 tokens, mean ~930, 1% reach the cap
+    response_sigma: float = 0.5
+    max_running_rows: int = 32  # per rollout instance
+    rows_per_device_call: int = 4  # rows per training rank per map call (stream / async)
+    rollout_call_groups: int = 1  # groups per rollout submit
+    ranks_per_reward: int = 8  # one CPU reward worker per this many rollout ranks (a node's)
+    hosts: int = 2  # processes hosting the simulated ranks (each with a storage unit)
+    seed: int = 0
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.data_path not in DATA_PATHS:
+            raise ValueError(f"data_path must be one of {DATA_PATHS}, got {self.data_path!r}")
+        if self.data_path == "driver" and self.mode != "sync":
+            raise ValueError("the centralized (driver) data path is the verl-style baseline: mode sync only")
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; known: {sorted(MODELS)}")
+        if self.steps <= self.warm_steps:
+            raise ValueError(f"steps ({self.steps}) must exceed warm_steps ({self.warm_steps})")
+
+    @property
+    def colocated(self) -> bool:
+        return self.mode == "sync"
+
+    @property
+    def tp(self) -> int:
+        return MODELS[self.model].rollout_tp
+
+
+@dataclass
+class Layout:
+    world: int
+    actor: list[int]
+    instances: list[list[int]]
+    reward: list[int]
+    train_devices: int
+    rollout_devices: int
+
+    @staticmethod
+    def of(cfg: ClusterConfig) -> "Layout":
+        tp = cfg.tp
+        if cfg.colocated:  # every device trains; an instance of tp devices generates on them in turn
+            ranks = list(range(cfg.devices))
+            inst = [[r] for r in ranks[::tp]]
+            return Layout(cfg.devices, ranks, inst, [i[0] for i in inst][::cfg.ranks_per_reward], cfg.devices,
+                          cfg.devices)
+        n_inst = max(1, round(cfg.devices * cfg.rollout_share / tp))
+        train = cfg.devices - n_inst * tp
+        if train < 1:
+            raise ValueError(f"{cfg.devices} devices leave no training device beside {n_inst} instances of {tp}")
+        # an instance is one rank standing for its tp devices (the trainer builds one rank per instance)
+        rollout = list(range(train, train + n_inst))
+        return Layout(train + n_inst, list(range(train)), [[r] for r in rollout], rollout[::cfg.ranks_per_reward],
+                      train, n_inst * tp)
+
+
+class _Records:
+    """An endless stream of prompts of random lengths (the token ids do not matter)."""
+
+    def __init__(self, lo: int, hi: int, seed: int):
+        self.rng = random.Random(seed)
+        self.lo, self.hi = lo, hi
+
+    def __iter__(self) -> "_Records":
+        return self
+
+    def __next__(self) -> dict:
+        n = self.rng.randint(self.lo, self.hi)
+        return {"prompt_ids": list(range(1, n + 1)), "answer": "0"}
+
+
+@dataclass
+class _Window:
+    """The measured part of a run: from the end of the warm-up steps to the end of the last."""
+    wall: float = 0.0
+    controller_cpu: float = 0.0
+    driver_cpu: float = 0.0
+    hosts_cpu: float = 0.0
+    machine: tuple[float, float] = (0.0, 0.0)
+    put_bytes: float = 0.0
+    get_metas: int = 0
+
+
+class _Recorder(StepObserver):
+    def __init__(self, run: "_Run"):
+        self.run = run
+        self.reports: list[StepReport] = []
+        self.trained_rows: dict[int, int] = {}
+
+    async def step_done(self, report: StepReport) -> None:
+        self.reports.append(report)
+        cfg = self.run.cfg
+        if report.step == cfg.warm_steps - 1:
+            self.run.begin = await self.run.mark()
+            self.run.measuring(True)
+        if report.step == cfg.steps - 1:
+            self.run.end = await self.run.mark()
+            self.run.measuring(False)
+
+
+@dataclass
+class _Run:
+    cfg: ClusterConfig
+    tq: Any = None
+    hosts: SimHosts | None = None
+    fan_out: probes.FanOutProbe | None = None
+    get_meta: probes.GetMetaProbe | None = None
+    begin: _Window | None = None
+    end: _Window | None = None
+    get_meta_lat: list[float] = field(default_factory=list)
+
+    async def mark(self) -> _Window:
+        stats = await self.tq.unit_stats()
+        status = await self.tq.status()
+        return _Window(time.monotonic(), probes.thread_cpu_s("tq-service"), time.thread_time(),
+                       sum(probes.process_cpu_s(p) for p in self.hosts.pids), probes.machine_busy(),
+                       float(sum(sum(s["put_bytes_by_node"].values()) for s in stats)),
+                       int(status["stats"]["get_meta"]))
+
+    def measuring(self, on: bool) -> None:
+        self.fan_out.recording = on
+        if on:
+            self.get_meta.start()
+        else:
+            self.get_meta_lat = self.get_meta.stop()
+
+
+def simulate(cfg: ClusterConfig) -> dict:
+    """Run ``cfg`` and return its measurements (one dict, JSON-ready)."""
+    lay = Layout.of(cfg)
+    central = cfg.data_path == "driver"
+    # The controller on its own thread (as in a run); with the TransferQueue, the bytes live in the
+    # hosts' units (a node each); the centralized baseline keeps them in the driver's process.
+    service = TransferQueueService(TransferQueueConfig(num_local_units=1 if central else 0,
+                                                       wait_timeout_s=cfg.timeout_s)).start_in_thread()
+    run = _Run(cfg)
+    try:
+        run.hosts = SimHosts(lay.world, cfg.hosts, service.controller_address, with_units=not central)
+        try:
+            run.get_meta = probes.GetMetaProbe(service.controller_address)
+            try:
+                return asyncio.run(_drive(cfg, lay, run, service.controller_address))
+            finally:
+                run.get_meta.close()
+        finally:
+            run.hosts.close()
+    finally:
+        service.stop_in_thread()
+
+
+async def _drive(cfg: ClusterConfig, lay: Layout, run: _Run, controller: str) -> dict:
+    spec = SimSpec(cfg.model, cfg.scale, lay.train_devices, cfg.max_running_rows, cfg.colocated,
+                   cfg.data_path == "driver").to_dict()
+    g = cfg.group_size
+    map_rows = max(g, -(-cfg.rows_per_device_call * lay.train_devices // g) * g)
+    recipe = build(RecipeSizes(g, cfg.rollout_call_groups * g, map_rows))
+    run.tq = tq = AsyncTransferQueueClient(controller, wait_timeout=cfg.timeout_s)
+    # Heartbeats as in a run, but a rank is declared dead only after 30 s of silence: the hosts of
+    # simulated ranks share this machine's cores with whatever else runs on it.
+    driver = Driver(run.hosts.addresses, config=DriverConfig(call_timeout_s=cfg.timeout_s, heartbeat_timeout_s=10.0,
+                                                             heartbeat_misses=3),
+                    transfer_queue_address=controller)
+    started = time.monotonic()
+    await driver.start()
+    try:
+        return await driver.run(_workflow(cfg, lay, run, driver, recipe, spec, started))
+    finally:
+        await tq.close()
+        await driver.shutdown()
+
+
+async def _workflow(cfg: ClusterConfig, lay: Layout, run: _Run, driver: Driver, recipe: Any, spec: dict,
+                    started: float) -> dict:
+    roles = recipe.roles
+    groups = {"actor": await driver.create_group(roles["actor"].worker_class(), "actor", ranks=lay.actor, sim=spec)}
+    groups["ref"] = await driver.create_group(roles["ref"].worker_class(), "ref", ranks=lay.actor, sim=spec)
+    groups["reward"] = await driver.create_group(roles["reward"].worker_class(), "reward", ranks=lay.reward, sim=spec)
+    instances = [await driver.create_group(roles["rollout"].worker_class(), f"rollout{k}", ranks=r, sim=spec)
+                 for k, r in enumerate(lay.instances)]
+    actor = groups["actor"]
+    await asyncio.gather(actor.init_weight_sync([i.ranks for i in instances]),
+                         *(i.init_weight_sync(actor.ranks[0]) for i in instances))
+    start_s = time.monotonic() - started
+    if cfg.data_path == "driver":
+        groups = {k: DriverDataGroup(v, run.tq) for k, v in groups.items()}
+        instances = [DriverDataGroup(i, run.tq) for i in instances]
+    source = PromptSource(_Records(*cfg.prompt_tokens, cfg.seed), g := cfg.group_size, cfg.seed,
+                          budget_fn=longtail_budgets(cfg.seed, cfg.max_response_tokens, cfg.response_median_frac,
+                                                     cfg.response_sigma))
+    ecfg = ExecutorConfig(mode=cfg.mode, max_staleness=cfg.max_staleness, group_size=g,
+                          prompts_per_step=cfg.prompts_per_step, dynamic_sampling=False, max_refill_factor=1.0,
+                          wait_timeout_s=cfg.timeout_s, rollout_service=not cfg.colocated)
+    recorder = _Recorder(run)
+    executor = Executor(ecfg, recipe.stages, groups, instances, run.tq, source, observers=[recorder],
+                        policy="actor")
+    run.fan_out = probes.FanOutProbe(actor)
+    run.fan_out.start()
+    t0 = time.monotonic()
+    try:
+        await executor.run(cfg.steps)
+    finally:
+        await run.fan_out.stop()
+    wall = time.monotonic() - t0
+    audit = await _audit(cfg, source, actor, groups, instances, run.tq)
+    return _result(cfg, lay, run, recorder, wall, start_s, audit)
+
+
+async def _audit(cfg: ClusterConfig, source: PromptSource, actor: Any, groups: dict, instances: list,
+                 tq: Any) -> dict:
+    """Did every issued row reach every stage once, and train once?"""
+    issued = [row_seed(cfg.seed, uid, j) for uid in range(source.next_uid) for j in range(cfg.group_size)]
+    trained = [int(s) for a in await actor.audit() for s in a["seeds"].tolist()]
+
+    async def rows(group: Any, kind: str) -> int:
+        return sum(a["rows"].get(kind, 0) for a in await group.audit())
+    generated = sum([await rows(i, "generate") for i in instances])
+    status = await tq.status()
+    left = [p for p in status["partitions"] if p != "probe"]
+    return {"issued": len(issued), "trained": len(trained), "trained_distinct": len(set(trained)),
+            "trained_equals_issued": sorted(trained) == sorted(issued) and len(set(issued)) == len(issued),
+            "generated": generated, "scored": await rows(groups["reward"], "score"),
+            "old_log_probs": await rows(groups["actor"], "log_probs"),
+            "ref_log_probs": await rows(groups["ref"], "log_probs"), "partitions_left": left}
+
+
+def _result(cfg: ClusterConfig, lay: Layout, run: _Run, rec: _Recorder, wall: float, start_s: float,
+            audit: dict) -> dict:
+    b, e = run.begin, run.end
+    span = e.wall - b.wall
+    sim_s = span / cfg.scale
+    rows = sum(r.rows for r in rec.reports if cfg.warm_steps <= r.step < cfg.steps)
+    steps = cfg.steps - cfg.warm_steps
+    tokens_per_row = _mean_tokens(cfg)
+    busy, total = e.machine[0] - b.machine[0], e.machine[1] - b.machine[1]
+    return {
+        "config": {**asdict(cfg), "prompt_tokens": list(cfg.prompt_tokens)},
+        "devices": cfg.devices, "ranks": lay.world, "train_devices": lay.train_devices,
+        "rollout_devices": lay.rollout_devices, "instances": len(lay.instances),
+        "samples_per_s": rows / sim_s, "tokens_per_s": rows * tokens_per_row / sim_s,
+        "step_s": sim_s / steps, "rows_per_step": rows / steps, "wall_s": wall, "start_s": start_s,
+        "controller_busy": (e.controller_cpu - b.controller_cpu) / span,
+        "driver_busy": (e.driver_cpu - b.driver_cpu) / span,
+        "hosts_cpu_cores": (e.hosts_cpu - b.hosts_cpu) / span,
+        "machine_busy": busy / total if total else float("nan"),
+        "machine_cores": os.cpu_count(),
+        "get_meta": probes.summary_us(run.get_meta_lat),
+        "fan_out": {"ranks": len(lay.actor), **probes.summary_us(run.fan_out.latencies)},
+        "tq_put_bytes_per_step": (e.put_bytes - b.put_bytes) / steps,
+        "get_meta_calls_per_step": (e.get_metas - b.get_metas) / steps,
+        "audit": audit,
+    }
+
+
+def _mean_tokens(cfg: ClusterConfig) -> float:
+    """Mean prompt + response tokens of a row under the workload's length distributions."""
+    budget = longtail_budgets(cfg.seed, cfg.max_response_tokens, cfg.response_median_frac, cfg.response_sigma)
+    resp = sum(budget(u, j) for u, j in itertools.product(range(200), range(cfg.group_size))) / (200 * cfg.group_size)
+    return sum(cfg.prompt_tokens) / 2 + resp

@@ -1,0 +1,80 @@
+"""The centralized baseline (verl's DataProto): every stage's data passes through the driver.
+
+A ``DriverDataGroup`` stands in for a worker group in front of the executor: for each call
+that names rows (a BatchMeta), the driver reads the rows' columns itself, sends them in the
+call's arguments (split per data-parallel rank, as DataProto's dispatch does), receives the
+new columns in the reply and writes them back. The executor, the ledger and the
+TransferQueue's bookkeeping stay as they are, with the bytes in a storage unit inside the
+driver's process: the driver's memory, as DataProto's is. Only the path of the bytes
+differs from the TransferQueue runs; the simulated costs are the same.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..transfer_queue.meta import BatchMeta
+from .workers import lengths, pack, unpack
+
+
+class DriverDataGroup:
+    def __init__(self, group: Any, tq: Any):
+        self.group = group
+        self.tq = tq
+
+    def __getattr__(self, name: str) -> Any:  # weight sync, stats, probes: unchanged
+        return getattr(self.group, name)
+
+    async def _columns(self, metas: list[BatchMeta], names: list[str]) -> list[dict]:
+        """The rows' columns, read by the driver (Column objects; {} for an empty share)."""
+        async def one(m: BatchMeta) -> dict:
+            return await self.tq.get_columns(m, names) if len(m) else {}
+        return list(await asyncio.gather(*(one(m) for m in metas)))
+
+    @staticmethod
+    def _tokens(cols: dict, names: tuple[str, ...] = ("prompt_ids", "response_ids")) -> int:
+        return sum(sum(lengths(c)) for k, c in cols.items() if k in names)
+
+    async def _write(self, metas: list[BatchMeta], outs: list[dict]) -> None:
+        await asyncio.gather(*(self.tq.put(unpack(o), m.partition, m) for m, o in zip(metas, outs) if len(m) and o))
+
+    # ---- the rollout (one instance: one rank) ---------------------------------------------------
+    async def generate(self, meta: BatchMeta, min_version: int, io: dict) -> BatchMeta:
+        cols = (await self._columns([meta], list(io["inputs"])))[0]
+        out = await self.group.generate_data(pack(cols), min_version, io)
+        await self._write([meta], [out])
+        return meta
+
+    # ---- map stages over a data-parallel group ----------------------------------------------------
+    def _split(self, meta: BatchMeta) -> list[BatchMeta]:
+        parts = meta.chunk(self.group.layout.dp_size)
+        return [parts[self.group.layout.shard_of(i)] for i in range(self.group.layout.size)]
+
+    async def compute(self, meta: BatchMeta, io: dict) -> BatchMeta:
+        parts = self._split(meta)
+        n = len(parts)
+        cols = await self._columns(parts, list(io["inputs"]))
+        outs = await self.group.compute_data([pack(c) for c in cols], [io] * n)
+        await self._write(parts, outs)
+        return meta
+
+    async def compute_log_probs(self, meta: BatchMeta, io: dict) -> None:
+        parts = self._split(meta)
+        names = list(io["inputs"][:2])
+        cols = await self._columns(parts, names)
+        largest = float(max((self._tokens(c, tuple(names)) for c in cols), default=0))
+        n = len(parts)
+        outs = await self.group.compute_log_probs_data([pack(c) for c in cols], [largest] * n, [io] * n)
+        await self._write(parts, outs)
+
+    # ---- the update: the driver samples the step's rows and sends each rank its share ---------------
+    async def update(self, step: int, batch: dict, io: dict) -> list:
+        layout = self.group.layout
+        meta = await self.tq.get_meta(list(io["inputs"]), int(batch["rows"]), batch["task"], batch["partition"],
+                                      {"name": "token_balanced", "dp_size": layout.dp_size},
+                                      timeout=float(batch["timeout_s"]))
+        parts = self._split(meta)
+        cols = await self._columns(parts, list(io["inputs"]))
+        largest = float(max((self._tokens(c) for c in cols), default=0))
+        n = len(parts)
+        return await self.group.update_data([step] * n, [pack(c) for c in cols], [largest] * n, [io] * n)

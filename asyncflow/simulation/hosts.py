@@ -1,0 +1,119 @@
+"""Host processes of simulated ranks: each runs many real worker runtimes (one per simulated
+device: its own call server, control server and TransferQueue client) and, optionally, one
+TransferQueue storage unit, as a node of the simulated cluster would.
+
+The ranks make no torch.distributed groups (``RuntimeConfig(collectives=False)``), so
+hundreds of them share a process; calls still cross the real RPC (ZMQ, authenticated with
+the run's key, which the hosts take from the environment as any process the run starts).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..rpc import auth
+
+
+def _host_main(ranks: list[int], world: int, unit: int | None, controller: str | None, conn: Any,
+               parent: int) -> None:
+    """One host process: start the runtimes (and the unit), send their addresses, serve."""
+    from ..platform import get_platform
+    from ..single_controller.runtime import RuntimeConfig, WorkerRuntime
+    from ..transfer_queue import locality
+
+    try:
+        if unit is not None:
+            from ..rpc.transport import EventLoopThread
+            from ..transfer_queue.service import serve_storage_unit
+            ready = threading.Event()
+            loop = EventLoopThread(f"sim-unit-{unit}")
+
+            async def start() -> Any:
+                import asyncio
+                return asyncio.get_running_loop().create_task(serve_storage_unit(controller, unit, ready=ready))
+            unit_task = loop.run(start(), timeout=30)  # keep a reference: the loop holds tasks weakly
+            if not ready.wait(60):
+                raise RuntimeError(f"simulated node's storage unit {unit} did not register with {controller}")
+            locality.set_locality(unit, unit)  # this node's ranks write their rows here
+        platform = get_platform("cpu")
+        cfg = RuntimeConfig(collectives=False, parent_pid=parent, local_ipc=True)
+        runtimes = [WorkerRuntime(r, world, i, platform, "127.0.0.1", cfg) for i, r in enumerate(ranks)]
+        for rt in runtimes:
+            threading.Thread(target=rt.serve, name=f"sim-rank{rt.rank}", daemon=True).start()
+        conn.send({"addresses": [rt.address for rt in runtimes], "pid": os.getpid()})
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+        raise
+    conn.recv()  # until the parent says stop (or dies: the runtimes' watchdogs exit then)
+    os._exit(0)
+
+
+@dataclass
+class SimHosts:
+    """``hosts`` processes sharing ``world`` simulated ranks; ``with_units``: each host also runs
+    storage unit ``h`` registered with the controller at ``controller``."""
+
+    world: int
+    hosts: int = 2
+    controller: str | None = None
+    with_units: bool = True
+    start_timeout_s: float = 120.0
+    addresses: list[str] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.with_units and not self.controller:
+            raise ValueError("SimHosts with storage units needs the TransferQueue controller's address")
+        auth.run_key()  # makes (or reads) this process's key and exports it: the hosts sign with it
+        ctx = mp.get_context("spawn")
+        per = [list(range(self.world))[h::self.hosts] for h in range(self.hosts)]
+        self.ranks_of = [p for p in per if p]
+        self._conns, self._procs = [], []
+        for h, ranks in enumerate(self.ranks_of):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_host_main, name=f"sim-host{h}", daemon=True,
+                               args=(ranks, self.world, h if self.with_units else None, self.controller, theirs,
+                                     os.getpid()))
+            proc.start()
+            self._conns.append(mine)
+            self._procs.append(proc)
+        by_rank: dict[int, str] = {}
+        try:
+            for h, (conn, ranks) in enumerate(zip(self._conns, self.ranks_of)):
+                if not conn.poll(self.start_timeout_s):
+                    raise TimeoutError(f"simulated host {h} did not start its {len(ranks)} ranks within "
+                                       f"{self.start_timeout_s:.0f} s")
+                msg = conn.recv()
+                if "error" in msg:
+                    raise RuntimeError(f"simulated host {h} failed to start: {msg['error']}")
+                by_rank.update(zip(ranks, msg["addresses"]))
+                self.pids.append(msg["pid"])
+        except BaseException:
+            self.close()
+            raise
+        self.addresses = [by_rank[r] for r in range(self.world)]
+
+    @property
+    def units(self) -> int:
+        return len(self.ranks_of) if self.with_units else 0
+
+    def close(self) -> None:
+        for c in self._conns:
+            try:
+                c.send("stop")
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self._procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    def __enter__(self) -> "SimHosts":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
