@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_every_benchmark_is_found_by_its_short_name():
     names = perf_scripts(REPO / "perf")
-    for name in ("transfer_queue", "rpc", "rollout", "weight_sync", "e2e", "soak", "convergence", "simulate_scale"):
+    for name in ("transfer_queue", "rpc", "rollout", "weight_sync", "e2e", "soak", "convergence", "simulate_cluster"):
         assert name in names, name
     assert not any(n.startswith("_") for n in names)  # helpers such as _trl_peer are not benchmarks
     assert perf_scripts(REPO / "no-such-dir") == {}

@@ -300,7 +300,7 @@ def _result(cfg: ClusterConfig, lay: Layout, run: _Run, rec: _Recorder, wall: fl
         "get_meta": probes.summary_us(run.get_meta_lat),
         "fan_out": {"ranks": len(lay.actor), **probes.summary_us(run.fan_out.latencies)},
         "tq_put_bytes_per_step": (e.put_bytes - b.put_bytes) / steps,
-        "get_meta_calls_per_step": (e.get_metas - b.get_metas) / steps,
+        "get_meta_calls_per_step": (e.get_metas - b.get_metas - len(run.get_meta_lat)) / steps,  # not the probe's
         "audit": audit,
     }
 
