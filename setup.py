@@ -16,10 +16,12 @@ setup(
     packages=find_packages(include=["asyncflow", "asyncflow.*"]),
     python_requires=">=3.11",
     install_requires=[
-        "torch>=2.6",  # FSDP2: torch.distributed.fsdp.fully_shard / MixedPrecisionPolicy are public from 2.6
+        # 2.10: the torch that vllm-ascend 0.23 and torch_npu 2.10.0.post4 pair with, and the oldest
+        # that CI tests (.ci/run's second run, requirements-torch210.txt). Nothing older is tested.
+        "torch>=2.10",
         "numpy>=1.26",
         "pyzmq>=25",
-        "tensordict>=0.7",  # the releases made for torch 2.6 onwards
+        "tensordict>=0.7",  # tested: 0.15.3 (torch 2.13), 0.14.3 (torch 2.10; 0.15.x needs torch>=2.11)
         "omegaconf>=2.3",
         "transformers>=4.56",  # from_pretrained(dtype=...), masking_utils, model.set_attn_implementation
         "tokenizers>=0.21",

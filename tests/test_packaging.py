@@ -108,7 +108,8 @@ def test_install_requires_are_ranges_that_the_lock_satisfies():
     assert not exact, f"install_requires pins exactly or not at all (blocks installs beside vllm / torch_npu): {exact}"
     outside = [f"{n}=={pins[n]} not in {ranges[n]!r}" for n in pins if not _satisfies(pins[n], ranges[n])]
     assert not outside, outside
-    assert _satisfies("2.6.0", ranges["torch"]) and not _satisfies("2.5.1", ranges["torch"])  # FSDP2's fully_shard
+    # The floor is torch 2.10 (vllm-ascend 0.23 / torch_npu 2.10), which CI's second run tests.
+    assert _satisfies("2.10.0", ranges["torch"]) and not _satisfies("2.9.1", ranges["torch"])
 
 
 def test_dev_requirements_are_extras_with_ranges_the_lock_satisfies():
@@ -145,10 +146,24 @@ def test_requirements_are_pinned_and_hold_torch_at_the_cpu_version():
     assert all("==" in r for r in dev[1:]), f"test tools pinned too: {dev[1:]}"
 
 
+_CI_TORCH210 = "# --- torch 2.10 run"
+
+
+def _ci_lines() -> tuple[list[str], list[str]]:
+    """.ci/run's commands (comments and blank lines left out): the torch 2.13 run, then the
+    torch 2.10 run, split at its marker comment."""
+    text = (ROOT / ".ci" / "run").read_text()
+    assert text.count(_CI_TORCH210) == 1, f".ci/run marks its torch 2.10 run with one {_CI_TORCH210!r} line"
+    main, t210 = text.split(_CI_TORCH210)
+
+    def cmds(part: str) -> list[str]:
+        return [ln.strip() for ln in part.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    return cmds(main), cmds(t210)
+
+
 def test_ci_runs_readme_install_and_exactly_its_test_command():
     readme = _fenced_commands((ROOT / "README.md").read_text())
-    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()
-          if ln.strip() and not ln.strip().startswith("#")]
+    ci, _ = _ci_lines()
     test_line = next(c for c in readme if c.endswith("python -m pytest -q tests") and "pip install" in c)
     steps = [s.strip() for s in test_line.split("&&")]
     # The README's one-line install-and-test command, step by step, in CI's order
@@ -157,6 +172,30 @@ def test_ci_runs_readme_install_and_exactly_its_test_command():
     ci_pips = [c for c in ci if c.startswith("pip install")]
     assert ci_pips == pip_steps, f"CI installs {ci_pips}, README says {pip_steps}"
     assert ci[-1] == steps[-1] == "python -m pytest -q tests"
+
+
+def test_torch210_pins_override_the_lock_at_setup_pys_torch_floor():
+    """requirements-torch210.txt: the versions CI's second run takes instead of requirements.txt's,
+    torch at the floor that setup.py declares and each pin inside setup.py's range."""
+    reqs = _requirements("requirements-torch210.txt")
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][\w.+]*", r) for r in reqs), reqs
+    pins, lock, ranges = _pins("requirements-torch210.txt"), _pins("requirements.txt"), _ranges(_setup_kwargs()["install_requires"])
+    assert reqs[0].startswith("torch=="), "torch first, as in requirements.txt"
+    assert set(pins) <= set(lock), f"overrides of packages requirements.txt does not pin: {sorted(set(pins) - set(lock))}"
+    outside = [f"{n}=={v} not in {ranges[n]!r}" for n, v in pins.items() if not _satisfies(v, ranges[n])]
+    assert not outside, outside
+    floor = re.fullmatch(r">=(\d+\.\d+)", ranges["torch"]).group(1)
+    assert pins["torch"].startswith(floor + "."), f"CI's second run tests setup.py's torch floor {floor}, not {pins['torch']}"
+    assert pins["torch"] != lock["torch"]
+
+
+def test_ci_runs_the_same_test_command_on_torch210():
+    _, t210 = _ci_lines()
+    assert any("requirements-torch210.txt" in c for c in t210 if c.startswith("pip install"))
+    assert not any("torch==2.13" in c or "-c <(echo torch" in c for c in t210), "the 2.10 venv takes no 2.13 pin"
+    assert t210[-1] == "python -m pytest -q tests"
+    readme = (ROOT / "README.md").read_text()
+    assert "torch 2.10" in readme and "requirements-torch210.txt" in readme, "README names the torch 2.10 run"
 
 
 def test_core_imports_no_optional_or_heavy_package():
@@ -172,7 +211,7 @@ def test_core_imports_no_optional_or_heavy_package():
     assert out.stdout.strip() == "", f"imported at start-up: {out.stdout.strip()}"
 
 
-@pytest.mark.parametrize("name", ["requirements.txt", "requirements-dev.txt"])
+@pytest.mark.parametrize("name", ["requirements.txt", "requirements-dev.txt", "requirements-torch210.txt"])
 def test_requirement_files_have_no_duplicate_names(name):
     names = [r.split("==")[0].lower() for r in _requirements(name) if not r.startswith("-r")]
     assert len(names) == len(set(names))
