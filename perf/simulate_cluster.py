@@ -167,6 +167,11 @@ def main() -> None:
             "ablation_at_max": ablation,
             "controller_busy_at_max": max(r["controller_busy"] for r in (a_top, s_top, *streamed)),
             "get_meta_p99_us_at_max": a_top["get_meta"]["p99_us"],
+            # Extrapolated, not measured: the devices at which the controller's thread would be busy
+            # all the time, if its CPU per device-step stayed what it is at the top scale.
+            "controller_saturates_at_devices_est": top / max(a_top["controller_busy"], 1e-9),
+            "controller_cpu_ms_per_row_at_max": a_top["controller_busy"] * a_top["step_s"] * args.scale * 1e3 /
+            a_top["rows_per_step"],
             "fan_out_p99_us_at_max": a_top["fan_out"]["p99_us"],
         }
         tables.append(f"## {model} (SIMULATED devices; scale {args.scale} wall s per simulated s)")

@@ -282,7 +282,8 @@ def _result(cfg: ClusterConfig, lay: Layout, run: _Run, rec: _Recorder, wall: fl
     b, e = run.begin, run.end
     span = e.wall - b.wall
     sim_s = span / cfg.scale
-    rows = sum(r.rows for r in rec.reports if cfg.warm_steps <= r.step < cfg.steps)
+    measured = [r for r in rec.reports if cfg.warm_steps <= r.step < cfg.steps]
+    rows = sum(r.rows for r in measured)
     steps = cfg.steps - cfg.warm_steps
     tokens_per_row = _mean_tokens(cfg)
     busy, total = e.machine[0] - b.machine[0], e.machine[1] - b.machine[1]
@@ -299,6 +300,9 @@ def _result(cfg: ClusterConfig, lay: Layout, run: _Run, rec: _Recorder, wall: fl
         "machine_cores": os.cpu_count(),
         "get_meta": probes.summary_us(run.get_meta_lat),
         "fan_out": {"ranks": len(lay.actor), **probes.summary_us(run.fan_out.latencies)},
+        # wall seconds the executor booked per stage and step (calls summed over instances): where time goes
+        "stage_wall_s_per_step": {k: sum(r.timing.get(k, 0.0) for r in measured) / steps
+                                  for k in sorted({k for r in measured for k in r.timing})},
         "tq_put_bytes_per_step": (e.put_bytes - b.put_bytes) / steps,
         "get_meta_calls_per_step": (e.get_metas - b.get_metas - len(run.get_meta_lat)) / steps,  # not the probe's
         "audit": audit,

@@ -39,7 +39,9 @@ def _host_main(ranks: list[int], world: int, unit: int | None, controller: str |
                 raise RuntimeError(f"simulated node's storage unit {unit} did not register with {controller}")
             locality.set_locality(unit, unit)  # this node's ranks write their rows here
         platform = get_platform("cpu")
-        cfg = RuntimeConfig(collectives=False, parent_pid=parent, local_ipc=True)
+        # A rank exits after 60 s without the driver's pings (10 s in a run): the hosts share this
+        # machine's cores with the driver and with whatever else runs on it.
+        cfg = RuntimeConfig(collectives=False, driver_timeout_s=60.0, parent_pid=parent, local_ipc=True)
         runtimes = [WorkerRuntime(r, world, i, platform, "127.0.0.1", cfg) for i, r in enumerate(ranks)]
         for rt in runtimes:
             threading.Thread(target=rt.serve, name=f"sim-rank{rt.rank}", daemon=True).start()

@@ -112,7 +112,9 @@ class SimRolloutWorker(SimWorker):
         cap = self.spec.max_running_rows
         self.engine = SimRequestEngine(self.costs, self.clock, cap, swap_s=self.costs.offload_s(
             self.costs.model.weight_bytes / self.costs.model.rollout_tp))
-        self.service = _Service(self.engine, name=f"sim-rollout-rank{self.rank}", in_flight=True)
+        # Idle, the service loop sleeps until a command wakes it (every command does): no 20 Hz poll
+        # per instance, which with hundreds of instances in two processes would be most of their CPU.
+        self.service = _Service(self.engine, name=f"sim-rollout-rank{self.rank}", in_flight=True, idle_wait_s=1.0)
         self.params = SamplingParams(max_new_tokens=1 << 20, temperature=1.0)
         self.stream = RowStream(self.service, lambda: self.tq, self.params, capacity=cap + max(1, cap // 4),
                                 version=lambda: int(self.engine.version), name=f"sim-rollout-rank{self.rank}")
