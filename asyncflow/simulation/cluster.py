@@ -130,6 +130,7 @@ class _Window:
     controller_cpu: float = 0.0
     driver_cpu: float = 0.0
     hosts_cpu: float = 0.0
+    units_cpu: float = 0.0
     machine: tuple[float, float] = (0.0, 0.0)
     put_bytes: float = 0.0
     get_metas: int = 0
@@ -167,7 +168,8 @@ class _Run:
         stats = await self.tq.unit_stats()
         status = await self.tq.status()
         return _Window(time.monotonic(), probes.thread_cpu_s("tq-service"), time.thread_time(),
-                       sum(probes.process_cpu_s(p) for p in self.hosts.pids), probes.machine_busy(),
+                       sum(probes.process_cpu_s(p) for p in self.hosts.pids),
+                       sum(probes.process_cpu_s(p) for p in self.hosts.unit_pids), probes.machine_busy(),
                        float(sum(sum(s["put_bytes_by_node"].values()) for s in stats)),
                        int(status["stats"]["get_meta"]))
 
@@ -296,6 +298,7 @@ def _result(cfg: ClusterConfig, lay: Layout, run: _Run, rec: _Recorder, wall: fl
         "controller_busy": (e.controller_cpu - b.controller_cpu) / span,
         "driver_busy": (e.driver_cpu - b.driver_cpu) / span,
         "hosts_cpu_cores": (e.hosts_cpu - b.hosts_cpu) / span,
+        "units_cpu_cores": (e.units_cpu - b.units_cpu) / span,  # the hosts' storage units (node-side data plane)
         "machine_busy": busy / total if total else float("nan"),
         "machine_cores": os.cpu_count(),
         "get_meta": probes.summary_us(run.get_meta_lat),

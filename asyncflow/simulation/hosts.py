@@ -11,32 +11,51 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..rpc import auth
 
 
+def _unit_main(index: int, controller: str, conn: Any, parent: int) -> None:
+    """A node's storage unit in a process of its own: on a cluster it shares its process with one
+    worker (a node's local rank 0), not with the hundred ranks of a simulated host."""
+    import asyncio
+
+    from ..transfer_queue.service import serve_storage_unit
+
+    def watch() -> None:  # go with the process that started us
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+    threading.Thread(target=watch, name="sim-unit-watchdog", daemon=True).start()
+
+    async def serve() -> None:
+        ready = asyncio.Event()
+
+        class _Ready:  # serve_storage_unit sets a threading-style event
+            def set(self) -> None:
+                ready.set()
+                conn.send({"pid": os.getpid()})
+        await serve_storage_unit(controller, index, ready=_Ready())
+    try:
+        asyncio.run(serve())
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+        raise
+
+
 def _host_main(ranks: list[int], world: int, unit: int | None, controller: str | None, conn: Any,
                parent: int) -> None:
-    """One host process: start the runtimes (and the unit), send their addresses, serve."""
+    """One host process: start the runtimes, send their addresses, serve. ``unit``: the storage
+    unit (already registered) that this host's ranks write to."""
     from ..platform import get_platform
     from ..single_controller.runtime import RuntimeConfig, WorkerRuntime
     from ..transfer_queue import locality
 
     try:
         if unit is not None:
-            from ..rpc.transport import EventLoopThread
-            from ..transfer_queue.service import serve_storage_unit
-            ready = threading.Event()
-            loop = EventLoopThread(f"sim-unit-{unit}")
-
-            async def start() -> Any:
-                import asyncio
-                return asyncio.get_running_loop().create_task(serve_storage_unit(controller, unit, ready=ready))
-            unit_task = loop.run(start(), timeout=30)  # keep a reference: the loop holds tasks weakly
-            if not ready.wait(60):
-                raise RuntimeError(f"simulated node's storage unit {unit} did not register with {controller}")
             locality.set_locality(unit, unit)  # this node's ranks write their rows here
         platform = get_platform("cpu")
         # A rank exits after 60 s without the driver's pings (10 s in a run): the hosts share this
@@ -74,6 +93,25 @@ class SimHosts:
         per = [list(range(self.world))[h::self.hosts] for h in range(self.hosts)]
         self.ranks_of = [p for p in per if p]
         self._conns, self._procs = [], []
+        self.unit_pids: list[int] = []
+        if self.with_units:  # first the units, so that every host's unit is registered before its ranks write
+            for h in range(len(self.ranks_of)):
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_unit_main, name=f"sim-unit{h}", daemon=True,
+                                   args=(h, self.controller, theirs, os.getpid()))
+                proc.start()
+                self._conns.append(mine)
+                self._procs.append(proc)
+                if not mine.poll(self.start_timeout_s):
+                    self.close()
+                    raise TimeoutError(f"simulated node {h}'s storage unit did not register within "
+                                       f"{self.start_timeout_s:.0f} s")
+                msg = mine.recv()
+                if "error" in msg:
+                    self.close()
+                    raise RuntimeError(f"simulated node {h}'s storage unit failed to start: {msg['error']}")
+                self.unit_pids.append(msg["pid"])
+        hosts_from = len(self._conns)
         for h, ranks in enumerate(self.ranks_of):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=_host_main, name=f"sim-host{h}", daemon=True,
@@ -84,7 +122,7 @@ class SimHosts:
             self._procs.append(proc)
         by_rank: dict[int, str] = {}
         try:
-            for h, (conn, ranks) in enumerate(zip(self._conns, self.ranks_of)):
+            for h, (conn, ranks) in enumerate(zip(self._conns[hosts_from:], self.ranks_of)):
                 if not conn.poll(self.start_timeout_s):
                     raise TimeoutError(f"simulated host {h} did not start its {len(ranks)} ranks within "
                                        f"{self.start_timeout_s:.0f} s")
@@ -103,16 +141,22 @@ class SimHosts:
         return len(self.ranks_of) if self.with_units else 0
 
     def close(self) -> None:
+        units = [p for p in self._procs if p.name.startswith("sim-unit")]
         for c in self._conns:
             try:
                 c.send("stop")
             except (OSError, BrokenPipeError):
                 pass
         for p in self._procs:
+            if p in units:  # a unit serves until stopped: after the hosts, as a run's units outlive its ranks
+                continue
             p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        for p in units:
+            p.terminate()
+            p.join(5)
 
     def __enter__(self) -> "SimHosts":
         return self
