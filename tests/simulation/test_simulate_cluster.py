@@ -7,6 +7,8 @@ import pytest
 from asyncflow.simulation.cluster import ClusterConfig, Layout, simulate
 from asyncflow.simulation.costs import CostModel
 
+pytestmark = pytest.mark.slow  # host processes of simulated ranks: about 10 s a run
+
 SMALL = dict(devices=8, prompts_per_step=4, steps=3, warm_steps=1, scale=0.02, hosts=1, timeout_s=120.0)
 
 
