@@ -271,6 +271,23 @@ class UnitsConfig:
 
 
 @dataclass
+class WeightSyncConfig:
+    # Weights go from the training ranks to the rollout instances in buckets of about this
+    # size, every training rank sending its share while it gathers the next (about two
+    # buckets of extra memory per sender).
+    bucket_mb: float = 64.0
+    # staged: a version arrives into a second copy while generation goes on, swapped in at a
+    # step boundary, instances in turn; in_place: straight into the engine's weights with
+    # generation paused for the transfer (no second copy, for models that fill the device).
+    load: Literal["staged", "in_place"] = "staged"
+    # the rollout dtype the weights are cast to and the rollout engine holds; auto: bfloat16
+    # on accelerators, float32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_inflight: int = 1  # buckets of a sender on the wire while it fills the next
+    timeout_s: float = 300.0  # a sync that takes longer (a dead or stuck peer) stops the run
+
+
+@dataclass
 class RunConfig:
     recipe: str = "grpo"
     # Modules every worker imports first: where your own @register_reward / registry entries live.
@@ -290,8 +307,14 @@ class RunConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     transfer_queue: UnitsConfig = field(default_factory=UnitsConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     # Free-form keys of a recipe of your own (read them in its build(cfg) or its workers).
     recipe_options: dict[str, Any] = field(default_factory=dict)
+
+
+def rollout_dtype(cfg: RunConfig, accelerator: bool) -> str:
+    """The dtype the rollout engine holds its weights in, and the weights are synced in."""
+    return cfg.weight_sync.dtype if cfg.weight_sync.dtype != "auto" else ("bfloat16" if accelerator else "float32")
 
 
 OFFLOAD_IDLE = {"auto": None, "on": True, "true": True, "off": False, "false": False}
@@ -384,6 +407,10 @@ def _check(cfg: RunConfig) -> RunConfig:
     if tq.max_rows_per_unit < 0 or tq.max_bytes_per_unit < 0:
         problems.append(f"transfer_queue.max_rows_per_unit and max_bytes_per_unit must be >= 0 (0: unbounded), "
                         f"got {tq.max_rows_per_unit} and {tq.max_bytes_per_unit}")
+    ws = cfg.weight_sync
+    if ws.bucket_mb <= 0 or ws.max_inflight < 1 or ws.timeout_s <= 0:
+        problems.append(f"weight_sync.bucket_mb and timeout_s must be > 0 and max_inflight >= 1, got "
+                        f"{ws.bucket_mb}, {ws.timeout_s} and {ws.max_inflight}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return cfg

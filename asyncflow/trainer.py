@@ -198,7 +198,6 @@ class Training:
             if audit is not None:
                 audit.close()
         await evals.wait()
-        await roles.policy.wait_weights_sent()
         rl_s = time.monotonic() - start
         steps = executor.last_step + 1 if executor.last_step is not None else first
         self.final_version = steps

@@ -24,8 +24,8 @@ It also measures continuous batching against static batches of the same engine o
 same rows (``ratio_continuous_vs_static``, see ``_continuous_vs_static``).
 
 The last line is one JSON object. Other measurements join it through EXTRA_RESULTS
-(functions of the parsed args returning a dict merged into the JSON), e.g. a later
-`weight_sync_ms_per_mb`.
+(functions of the parsed args returning a dict merged into the JSON). Weight sync has its
+own benchmark: perf/bench_weight_sync.py.
 """
 from __future__ import annotations
 
@@ -45,13 +45,6 @@ EOS, PAD = 1, 0
 MAX_NEW_TOKENS = 48
 EOS_RATE = 1 / 24
 PROMPT_LEN = (8, 32)  # inclusive range of prompt lengths
-
-def _weight_sync(args: argparse.Namespace) -> dict:
-    """Weight-sync time per MB over gloo between two processes (perf/bench_weight_sync.py)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_weight_sync import measure
-    return measure(mb=16.0 if args.quick else 64.0, rounds=3 if args.quick else 5)
-
 
 CB_ROWS, CB_RUNNING, CB_CAP = 256, 64, 128  # continuous vs static: rows, max running rows, budget cap
 
@@ -115,7 +108,7 @@ def _continuous_vs_static(args: argparse.Namespace) -> dict:
 
 
 # Extra measurements merged into the final JSON: f(args) -> dict.
-EXTRA_RESULTS: list[Callable[[argparse.Namespace], dict]] = [_weight_sync, _continuous_vs_static]
+EXTRA_RESULTS: list[Callable[[argparse.Namespace], dict]] = [_continuous_vs_static]
 
 
 @dataclass

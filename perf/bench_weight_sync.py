@@ -1,12 +1,27 @@
-"""Weight sync speed: the actor's packed weights to one rollout process over gloo.
+"""Weight sync against a bare broadcast of the same bytes, over one gloo world on this machine.
 
-Two processes on this machine; the sender packs a state dict of ``--mb`` megabytes
-(float32, tensors of a transformer's shapes) and sends it with the same WeightSender /
-WeightReceiver the trainer uses (background threads, one broadcast per dtype). Reports
-the median over rounds of pack+send+receive, per MB. Used by perf/bench_rollout.py and
-runnable alone:
+Four processes: ranks 0 and 1 train (FSDP2 over both, a model of ``--mb`` megabytes in
+fp32), ranks 2 and 3 are rollout instances. Each training rank has its own group with both
+instances, as the trainer makes them.
 
-    python perf/bench_weight_sync.py [--mb 64] [--rounds 5]
+- ``sync``: the trainer's path (asyncflow/workers/weight_send.py, weight_recv.py): every
+  training rank gathers the sharded parameters layer by layer, packs its share of the
+  buckets and broadcasts each while it fills the next; the instances receive into their
+  staging weights (``weight_sync.load=staged``).
+- ``raw``: ``torch.distributed.broadcast`` of the same buckets (same sizes, same source
+  ranks, same groups) from buffers filled beforehand, every broadcast posted at once: the
+  wire alone, its strongest use.
+
+The two take turns round by round (after one warm-up round each); the ratio is of the
+medians. ``peak_sender_extra_mb`` is the most bucket memory a sender held at once (the
+bucket it fills plus those on the wire), from the sender's own accounting. Also prints
+PROJECTED sync times for Qwen2.5-7B and 32B at 25, 100 and 400 GB/s links: bytes in bf16
+over the link speed, scaled by the ratio measured here (a projection, not a measurement).
+
+    python perf/bench_weight_sync.py [--quick] [--mb 64] [--bucket-mb 8] [--rounds 5]
+
+The last line is one JSON object: weight_sync_gbps, raw_broadcast_gbps, ratio_sync_vs_raw,
+peak_sender_extra_mb, model_mb, bucket_mb, rounds.
 """
 from __future__ import annotations
 
@@ -15,6 +30,13 @@ import json
 import socket
 import statistics
 import time
+import traceback
+from datetime import timedelta
+
+TRAIN, RECV = [0, 1], [2, 3]
+# published parameter counts (Qwen2.5 technical report / model cards): 7.62B and 32.8B
+PROJECT = {"Qwen2.5-7B": 7.62e9, "Qwen2.5-32B": 32.8e9}
+LINKS_GBPS = (25, 100, 400)
 
 
 def _port() -> int:
@@ -23,74 +45,172 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _state_dict(mb: float):
+def _model(mb: float):
+    """Decoder-like tensors: an embedding, then layers of attention and MLP projections."""
     import torch
+    from torch import nn
+
     hidden = 512
-    per_layer = {"q": (hidden, hidden), "k": (hidden, hidden), "v": (hidden, hidden), "o": (hidden, hidden),
-                 "up": (4 * hidden, hidden), "down": (hidden, 4 * hidden), "norm": (hidden,)}
-    sd, total, i = {}, 0, 0
-    while total < mb * 2**20:
-        for name, shape in per_layer.items():
-            t = torch.randn(*shape)
-            sd[f"layers.{i}.{name}.weight"] = t
-            total += t.numel() * 4
-        i += 1
-    return sd
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(hidden, 3 * hidden)
+            self.o = nn.Linear(hidden, hidden)
+            self.up = nn.Linear(hidden, 4 * hidden)
+            self.down = nn.Linear(4 * hidden, hidden)
+            self.norm = nn.LayerNorm(hidden)
+
+    per_layer = sum(p.numel() for p in Layer().parameters()) * 4
+    embed = 8192 * hidden * 4
+    n_layers = max(1, round((mb * 2**20 - embed) / per_layer))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(8192, hidden)
+            self.layers = nn.ModuleList([Layer() for _ in range(n_layers)])
+            self.norm = nn.LayerNorm(hidden)
+    torch.manual_seed(0)
+    return Net()
 
 
-def _child(rank: int, port: int, mb: float, rounds: int, q) -> None:
-    import torch
-    import torch.distributed as dist
+def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, q) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
 
-    from asyncflow.workers import weight_sync as ws
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group = dist.new_group([0, 1], backend="gloo")  # as Driver.make_group makes it
-    sd = _state_dict(mb) if rank == 0 else None
-    times = []
-    sender = ws.WeightSender(0, {0: group}, 120) if rank == 0 else None
-    recv = ws.WeightReceiver(0, group, 120) if rank == 1 else None
-    for v in range(rounds + 1):  # the first round warms up
-        dist.barrier()
-        start = time.perf_counter()
-        if rank == 0:
-            sender.publish(ws.pack_weights(sd, v, v + 1))
-            sender.wait()
+        from asyncflow.engines.train.gather import full_tensors, local_tensors
+        from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
+        from asyncflow.workers.weight_send import BucketSender
+        from asyncflow.workers.weight_sync import make_header
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                                timeout=timedelta(seconds=300))
+        train = dist.new_group(TRAIN, backend="gloo")
+        groups = {k: dist.new_group(sorted({a, *RECV}), backend="gloo") for k, a in enumerate(TRAIN)}
+        net = _model(mb)
+        if rank in TRAIN:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = DeviceMesh.from_group(train, device_type="cpu")
+            for layer in net.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(net, mesh=mesh)
+            index = TRAIN.index(rank)
+            sender = BucketSender(rank, index, groups[index], lambda: [], timeout_s=300)
         else:
-            recv.start(v)
-            recv.join()
-            recv.take()
+            sink = StagingSink(lambda sd, v: None)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=300)
+        named = local_tensors(net)
+        header = make_header(named, 0, 0, int(bucket_mb * 2**20), len(TRAIN), None)
+        nb = len(header.buckets)
+        # raw: the same buckets, filled beforehand, on their sources; receive buffers elsewhere
+        raw_bufs = [torch.full((header.bucket_nbytes(b),), b % 251, dtype=torch.uint8) for b in range(nb)
+                    if rank in RECV or header.source(b) == TRAIN.index(rank)]
+
+        def run_sync(v: int) -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            if rank in TRAIN:
+                h = make_header(named, v, v, int(bucket_mb * 2**20), len(TRAIN), None)
+                stats = sender.send(h, full_tensors(named))
+                peaks.append(stats.peak_extra_bytes)
+            else:
+                def load(h, tensors):
+                    sink.begin(h)
+                    for spec, t in tensors:
+                        sink.tensor(spec, t)
+                    sink.end(h)
+                recv.start(v, load)
+                recv.join()
+                assert sink.take()[0].version == v
+            dist.barrier()
+            return time.perf_counter() - start
+
+        def run_raw() -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            works, i = [], 0
+            for b in range(nb):
+                src = header.source(b)
+                if rank in RECV or src == TRAIN.index(rank):
+                    works.append(dist.broadcast(raw_bufs[i], src=TRAIN[src], group=groups[src], async_op=True))
+                    i += 1
+            for w in works:
+                w.wait()
+            dist.barrier()
+            return time.perf_counter() - start
+
+        peaks: list[int] = []
+        sync_t, raw_t = [], []
+        run_sync(1)
+        run_raw()  # warm-up of both
+        for r in range(rounds):
+            if r % 2 == 0:
+                sync_t.append(run_sync(r + 2))
+                raw_t.append(run_raw())
+            else:
+                raw_t.append(run_raw())
+                sync_t.append(run_sync(r + 2))
+        if rank == 0:
+            q.put({"nbytes": header.nbytes, "buckets": nb, "sync": sync_t, "raw": raw_t,
+                   "peak": max(peaks)})
+        elif rank == 1:
+            q.put({"peak1": max(peaks)})
         dist.barrier()
-        if v:
-            times.append(time.perf_counter() - start)
-    if rank == 0:
-        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-        q.put({"weight_sync_mb": round(nbytes / 2**20, 1),
-               "weight_sync_ms_per_mb": round(statistics.median(times) * 1000 / (nbytes / 2**20), 3),
-               "weight_sync_gb_per_s": round(nbytes / statistics.median(times) / 1e9, 3)})
-    dist.destroy_process_group()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        q.put({"error": rank, "trace": traceback.format_exc()})
 
 
-def measure(mb: float = 64.0, rounds: int = 5) -> dict:
+def measure(mb: float = 64.0, bucket_mb: float = 8.0, rounds: int = 5) -> dict:
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=_child, args=(r, port, mb, rounds, q)) for r in range(2)]
+    procs = [ctx.Process(target=_child, args=(r, port, mb, bucket_mb, rounds, q), daemon=True) for r in range(4)]
     for p in procs:
         p.start()
-    out = q.get(timeout=300)
+    got = [q.get(timeout=900) for _ in range(2)]
     for p in procs:
         p.join(timeout=60)
-    return out
+    errors = [g for g in got if "error" in g]
+    if errors:
+        raise RuntimeError(f"bench_weight_sync: rank {errors[0]['error']} failed:\n{errors[0]['trace']}")
+    main = next(g for g in got if "nbytes" in g)
+    peak = max(main["peak"], next(g for g in got if "peak1" in g)["peak1"])
+    sync_s, raw_s = statistics.median(main["sync"]), statistics.median(main["raw"])
+    return {"model_mb": round(main["nbytes"] / 2**20, 1), "bucket_mb": bucket_mb, "buckets": main["buckets"],
+            "rounds": rounds, "weight_sync_gbps": round(main["nbytes"] / sync_s / 1e9, 3),
+            "raw_broadcast_gbps": round(main["nbytes"] / raw_s / 1e9, 3),
+            "ratio_sync_vs_raw": round(raw_s / sync_s, 3),
+            "ratio_spread": [round(r / s, 3) for s, r in zip(main["sync"], main["raw"])],
+            "peak_sender_extra_mb": round(peak / 2**20, 1)}
+
+
+def projections(ratio: float) -> list[str]:
+    lines = ["PROJECTED (not measured): bf16 weights over one link, divided by this run's ratio_sync_vs_raw",
+             f"{'model':<14}" + "".join(f"{f'{g} GB/s':>12}" for g in LINKS_GBPS)]
+    for name, params in PROJECT.items():
+        nbytes = params * 2
+        lines.append(f"{name:<14}" + "".join(f"{nbytes / (g * 1e9) / max(ratio, 1e-9):>11.2f}s" for g in LINKS_GBPS))
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mb", type=float, default=64.0)
+    ap.add_argument("--quick", action="store_true", help="64 MB model, 3 rounds")
+    ap.add_argument("--mb", type=float, default=128.0)
+    ap.add_argument("--bucket-mb", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
-    print(json.dumps(measure(a.mb, a.rounds)))
+    mb, rounds = (64.0, 3) if a.quick else (a.mb, a.rounds)
+    out = measure(mb, a.bucket_mb, rounds)
+    for line in projections(out["ratio_sync_vs_raw"]):
+        print(line)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ log = logging.getLogger("asyncflow.trainer")
 
 async def sync_weights(roles: RunRoles, version: int) -> None:
     """Publish the policy's weights as ``version`` and have every instance take them."""
+    await asyncio.gather(*(inst.receive_weights(version) for inst in roles.instances))  # receiving first
     await roles.policy.publish_weights(version)
-    await asyncio.gather(*(inst.receive_weights(version) for inst in roles.instances))
     for inst in roles.instances:  # in turn: never all instances paused at once
         await inst.swap_weights(version)
 

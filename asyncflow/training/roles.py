@@ -76,14 +76,20 @@ async def start_roles(driver: Any, cfg: RunConfig, spec: RecipeSpec, out: Path) 
         else:
             roles.groups[name] = await driver.create_group(cls, name, ranks=ranks, cfg=wire_cfg, **role.options)
     write_ranks(driver, roles, out)
-    policy = roles.policy
-    for inst in roles.instances:  # one weight-sync group each: the policy's first rank and the instance
-        members = sorted({policy.ranks[0], *inst.ranks})
-        if len(members) > 1:
-            await driver.make_group(members, backend="gloo", timeout_s=cfg.workflow.call_timeout_s)
-    await asyncio.gather(policy.init_weight_sync([inst.ranks for inst in roles.instances]),
-                         *(inst.init_weight_sync(policy.ranks[0]) for inst in roles.instances))
+    await init_weight_sync(roles.policy, roles.instances)
     return roles
+
+
+async def init_weight_sync(policy: Any, instances: list) -> None:
+    """One weight-sync group per training rank, its members that rank and every receiving
+    endpoint of the instances outside the training ranks' processes (workers/wire_group.py);
+    all of them join together."""
+    train = list(policy.ranks)
+    counts = [sum(await inst.weight_endpoints(train)) for inst in instances]
+    addrs = await policy.open_weight_sync(1 + sum(counts))
+    bases = [1 + sum(counts[:i]) for i in range(len(instances))]
+    await asyncio.gather(policy.init_weight_sync(),
+                         *(inst.init_weight_sync(train, addrs, base) for inst, base in zip(instances, bases)))
 
 
 def write_ranks(driver: Any, roles: RunRoles, out: Path) -> None:

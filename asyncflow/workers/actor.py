@@ -17,7 +17,6 @@ import torch
 
 from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
-from . import weight_sync as ws
 from .actor_loss import policy_loss_fn, sft_loss_fn
 from .common import (EngineCheckpoints, EngineOffload, config_of, engine_optim, per_token_column, policy_model,
                      rows, setup_rank, train_engine_class)
@@ -38,7 +37,7 @@ def split_even(items: list, parts: int) -> list[list]:
 
 
 class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
-    def __init__(self, cfg: dict, optim: str = "optim", sync_timeout_s: float = 300.0):
+    def __init__(self, cfg: dict, optim: str = "optim"):
         from ..config import offload_idle, policy_loss_name
 
         self.cfg = c = config_of(cfg)
@@ -49,8 +48,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.algo = dataclasses.replace(c.algorithm, policy_loss=policy_loss_name(c))
         self.engine = train_engine_class(c.model.train_engine)(
             policy_model(c), engine_optim(c, optim), process_group=self.process_group, platform=self.platform)
-        self.sender: ws.WeightSender | None = None
-        self.sync_timeout_s = sync_timeout_s
+        self.sender: Any = None  # a weight_send.BucketSender once init_weight_sync ran
         self.published = 0
         self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
 
@@ -177,35 +175,55 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
 
     # ---- weights out -----------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
-    def init_weight_sync(self, instances: list[list[int]]) -> None:
-        """The first actor rank makes one group per rollout instance (itself + that instance)."""
-        if self.group_rank != 0:
-            return
-        groups = {}
-        for k, ranks in enumerate(instances):
-            members = sorted({self.rank, *ranks})
-            groups[k] = None if members == [self.rank] else self.group_of(members)
-        self.sender = ws.WeightSender(self.rank, groups, self.sync_timeout_s)
+    def open_weight_sync(self, members: int) -> Any:
+        """Host the store of this rank's weight-sync group of ``members`` (this rank and every
+        receiving endpoint); return its address as a dict (None: no receiver over the wire)."""
+        from .wire_group import open_store
+
+        if members < 2:
+            self._ws_store = self._ws_addr = None
+            return None
+        self._ws_store, self._ws_addr = open_store(members, self.platform.backend,
+                                                   f"{self.role}-r{self.rank}-{time.time_ns()}",
+                                                   self.cfg.weight_sync.timeout_s)
+        return self._ws_addr.to_dict()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_weight_sync(self) -> None:
+        """Join this rank's group (member 0; returns once every receiver has joined). An
+        instance in this rank's process gets the tensors in process instead."""
+        from ..config import rollout_dtype
+        from .weight_recv import local_sinks
+        from .weight_send import BucketSender
+        from .weight_sync import torch_dtype
+        from .wire_group import WireGroup
+
+        w = self.cfg.weight_sync
+        group = None
+        if getattr(self, "_ws_addr", None) is not None:
+            group = WireGroup(self._ws_addr, 0, w.timeout_s, device=self.device, store=self._ws_store)
+        self.sender = BucketSender(self.rank, self.group_rank, group, local_sinks, timeout_s=w.timeout_s,
+                                   max_inflight=w.max_inflight, role=self.role)
+        self.sync_dtype = torch_dtype(rollout_dtype(self.cfg, self.platform.is_accelerator))
+        self.bucket_bytes = int(w.bucket_mb * 2**20)
 
     @register(Dispatch.ONE_TO_ALL)
     def publish_weights(self, version: int) -> dict:
-        """Gather full weights to host (all actor ranks), pack, start the background sends."""
-        start = time.monotonic()
-        sd = self.engine.full_state_dict()
-        if self.group_rank != 0:
-            return {}
+        """Send ``version`` to every rollout instance (all actor ranks, bucket by bucket; the
+        receivers must be receiving: ``receive_weights`` first). Returns when this rank's
+        buckets are sent."""
+        from ..engines.train.gather import full_tensors, local_tensors
+        from .weight_sync import make_header
+
         if self.sender is None:
             raise RuntimeError(f"actor rank {self.rank}: publish_weights before init_weight_sync")
+        start = time.monotonic()
         self.published += 1
-        packed = ws.pack_weights(sd, version, self.published)
-        ws.LOCAL_MAILBOX.put(packed)
-        self.sender.publish(packed)
-        return {"bytes": packed.header.nbytes, "publish_s": time.monotonic() - start}
-
-    @register(Dispatch.ONE_TO_ALL)
-    def wait_weights_sent(self) -> None:
-        if self.sender is not None:
-            self.sender.wait()
+        named = local_tensors(self.engine.model)
+        header = make_header(named, version, self.published, self.bucket_bytes, self.group_size, self.sync_dtype)
+        stats = self.sender.send(header, full_tensors(named))
+        return {"bytes": header.nbytes, "bytes_sent": stats.bytes_sent, "buckets": len(header.buckets),
+                "peak_extra_bytes": stats.peak_extra_bytes, "publish_s": time.monotonic() - start}
 
     # ---- export ----------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)

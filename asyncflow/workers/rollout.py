@@ -28,7 +28,6 @@ from ..engines.rollout.base import GenerationRequest
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
-from . import weight_sync as ws
 from .common import EngineOffload, config_of, setup_rank
 from .reward import reward_kwargs
 from .rollout_stream import ROLLOUT_INPUTS, RowStream, row_inputs, stage_params
@@ -46,9 +45,11 @@ class RolloutWorker(EngineOffload, Worker):
         self.tokenizer = load_tokenizer(c.model.path)
         eos = [self.tokenizer.eos_token_id]
         if r.engine == "builtin":
+            from ..config import rollout_dtype
             from ..engines.rollout.builtin import BuiltinRolloutEngine
             from ..models.loading import load_causal_lm
             model = load_causal_lm(c.model.path, attn_implementation=c.model.attn_implementation or None,
+                                   dtype=rollout_dtype(c, self.platform.is_accelerator),
                                    device=str(self.device))
             self.engine = BuiltinRolloutEngine(model, eos_token_ids=eos, pad_token_id=self.tokenizer.pad_token_id,
                                                device=self.device, max_running_rows=r.max_running_rows,
@@ -77,8 +78,14 @@ class RolloutWorker(EngineOffload, Worker):
         self.stream.episodes = self.episodes
         self._eval_runners: dict[tuple, Any] = {}  # (reward, timeout, on_error) -> RewardRunner: one thread each
         self._call_ids = itertools.count()  # ids of generate/evaluate calls (atomic next() across threads)
-        self.receiver: ws.WeightReceiver | None = None
-        self.local = False  # this instance shares a process with the actor's first rank
+        self.receiver: Any = None  # a weight_recv.BucketReceiver, when no training rank shares this process
+        self.sink: Any = None  # where the versions go: weight_recv.StagingSink or InPlaceSink
+        self.load_mode = "staged"
+        self.sync_cfg = c.weight_sync
+        # vLLM's workers join the weight-sync groups themselves (vllm_worker.py)
+        self._engine_receives = r.engine == "vllm"
+        self._in_place: tuple = (None, None)  # (header, swap result) of the last in-place load
+        self.local = False  # this instance shares a process with a training rank
         self.sync_timeout_s = sync_timeout_s
         self.seq = 0  # publish counter of the weights held
         self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
@@ -94,39 +101,95 @@ class RolloutWorker(EngineOffload, Worker):
 
     # ---- weights in --------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
-    def init_weight_sync(self, src_rank: int) -> None:
-        members = sorted({src_rank, *self.layout.ranks})
-        if members == [self.rank]:
+    def weight_endpoints(self, train_ranks: list[int]) -> int:
+        """How many members this instance adds to each weight-sync group: none when a training
+        rank shares its process (it gets the tensors in process), else one."""
+        if self.rank in train_ranks:
+            return 0
+        return self.engine.weight_endpoints() if self._engine_receives else 1
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_weight_sync(self, train_ranks: list[int], addrs: list, index: int) -> None:
+        """Receive from the training ranks ``train_ranks``: in process when this rank is one of
+        them (colocated), else by joining each one's group (``addrs``, from the actor's
+        ``open_weight_sync``) as member ``index``; returns once every group is complete."""
+        from .weight_recv import BucketReceiver, InPlaceSink, StagingSink, register_local
+        from .wire_group import WireGroup
+
+        w = self.sync_cfg
+        self.load_mode = w.load
+        self.sink = (StagingSink(self.engine.check_weights, self.device) if w.load == "staged"
+                     else InPlaceSink(self.service, w.timeout_s))
+        if self.rank in train_ranks:
             self.local = True
-        else:
-            self.receiver = ws.WeightReceiver(src_rank, self.group_of(members), self.sync_timeout_s)
+            register_local(self.sink)
+            return
+        if self._engine_receives:  # vLLM: its own workers join, one member each
+            self.service.call(lambda e: e.join_weight_groups(addrs, index, w.timeout_s), w.timeout_s,
+                              "join_weight_groups")
+            self.load_mode = "in_place"  # vLLM holds one copy of its weights
+            return
+        groups = {k: WireGroup(a, index, w.timeout_s, device=self.device) for k, a in enumerate(addrs)}
+        self.receiver = BucketReceiver(self.rank, self.role, train_ranks, groups, w.timeout_s, self.device)
 
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def receive_weights(self, version: int) -> None:
-        """Start receiving ``version`` in the background (the actor has published it)."""
-        if self.receiver is not None:
-            self.receiver.start(version)
+        """Start receiving ``version`` in the background (before the actor publishes it; an
+        instance in an actor's process gets it during the publish instead)."""
+        if self._engine_receives and not self.local:
+            fut = self.service.update_weights_with(lambda e: e.receive_weights(self.service.swap_mode), version)
+            self._in_place = (None, fut)
+            return
+        if self.receiver is None:
+            return
+        if self.load_mode == "staged":
+            def load(header, tensors) -> None:
+                self.sink.begin(header)
+                for spec, t in tensors:
+                    self.sink.tensor(spec, t)
+                self.sink.end(header)
+        else:
+            def load(header, tensors) -> None:
+                fut = self.service.update_weights_stream(header.specs, tensors, header.version)
+                self._in_place = (header, fut.result(self.sync_timeout_s))
+        self.receiver.start(version, load)
 
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def swap_weights(self, version: int) -> dict:
-        """Wait for ``version`` to arrive, then have the service swap it in at the next step
-        boundary; return when it is in, with the pause it cost generation."""
-        if self.local:
-            packed = ws.LOCAL_MAILBOX.get()
-        else:
-            if self.receiver is None:
-                raise RuntimeError(f"rollout rank {self.rank}: swap_weights before init_weight_sync")
+        """Wait for ``version`` to arrive; staged, have the service swap it in at the next step
+        boundary. Returns when it is in, with the pause it cost generation."""
+        if self.sink is None:
+            raise RuntimeError(f"rollout rank {self.rank}: swap_weights before init_weight_sync")
+        if self.receiver is not None:
             self.receiver.join()
-            packed = self.receiver.take()
-        if packed is None or packed.header.seq <= self.seq:
-            if self.engine.version >= version:
-                return {"version": int(self.engine.version), "pause_s": 0.0}
-            raise RuntimeError(f"rollout rank {self.rank}: asked to swap in version {version}, but no newer "
-                               f"weights arrived (holding {self.engine.version})")
-        done = self.service.update_weights(packed.state_dict(), packed.header.version)
-        out = done.result(self.sync_timeout_s)
-        self.seq = packed.header.seq
+        if self._engine_receives and not self.local:  # vLLM's workers received it, generation paused
+            out = self._in_place[1].result(self.sync_timeout_s) if self._in_place[1] is not None else None
+            self._in_place = (None, None)
+            head = self.engine.last_header
+            if out is None or head is None or head["seq"] <= self.seq:
+                return self._no_newer(version)
+            self.seq = int(head["seq"])
+            return out
+        if self.load_mode == "in_place":  # loaded while it arrived, generation paused
+            header, out = self._in_place if self.receiver is not None else (self.sink.loaded, self.sink.result)
+            self._in_place = (None, None)
+            if header is None or header.seq <= self.seq:
+                return self._no_newer(version)
+            self.seq = header.seq
+            return out
+        got = self.sink.take()
+        if got is None or got[0].seq <= self.seq:
+            return self._no_newer(version)
+        header, staging = got
+        out = self.service.update_weights(staging, header.version).result(self.sync_timeout_s)
+        self.seq = header.seq
         return out
+
+    def _no_newer(self, version: int) -> dict:
+        if self.engine.version >= version:
+            return {"version": int(self.engine.version), "pause_s": 0.0}
+        raise RuntimeError(f"rollout rank {self.rank}: asked to swap in version {version}, but no newer "
+                           f"weights arrived (holding {self.engine.version})")
 
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def version(self) -> int:

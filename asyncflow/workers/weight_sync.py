@@ -1,222 +1,129 @@
-"""Weight sync: the actor's full weights, from host memory, to every rollout instance.
+"""Weight sync, the protocol: what a version is on the wire and how it is cut into buckets.
 
-The actor's first rank packs its full state dict into one flat host buffer per dtype
-and sends it in the background, one thread per rollout instance, over a
-torch.distributed group made of that rank and the instance's ranks (gloo for host
-memory). Each rollout rank receives in a background thread of its own into fresh
-buffers (staging), and the rollout worker swaps them in between generations. A
-rollout instance on the actor's own rank gets the packed weights in process.
+A version goes from the training ranks to the rollout instances as a header, then buckets.
+The header lists every tensor (name, shape, dtype after the cast to the rollout dtype) and
+cuts the list into buckets of about ``bucket_bytes``, in the model's state-dict order, so
+that the senders gather parameters layer after layer. Bucket ``b`` is sent by training
+rank ``b % n_sources`` (every training rank takes part) as one flat byte buffer in which
+each tensor starts at an 8-byte-aligned offset.
 
-Wire protocol per sync, on the instance's group: one ``broadcast_object_list`` with the
-header (version, names, shapes, dtypes), then one ``broadcast`` per dtype buffer.
+Sending: ``weight_send.py``; receiving and loading: ``weight_recv.py``.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
+
+_ALIGN = 8  # the widest element size: every tensor view into a bucket is aligned
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # e.g. "bfloat16"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch_dtype(self.dtype).itemsize
+
+    def meta(self) -> torch.Tensor:
+        """A tensor of this shape and dtype that holds no memory (for checks before the data)."""
+        return torch.empty(self.shape, dtype=torch_dtype(self.dtype), device="meta")
 
 
 @dataclass(frozen=True)
 class WeightHeader:
     version: int  # the policy version (0 for warm-up weights too)
     seq: int  # publish counter: strictly increasing, tells a newer publish of the same version apart
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]  # one per name, e.g. "float32"
+    specs: tuple[TensorSpec, ...]
+    buckets: tuple[tuple[int, int], ...]  # [start, end) indices into specs, in sending order
+    n_sources: int  # bucket b comes from training rank b % n_sources of the sync
 
-    def buffer_sizes(self) -> dict[str, int]:
-        sizes: dict[str, int] = {}
-        for shape, dt in zip(self.shapes, self.dtypes):
-            sizes[dt] = sizes.get(dt, 0) + _numel(shape)
-        return sizes
+    def source(self, b: int) -> int:
+        return b % self.n_sources
+
+    def layout(self, b: int) -> list[tuple[TensorSpec, int]]:
+        """The tensors of bucket ``b`` with their byte offsets in its buffer."""
+        out, off = [], 0
+        start, end = self.buckets[b]
+        for spec in self.specs[start:end]:
+            out.append((spec, off))
+            off = _aligned(off + spec.nbytes)
+        return out
+
+    def bucket_nbytes(self, b: int) -> int:
+        lay = self.layout(b)
+        spec, off = lay[-1]
+        return off + spec.nbytes
 
     @property
     def nbytes(self) -> int:
-        return sum(n * _dtype(dt).itemsize for dt, n in self.buffer_sizes().items())
+        return sum(s.nbytes for s in self.specs)
+
+    def describe(self) -> str:
+        return f"version {self.version} ({len(self.specs)} tensors, {len(self.buckets)} buckets, {self.nbytes / 2**20:.1f} MiB)"
 
 
-@dataclass
-class PackedWeights:
-    header: WeightHeader
-    buffers: dict[str, torch.Tensor]  # dtype name -> flat host tensor
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Views into the flat buffers, under the original names."""
-        out, pos = {}, {dt: 0 for dt in self.buffers}
-        for name, shape, dt in zip(self.header.names, self.header.shapes, self.header.dtypes):
-            n = _numel(shape)
-            out[name] = self.buffers[dt][pos[dt]:pos[dt] + n].view(shape)
-            pos[dt] += n
-        return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"weight sync: unknown dtype {name!r}")
     return dt
 
 
-def pack_weights(state_dict: Mapping[str, torch.Tensor], version: int, seq: int = 0) -> PackedWeights:
-    """Copy a state dict into one contiguous host buffer per dtype (one send each)."""
-    names, shapes, dtypes = [], [], []
-    for name, t in state_dict.items():
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> tuple[tuple[int, int], ...]:
+    """Consecutive runs of ``specs`` of at most ``bucket_bytes`` each (a larger tensor alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"weight sync: bucket size must be positive, got {bucket_bytes} bytes "
+                         "(set weight_sync.bucket_mb)")
+    out, start, size, n = [], 0, 0, 0
+    for i, spec in enumerate(specs):
+        need = _aligned(spec.nbytes)
+        if i > start and size + need > bucket_bytes:
+            out.append((start, i))
+            start, size = i, 0
+        size += need
+        n = i + 1
+    if n > start:
+        out.append((start, n))
+    return tuple(out)
+
+
+def make_header(tensors: Iterable[tuple[str, torch.Tensor]], version: int, seq: int, bucket_bytes: int,
+                n_sources: int, cast: torch.dtype | None) -> WeightHeader:
+    """The header of a version from the (possibly sharded) tensors' global shapes: floating
+    tensors are announced in ``cast`` (the rollout dtype), others as they are."""
+    specs = []
+    for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"weight sync: state dict entry {name!r} is a {type(t).__name__}, not a tensor")
-        names.append(name)
-        shapes.append(tuple(t.shape))
-        dtypes.append(str(t.dtype).removeprefix("torch."))
-    header = WeightHeader(int(version), int(seq), tuple(names), tuple(shapes), tuple(dtypes))
-    buffers = {dt: torch.empty(n, dtype=_dtype(dt)) for dt, n in header.buffer_sizes().items()}
-    pos = {dt: 0 for dt in buffers}
-    for name, dt in zip(names, dtypes):
-        t = state_dict[name].detach()
-        n = t.numel()
-        buffers[dt][pos[dt]:pos[dt] + n].copy_(t.reshape(-1))
-        pos[dt] += n
-    return PackedWeights(header, buffers)
+        dt = cast if cast is not None and t.is_floating_point() else t.dtype
+        specs.append(TensorSpec(name, tuple(t.shape), dtype_name(dt)))
+    if not specs:
+        raise ValueError("weight sync: the model has no tensors to send")
+    specs_t = tuple(specs)
+    return WeightHeader(int(version), int(seq), specs_t, plan_buckets(specs_t, bucket_bytes), int(n_sources))
 
 
-class _Mailbox:
-    """The newest packed weights of this process, for a rollout instance on the actor's rank."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._packed: PackedWeights | None = None
-
-    def put(self, packed: PackedWeights) -> None:
-        with self._lock:
-            self._packed = packed
-
-    def get(self) -> PackedWeights | None:
-        with self._lock:
-            return self._packed
-
-
-LOCAL_MAILBOX = _Mailbox()
-
-
-class _Send(threading.Thread):
-    """One background send; a daemon, so a peer that never receives cannot keep the process alive."""
-
-    def __init__(self, group: Any, src: int, packed: PackedWeights, inst: int):
-        super().__init__(name=f"weight-send-i{inst}-v{packed.header.version}", daemon=True)
-        self.group, self.src, self.packed = group, src, packed
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            dist.broadcast_object_list([self.packed.header], src=self.src, group=self.group)
-            for dt in sorted(self.packed.buffers):
-                dist.broadcast(self.packed.buffers[dt], src=self.src, group=self.group)
-        except BaseException as e:  # noqa: BLE001 - raised in the worker thread by wait()
-            self.error = e
-
-
-class WeightSender:
-    """On the actor's first rank: sends each published version to every instance in the background."""
-
-    def __init__(self, src_rank: int, groups: Mapping[int, Any], timeout_s: float = 300.0):
-        self.src_rank = src_rank
-        self.groups = dict(groups)  # instance index -> process group (None: the instance is this process)
-        self.timeout_s = timeout_s
-        self._inflight: dict[int, _Send] = {}
-        self.sent_bytes = 0
-
-    def publish(self, packed: PackedWeights) -> None:
-        """Start sending ``packed`` to every instance (after the previous send to it finished)."""
-        for inst, group in self.groups.items():
-            prev = self._inflight.pop(inst, None)
-            if prev is not None:
-                self._finish(inst, prev)
-            if group is not None:
-                send = _Send(group, self.src_rank, packed, inst)
-                send.start()
-                self._inflight[inst] = send
-
-    def _finish(self, inst: int, send: _Send) -> None:
-        send.join(self.timeout_s)
-        if send.is_alive():
-            raise TimeoutError(f"weight sync: sending version {send.packed.header.version} to rollout instance "
-                               f"{inst} did not finish within {self.timeout_s:.0f} s (is it alive and receiving?)")
-        if send.error is not None:
-            raise RuntimeError(f"weight sync: sending version {send.packed.header.version} to rollout instance "
-                               f"{inst} failed: {send.error}") from send.error
-        self.sent_bytes += send.packed.header.nbytes
-
-    def wait(self) -> None:
-        for inst, send in list(self._inflight.items()):
-            self._finish(inst, send)
-        self._inflight.clear()
-
-
-class WeightReceiver:
-    """On each rollout rank: receives a version in the background; the worker takes it when it can."""
-
-    def __init__(self, src_rank: int, group: Any, timeout_s: float = 300.0):
-        self.src_rank = src_rank
-        self.group = group
-        self.timeout_s = timeout_s
-        self._thread: threading.Thread | None = None
-        self._staged: PackedWeights | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self.expected_version = -1
-
-    def start(self, version: int) -> None:
-        """Begin receiving ``version`` (the sender publishes it); returns at once."""
-        self.join()  # one receive at a time on this group, in version order
-        self.expected_version = int(version)
-        self._thread = threading.Thread(target=self._recv, name=f"weight-recv-v{version}", daemon=True)
-        self._thread.start()
-
-    def _recv(self) -> None:
-        try:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=self.src_rank, group=self.group)
-            header: WeightHeader = box[0]
-            buffers = {dt: torch.empty(n, dtype=_dtype(dt)) for dt, n in header.buffer_sizes().items()}
-            for dt in sorted(buffers):
-                dist.broadcast(buffers[dt], src=self.src_rank, group=self.group)
-            with self._lock:
-                self._staged = PackedWeights(header, buffers)
-        except BaseException as e:  # noqa: BLE001 - handed to the worker thread by take()/join()
-            self._error = e
-
-    def join(self, timeout: float | None = None) -> None:
-        t = self._thread
-        if t is not None:
-            t.join(self.timeout_s if timeout is None else timeout)
-            if t.is_alive():
-                raise TimeoutError(f"weight sync: receiving version {self.expected_version} from rank "
-                                   f"{self.src_rank} did not finish within {self.timeout_s:.0f} s")
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError(f"weight sync: receiving version {self.expected_version} from rank "
-                               f"{self.src_rank} failed: {err}") from err
-
-    @property
-    def pending(self) -> bool:
-        return self._thread is not None
-
-    def ready(self) -> bool:
-        """A staged version waits to be swapped in."""
-        with self._lock:
-            return self._staged is not None
-
-    def take(self) -> PackedWeights | None:
-        with self._lock:
-            staged, self._staged = self._staged, None
-        return staged
+def views(header: WeightHeader, b: int, buf: torch.Tensor) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """The tensors of bucket ``b`` as views into its byte buffer ``buf``."""
+    for spec, off in header.layout(b):
+        yield spec, buf[off:off + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape)

@@ -512,12 +512,12 @@ class Executor:
             while not self._sync_queue.empty():  # an instance far behind takes the newest only
                 v = self._sync_queue.get_nowait()
                 taken += 1
+            # Every instance starts receiving in the background (generating meanwhile), then the
+            # actor ranks send; then the instances swap the new weights in one after another, so
+            # that at no moment are all of them paused (with weight_sync.load=staged).
+            await asyncio.gather(*(inst.receive_weights(v) for inst in self.instances))
             # Timed under step v: the step whose rollout the new weights serve (and whose metrics log it).
             await self._timed(_SYNC, actor.role, actor.ranks, v, 0, actor.publish_weights(v))
-
-            # Every instance receives in the background, generating meanwhile; then they swap the
-            # new weights in one after another, so that at no moment are all of them paused.
-            await asyncio.gather(*(inst.receive_weights(v) for inst in self.instances))
             for k, inst in enumerate(self.instances):
                 await self._timed(_SYNC, inst.role, inst.ranks, v, 0, inst.swap_weights(v))
                 self.instance_version[k] = v

@@ -4,7 +4,7 @@ Pins (fp32, CPU, tiny Qwen2 built once for the module):
 - the log-probs the rollout engine returns for its own samples equal the training
   engine's `compute_log_probs` of those tokens at the same temperature (max abs diff
   <= 1e-4), also with top-k / top-p, whose log-probs are under the UNfiltered softmax(logits / T);
-- after a real `train_step` and an in-process weight sync (`pack_weights` ->
+- after a real `train_step` and an in-process weight sync (buckets into a staging sink ->
   `load_weights`), the rollout engine's fresh samples have the actor's log-probs,
   while before the sync they did not (so the check can fail);
 - the actor's `full_state_dict` of a tied-embedding model loads into the rollout engine
@@ -142,7 +142,10 @@ def trained(model_dir, tokenizer):
 
 
 def test_weight_sync_makes_rollout_match_actor(trained):
-    from asyncflow.workers.weight_sync import pack_weights
+    from asyncflow.engines.train.gather import full_tensors, local_tensors
+    from asyncflow.workers.weight_recv import StagingSink
+    from asyncflow.workers.weight_send import BucketSender
+    from asyncflow.workers.weight_sync import make_header
 
     rollout, actor, prompts, params = trained["rollout"], trained["actor"], trained["prompts"], trained["params"]
     m = trained["metrics"]
@@ -161,10 +164,15 @@ def test_weight_sync_makes_rollout_match_actor(trained):
     pre_actor, _ = actor.compute_log_probs(prompts, pre.response_ids)
     assert _max_diff(pre.log_probs, pre_actor) > 1e-2
 
-    # The in-process sync path: pack the full state dict, load its views.
-    packed = pack_weights(state, 1, 1)
-    assert packed.header.version == 1 and packed.header.seq == 1
-    rollout.load_weights(packed.state_dict(), 1)
+    # The in-process sync path (a rollout instance in the actor's process): the actor's tensors
+    # in buckets into a staging sink, then loaded between generations.
+    sink = StagingSink(rollout.check_weights)
+    named = local_tensors(actor.model)
+    header = make_header(named, 1, 1, bucket_bytes=1 << 16, n_sources=1, cast=None)
+    BucketSender(0, 0, None, lambda: [sink]).send(header, full_tensors(named))
+    got_header, staged = sink.take()
+    assert got_header.version == 1 and got_header.seq == 1 and len(header.buckets) > 1
+    rollout.load_weights(staged, 1)
     assert rollout.version == 1
     loaded = rollout.model.state_dict()
     for k, v in state.items():

@@ -25,6 +25,7 @@ def _model_path() -> str:
 
 def test_rollout_memory_is_released_while_the_actor_runs(cluster2):
     from asyncflow.config import load_config, to_dict
+    from asyncflow.training.roles import init_weight_sync
 
     d, path = cluster2.driver, _model_path()
     common = [f"model.path={path}", "trainer.threads=1", "workflow.mode=sync", "optim.lr=0.01",
@@ -37,20 +38,18 @@ def test_rollout_memory_is_released_while_the_actor_runs(cluster2):
         actor = await d.create_group(W.ProbingActor, "actor", cfg=colocated)
         insts = [await d.create_group(W.ProbedRollout, f"rollout{r}", ranks=[r], cfg=colocated) for r in (0, 1)]
         plain = await d.create_group(W.ProbedRollout, "plain", ranks=[0], cfg=apart)
-        await d.make_group([0, 1])  # the weight-sync group of the instance on rank 1
-        await asyncio.gather(actor.init_weight_sync([[0], [1]]), *(i.init_weight_sync(0) for i in insts))
+        await init_weight_sync(actor, insts)  # colocated: each instance takes its rank's tensors in process
         before = [await i.evaluate(prompts, ["0"] * 3, samples=3) for i in insts]
         await plain.version()
         seen = await actor.look_at_rollouts()
         again = [await i.evaluate(prompts, ["0"] * 3, samples=3) for i in insts]
         # Train, publish (the actor is onloaded for it), take the weights on the rollout side.
         await actor.sft_step([[5, 6], [7, 8]], [[9], [10]])
-        await actor.publish_weights(1)
         await asyncio.gather(*(i.receive_weights(1) for i in insts))
+        await actor.publish_weights(1)
         for i in insts:
             await i.swap_weights(1)
         synced = [await i.evaluate(prompts, ["0"] * 3, samples=3) for i in insts]
-        await actor.wait_weights_sent()
         sums = [(await i.weights_checksum())[0] for i in insts]
         return before, seen, again, synced, sums, (await actor.weights_checksum())[0]
 

@@ -1,97 +1,49 @@
-"""Weight sync over gloo between two processes: background send, background receive,
-versions in order, packed views equal the original tensors; a missing sender times out."""
+"""Weight sync, the protocol and its pure parts: buckets, header layout, views, casts."""
 from __future__ import annotations
-
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from asyncflow.workers import weight_sync as ws
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _specs(*sizes: int, dtype: str = "float32") -> list[ws.TensorSpec]:
+    return [ws.TensorSpec(f"t{i}", (n,), dtype) for i, n in enumerate(sizes)]
 
 
-def _weights(v: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(v)
-    return {"a.weight": torch.randn(4, 3, generator=g), "b.bias": torch.randn(5, generator=g),
-            "c.half": torch.randn(2, 2, generator=g).to(torch.bfloat16), "d.ids": torch.arange(3) + v}
+def test_buckets_are_consecutive_runs_within_the_size_and_a_large_tensor_goes_alone():
+    specs = _specs(10, 10, 10, 100, 3)  # float32: 40, 40, 40, 400, 12 bytes (aligned: 40, 40, 40, 400, 16)
+    assert ws.plan_buckets(specs, 100) == ((0, 2), (2, 3), (3, 4), (4, 5))
+    assert ws.plan_buckets(specs, 10_000) == ((0, 5),)
+    with pytest.raises(ValueError, match="weight_sync.bucket_mb"):
+        ws.plan_buckets(specs, 0)
 
 
-def _child(rank: int, port: int, q) -> None:
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        group = dist.new_group([0, 1], backend="gloo")
-        if rank == 0:
-            sender = ws.WeightSender(0, {0: group}, timeout_s=30)
-            for v in (1, 2):
-                sender.publish(ws.pack_weights(_weights(v), v, seq=v))
-            sender.wait()
-            q.put(("sent", sender.sent_bytes))
-        else:
-            recv = ws.WeightReceiver(0, group, timeout_s=30)
-            got = []
-            for v in (1, 2):
-                recv.start(v)
-                recv.join()
-                packed = recv.take()
-                sd = packed.state_dict()
-                want = _weights(v)
-                assert list(sd) == list(want)
-                assert all(torch.equal(sd[k], want[k]) and sd[k].dtype == want[k].dtype for k in want)
-                got.append(packed.header.version)
-            # nobody sends version 3: the wait ends with an error that names it
-            recv.timeout_s = 1.0
-            recv.start(3)
-            try:
-                recv.join()
-                q.put(("no-timeout", None))
-            except TimeoutError as e:
-                q.put(("received", got, str(e)))
-            return
-        dist.barrier()
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        q.put(("error", rank, repr(e)))
+def test_layout_aligns_every_tensor_and_views_round_trip():
+    t = {"a": torch.arange(3, dtype=torch.int8), "b": torch.randn(2, 3), "c": torch.randn(5).to(torch.bfloat16),
+         "d": torch.arange(4, dtype=torch.int64)}
+    header = ws.make_header(t.items(), version=3, seq=7, bucket_bytes=1 << 20, n_sources=2, cast=None)
+    lay = header.layout(0)
+    assert [off % 8 for _, off in lay] == [0, 0, 0, 0]
+    assert [off for _, off in lay] == [0, 8, 32, 48]
+    buf = torch.zeros(header.bucket_nbytes(0), dtype=torch.uint8)
+    for spec, v in ws.views(header, 0, buf):
+        v.copy_(t[spec.name])
+    out = dict((s.name, v.clone()) for s, v in ws.views(header, 0, buf))
+    assert all(torch.equal(out[k], t[k]) and out[k].dtype == t[k].dtype for k in t)
+    assert header.nbytes == sum(x.numel() * x.element_size() for x in t.values())
 
 
-@pytest.mark.slow
-def test_two_versions_arrive_in_order_and_a_silent_sender_times_out():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_child, args=(r, port, q), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=90) for _ in range(2)]
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-    assert not [r for r in results if r[0] == "error"], results
-    sent = next(r for r in results if r[0] == "sent")
-    assert sent[1] == 2 * ws.pack_weights(_weights(1), 1).header.nbytes
-    recv = next(r for r in results if r[0] == "received")
-    assert recv[1] == [1, 2]
-    assert "version 3" in recv[2]
+def test_the_header_casts_floating_tensors_only_and_sources_alternate():
+    t = {"w": torch.randn(4, 4), "ids": torch.arange(5), "b": torch.randn(4)}
+    header = ws.make_header(t.items(), 1, 1, bucket_bytes=64, n_sources=2, cast=torch.bfloat16)
+    assert [s.dtype for s in header.specs] == ["bfloat16", "int64", "bfloat16"]
+    assert [header.source(b) for b in range(len(header.buckets))] == [b % 2 for b in range(len(header.buckets))]
+    assert len(header.buckets) >= 2
 
 
-def test_pack_views_round_trip_and_sizes():
-    sd = _weights(7)
-    packed = ws.pack_weights(sd, 7, seq=3)
-    assert packed.header.seq == 3 and packed.header.version == 7
-    out = packed.state_dict()
-    assert all(torch.equal(out[k], sd[k]) for k in sd)
-    assert packed.header.nbytes == sum(t.numel() * t.element_size() for t in sd.values())
-    assert set(packed.buffers) == {"float32", "bfloat16", "int64"}
-
-
-def test_pack_rejects_non_tensors():
+def test_a_non_tensor_or_an_empty_model_is_refused_by_name():
     with pytest.raises(TypeError, match="'x'"):
-        ws.pack_weights({"x": 3}, 0)
+        ws.make_header([("x", 3)], 0, 0, 1024, 1, None)
+    with pytest.raises(ValueError, match="no tensors"):
+        ws.make_header([], 0, 0, 1024, 1, None)

@@ -22,8 +22,9 @@ the cache they have (``keep``) or have it recomputed with the new weights
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -118,6 +119,7 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
                                else getattr(cfg, "max_position_embeddings", None) or 1 << 30)
         self.version = 0
         self._released = False
+        self.torn: str | None = None  # why the weights are half-loaded (then the engine refuses to run)
         self._vhash = vocab_hash(self.vocab_size, self.device)
         self._dtype = self.head.weight.dtype
         self._neg = torch.finfo(self._dtype).min
@@ -180,6 +182,8 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
     def step(self) -> list[RequestResult]:
         if self._released:
             raise RuntimeError("BuiltinRolloutEngine.step after release_memory(): call resume_memory() first")
+        if self.torn is not None:
+            raise RuntimeError(f"BuiltinRolloutEngine: refusing to generate with half-loaded weights ({self.torn})")
         with torch.inference_mode():
             return self._step()
 
@@ -582,6 +586,34 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         with torch.no_grad():
             for k, v in state_dict.items():
                 target[k].copy_(v)  # in place: moves to the device as needed
+        self._commit_version(version, mode)
+
+    def load_weights_stream(self, specs: Sequence[Any], stream: Iterable[tuple[Any, torch.Tensor]], version: int,
+                            mode: str = "keep") -> None:
+        """Load a version tensor by tensor straight into the model (no second copy): ``specs``
+        (name, shape, dtype of each) are checked before anything is written; a stream that
+        fails midway leaves the engine refusing to generate (``torn``), never serving a mix."""
+        if mode not in SWAP_MODES:
+            raise ValueError(f"load_weights_stream: mode must be one of {SWAP_MODES}, got {mode!r}")
+        self.check_weights({s.name: s.meta() for s in specs}, version)
+        target = self.model.state_dict()
+        done = 0
+        try:
+            with torch.no_grad():
+                for spec, t in stream:
+                    target[spec.name].copy_(t)
+                    done += 1
+        except BaseException as e:
+            self.torn = f"version {version}: {done} of {len(specs)} tensors loaded when the stream failed: {e}"
+            raise
+        if done != len(specs):
+            self.torn = f"version {version}: the stream ended after {done} of {len(specs)} tensors"
+            raise RuntimeError(f"load_weights_stream: {self.torn}")
+        self.torn = None
+        self._commit_version(version, mode)
+
+    def _commit_version(self, version: int, mode: str) -> None:
+        """The weights of ``version`` are in: version the running rows' next tokens (and re-prefill them)."""
         changed = int(version) != self.version
         self.version = int(version)
         self.counters["swaps"] += 1

@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -80,7 +80,28 @@ class RolloutService:
         if mode not in SWAP_MODES:
             raise ValueError(f"update_weights: mode must be one of {SWAP_MODES}, got {mode!r}")
         fut: Future = Future()
-        self._post(lambda: self._stage_swap(state_dict, version, mode, fut))
+        self._post(lambda: self._stage_swap(lambda e: e.load_weights(state_dict, version, mode), version, mode, fut))
+        return fut
+
+    def update_weights_stream(self, specs: Sequence[Any], stream: Iterable[tuple[Any, torch.Tensor]], version: int,
+                              mode: str | None = None) -> Future:
+        """Load a version tensor by tensor into the engine's own weights (no second copy), at the
+        next step boundary, as ``update_weights`` swaps: generation waits while the stream is
+        read (``stream`` may block on the network). A stream is never superseded: it must be
+        read to its end, or the sender would wait for ever."""
+        mode = mode or self.swap_mode
+        if mode not in SWAP_MODES:
+            raise ValueError(f"update_weights_stream: mode must be one of {SWAP_MODES}, got {mode!r}")
+        return self.update_weights_with(lambda e: e.load_weights_stream(specs, stream, version, mode), version, mode)
+
+    def update_weights_with(self, load: Callable[[RequestEngine], Any], version: int, mode: str | None = None) -> Future:
+        """Run ``load(engine)`` as the swap of ``version`` at the next step boundary (as
+        ``update_weights_stream``; e.g. an engine whose own workers receive the version)."""
+        mode = mode or self.swap_mode
+        if mode not in SWAP_MODES:
+            raise ValueError(f"update_weights_with: mode must be one of {SWAP_MODES}, got {mode!r}")
+        fut: Future = Future()
+        self._post(lambda: self._stage_swap(load, version, mode, fut, stream=True))
         return fut
 
     def call(self, fn: Callable[[RequestEngine], Any], timeout_s: float = 60.0, what: str = "call") -> Any:
@@ -135,16 +156,21 @@ class RolloutService:
         if on_done is not None:
             self._listeners[request.request_id] = on_done
 
-    def _stage_swap(self, state_dict: Mapping, version: int, mode: str, fut: Future) -> None:
+    def _stage_swap(self, load: Callable[[RequestEngine], None], version: int, mode: str, fut: Future,
+                    stream: bool = False) -> None:
         if self._swap is not None:  # a newer publish replaces one not yet swapped in: it goes in instead
+            if self._swap[5] or stream:
+                fut.set_exception(ServiceError(f"{self.name}: version {version} arrived while version "
+                                               f"{self._swap[1]} waits to be loaded from a stream (one at a time)"))
+                return
             self._swap[3].set_result({"version": self._swap[1], "superseded_by": int(version), "pause_s": 0.0})
-        self._swap = (state_dict, int(version), mode, fut, time.monotonic())
+        self._swap = (load, int(version), mode, fut, time.monotonic(), stream)
         gate = getattr(self.engine, "admit", None)
         if not self.in_flight and gate is not None:
             gate(False)  # drain: no new rows until the swap
 
     def _maybe_swap(self) -> None:
-        sd, version, mode, fut, due = self._swap
+        load, version, mode, fut, due, _ = self._swap
         if not self.in_flight:
             s = self.engine.stats()
             if s["running"] + s.get("prefilling", 0) > 0:
@@ -153,7 +179,7 @@ class RolloutService:
         # the pause: from the moment the swap was due (a drain included) to generation going on
         start = time.monotonic() if self.in_flight else due
         try:
-            self.engine.load_weights(sd, version, mode)
+            load(self.engine)
         except Exception as e:  # noqa: BLE001 - refused weights: the engine keeps serving its own
             fut.set_exception(e)
         else:

@@ -245,24 +245,28 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
             llm = vllm.LLM(**kwargs)
         specs, tied = _hf_weight_specs(model_path, _torch_dtype(llm.llm_engine.model_config.dtype))
         self._attach(llm, specs, tied, _vllm_params_factory(vllm), allow_filtered_log_probs=allow_filtered_log_probs,
-                     enable_sleep_mode=enable_sleep_mode, devices=devs)
+                     enable_sleep_mode=enable_sleep_mode, devices=devs, tensor_parallel_size=tp)
 
     @classmethod
     def from_llm(cls, llm: Any, weights: Mapping[str, WeightSpec], tied: list[list[str]], make_params: ParamsFactory,
                  *, allow_filtered_log_probs: bool = False, enable_sleep_mode: bool = True,
-                 devices: Sequence[int] | None = None) -> VLLMRolloutEngine:
+                 devices: Sequence[int] | None = None, tensor_parallel_size: int | None = None) -> VLLMRolloutEngine:
         """Wrap an engine already built: a `vllm.LLM` made as __init__ makes it, or a stand-in
         with the same methods (``llm_engine``, ``collective_rpc``, ``sleep``, ``wake_up``)."""
         self = cls.__new__(cls)
         self._attach(llm, dict(weights), [list(g) for g in tied], make_params,
                      allow_filtered_log_probs=allow_filtered_log_probs, enable_sleep_mode=enable_sleep_mode,
-                     devices=None if devices is None else list(devices))
+                     devices=None if devices is None else list(devices), tensor_parallel_size=tensor_parallel_size)
         return self
 
     def _attach(self, llm: Any, specs: dict[str, WeightSpec], tied: list[list[str]], make_params: ParamsFactory, *,
-                allow_filtered_log_probs: bool, enable_sleep_mode: bool, devices: list[int] | None) -> None:
+                allow_filtered_log_probs: bool, enable_sleep_mode: bool, devices: list[int] | None,
+                tensor_parallel_size: int | None = None) -> None:
         self.llm = llm
         self.devices = devices
+        self.tensor_parallel_size = int(tensor_parallel_size or (len(devices) if devices else 1))
+        self.torn: str | None = None  # why the weights are half-loaded (then the engine refuses to run)
+        self.last_header: dict | None = None  # the last version received from the weight-sync groups
         self.enable_sleep_mode = enable_sleep_mode
         self.allow_filtered_log_probs = allow_filtered_log_probs
         self._specs, self._tied = specs, tied
@@ -286,6 +290,8 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
     def step(self) -> list[RequestResult]:
         if self._weights_asleep or self._kv_asleep:
             raise RuntimeError("VLLMRolloutEngine.step after release_memory(): call resume_memory() first")
+        if self.torn is not None:
+            raise RuntimeError(f"VLLMRolloutEngine: refusing to generate with half-loaded weights ({self.torn})")
         return self._requests.step()
 
     def has_work(self) -> bool:
@@ -333,22 +339,112 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
 
     # ---- weights and memory -------------------------------------------------------------
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> None:
-        if mode not in SWAP_MODES:
-            raise ValueError(f"load_weights: mode must be one of {SWAP_MODES}, got {mode!r}")
+    def check_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Raise (naming the key) for weights this engine would refuse; changes nothing."""
         if int(version) < self.version:
             raise ValueError(f"load_weights: version {int(version)} is older than the version held ({self.version})")
         check_weights(state_dict, self._specs, self._tied)
-        if self._weights_asleep:  # wake the weights only; the KV cache stays released
-            self.llm.wake_up(tags=["weights"])
-            self._weights_asleep = False
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> None:
+        if mode not in SWAP_MODES:
+            raise ValueError(f"load_weights: mode must be one of {SWAP_MODES}, got {mode!r}")
+        self.check_weights(state_dict, version)
+        self._wake_weights()
         # cast here: half the bytes to the workers for fp32 -> bf16, same rounding as vLLM's copy
         named = [(k, v.detach().to(self._specs[k].dtype).contiguous()) for k, v in state_dict.items()]
         try:
             self.llm.collective_rpc("asyncflow_load_weights", args=(named,))
         except Exception as exc:
+            self.torn = f"version {int(version)}: vLLM's workers failed while loading it: {exc}"
             raise RuntimeError(f"load_weights: vLLM's workers failed to load version {int(version)} "
                                f"(the weights held may now be partly updated): {exc}") from exc
+        self._commit(version, mode)
+
+    # ---- weights from the training ranks' groups (workers/wire_group.py) ------------------
+
+    def weight_endpoints(self) -> int:
+        """Members this instance adds to each weight-sync group: one per tensor-parallel worker."""
+        return self.tensor_parallel_size
+
+    def join_weight_groups(self, addrs: list[dict], base: int, timeout_s: float) -> list[int]:
+        """Every vLLM worker joins every training rank's group (members base .. base + tp - 1)."""
+        return list(self.llm.collective_rpc("asyncflow_join_weight_groups", args=(list(addrs), int(base),
+                                                                                   float(timeout_s))))
+
+    def receive_weights(self, mode: str = "keep") -> dict:
+        """Receive the next version in vLLM's workers, straight into their device memory (call
+        between steps: generation waits). The header is checked first: refused weights are
+        drained and the engine keeps its own; a transfer failing midway leaves it refusing
+        to run (``torn``)."""
+        from asyncflow.workers.weight_sync import TensorSpec
+
+        if mode not in SWAP_MODES:
+            raise ValueError(f"receive_weights: mode must be one of {SWAP_MODES}, got {mode!r}")
+        head = self.llm.collective_rpc("asyncflow_receive_header")[0]
+        specs = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in head["specs"]]
+        try:
+            self.check_weights({sp.name: sp.meta() for sp in specs}, head["version"])
+        except Exception:
+            self.llm.collective_rpc("asyncflow_receive_buckets", args=(False,))  # the senders still finish
+            raise
+        self._wake_weights()
+        try:
+            self.llm.collective_rpc("asyncflow_receive_buckets", args=(True,))
+        except Exception as exc:
+            self.torn = f"version {head['version']}: the transfer failed midway: {exc}"
+            raise RuntimeError(f"receive_weights: {self.torn}") from exc
+        self._commit(head["version"], mode)
+        self.last_header = head
+        return {"version": int(head["version"]), "seq": int(head["seq"]), "buckets": int(head["buckets"])}
+
+    def load_weights_stream(self, specs: Sequence[Any], stream: Any, version: int, mode: str = "keep",
+                            chunk_bytes: int = 256 << 20) -> None:
+        """A version handed over in process (an instance colocated with a training rank):
+        device tensors go to the workers as CUDA IPC handles, host tensors by value, in chunks
+        of about ``chunk_bytes``; checked before anything is loaded."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        if mode not in SWAP_MODES:
+            raise ValueError(f"load_weights_stream: mode must be one of {SWAP_MODES}, got {mode!r}")
+        self.check_weights({sp.name: sp.meta() for sp in specs}, version)
+        self._wake_weights()
+        chunk: list[tuple[str, torch.Tensor]] = []
+        size = done = 0
+
+        def flush() -> None:
+            if not chunk:
+                return
+            if chunk[0][1].is_cuda:
+                self.llm.collective_rpc("asyncflow_load_ipc", args=([(n, *reduce_tensor(t)) for n, t in chunk],))
+            else:
+                self.llm.collective_rpc("asyncflow_load_weights", args=(list(chunk),))
+            chunk.clear()
+
+        try:
+            for spec, t in stream:
+                t = t.detach().to(self._specs[spec.name].dtype).contiguous()
+                if chunk and t.is_cuda != chunk[0][1].is_cuda:
+                    flush()
+                    size = 0
+                chunk.append((spec.name, t))
+                size += t.numel() * t.element_size()
+                done += 1
+                if size >= chunk_bytes:
+                    flush()
+                    size = 0
+            flush()
+        except Exception as exc:
+            self.torn = f"version {int(version)}: {done} of {len(specs)} tensors handed over when it failed: {exc}"
+            raise RuntimeError(f"load_weights_stream: {self.torn}") from exc
+        self._commit(version, mode)
+
+    def _wake_weights(self) -> None:
+        if self._weights_asleep:  # wake the weights only; the KV cache stays released
+            self.llm.wake_up(tags=["weights"])
+            self._weights_asleep = False
+
+    def _commit(self, version: int, mode: str) -> None:
+        self.torn = None
         self.version = int(version)  # before the swap handling: re-added rows are the new version's
         self._requests.after_swap(mode)
 

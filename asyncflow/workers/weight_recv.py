@@ -1,0 +1,235 @@
+"""Weight sync, the receiving side: where a version's tensors go, and the remote receiver.
+
+Two ways to load (``weight_sync.load``):
+- ``staged``: the version arrives into a second set of tensors while generation goes on,
+  and the rollout service copies it in at a step boundary. Costs one more copy of the
+  weights on the rollout device; generation pauses only for the copy, so instances swap in
+  turn and are never all paused at once.
+- ``in_place``: the tensors go straight into the engine's weights, with generation paused
+  for the whole transfer (no second copy: for models that fill the device).
+
+Either way the names, shapes, dtypes and version are checked from the header before any
+byte is written, so refused weights leave the engine serving what it had; a transfer that
+fails midway leaves a staged engine untouched and an in-place one refusing to generate.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .weight_sync import TensorSpec, WeightHeader, torch_dtype, views
+
+LOAD_MODES = ("staged", "in_place")
+
+# Rollout instances living in this process (colocated with a training rank): the sender
+# hands them every tensor in process. Registered by the rollout worker.
+_LOCAL: list[Any] = []
+_LOCAL_LOCK = threading.Lock()
+
+
+def register_local(sink: Any) -> None:
+    with _LOCAL_LOCK:
+        _LOCAL.append(sink)
+
+
+def local_sinks() -> list[Any]:
+    with _LOCAL_LOCK:
+        return list(_LOCAL)
+
+
+class StagingSink:
+    """``staged``: tensors into a second set of buffers; ``take`` gives a whole version or nothing."""
+
+    def __init__(self, check: Callable[[dict, int], None], device: torch.device | str = "cpu"):
+        self.check = check  # the engine's check of names, shapes, dtypes and version; raises to refuse
+        self.device = torch.device(device)
+        self.staging: dict[str, torch.Tensor] = {}
+        self._layout: tuple[TensorSpec, ...] = ()
+        self._ready: WeightHeader | None = None
+        self._filling: WeightHeader | None = None
+        self._lock = threading.Lock()
+
+    def begin(self, header: WeightHeader) -> None:
+        self.check({s.name: s.meta() for s in header.specs}, header.version)
+        with self._lock:
+            self._ready = None  # being overwritten: not a whole version until end()
+            self._filling = header
+        if self._layout != header.specs:  # allocated once, reused by every version of the same model
+            self.staging = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=self.device)
+                            for s in header.specs}
+            self._layout = header.specs
+
+    def tensor(self, spec: TensorSpec, t: torch.Tensor) -> None:
+        self.staging[spec.name].copy_(t)
+
+    def end(self, header: WeightHeader) -> None:
+        with self._lock:
+            self._ready, self._filling = header, None
+
+    def fail(self, err: BaseException) -> None:
+        with self._lock:
+            self._filling = None
+
+    def take(self) -> tuple[WeightHeader, dict[str, torch.Tensor]] | None:
+        with self._lock:
+            ready, self._ready = self._ready, None
+        return None if ready is None else (ready, self.staging)
+
+
+class InPlaceSink:
+    """``in_place`` for an instance in the sender's process: the tensors go through a short
+    queue into the service, which loads them into the engine's weights while paused."""
+
+    def __init__(self, service: Any, timeout_s: float, depth: int = 4):
+        self.service = service
+        self.timeout_s = timeout_s
+        self.depth = depth
+        self._q: queue.Queue | None = None
+        self._fut: Any = None
+        self.loaded: WeightHeader | None = None  # the last version loaded whole
+        self.result: dict | None = None  # the service's report of that load (version, pause_s)
+
+    def begin(self, header: WeightHeader) -> None:
+        self._q = q = queue.Queue(self.depth)
+        self.loaded = None
+
+        def stream() -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+            while True:
+                item = q.get(timeout=self.timeout_s)
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"the sender failed: {item}") from item
+                yield item
+        self._fut = self.service.update_weights_stream(header.specs, stream(), header.version)
+
+    def tensor(self, spec: TensorSpec, t: torch.Tensor) -> None:
+        self._put((spec, t))
+
+    def _put(self, item: Any) -> None:
+        while True:  # the service may refuse the version before reading: then stop feeding it
+            if self._fut.done():
+                self._fut.result(0)  # raises the refusal
+                raise RuntimeError("the service finished the load before the stream ended")
+            try:
+                self._q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def end(self, header: WeightHeader) -> None:
+        self._put(None)
+        self.result = self._fut.result(self.timeout_s)
+        self.loaded = header
+
+    def fail(self, err: BaseException) -> None:
+        if self._q is not None and self._fut is not None and not self._fut.done():
+            try:
+                self._q.put(err, timeout=1.0)
+            except queue.Full:
+                pass  # the service times out on the queue and reports it
+
+
+class BucketReceiver:
+    """On a rollout rank with no training rank in its process: receives each version in the
+    background, from every training rank's group, into its sink.
+
+    train_ranks: the global ranks of the training ranks (bucket b comes from train_ranks[b % n]).
+    groups: training index -> that training rank's weight-sync group (wire_group.WireGroup,
+        the training rank is member 0), which this rank has joined.
+    """
+
+    def __init__(self, rank: int, role: str, train_ranks: list[int], groups: dict[int, Any], timeout_s: float,
+                 device: torch.device | str = "cpu"):
+        self.rank, self.role = rank, role
+        self.train_ranks = list(train_ranks)
+        self.groups = dict(groups)
+        self.timeout_s = timeout_s
+        self.device = torch.device(device)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.expected_version = -1
+        self.header: WeightHeader | None = None  # the last version received whole
+        self.bytes_received = 0
+
+    def start(self, version: int, load: Callable[[WeightHeader, Iterator], None]) -> None:
+        """Begin receiving ``version``: ``load(header, tensors)`` consumes the (spec, tensor)
+        pairs; returns at once. One receive at a time, in version order."""
+        self.join()
+        self.expected_version = int(version)
+        self._thread = threading.Thread(target=self._run, args=(load,), name=f"weight-recv-v{version}", daemon=True)
+        self._thread.start()
+
+    def _run(self, load: Callable[[WeightHeader, Iterator], None]) -> None:
+        where = f"weight sync of version {self.expected_version}: {self.role} rank {self.rank}"
+        stream: _BucketStream | None = None
+        try:
+            header: WeightHeader = self.groups[0].broadcast_object(None, 0)
+            where = f"weight sync of {header.describe()}: {self.role} rank {self.rank}"
+            stream = _BucketStream(header, self.train_ranks, self.groups, self.device)
+            try:
+                load(header, iter(stream))
+            except BaseException:
+                stream.drain()  # refused or failed on our side: the senders still finish this version
+                raise
+            if stream.received != len(header.buckets):
+                raise RuntimeError(f"the loader stopped after {stream.received} of {len(header.buckets)} buckets")
+            self.header = header
+            self.bytes_received += stream.bytes
+        except BaseException as e:  # noqa: BLE001 - handed to the worker thread by join()
+            at = f" at bucket {stream.received + 1}/{len(stream.header.buckets)}" if stream is not None \
+                and stream.received < len(stream.header.buckets) else ""
+            self._error = RuntimeError(f"{where}{at} failed: {type(e).__name__}: {e}")
+            self._error.__cause__ = e
+
+    def join(self, timeout: float | None = None) -> None:
+        t = self._thread
+        if t is not None:
+            t.join(self.timeout_s if timeout is None else timeout)
+            if t.is_alive():
+                raise TimeoutError(f"weight sync: {self.role} rank {self.rank} did not receive version "
+                                   f"{self.expected_version} within {self.timeout_s:.0f} s")
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None
+
+
+class _BucketStream:
+    """The (spec, tensor) pairs of a version as its buckets arrive, one reused buffer."""
+
+    def __init__(self, header: WeightHeader, train_ranks: list[int], groups: dict[int, Any], device: torch.device):
+        self.header = header
+        self.train_ranks, self.groups = train_ranks, groups
+        self.buf = torch.empty(max(header.bucket_nbytes(b) for b in range(len(header.buckets))),
+                               dtype=torch.uint8, device=device)
+        self.received = 0
+        self.bytes = 0
+
+    def _recv(self, b: int) -> torch.Tensor:
+        n = self.header.bucket_nbytes(b)
+        src = self.header.source(b)
+        if src >= len(self.train_ranks):
+            raise RuntimeError(f"bucket {b} comes from training index {src}, but {len(self.train_ranks)} "
+                               "training ranks take part in this sync")
+        buf = self.buf[:n]
+        group = self.groups[src]
+        group.wait(group.broadcast(buf, 0), f"bucket {b + 1} from training rank {self.train_ranks[src]}")
+        self.received += 1
+        self.bytes += n
+        return buf
+
+    def __iter__(self) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+        for b in range(self.received, len(self.header.buckets)):
+            yield from views(self.header, b, self._recv(b))
+
+    def drain(self) -> None:
+        for b in range(self.received, len(self.header.buckets)):
+            self._recv(b)

@@ -1,0 +1,193 @@
+"""Process bodies for the weight-sync group tests: 2 FSDP training ranks (0, 1) send to 2
+rollout ranks (2, 3) over gloo; each training rank on its own group with both receivers."""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+TRAIN, RECV = [0, 1], [2, 3]
+BUCKET = 6000  # bytes: the small net below makes several buckets of it
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 24)
+        self.layers = nn.ModuleList([nn.Linear(24, 24) for _ in range(4)])
+        self.norm = nn.LayerNorm(24)
+        self.register_buffer("steps", torch.arange(6))
+
+
+def expected(version: int, cast: torch.dtype | None) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    sd = Net().state_dict()
+    out = {}
+    for k, v in sd.items():
+        v = v * version if v.is_floating_point() else v
+        out[k] = v.to(cast) if cast is not None and v.is_floating_point() else v
+    return out
+
+
+def _setup(rank: int, port: int) -> tuple:
+    """The world (for FSDP's group and to pass the addresses around), then the weight-sync
+    groups: training rank a hosts the store of its group, receivers join as members 1, 2."""
+    from asyncflow.workers.wire_group import WireGroup, open_store
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    train = dist.new_group(TRAIN, backend="gloo")
+    opened = open_store(1 + len(RECV), "gloo", f"ws{rank}", 20, host="127.0.0.1") if rank in TRAIN else None
+    addrs: list = [None] * 4
+    dist.all_gather_object(addrs, opened[1] if opened else None)
+    if rank in TRAIN:
+        groups = {TRAIN.index(rank): WireGroup(addrs[rank], 0, 20, store=opened[0])}
+    else:
+        groups = {k: WireGroup(addrs[a], 1 + RECV.index(rank), 20) for k, a in enumerate(TRAIN)}
+    return train, groups
+
+
+def _sharded(train) -> nn.Module:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    net = Net()
+    mesh = DeviceMesh.from_group(train, device_type="cpu")
+    for layer in net.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def _send(net: nn.Module, sender, version: int, cast, die_after: int | None = None):
+    from asyncflow.engines.train.gather import full_tensors, local_tensors
+    from asyncflow.workers.weight_sync import make_header
+    named = local_tensors(net)
+    header = make_header(named, version, version, BUCKET, len(TRAIN), cast)
+
+    def tensors():
+        for i, item in enumerate(full_tensors(named)):
+            if die_after is not None and i == die_after:
+                os._exit(3)  # a sender dying mid-version, buckets already on the wire
+            yield item
+    return header, sender.send(header, tensors())
+
+
+def sync_two_versions(rank: int, port: int, q) -> None:
+    """v1 in fp32, v2 (weights doubled) cast to bf16: receivers hold exactly the expected."""
+    try:
+        from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
+        from asyncflow.workers.weight_send import BucketSender
+        train, groups = _setup(rank, port)
+        if rank in TRAIN:
+            net = _sharded(train)
+            sender = BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [], timeout_s=20)
+            header, s1 = _send(net, sender, 1, None)
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.to_local().mul_(2)
+            _, s2 = _send(net, sender, 2, torch.bfloat16)
+            q.put(("sent", rank, s1.bytes_sent, s2.bytes_sent, max(s1.peak_extra_bytes, s2.peak_extra_bytes),
+                   max(header.bucket_nbytes(b) for b in range(len(header.buckets))), header.nbytes))
+        else:
+            sink = StagingSink(lambda sd, v: None)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
+            got = {}
+            for v, cast in ((1, None), (2, torch.bfloat16)):
+                def load(header, tensors):
+                    sink.begin(header)
+                    for spec, t in tensors:
+                        sink.tensor(spec, t)
+                    sink.end(header)
+                recv.start(v, load)
+                recv.join()
+                header, staged = sink.take()
+                want = expected(v, cast)
+                same = list(staged) == list(want) and all(
+                    torch.equal(staged[k], want[k]) and staged[k].dtype == want[k].dtype for k in want)
+                got[v] = (header.version, same, recv.bytes_received)
+            q.put(("received", rank, got))
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - reported to the test
+        q.put(("error", rank, traceback.format_exc()))
+
+
+def sender_dies(rank: int, port: int, q) -> None:
+    """Training rank 1 exits mid-version; everyone else must fail fast, naming where."""
+    start = None
+    try:
+        from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
+        from asyncflow.workers.weight_send import BucketSender
+        train, groups = _setup(rank, port)
+        if rank in TRAIN:
+            net = _sharded(train)
+            sender = BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [], timeout_s=20)
+            _send(net, sender, 1, None)  # a whole version first
+            start = time.monotonic()
+            _send(net, sender, 2, None, die_after=5 if rank == 1 else None)
+            q.put(("no-error", rank))
+        else:
+            sink = StagingSink(lambda sd, v: None)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
+
+            def load(header, tensors):
+                sink.begin(header)
+                for spec, t in tensors:
+                    sink.tensor(spec, t)
+                sink.end(header)
+            recv.start(1, load)
+            recv.join()
+            first = sink.take()
+            start = time.monotonic()
+            recv.start(2, load)
+            try:
+                recv.join()
+                q.put(("no-error", rank))
+            except RuntimeError as e:
+                q.put(("failed", rank, str(e), time.monotonic() - start, first[0].version, sink.take()))
+    except Exception as e:  # noqa: BLE001 - a training rank's failure is what we look for
+        q.put(("failed", rank, str(e), time.monotonic() - start if start else -1.0, None, None))
+
+
+def receiver_dies(rank: int, port: int, q) -> None:
+    """Rollout rank 3 exits mid-version; the senders must fail fast naming where, then exit
+    (as a failed run's shutdown ends them), which the other receiver must see at once too."""
+    start = None
+    try:
+        from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
+        from asyncflow.workers.weight_send import BucketSender
+        train, groups = _setup(rank, port)
+        if rank in TRAIN:
+            net = _sharded(train)
+            sender = BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [], timeout_s=20)
+            start = time.monotonic()
+            try:
+                _send(net, sender, 1, None)
+                q.put(("no-error", rank))
+            except RuntimeError as e:
+                q.put(("failed", rank, str(e), time.monotonic() - start))
+            time.sleep(0.5)
+            os._exit(0)
+        else:
+            sink = StagingSink(lambda sd, v: None)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
+
+            def load(header, tensors):
+                sink.begin(header)
+                for i, (spec, t) in enumerate(tensors):
+                    if rank == 3 and i == 4:
+                        os._exit(3)
+                    sink.tensor(spec, t)
+                sink.end(header)
+            start = time.monotonic()
+            recv.start(1, load)
+            try:
+                recv.join()
+                q.put(("no-error", rank))
+            except RuntimeError as e:
+                q.put(("failed", rank, str(e), time.monotonic() - start))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        q.put(("failed", rank, f"outside the sync: {e}", time.monotonic() - start if start else -1.0))
