@@ -85,6 +85,7 @@ class StepObserver:
 @dataclass
 class _StageState:
     taken: dict[int, int] = field(default_factory=dict)  # step -> rows taken so far
+    done: dict[int, int] = field(default_factory=dict)  # step -> rows whose call returned (worker map stages)
     low: int = 0  # steps below this one are done for the stage
 
 
@@ -194,6 +195,14 @@ class Executor:
             for r in ranks:
                 self.timeline.record(f"rank{r} {role}", stage.name, t0, t0 + dur, step=step, rows=rows)
         return result
+
+    def _maps_done(self, t: int) -> bool:
+        """Every worker map stage has had all of step ``t``'s rows back from its calls."""
+        for i, s in enumerate(self.stages):
+            if s.kind not in ("rollout", "update", "filter") and s.role != DRIVER:
+                if self.state[s.name].done.get(t, 0) < self.ledger.expected(t, self._after_filter(i)):
+                    return False
+        return True
 
     def _after_filter(self, index: int) -> bool:
         return self.filter_index is not None and index > self.filter_index
@@ -387,6 +396,9 @@ class Executor:
             out = await self._timed(stage, group.role, group.ranks, t, n,
                                     getattr(group, stage.method)(meta, stage.io.to_wire()))
             self._keep_metrics(t, out)
+            done = self.state[stage.name].done
+            done[t] = done.get(t, 0) + n
+            await self.ledger.notify()
 
     async def _driver_batch(self, stage: Stage, t: int, meta: Any) -> DriverBatch:
         cols = await self.tq.get_columns(meta, list(stage.inputs))
@@ -467,6 +479,10 @@ class Executor:
                     await o.trained(t, meta)
             else:
                 log.warning("step %d: no rows left to train on; the policy is unchanged", t)
+            # A worker stage beside the update (PPO's critic update) may still read step t:
+            # its rows are cleared only once every such stage is done with them.
+            await self.ledger.wait_for(lambda: self._maps_done(t), self.cfg.wait_timeout_s * 4,
+                                       f"the worker stages of step {t} to finish")
             self.actor_version = t + 1
             now = time.monotonic()
             report = StepReport(t, metrics, {}, n, now, now, next_uid=int(getattr(self.source, "next_uid", 0)),
@@ -500,6 +516,7 @@ class Executor:
         self.step_metrics.pop(t, None)
         for st in self.state.values():
             st.taken.pop(t, None)
+            st.done.pop(t, None)
             st.low = max(st.low, t + 1)
         return self.step_started.pop(t, None)
 

@@ -142,6 +142,21 @@ class Actor(Group):
         return [{}]
 
 
+class Critic(Group):
+    """A worker stage beside the update that reads the step's rows after a delay (as PPO's
+    critic update does, next to the actor's)."""
+
+    def __init__(self, tq, delay):
+        super().__init__(tq, "critic", [0], delay)
+        self.read = []
+
+    async def update(self, meta, io=None):
+        await asyncio.sleep(self.delay)
+        data = await self.tq.get_data(meta, ["scores"])  # raises if the step's rows were cleared
+        self.read.append((meta.partition, len(data["scores"])))
+        return [{"critic/rows": float(len(meta))}]
+
+
 def records():
     i = 0
     while True:
@@ -166,7 +181,7 @@ def stages(dynamic: bool):
 
 
 def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, instances=1, dynamic=False,
-        score_fn=lambda seed, g: float(seed % 2), service=False, delays=None):
+        score_fn=lambda seed, g: float(seed % 2), service=False, delays=None, critic_delay=None):
     async def main():
         svc = await TransferQueueService(TransferQueueConfig()).start()
         tq = AsyncTransferQueueClient(svc.controller_address, ctx=zmq.asyncio.Context(), wait_timeout=20)
@@ -175,6 +190,10 @@ def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, ins
         insts = [cls(tq, k, (delays or [rollout_delay] * instances)[k], log) for k in range(instances)]
         actor = Actor(tq, train_delay, log)
         groups = {"actor": actor, "reward": Reward(tq, score_fn)}
+        plan = stages(dynamic)
+        if critic_delay is not None:
+            groups["critic"] = Critic(tq, critic_delay)
+            plan.insert(-1, Stage("critic_update", "critic", "update", ["scores"], batch_rows=4 * G))
         cfg = ExecutorConfig(mode=mode, max_staleness=staleness, group_size=G, prompts_per_step=4,
                              dynamic_sampling=dynamic, wait_timeout_s=20, rollout_service=service)
         src = PromptSource(records(), G, seed=0)
@@ -183,13 +202,14 @@ def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, ins
         class Reports(StepObserver):
             async def step_done(self, rep):
                 reports.append(rep)
-        ex = Executor(cfg, stages(dynamic), groups, insts, tq, src, observers=[Reports()])
+        ex = Executor(cfg, plan, groups, insts, tq, src, observers=[Reports()])
         try:
             await asyncio.wait_for(ex.run(steps), 60)
         finally:
             await tq.close()
             await svc.stop()
         ex.test_instances = insts
+        ex.test_groups = groups
         return ex, actor, log, reports
     return asyncio.run(main())
 
@@ -274,3 +294,10 @@ def test_service_rollout_rejects_a_capacity_below_one_group(monkeypatch):
     monkeypatch.setattr(ServiceRollout, "CAP", G - 1)
     with pytest.raises(ValueError, match="less than one group"):
         run("async", service=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_worker_stage_beside_the_update_reads_its_rows_before_they_are_cleared(mode):
+    ex, actor, _, reports = run(mode, steps=3, train_delay=0.0, critic_delay=0.2)
+    assert ex.test_groups["critic"].read == [(f"step{t}", 4 * G) for t in range(3)]
+    assert [r.step for r in reports] == [0, 1, 2]
