@@ -96,7 +96,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="run a benchmark of perf/ (e.g. asyncflow bench e2e --quick)",
         description="asyncflow bench NAME [ARGS...]: runs perf/bench_NAME.py (or perf/NAME.py) with ARGS")
     parser.add_argument("name", help="transfer_queue, rpc, rollout, weight_sync, e2e, auth, soak, convergence, "
-                                     "simulate_scale")
+                                     "simulate_cluster")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments (e.g. --quick)")
     parser.set_defaults(func=_cmd_bench)
 

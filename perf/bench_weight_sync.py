@@ -9,8 +9,8 @@ instances, as the trainer makes them.
   buckets and broadcasts each while it fills the next; the instances receive into their
   staging weights (``weight_sync.load=staged``).
 - ``raw``: ``torch.distributed.broadcast`` of the same buckets (same sizes, same source
-  ranks, same groups) from buffers filled beforehand, every broadcast posted at once: the
-  wire alone, its strongest use.
+  ranks, same weight-sync groups) from buffers filled beforehand, every broadcast posted at
+  once: the wire alone, its strongest use.
 
 The two take turns round by round (after one warm-up round each); the ratio is of the
 medians. ``peak_sender_extra_mb`` is the most bucket memory a sender held at once (the
@@ -18,7 +18,7 @@ bucket it fills plus those on the wire), from the sender's own accounting. Also 
 PROJECTED sync times for Qwen2.5-7B and 32B at 25, 100 and 400 GB/s links: bytes in bf16
 over the link speed, scaled by the ratio measured here (a projection, not a measurement).
 
-    python perf/bench_weight_sync.py [--quick] [--mb 64] [--bucket-mb 8] [--rounds 5]
+    python perf/bench_weight_sync.py [--quick] [--mb 128] [--bucket-mb 16] [--rounds 5] [--max-inflight 1]
 
 The last line is one JSON object: weight_sync_gbps, raw_broadcast_gbps, ratio_sync_vs_raw,
 peak_sender_extra_mb, model_mb, bucket_mb, rounds.
@@ -75,21 +75,30 @@ def _model(mb: float):
     return Net()
 
 
-def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, q) -> None:
+def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, inflight: int, q) -> None:
     try:
         import torch
         import torch.distributed as dist
 
-        from asyncflow.engines.train.gather import full_tensors, local_tensors
+        from asyncflow.engines.train.gather import local_tensors
         from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
         from asyncflow.workers.weight_send import BucketSender
         from asyncflow.workers.weight_sync import make_header
+        from asyncflow.workers.wire_group import WireGroup, open_store
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
                                 timeout=timedelta(seconds=300))
         train = dist.new_group(TRAIN, backend="gloo")
-        groups = {k: dist.new_group(sorted({a, *RECV}), backend="gloo") for k, a in enumerate(TRAIN)}
+        # the weight-sync groups as the trainer makes them: training rank a hosts its group's
+        # store and is member 0; the instances join as members 1 and 2
+        opened = open_store(1 + len(RECV), "gloo", f"bench{rank}", 300, host="127.0.0.1") if rank in TRAIN else None
+        addrs: list = [None] * 4
+        dist.all_gather_object(addrs, opened[1] if opened else None)
+        if rank in TRAIN:
+            groups = {TRAIN.index(rank): WireGroup(addrs[rank], 0, 300, store=opened[0])}
+        else:
+            groups = {k: WireGroup(addrs[a], 1 + RECV.index(rank), 300) for k, a in enumerate(TRAIN)}
         net = _model(mb)
         if rank in TRAIN:
             from torch.distributed.device_mesh import DeviceMesh
@@ -99,7 +108,8 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, q) ->
                 fully_shard(layer, mesh=mesh)
             fully_shard(net, mesh=mesh)
             index = TRAIN.index(rank)
-            sender = BucketSender(rank, index, groups[index], lambda: [], timeout_s=300)
+            sender = BucketSender(rank, index, groups[index], lambda: [], timeout_s=300, train_ranks=TRAIN,
+                                  gather_all=False, max_inflight=inflight)
         else:
             sink = StagingSink(lambda sd, v: None)
             recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=300)
@@ -115,7 +125,7 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, q) ->
             start = time.perf_counter()
             if rank in TRAIN:
                 h = make_header(named, v, v, int(bucket_mb * 2**20), len(TRAIN), None)
-                stats = sender.send(h, full_tensors(named))
+                stats = sender.send(h, named)
                 peaks.append(stats.peak_extra_bytes)
             else:
                 def load(h, tensors):
@@ -123,7 +133,7 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, q) ->
                     for spec, t in tensors:
                         sink.tensor(spec, t)
                     sink.end(h)
-                recv.start(v, load)
+                recv.start(v, load, sink.bucket_buffer)  # into the staging bytes, as the trainer does
                 recv.join()
                 assert sink.take()[0].version == v
             dist.barrier()
@@ -136,7 +146,7 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, q) ->
             for b in range(nb):
                 src = header.source(b)
                 if rank in RECV or src == TRAIN.index(rank):
-                    works.append(dist.broadcast(raw_bufs[i], src=TRAIN[src], group=groups[src], async_op=True))
+                    works.append(groups[src].broadcast(raw_bufs[i], 0))
                     i += 1
             for w in works:
                 w.wait()
@@ -165,12 +175,13 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, q) ->
         q.put({"error": rank, "trace": traceback.format_exc()})
 
 
-def measure(mb: float = 64.0, bucket_mb: float = 8.0, rounds: int = 5) -> dict:
+def measure(mb: float = 64.0, bucket_mb: float = 16.0, rounds: int = 5, inflight: int = 1) -> dict:
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=_child, args=(r, port, mb, bucket_mb, rounds, q), daemon=True) for r in range(4)]
+    procs = [ctx.Process(target=_child, args=(r, port, mb, bucket_mb, rounds, inflight, q), daemon=True)
+             for r in range(4)]
     for p in procs:
         p.start()
     got = [q.get(timeout=900) for _ in range(2)]
@@ -183,6 +194,7 @@ def measure(mb: float = 64.0, bucket_mb: float = 8.0, rounds: int = 5) -> dict:
     peak = max(main["peak"], next(g for g in got if "peak1" in g)["peak1"])
     sync_s, raw_s = statistics.median(main["sync"]), statistics.median(main["raw"])
     return {"model_mb": round(main["nbytes"] / 2**20, 1), "bucket_mb": bucket_mb, "buckets": main["buckets"],
+            "max_inflight": inflight,
             "rounds": rounds, "weight_sync_gbps": round(main["nbytes"] / sync_s / 1e9, 3),
             "raw_broadcast_gbps": round(main["nbytes"] / raw_s / 1e9, 3),
             "ratio_sync_vs_raw": round(raw_s / sync_s, 3),
@@ -203,11 +215,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="64 MB model, 3 rounds")
     ap.add_argument("--mb", type=float, default=128.0)
-    ap.add_argument("--bucket-mb", type=float, default=8.0)
+    ap.add_argument("--bucket-mb", type=float, default=16.0)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-inflight", type=int, default=1, help="weight_sync.max_inflight of the senders")
     a = ap.parse_args()
     mb, rounds = (64.0, 3) if a.quick else (a.mb, a.rounds)
-    out = measure(mb, a.bucket_mb, rounds)
+    out = measure(mb, a.bucket_mb, rounds, a.max_inflight)
     for line in projections(out["ratio_sync_vs_raw"]):
         print(line)
     print(json.dumps(out))

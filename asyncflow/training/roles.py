@@ -88,7 +88,7 @@ async def init_weight_sync(policy: Any, instances: list) -> None:
     counts = [sum(await inst.weight_endpoints(train)) for inst in instances]
     addrs = await policy.open_weight_sync(1 + sum(counts))
     bases = [1 + sum(counts[:i]) for i in range(len(instances))]
-    await asyncio.gather(policy.init_weight_sync(),
+    await asyncio.gather(policy.init_weight_sync(any(c == 0 for c in counts)),
                          *(inst.init_weight_sync(train, addrs, base) for inst, base in zip(instances, bases)))
 
 

@@ -189,9 +189,10 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         return self._ws_addr.to_dict()
 
     @register(Dispatch.ONE_TO_ALL)
-    def init_weight_sync(self) -> None:
+    def init_weight_sync(self, gather_all: bool) -> None:
         """Join this rank's group (member 0; returns once every receiver has joined). An
-        instance in this rank's process gets the tensors in process instead."""
+        instance in this rank's process gets the tensors in process instead; ``gather_all``:
+        some training rank has one, so every rank gathers every tensor whole."""
         from ..config import rollout_dtype
         from .weight_recv import local_sinks
         from .weight_send import BucketSender
@@ -203,7 +204,8 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         if getattr(self, "_ws_addr", None) is not None:
             group = WireGroup(self._ws_addr, 0, w.timeout_s, device=self.device, store=self._ws_store)
         self.sender = BucketSender(self.rank, self.group_rank, group, local_sinks, timeout_s=w.timeout_s,
-                                   max_inflight=w.max_inflight, role=self.role)
+                                   max_inflight=w.max_inflight, role=self.role, train_ranks=list(self.layout.ranks),
+                                   gather_all=bool(gather_all))
         self.sync_dtype = torch_dtype(rollout_dtype(self.cfg, self.platform.is_accelerator))
         self.bucket_bytes = int(w.bucket_mb * 2**20)
 
@@ -212,7 +214,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         """Send ``version`` to every rollout instance (all actor ranks, bucket by bucket; the
         receivers must be receiving: ``receive_weights`` first). Returns when this rank's
         buckets are sent."""
-        from ..engines.train.gather import full_tensors, local_tensors
+        from ..engines.train.gather import local_tensors
         from .weight_sync import make_header
 
         if self.sender is None:
@@ -221,7 +223,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.published += 1
         named = local_tensors(self.engine.model)
         header = make_header(named, version, self.published, self.bucket_bytes, self.group_size, self.sync_dtype)
-        stats = self.sender.send(header, full_tensors(named))
+        stats = self.sender.send(header, named)
         return {"bytes": header.nbytes, "bytes_sent": stats.bytes_sent, "buckets": len(header.buckets),
                 "peak_extra_bytes": stats.peak_extra_bytes, "publish_s": time.monotonic() - start}
 

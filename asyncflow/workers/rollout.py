@@ -152,7 +152,7 @@ class RolloutWorker(EngineOffload, Worker):
             def load(header, tensors) -> None:
                 fut = self.service.update_weights_stream(header.specs, tensors, header.version)
                 self._in_place = (header, fut.result(self.sync_timeout_s))
-        self.receiver.start(version, load)
+        self.receiver.start(version, load, self.sink.bucket_buffer if self.load_mode == "staged" else None)
 
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def swap_weights(self, version: int) -> dict:

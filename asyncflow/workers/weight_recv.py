@@ -46,8 +46,10 @@ class StagingSink:
     def __init__(self, check: Callable[[dict, int], None], device: torch.device | str = "cpu"):
         self.check = check  # the engine's check of names, shapes, dtypes and version; raises to refuse
         self.device = torch.device(device)
-        self.staging: dict[str, torch.Tensor] = {}
-        self._layout: tuple[TensorSpec, ...] = ()
+        self.staging: dict[str, torch.Tensor] = {}  # views into one flat buffer laid out as the buckets
+        self._flat = torch.empty(0, dtype=torch.uint8)
+        self._starts: list[int] = []  # byte offset of each bucket in the flat buffer
+        self._layout: tuple = ()
         self._ready: WeightHeader | None = None
         self._filling: WeightHeader | None = None
         self._lock = threading.Lock()
@@ -57,13 +59,23 @@ class StagingSink:
         with self._lock:
             self._ready = None  # being overwritten: not a whole version until end()
             self._filling = header
-        if self._layout != header.specs:  # allocated once, reused by every version of the same model
-            self.staging = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=self.device)
-                            for s in header.specs}
-            self._layout = header.specs
+        if self._layout != (header.specs, header.buckets):  # allocated once, reused by every version
+            sizes = [header.bucket_nbytes(b) for b in range(len(header.buckets))]
+            self._starts = [sum(sizes[:b]) for b in range(len(sizes))]
+            self._flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            self.staging = {spec.name: t for b in range(len(sizes))
+                            for spec, t in views(header, b, self.bucket_buffer(header, b))}
+            self._layout = (header.specs, header.buckets)
+
+    def bucket_buffer(self, header: WeightHeader, b: int) -> torch.Tensor:
+        """Where bucket ``b`` lands: the staging tensors' own bytes (received with no copy)."""
+        start = self._starts[b]
+        return self._flat[start:start + header.bucket_nbytes(b)]
 
     def tensor(self, spec: TensorSpec, t: torch.Tensor) -> None:
-        self.staging[spec.name].copy_(t)
+        held = self.staging[spec.name]
+        if t.data_ptr() != held.data_ptr():  # received into the staging bytes already: nothing to copy
+            held.copy_(t)
 
     def end(self, header: WeightHeader) -> None:
         with self._lock:
@@ -155,21 +167,24 @@ class BucketReceiver:
         self.header: WeightHeader | None = None  # the last version received whole
         self.bytes_received = 0
 
-    def start(self, version: int, load: Callable[[WeightHeader, Iterator], None]) -> None:
+    def start(self, version: int, load: Callable[[WeightHeader, Iterator], None],
+              dest: Callable[[WeightHeader, int], torch.Tensor] | None = None) -> None:
         """Begin receiving ``version``: ``load(header, tensors)`` consumes the (spec, tensor)
-        pairs; returns at once. One receive at a time, in version order."""
+        pairs; ``dest(header, b)``, where given, is the byte buffer bucket b is received into
+        (the loader's own memory: no copy). Returns at once. One receive at a time, in order."""
         self.join()
         self.expected_version = int(version)
-        self._thread = threading.Thread(target=self._run, args=(load,), name=f"weight-recv-v{version}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(load, dest), name=f"weight-recv-v{version}",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, load: Callable[[WeightHeader, Iterator], None]) -> None:
+    def _run(self, load: Callable[[WeightHeader, Iterator], None], dest: Any) -> None:
         where = f"weight sync of version {self.expected_version}: {self.role} rank {self.rank}"
         stream: _BucketStream | None = None
         try:
             header: WeightHeader = self.groups[0].broadcast_object(None, 0)
             where = f"weight sync of {header.describe()}: {self.role} rank {self.rank}"
-            stream = _BucketStream(header, self.train_ranks, self.groups, self.device)
+            stream = _BucketStream(header, self.train_ranks, self.groups, self.device, dest)
             try:
                 load(header, iter(stream))
             except BaseException:
@@ -205,11 +220,13 @@ class BucketReceiver:
 class _BucketStream:
     """The (spec, tensor) pairs of a version as its buckets arrive, one reused buffer."""
 
-    def __init__(self, header: WeightHeader, train_ranks: list[int], groups: dict[int, Any], device: torch.device):
+    def __init__(self, header: WeightHeader, train_ranks: list[int], groups: dict[int, Any], device: torch.device,
+                 dest: Any = None):
         self.header = header
         self.train_ranks, self.groups = train_ranks, groups
-        self.buf = torch.empty(max(header.bucket_nbytes(b) for b in range(len(header.buckets))),
-                               dtype=torch.uint8, device=device)
+        self.dest, self.device = dest, device
+        self.buf = None if dest is not None else torch.empty(
+            max(header.bucket_nbytes(b) for b in range(len(header.buckets))), dtype=torch.uint8, device=device)
         self.received = 0
         self.bytes = 0
 
@@ -219,7 +236,7 @@ class _BucketStream:
         if src >= len(self.train_ranks):
             raise RuntimeError(f"bucket {b} comes from training index {src}, but {len(self.train_ranks)} "
                                "training ranks take part in this sync")
-        buf = self.buf[:n]
+        buf = self.dest(self.header, b) if self.dest is not None and not self.draining else self.buf_for(n)
         group = self.groups[src]
         group.wait(group.broadcast(buf, 0), f"bucket {b + 1} from training rank {self.train_ranks[src]}")
         self.received += 1
@@ -230,6 +247,16 @@ class _BucketStream:
         for b in range(self.received, len(self.header.buckets)):
             yield from views(self.header, b, self._recv(b))
 
+    draining = False
+
+    def buf_for(self, n: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < n:
+            self.buf = torch.empty(max(self.header.bucket_nbytes(b) for b in range(len(self.header.buckets))),
+                                   dtype=torch.uint8, device=self.device)
+        return self.buf[:n]
+
     def drain(self) -> None:
+        """Read the rest off the wire into scratch memory (never into the loader's)."""
+        self.draining = True
         for b in range(self.received, len(self.header.buckets)):
             self._recv(b)

@@ -142,7 +142,7 @@ def trained(model_dir, tokenizer):
 
 
 def test_weight_sync_makes_rollout_match_actor(trained):
-    from asyncflow.engines.train.gather import full_tensors, local_tensors
+    from asyncflow.engines.train.gather import local_tensors
     from asyncflow.workers.weight_recv import StagingSink
     from asyncflow.workers.weight_send import BucketSender
     from asyncflow.workers.weight_sync import make_header
@@ -169,7 +169,7 @@ def test_weight_sync_makes_rollout_match_actor(trained):
     sink = StagingSink(rollout.check_weights)
     named = local_tensors(actor.model)
     header = make_header(named, 1, 1, bucket_bytes=1 << 16, n_sources=1, cast=None)
-    BucketSender(0, 0, None, lambda: [sink]).send(header, full_tensors(named))
+    BucketSender(0, 0, None, lambda: [sink]).send(header, named)
     got_header, staged = sink.take()
     assert got_header.version == 1 and got_header.seq == 1 and len(header.buckets) > 1
     rollout.load_weights(staged, 1)

@@ -75,7 +75,7 @@ def _send_async(sender, sd, version, shapes_ok=True):
 
     def run():
         try:
-            out["stats"] = sender.send(header, iter(named))
+            out["stats"] = sender.send(header, named)
         except Exception as e:  # noqa: BLE001 - looked at by the test
             out["error"] = e
     t = threading.Thread(target=run)

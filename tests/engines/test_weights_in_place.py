@@ -43,7 +43,7 @@ def test_a_version_streams_in_place_mid_generation_with_exact_token_versions(ser
     sink = InPlaceSink(service, timeout_s=30, depth=2)
     sender = BucketSender(0, 0, None, lambda: [sink], timeout_s=30)
     header = make_header(new.items(), version=1, seq=1, bucket_bytes=4096, n_sources=1, cast=None)
-    sender.send(header, iter(new.items()))
+    sender.send(header, list(new.items()))
     assert sink.loaded is header and sink.result["version"] == 1 and engine.version == 1
     held = engine.model.state_dict()
     assert all(torch.equal(held[k], new[k]) for k in new)

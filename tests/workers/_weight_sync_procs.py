@@ -62,29 +62,42 @@ def _sharded(train) -> nn.Module:
     return net
 
 
+def _sender(rank: int, groups: dict, gather_all: bool = False):
+    from asyncflow.workers.weight_send import BucketSender
+    return BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [], timeout_s=20,
+                        train_ranks=TRAIN, gather_all=gather_all)
+
+
 def _send(net: nn.Module, sender, version: int, cast, die_after: int | None = None):
-    from asyncflow.engines.train.gather import full_tensors, local_tensors
+    """Send a version; ``die_after``: exit the process after that many buckets were gathered
+    (a sender dying mid-version, buckets already on the wire)."""
+    import asyncflow.workers.weight_send as WS
+    from asyncflow.engines.train.gather import local_tensors
     from asyncflow.workers.weight_sync import make_header
     named = local_tensors(net)
     header = make_header(named, version, version, BUCKET, len(TRAIN), cast)
+    if die_after is not None:
+        gather, calls = WS.gather_bucket, [0]
 
-    def tensors():
-        for i, item in enumerate(full_tensors(named)):
-            if die_after is not None and i == die_after:
-                os._exit(3)  # a sender dying mid-version, buckets already on the wire
-            yield item
-    return header, sender.send(header, tensors())
+        def dying(*args):
+            calls[0] += 1
+            if calls[0] > die_after:
+                os._exit(3)
+            return gather(*args)
+        WS.gather_bucket = dying
+    return header, sender.send(header, named)
 
 
-def sync_two_versions(rank: int, port: int, q) -> None:
-    """v1 in fp32, v2 (weights doubled) cast to bf16: receivers hold exactly the expected."""
+def sync_two_versions(rank: int, port: int, q, gather_all: bool = False) -> None:
+    """v1 in fp32, v2 (weights doubled) cast to bf16: receivers hold exactly the expected.
+    gather_all False: each bucket gathered into its sender only (shards point to point);
+    True: every training rank all-gathers every tensor (as when an instance shares its process)."""
     try:
         from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
-        from asyncflow.workers.weight_send import BucketSender
         train, groups = _setup(rank, port)
         if rank in TRAIN:
             net = _sharded(train)
-            sender = BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [], timeout_s=20)
+            sender = _sender(rank, groups, gather_all)
             header, s1 = _send(net, sender, 1, None)
             with torch.no_grad():
                 for p in net.parameters():
@@ -102,7 +115,7 @@ def sync_two_versions(rank: int, port: int, q) -> None:
                     for spec, t in tensors:
                         sink.tensor(spec, t)
                     sink.end(header)
-                recv.start(v, load)
+                recv.start(v, load, sink.bucket_buffer)
                 recv.join()
                 header, staged = sink.take()
                 want = expected(v, cast)
@@ -120,14 +133,13 @@ def sender_dies(rank: int, port: int, q) -> None:
     start = None
     try:
         from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
-        from asyncflow.workers.weight_send import BucketSender
         train, groups = _setup(rank, port)
         if rank in TRAIN:
             net = _sharded(train)
-            sender = BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [], timeout_s=20)
+            sender = _sender(rank, groups)
             _send(net, sender, 1, None)  # a whole version first
             start = time.monotonic()
-            _send(net, sender, 2, None, die_after=5 if rank == 1 else None)
+            _send(net, sender, 2, None, die_after=2 if rank == 1 else None)
             q.put(("no-error", rank))
         else:
             sink = StagingSink(lambda sd, v: None)
@@ -158,11 +170,10 @@ def receiver_dies(rank: int, port: int, q) -> None:
     start = None
     try:
         from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
-        from asyncflow.workers.weight_send import BucketSender
         train, groups = _setup(rank, port)
         if rank in TRAIN:
             net = _sharded(train)
-            sender = BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [], timeout_s=20)
+            sender = _sender(rank, groups)
             start = time.monotonic()
             try:
                 _send(net, sender, 1, None)

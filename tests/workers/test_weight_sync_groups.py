@@ -20,11 +20,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(target, n_results: int = 4, timeout: float = 120) -> list:
+def _run(target, n_results: int = 4, timeout: float = 120, *extra) -> list:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=target, args=(r, port, q), daemon=True) for r in range(4)]
+    procs = [ctx.Process(target=target, args=(r, port, q, *extra), daemon=True) for r in range(4)]
     for p in procs:
         p.start()
     try:
@@ -36,8 +36,9 @@ def _run(target, n_results: int = 4, timeout: float = 120) -> list:
                 p.kill()
 
 
-def test_two_fsdp_ranks_to_two_instances_bit_identical_fp32_and_bf16():
-    results = _run(P.sync_two_versions)
+@pytest.mark.parametrize("gather_all", [False, True])
+def test_two_fsdp_ranks_to_two_instances_bit_identical_fp32_and_bf16(gather_all):
+    results = _run(P.sync_two_versions, 4, 120, gather_all)
     assert not [r for r in results if r[0] == "error"], results
     sent = sorted((r for r in results if r[0] == "sent"), key=lambda r: r[1])
     got = [r for r in results if r[0] == "received"]
@@ -102,6 +103,6 @@ def test_a_receiver_that_never_reads_times_out_naming_the_sync():
     header = make_header(sd.items(), 1, 1, 1 << 20, 1, None)
     start = __import__("time").monotonic()
     with pytest.raises(RuntimeError, match=r"version 1 .*actor rank 0") as err:
-        sender.send(header, iter(sd.items()))
+        sender.send(header, list(sd.items()))
     assert __import__("time").monotonic() - start < 15
     assert "timeout 2 s" in str(err.value) and ("bucket" in str(err.value) or "header" in str(err.value)), err.value
