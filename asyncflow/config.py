@@ -218,6 +218,10 @@ class PlacementConfig:
     # pass runs beside generation instead of in the training ranks' critical path (async mode's
     # actor side is the busier one on small setups). The critic always sits with the actor.
     ref_with: Literal["actor", "rollout"] = "actor"
+    # vLLM, disaggregated: the devices of each rollout instance, one list per rollout rank in
+    # rollout_ranks order (device indices as the node numbers them); an instance over several
+    # devices runs vLLM tensor parallel over them. Empty: each instance on its rank's device.
+    rollout_devices: list[list[int]] = field(default_factory=list)
     # colocated: the roles that are not running free memory (training roles: gradients, and on
     # accelerators parameters and optimizer state to host; rollout on accelerators: weights to
     # host and the cached blocks returned), as verl's hybrid engine does. auto: in sync mode
@@ -310,6 +314,14 @@ class RunConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     # Free-form keys of a recipe of your own (read them in its build(cfg) or its workers).
     recipe_options: dict[str, Any] = field(default_factory=dict)
+
+
+def rollout_devices(cfg: RunConfig, rank: int) -> list[int] | None:
+    """The devices of the rollout instance on ``rank`` (placement.rollout_devices), or None."""
+    p = cfg.placement
+    if not p.rollout_devices or rank not in p.rollout_ranks:
+        return None
+    return list(p.rollout_devices[list(p.rollout_ranks).index(rank)])
 
 
 def rollout_dtype(cfg: RunConfig, accelerator: bool) -> str:
@@ -407,6 +419,14 @@ def _check(cfg: RunConfig) -> RunConfig:
     if tq.max_rows_per_unit < 0 or tq.max_bytes_per_unit < 0:
         problems.append(f"transfer_queue.max_rows_per_unit and max_bytes_per_unit must be >= 0 (0: unbounded), "
                         f"got {tq.max_rows_per_unit} and {tq.max_bytes_per_unit}")
+    devs = cfg.placement.rollout_devices
+    if devs:
+        flat = [d for inst in devs for d in inst]
+        if (r.engine != "vllm" or cfg.placement.mode != "disaggregated" or len(devs) != len(cfg.placement.rollout_ranks)
+                or any(not inst for inst in devs) or len(set(flat)) != len(flat) or min(flat) < 0):
+            problems.append(f"placement.rollout_devices: {devs} must be one non-empty list of distinct device "
+                            f"indices per rollout rank ({len(cfg.placement.rollout_ranks)} here), no device in two "
+                            "instances, with rollout.engine=vllm and placement.mode=disaggregated")
     ws = cfg.weight_sync
     if ws.bucket_mb <= 0 or ws.max_inflight < 1 or ws.timeout_s <= 0:
         problems.append(f"weight_sync.bucket_mb and timeout_s must be > 0 and max_inflight >= 1, got "

@@ -77,3 +77,32 @@ def test_rank_threads_share_the_cores_when_ranks_overlap(monkeypatch):
     assert rank_threads(load_config(overrides=["workflow.mode=async", "trainer.threads=3"]), cpus=8) == 3
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # under torchrun: the ranks of this node
     assert rank_threads(load_config(overrides=["workflow.mode=async"]), cpus=16) == 2
+
+
+VLLM3 = ["rollout.engine=vllm", "trainer.nproc=3", "placement.actor_ranks=[0]", "placement.rollout_ranks=[1,2]"]
+
+
+def test_rollout_devices_give_each_vllm_instance_its_own_devices():
+    from asyncflow.config import rollout_devices
+    cfg = load_config(overrides=[*VLLM3, "placement.rollout_devices=[[1,2],[3,4]]"])
+    assert rollout_devices(cfg, 1) == [1, 2] and rollout_devices(cfg, 2) == [3, 4]
+    assert rollout_devices(cfg, 0) is None  # the actor's rank
+    assert rollout_devices(load_config(overrides=VLLM3), 1) is None  # unset: the rank's own device
+
+
+@pytest.mark.parametrize("devices", ["[[1,2]]", "[[1,2],[2,3]]", "[[1],[]]", "[[-1],[2]]"])
+def test_bad_rollout_devices_are_refused_saying_what_fits(devices):
+    with pytest.raises(ConfigError, match="placement.rollout_devices: .* one non-empty list .* per rollout rank"):
+        load_config(overrides=[*VLLM3, f"placement.rollout_devices={devices}"])
+
+
+def test_rollout_devices_need_vllm():
+    with pytest.raises(ConfigError, match="rollout.engine=vllm"):
+        load_config(overrides=[*VLLM3[1:], "placement.rollout_devices=[[1],[2]]"])
+
+
+def test_weight_sync_settings_are_checked():
+    with pytest.raises(ConfigError, match="weight_sync.bucket_mb"):
+        load_config(overrides=["weight_sync.bucket_mb=0"])
+    with pytest.raises(ConfigError, match="weight_sync"):
+        load_config(overrides=["weight_sync.load=copy"])

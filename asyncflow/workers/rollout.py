@@ -55,10 +55,12 @@ class RolloutWorker(EngineOffload, Worker):
                                                device=self.device, max_running_rows=r.max_running_rows,
                                                max_kv_tokens=r.max_kv_tokens, prefill_chunk=r.prefill_chunk)
         elif r.engine == "vllm":
+            from ..config import rollout_devices
             from ..engines.rollout.vllm import VLLMRolloutEngine
-            # pinned to this rank's device (a rank is one instance; tensor parallel over several
-            # devices goes through VLLMRolloutEngine(devices=[...]) directly)
-            devices = [self.device.index] if self.device.type == "cuda" and self.device.index is not None else None
+            # pinned to placement.rollout_devices (tensor parallel over several), else to this rank's device
+            devices = rollout_devices(c, self.rank)
+            if devices is None and self.device.type == "cuda" and self.device.index is not None:
+                devices = [self.device.index]
             self.engine = VLLMRolloutEngine(c.model.path, devices=devices,
                                             gpu_memory_utilization=r.gpu_memory_utilization,
                                             max_num_seqs=r.max_running_rows)
