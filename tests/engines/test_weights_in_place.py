@@ -10,23 +10,15 @@ import torch
 
 from asyncflow.engines.rollout import SamplingParams
 from asyncflow.engines.rollout.base import GenerationRequest
-from asyncflow.engines.rollout.service import RolloutService
 from asyncflow.workers.weight_recv import InPlaceSink
 from asyncflow.workers.weight_send import BucketSender
 from asyncflow.workers.weight_sync import TensorSpec, make_header
-from tests.engines._rollout_helpers import EOS, PAD, prompts, tiny_model
+from tests.engines._rollout_helpers import prompts
 
 LONG = SamplingParams(max_new_tokens=60, temperature=1.0)
 
 
-@pytest.fixture
-def service():
-    from asyncflow.engines.rollout import BuiltinRolloutEngine
-    engine = BuiltinRolloutEngine(tiny_model(tie=False), eos_token_ids=[EOS], pad_token_id=PAD)
-    engine.eos_token_ids = ()  # rows run to their budget
-    svc = RolloutService(engine, in_flight=True)
-    yield svc
-    svc.close()
+from tests.engines.test_rollout_service import service  # noqa: F401 - the fixture: in-flight swaps, rows to their budget
 
 
 def _new_weights(engine, scale: float) -> dict[str, torch.Tensor]:

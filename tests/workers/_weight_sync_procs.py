@@ -62,6 +62,16 @@ def _sharded(train) -> nn.Module:
     return net
 
 
+def _staged(sink):
+    """The rollout worker's staged loader: every tensor of the version into ``sink``."""
+    def load(header, tensors):
+        sink.begin(header)
+        for spec, t in tensors:
+            sink.tensor(spec, t)
+        sink.end(header)
+    return load
+
+
 def _sender(rank: int, groups: dict, gather_all: bool = False):
     from asyncflow.workers.weight_send import BucketSender
     return BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [], timeout_s=20,
@@ -110,12 +120,7 @@ def sync_two_versions(rank: int, port: int, q, gather_all: bool = False) -> None
             recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
             got = {}
             for v, cast in ((1, None), (2, torch.bfloat16)):
-                def load(header, tensors):
-                    sink.begin(header)
-                    for spec, t in tensors:
-                        sink.tensor(spec, t)
-                    sink.end(header)
-                recv.start(v, load, sink.bucket_buffer)
+                recv.start(v, _staged(sink), sink.bucket_buffer)
                 recv.join()
                 header, staged = sink.take()
                 want = expected(v, cast)
@@ -144,12 +149,7 @@ def sender_dies(rank: int, port: int, q) -> None:
         else:
             sink = StagingSink(lambda sd, v: None)
             recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
-
-            def load(header, tensors):
-                sink.begin(header)
-                for spec, t in tensors:
-                    sink.tensor(spec, t)
-                sink.end(header)
+            load = _staged(sink)
             recv.start(1, load)
             recv.join()
             first = sink.take()

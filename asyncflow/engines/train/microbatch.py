@@ -116,13 +116,10 @@ class MicroBatch:
         return MicroBatch(**moved)
 
 
-def build_micro_batch(prompts: list[Tensor], responses: list[Tensor], indices: list[int],
-                      pad_id: int = 0, loss_masks: list[Tensor] | None = None) -> MicroBatch:
-    """Right-pad the sequences `indices` (prompt then response) into one MicroBatch.
-
-    loss_masks: one bool tensor per sequence (all of them, like ``prompts``), True on the
-    response tokens to train on; ``mask`` is then the real response tokens AND it. The
-    layout (input_ids, logit_pos, targets) does not depend on it."""
+def joined_sequences(prompts: list[Tensor], responses: list[Tensor],
+                     indices: list[int]) -> tuple[list[Tensor], list[int], list[int]]:
+    """The sequences ``indices`` as prompt + response (int64, host), with each one's prompt
+    and response lengths."""
     if not indices:
         raise ValueError("a micro-batch needs at least one sequence")
     seqs, plens, rlens = [], [], []
@@ -131,6 +128,17 @@ def build_micro_batch(prompts: list[Tensor], responses: list[Tensor], indices: l
         seqs.append(torch.cat([p, r]))
         plens.append(p.numel())
         rlens.append(r.numel())
+    return seqs, plens, rlens
+
+
+def build_micro_batch(prompts: list[Tensor], responses: list[Tensor], indices: list[int],
+                      pad_id: int = 0, loss_masks: list[Tensor] | None = None) -> MicroBatch:
+    """Right-pad the sequences `indices` (prompt then response) into one MicroBatch.
+
+    loss_masks: one bool tensor per sequence (all of them, like ``prompts``), True on the
+    response tokens to train on; ``mask`` is then the real response tokens AND it. The
+    layout (input_ids, logit_pos, targets) does not depend on it."""
+    seqs, plens, rlens = joined_sequences(prompts, responses, indices)
     width = max(s.numel() for s in seqs)
     rwidth = max(max(rlens), 1)
     input_ids = pad_right(seqs, width, pad_id)

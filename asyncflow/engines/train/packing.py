@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from asyncflow.engines.train.microbatch import MicroBatch, pad_right
+from asyncflow.engines.train.microbatch import MicroBatch, joined_sequences, pad_right
 
 __all__ = ["build_packed_micro_batch", "check_packing_supported", "flash_kwargs", "plan_packed_micro_batches"]
 
@@ -65,14 +65,7 @@ def build_packed_micro_batch(prompts: list[Tensor], responses: list[Tensor], ind
                              loss_masks: list[Tensor] | None = None) -> MicroBatch:
     """Pack the sequences ``indices`` (prompt then response each) into one row; see the module
     docstring. ``loss_masks`` as in microbatch.build_micro_batch."""
-    if not indices:
-        raise ValueError("a micro-batch needs at least one sequence")
-    seqs, plens, rlens = [], [], []
-    for i in indices:
-        p, r = prompts[i].long().cpu(), responses[i].long().cpu()
-        seqs.append(torch.cat([p, r]))
-        plens.append(p.numel())
-        rlens.append(r.numel())
+    seqs, plens, rlens = joined_sequences(prompts, responses, indices)
     lens = torch.tensor([s.numel() for s in seqs])
     starts = torch.cumsum(lens, 0) - lens
     input_ids = torch.cat(seqs)[None, :]
