@@ -90,7 +90,9 @@ def test_workers_exit_when_their_starter_dies_before_any_ping():
     p = subprocess.Popen([sys.executable, "-c", _ORPHANS], env=env, stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
-        pids = [int(x) for x in p.stdout.readline().split()]
+        # torch 2.10's gloo prints "[Gloo] Rank r is connected to n peer ranks..." on the workers' stdout
+        line = next((ln for ln in p.stdout if not ln.startswith("[Gloo]")), "")
+        pids = [int(x) for x in line.split()]
         assert len(pids) == 2, f"LocalWorkers did not start (exit {p.poll()})"
         p.kill()  # SIGKILL: no atexit, no close(); the workers have never been pinged
         p.wait()
