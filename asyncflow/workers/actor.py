@@ -49,6 +49,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.engine = train_engine_class(c.model.train_engine)(
             policy_model(c), engine_optim(c, optim), process_group=self.process_group, platform=self.platform)
         self.sender: Any = None  # a weight_send.BucketSender once init_weight_sync ran
+        self._ws_store = self._ws_addr = None  # this rank's weight-sync group store (open_weight_sync)
         self.published = 0
         self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
 
@@ -201,7 +202,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
 
         w = self.cfg.weight_sync
         group = None
-        if getattr(self, "_ws_addr", None) is not None:
+        if self._ws_addr is not None:
             group = WireGroup(self._ws_addr, 0, w.timeout_s, device=self.device, store=self._ws_store)
         self.sender = BucketSender(self.rank, self.group_rank, group, local_sinks, timeout_s=w.timeout_s,
                                    max_inflight=w.max_inflight, role=self.role, train_ranks=list(self.layout.ranks),

@@ -218,17 +218,26 @@ class BucketReceiver:
 
 
 class _BucketStream:
-    """The (spec, tensor) pairs of a version as its buckets arrive, one reused buffer."""
+    """The (spec, tensor) pairs of a version as its buckets arrive: each bucket into the
+    loader's own bytes (``dest``) where it has them, else into one reused scratch buffer."""
 
     def __init__(self, header: WeightHeader, train_ranks: list[int], groups: dict[int, Any], device: torch.device,
                  dest: Any = None):
         self.header = header
         self.train_ranks, self.groups = train_ranks, groups
         self.dest, self.device = dest, device
-        self.buf = None if dest is not None else torch.empty(
-            max(header.bucket_nbytes(b) for b in range(len(header.buckets))), dtype=torch.uint8, device=device)
+        self.scratch: torch.Tensor | None = None
+        self.draining = False  # refused or failed: the rest goes to scratch, never to the loader
         self.received = 0
         self.bytes = 0
+
+    def _buffer(self, b: int, n: int) -> torch.Tensor:
+        if self.dest is not None and not self.draining:
+            return self.dest(self.header, b)
+        if self.scratch is None:
+            size = max(self.header.bucket_nbytes(k) for k in range(len(self.header.buckets)))
+            self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self.scratch[:n]
 
     def _recv(self, b: int) -> torch.Tensor:
         n = self.header.bucket_nbytes(b)
@@ -236,7 +245,7 @@ class _BucketStream:
         if src >= len(self.train_ranks):
             raise RuntimeError(f"bucket {b} comes from training index {src}, but {len(self.train_ranks)} "
                                "training ranks take part in this sync")
-        buf = self.dest(self.header, b) if self.dest is not None and not self.draining else self.buf_for(n)
+        buf = self._buffer(b, n)
         group = self.groups[src]
         group.wait(group.broadcast(buf, 0), f"bucket {b + 1} from training rank {self.train_ranks[src]}")
         self.received += 1
@@ -246,14 +255,6 @@ class _BucketStream:
     def __iter__(self) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
         for b in range(self.received, len(self.header.buckets)):
             yield from views(self.header, b, self._recv(b))
-
-    draining = False
-
-    def buf_for(self, n: int) -> torch.Tensor:
-        if self.buf is None or self.buf.numel() < n:
-            self.buf = torch.empty(max(self.header.bucket_nbytes(b) for b in range(len(self.header.buckets))),
-                                   dtype=torch.uint8, device=self.device)
-        return self.buf[:n]
 
     def drain(self) -> None:
         """Read the rest off the wire into scratch memory (never into the loader's)."""
