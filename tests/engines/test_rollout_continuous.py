@@ -199,3 +199,24 @@ def test_refused_weights_keep_the_old_ones(model):
     assert eng.version == 2
     after = _run(eng, [GenerationRequest(2, p, GREEDY)])[2].response_ids.tolist()
     assert after == changed and (changed != before)
+
+
+def test_packed_and_shared_prefill_match_rows_run_alone(model):
+    """Prompts admitted together are prefilled packed end to end in shared rows, and a group's
+    identical prompts are prefilled once; every row still gets the tokens it gets alone."""
+    ps = prompts(6, seed=31, lo=3, hi=12)
+    group = [ps[0]] * 4  # a GRPO group: one prompt, four rows with their own seeds
+    reqs = [GenerationRequest(i, p, SAMPLED, seed=500 + i, max_new_tokens=8) for i, p in enumerate(ps + group)]
+    _, places = _engine(model)._prefill([r.prompt_ids for r in reqs])
+    assert len({(id(c), row) for c, row, _ in places}) < len(ps)  # several prompts share a packed row
+    assert len(set(places[6:] + places[:1])) == 1  # the group's prompt has one place
+    eng = _engine(model)
+    out = _run(eng, reqs)
+    assert eng.stats()["prefill_shared_rows"] == 4
+    for req in reqs:
+        alone = _alone(model, req)
+        got = out[req.request_id]
+        assert _close_or_tied(got.response_ids.tolist(), alone.response_ids.tolist(), got.log_probs, alone.log_probs)
+        n = min(len(got.log_probs), len(alone.log_probs))
+        assert torch.allclose(got.log_probs[:n], alone.log_probs[:n], atol=1e-4)
+    assert out[6].response_ids.tolist() != out[7].response_ids.tolist()  # shared prefill, own samples

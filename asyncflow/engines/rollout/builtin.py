@@ -8,7 +8,8 @@ returns the rows that finished. So the compute follows the rows that are generat
 and a row never waits for the longest row of its batch. ``generate()`` (the batch API)
 submits its prompts and steps until they are all done.
 
-What else makes it fast on small models: a preallocated cache written in place
+What else makes it fast on small models: prompts prefilled packed end to end (no padding)
+and once per distinct prompt (a GRPO group shares one), a preallocated cache written in place
 (``SlotKVCache``), grouped-query attention that reads the cache without copying it
 (``attention.py``), masks built by the engine (HF models accept a prepared mask dict), the
 LM head on the last position only, and sampling as a few whole-batch tensor ops with
@@ -40,6 +41,9 @@ __all__ = ["BuiltinRolloutEngine"]
 # computes logits itself, so it refuses such models rather than sample from wrong ones.
 _HEAD_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 _MASK32 = 0xFFFFFFFF
+# Prefill packs prompts into rows of about this many tokens: attention inside a packed row
+# costs width^2, while padding rows to a common length costs whole tokens.
+PACK_WIDTH = 128
 
 
 @dataclass
@@ -138,7 +142,7 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         self._reserved_kv = 0
         self._admitting = True
         self.counters = {"finished": 0, "aborted": 0, "unknown_aborts": 0, "errors": 0, "swaps": 0,
-                         "tokens": 0, "steps": 0, "prefill_tokens": 0, "recomputed_rows": 0}
+                         "tokens": 0, "steps": 0, "prefill_tokens": 0, "prefill_shared_rows": 0, "recomputed_rows": 0}
 
     # ---- the request API -----------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:
@@ -401,21 +405,18 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
 
     def _join(self, reqs: list[GenerationRequest], seqs: list[torch.Tensor]) -> torch.Tensor:
         """Prefill new rows and append them to the running batch."""
-        hidden, staged = self._prefill(seqs)
-        plens = [s.numel() for s in seqs]
-        self._append(reqs, plens, staged, hidden)
+        hidden, places = self._prefill(seqs)
+        self._append(reqs, [s.numel() for s in seqs], places)
         return hidden
 
     def _append(self, reqs: list[GenerationRequest], plens: list[int],
-                staged: list[tuple[PrefillCache, list[int]]], hidden: torch.Tensor) -> None:
+                places: list[tuple[PrefillCache, int, int]]) -> None:
         n0, m = len(self._rows), len(reqs)
         cap = max(p + r.budget for p, r in zip(plens, reqs))
         gen_cap = max(r.budget for r in reqs)
-        self._cache.reserve(n0 + m, cap, staged[0][0], self.max_running_rows)
+        self._cache.reserve(n0 + m, cap, places[0][0], self.max_running_rows)
         self._reserve_out(n0 + m, gen_cap)
-        for cache, idx in staged:  # in request order (see _prefill)
-            rows = torch.tensor([pos for pos, _ in idx], device=self.device)
-            self._cache.append(cache, rows, torch.tensor([plens[i] for _, i in idx]))
+        self._cache.append(places, plens)
         mixed = [_splitmix64(int(r.seed)) for r in reqs]
         new = {"steps": torch.zeros(m, dtype=torch.int64),
                "budget": torch.tensor([r.budget for r in reqs], dtype=torch.int64),
@@ -441,45 +442,58 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         lp[:n, :c] = self._out_lp[:n]
         self._out_tok, self._out_lp = tok, lp
 
-    def _prefill(self, seqs: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[PrefillCache, list[tuple[int, int]]]]]:
-        """Run whole sequences through the model, right padded, in chunks of similar length (padding
-        is compute thrown away). Return the last real token's hidden state per sequence (in the
-        order given) and the staging caches with, per cache, (row in cache, sequence index) pairs,
-        ordered so that concatenating them gives the sequences in the order given."""
-        m = len(seqs)
-        n_chunks = 1 if m < 16 else 4
-        by_len = sorted(range(m), key=lambda i: seqs[i].numel())
-        bounds = [round(i * m / n_chunks) for i in range(n_chunks + 1)]
-        pieces: list[tuple[list[int], PrefillCache, torch.Tensor]] = []
-        for c0, c1 in zip(bounds[:-1], bounds[1:]):
-            if c0 == c1:
-                continue
-            members = by_len[c0:c1]
-            width = seqs[members[-1]].numel()
-            ids = torch.full((len(members), width), self.pad_token_id, dtype=torch.int64)
-            for j, i in enumerate(members):
-                ids[j, :seqs[i].numel()] = seqs[i]
-            cache = PrefillCache(self.num_layers, len(members), width)
-            mask = self._causal(width, 0, len(members))
-            positions = torch.arange(width, device=self.device)[None].expand(len(members), width)
-            out = self.base(input_ids=ids.to(self.device), attention_mask={"full_attention": mask},
-                            position_ids=positions, cache=cache, use_cache=True).last_hidden_state
-            last = torch.tensor([seqs[i].numel() - 1 for i in members], device=self.device)
-            pieces.append((members, cache, out[torch.arange(len(members), device=self.device), last]))
-        # Back to the order given: one staging cache per chunk; rows reordered by their index.
-        where = {}
-        for p, (members, _, _) in enumerate(pieces):
-            for j, i in enumerate(members):
-                where[i] = (p, j)
-        staged: list[tuple[PrefillCache, list[tuple[int, int]]]] = []
-        for i in range(m):  # runs of consecutive sequences that live in the same chunk
-            p, j = where[i]
-            if staged and staged[-1][0] is pieces[p][1]:
-                staged[-1][1].append((j, i))
-            else:
-                staged.append((pieces[p][1], [(j, i)]))
-        hidden = torch.stack([pieces[where[i][0]][2][where[i][1]] for i in range(m)])
-        return hidden, staged
+    def _prefill(self, seqs: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[PrefillCache, int, int]]]:
+        """Prefill sequences in one forward; return the last token's hidden state per sequence (in
+        the order given) and where each one's keys and values lie: (staging cache, row, offset).
+        Identical sequences (a GRPO group's prompt) are computed once and share their place: the
+        slots get copies, so the rows stay independent from then on."""
+        index: dict[tuple[int, ...], int] = {}
+        unique: list[torch.Tensor] = []
+        of: list[int] = []  # sequence i is unique[of[i]]
+        for q in seqs:
+            key = tuple(q.tolist())
+            if key not in index:
+                index[key] = len(unique)
+                unique.append(q)
+            of.append(index[key])
+        if len(unique) == len(seqs):
+            return self._prefill_packed(seqs)
+        hidden, places = self._prefill_packed(unique)
+        self.counters["prefill_shared_rows"] += len(seqs) - len(unique)
+        return hidden[torch.tensor(of, device=hidden.device)], [places[o] for o in of]
+
+    def _prefill_packed(self, seqs: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[PrefillCache, int, int]]]:
+        lens = [s.numel() for s in seqs]
+        rows = min(len(seqs), -(-sum(lens) // PACK_WIDTH))
+        bins: list[list[int]] = [[] for _ in range(rows)]
+        fill = [0] * rows
+        for i in sorted(range(len(seqs)), key=lambda i: -lens[i]):
+            b = min(range(rows), key=fill.__getitem__)
+            bins[b].append(i)
+            fill[b] += lens[i]
+        width = max(fill)
+        ids = torch.full((rows, width), self.pad_token_id, dtype=torch.int64)
+        positions = torch.zeros((rows, width), dtype=torch.int64)
+        segment = torch.full((rows, width), -1, dtype=torch.int64)  # padding: a segment of its own
+        where: list[tuple[int, int]] = [(0, 0)] * len(seqs)
+        for r, members in enumerate(bins):
+            off = 0
+            for i in members:
+                n = lens[i]
+                ids[r, off:off + n] = seqs[i]
+                positions[r, off:off + n] = torch.arange(n)
+                segment[r, off:off + n] = i
+                where[i] = (r, off)
+                off += n
+        causal = torch.ones((width, width), dtype=torch.bool).tril()
+        allowed = (segment[:, :, None] == segment[:, None, :]) & causal
+        mask = torch.zeros((rows, 1, width, width), dtype=self._dtype)
+        mask.masked_fill_(~allowed[:, None], self._neg)
+        cache = PrefillCache(self.num_layers, rows, width)
+        out = self.base(input_ids=ids.to(self.device), attention_mask={"full_attention": mask.to(self.device)},
+                        position_ids=positions.to(self.device), cache=cache, use_cache=True).last_hidden_state
+        last = torch.tensor([r * width + off + n - 1 for (r, off), n in zip(where, lens)], device=self.device)
+        return out.reshape(rows * width, -1)[last], [(cache, r, off) for r, off in where]
 
     def _prefill_chunk_step(self) -> torch.Tensor | None:
         """Prefill the next chunk of the long prompt in progress; when it is complete, the row joins
@@ -500,7 +514,7 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
             return None
         self._chunked = None
         hidden = out[:, -1]
-        self._append([ch.req], [plen], [(ch.cache, [(0, 0)])], hidden)
+        self._append([ch.req], [plen], [(ch.cache, 0, 0)])
         return hidden
 
     def _causal(self, q: int, offset: int, rows: int) -> torch.Tensor:
@@ -635,15 +649,8 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         for j, (row, s) in enumerate(zip(self._rows, steps)):
             fed = self._out_tok[j, :s - 1].cpu()  # the last sampled token is fed by the next decode
             seqs.append(torch.cat([row.req.prompt_ids.to(torch.int64), fed]))
-        _, staged = self._prefill(seqs)
-        for cache, idx in staged:
-            slots = torch.tensor([i for _, i in idx], device=self.device)
-            rows = torch.tensor([j for j, _ in idx], device=self.device)
-            lengths = torch.tensor([seqs[i].numel() for _, i in idx])
-            sub = PrefillCache(self.num_layers, len(idx), cache.capacity)
-            sub.keys = [k[rows] for k in cache.keys]
-            sub.values = [v[rows] for v in cache.values]
-            self._cache.overwrite(slots, sub, lengths)
+        _, places = self._prefill(seqs)
+        self._cache.overwrite(list(range(len(seqs))), places, [q.numel() for q in seqs])
         self.counters["recomputed_rows"] += len(seqs)
 
     def memory_held(self) -> dict[str, int]:

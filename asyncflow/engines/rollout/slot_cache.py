@@ -7,14 +7,17 @@ each row's new key at its own position. Rows join at the end and leave by compac
 survivors past the new end move into the holes, so a finished row costs one row copy,
 not a copy of the whole batch.
 
-``PrefillCache`` is a staging cache for prompts entering the batch: rows right padded to
-a common width (the causal mask keeps real queries off the padding), or one long prompt
-filled chunk by chunk across engine steps. Its rows are then copied into slots.
+``PrefillCache`` is a staging cache for prompts entering the batch: rows that each hold
+several prompts packed end to end (the engine's block-diagonal mask keeps each prompt to
+itself), or one long prompt filled chunk by chunk across engine steps. Each prompt's
+positions are then copied into its slot.
 
 The attention layers only call ``update(key, value, layer_idx, ...)``; the engine builds
 the attention masks itself (HF models take a dict mask as already prepared).
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
@@ -90,25 +93,27 @@ class SlotKVCache:
                 store[i] = buf
 
     # ---- rows in and out -----------------------------------------------------------------
-    def append(self, staged: PrefillCache, rows: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Copy rows ``rows`` of a staging cache (``lengths`` positions each) into slots [n, n + m)."""
-        m = rows.numel()
-        width = int(lengths.max())
-        for i in range(self.num_layers):
-            self.keys[i][self.n:self.n + m, :, :width] = staged.keys[i][rows, :, :width]
-            self.values[i][self.n:self.n + m, :, :width] = staged.values[i][rows, :, :width]
-        lens = lengths.to(self.keys[0].device, torch.int64)
+    def append(self, places: list[tuple[PrefillCache, int, int]], lengths: list[int]) -> None:
+        """Copy prefilled sequences into slots [n, n + m): sequence j's ``lengths[j]`` positions start
+        at ``places[j] = (staging cache, row, offset)`` (packed rows hold several sequences)."""
+        m = len(places)
+        self._copy_in(range(self.n, self.n + m), places, lengths)
+        lens = torch.tensor(lengths, dtype=torch.int64, device=self.keys[0].device)
         self.lens = lens if self.lens is None or self.n == 0 else torch.cat([self.lens[:self.n], lens])
         self.n += m
         self._rows_idx = None
 
-    def overwrite(self, slots: torch.Tensor, staged: PrefillCache, lengths: torch.Tensor) -> None:
-        """Replace the cache of running rows ``slots`` with a staging cache's (recompute after a swap)."""
-        width = int(lengths.max())
-        for i in range(self.num_layers):
-            self.keys[i][slots, :, :width] = staged.keys[i][:, :, :width]
-            self.values[i][slots, :, :width] = staged.values[i][:, :, :width]
-        self.lens[slots] = lengths.to(self.lens.device, torch.int64)
+    def overwrite(self, slots: list[int], places: list[tuple[PrefillCache, int, int]], lengths: list[int]) -> None:
+        """Replace the cache of running rows ``slots`` with prefilled sequences (recompute after a swap)."""
+        self._copy_in(slots, places, lengths)
+        self.lens[torch.tensor(slots, device=self.lens.device)] = torch.tensor(lengths, dtype=torch.int64,
+                                                                                 device=self.lens.device)
+
+    def _copy_in(self, slots: Iterable[int], places: list[tuple[PrefillCache, int, int]], lengths: list[int]) -> None:
+        for slot, (staged, row, start), n in zip(slots, places, lengths):
+            for i in range(self.num_layers):
+                self.keys[i][slot, :, :n] = staged.keys[i][row, :, start:start + n]
+                self.values[i][slot, :, :n] = staged.values[i][row, :, start:start + n]
 
     def compact(self, keep: torch.Tensor) -> torch.Tensor:
         """Keep the rows where bool ``keep`` [n] is set; return ``order``: new slot j holds the row
