@@ -9,7 +9,7 @@ import torch
 
 from asyncflow.engines.train import FSDPEngine, OptimConfig
 from asyncflow.engines.train.options import EngineOptions
-from asyncflow.engines.train.packing import build_packed_micro_batch, flash_kwargs, plan_packed_micro_batches
+from asyncflow.engines.train.packing import build_packed_micro_batch, flash_kwargs, pack_rows, plan_packed_micro_batches
 from asyncflow.platform import get_platform
 from tests.engines._train_helpers import loss_masks_for, make_batch, ppo_loss, tiny_model, value_loss
 from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
@@ -48,6 +48,32 @@ def test_packed_layout():
     assert flash_kwargs(mb, "sdpa") == {} and flash_kwargs(mb, None) == {}
 
 
+def test_packed_rows_layout():
+    """Spread over rows of about row_tokens: longest first into the emptiest row; each row's
+    padding restarts its positions (a sequence of its own); logit_pos/rows find every target."""
+    assert pack_rows([5, 9, 3, 7], 0) == [[0, 1, 2, 3]]
+    assert pack_rows([5, 9, 3, 7], 12) == [[1, 2], [3, 0]]  # 24 tokens: two rows of 12
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
+    responses = [torch.tensor([7, 8]), torch.tensor([9, 10, 11]), torch.tensor([12])]
+    mb = build_packed_micro_batch(prompts, responses, [0, 1, 2], row_tokens=6)
+    # 12 tokens, two rows: 5 | 4, then the 3 into the emptiest (4)
+    assert mb.input_ids.tolist() == [[1, 2, 3, 7, 8, 0, 0], [4, 9, 10, 11, 5, 6, 12]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2]]
+    assert mb.rows.squeeze(1).tolist() == [0, 1, 1] and mb.cu_seqlens is None
+    for i, n in enumerate(mb.response_lens):
+        row = mb.input_ids[mb.rows[i, 0]]
+        assert row[mb.logit_pos[i, :n] + 1].tolist() == mb.targets[i, :n].tolist() == responses[i].tolist()
+
+
+@pytest.fixture(params=["row_tokens_default", "row_tokens_12"])
+def row_tokens(request, monkeypatch):
+    """The engine's packed rows as built (one row at these sizes), or forced to ~12 tokens (several)."""
+    if request.param == "row_tokens_12":
+        monkeypatch.setattr("asyncflow.engines.train.fsdp.ROW_TOKENS", 12)
+        return 12
+    return 0
+
+
 def _model(attn: str):
     def build():
         model = tiny_model(seed=0)
@@ -57,13 +83,15 @@ def _model(attn: str):
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_packed_log_probs_and_entropy_equal_padded(attn):
+def test_packed_log_probs_and_entropy_equal_padded(attn, row_tokens):
     prompts, responses, _ = make_batch(9, seed=4)
     cfg = OptimConfig(lr=1e-3, micro_batch_tokens=40)
     padded = FSDPEngine(_model(attn), cfg, platform=CPU)
     packed = FSDPEngine(_model(attn), cfg, platform=CPU, options=PACKED)
     want, want_ent = padded.compute_log_probs(prompts, responses, with_entropy=True)
     got, got_ent = packed.compute_log_probs(prompts, responses, with_entropy=True)
+    if row_tokens:
+        assert packed._micro_batch(prompts, responses, list(range(3))).input_ids.shape[0] > 1
     for i in range(len(prompts)):
         assert got[i].shape == responses[i].shape
         assert (got[i] - want[i]).abs().max().item() <= 1e-5, i
@@ -83,7 +111,7 @@ def test_the_check_can_fail_attention_across_sequences_changes_log_probs():
     assert (good[1:] - crossed[1:]).abs().max() > 1e-3
 
 
-def test_packed_train_step_equals_padded_with_loss_masks():
+def test_packed_train_step_equals_padded_with_loss_masks(row_tokens):
     prompts, responses, fields = make_batch(9, seed=5)
     fields["loss_mask"] = loss_masks_for(responses, seed=5)
     cfg = OptimConfig(lr=1e-3, warmup_steps=2, micro_batch_tokens=30)

@@ -53,8 +53,8 @@ from asyncflow.engines.train.microbatch import (MicroBatch, build_micro_batch, e
                                                 plan_micro_batches, slice_fields)
 from asyncflow.engines.train.model_source import ModelSource, as_model_source
 from asyncflow.engines.train.options import EngineOptions
-from asyncflow.engines.train.packing import (build_packed_micro_batch, check_packing_supported, flash_kwargs,
-                                             plan_packed_micro_batches)
+from asyncflow.engines.train.packing import (ROW_TOKENS, build_packed_micro_batch, check_packing_supported,
+                                             flash_kwargs, plan_packed_micro_batches)
 from asyncflow.engines.train.schedule import build_scheduler
 from asyncflow.platform import Platform, get_platform
 
@@ -115,18 +115,23 @@ class FSDPEngine(TrainEngine):
         self.nonfinite_in_row = 0  # skipped updates since the last good one
 
         self.model = self._build(source)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
-                                           eps=optim.eps, weight_decay=optim.weight_decay)
+        self.optimizer = self._adamw(optim)
         self.scheduler = build_scheduler(self.optimizer, optim)
 
     def reset_optimizer(self, optim: OptimConfig) -> None:
         """A fresh AdamW and schedule from step 0 on the current weights (e.g. RL after a
         supervised warm-up, which wants another learning rate and its own warm-up)."""
         self.optim_config = optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
-                                           eps=optim.eps, weight_decay=optim.weight_decay)
+        self.optimizer = self._adamw(optim)
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.step = 0
+
+    def _adamw(self, optim: OptimConfig) -> torch.optim.AdamW:
+        """AdamW with torch's fused kernel where it has one (CPU, CUDA): the default per-tensor
+        loop dispatches every op through DTensor, a large share of a small model's step."""
+        fused = True if self.device.type in ("cpu", "cuda") else None
+        return torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                 weight_decay=optim.weight_decay, fused=fused)
 
     def load_model_state(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the weights with a full (unsharded, HF-named) state dict, on every rank."""
@@ -193,8 +198,10 @@ class FSDPEngine(TrainEngine):
 
     def _micro_batch(self, prompts: list[Tensor], responses: list[Tensor], indices: list[int],
                      loss_masks: list[Tensor] | None = None) -> MicroBatch:
-        if self.options.padding_free:
-            return build_packed_micro_batch(prompts, responses, indices, loss_masks=loss_masks)
+        if self.options.padding_free:  # flash kernels take one row and its cumulative lengths
+            flash = "flash" in (getattr(self.hf_config, "_attn_implementation", None) or "")
+            return build_packed_micro_batch(prompts, responses, indices, loss_masks=loss_masks,
+                                            row_tokens=0 if flash else ROW_TOKENS)
         return build_micro_batch(prompts, responses, indices, loss_masks=loss_masks)
 
     # ---------------------------------------------------------------- forward
@@ -203,9 +210,8 @@ class FSDPEngine(TrainEngine):
         """(log-probs or values [b, R] fp32, entropy [b, R] or None), both 0 wherever mb.mask is
         False (padding, and tokens a loss mask drops: no gradient reaches the model from there)."""
         mb = mb.to(self.device)
-        # Row of each sequence's outputs: its own, or row 0 for every sequence when packed.
-        rows = (torch.zeros(mb.mask.shape[0], 1, dtype=torch.long, device=self.device) if mb.packed
-                else torch.arange(mb.input_ids.shape[0], device=self.device)[:, None])
+        # Row of each sequence's outputs: its own, or the packed row that holds it.
+        rows = mb.rows if mb.packed else torch.arange(mb.input_ids.shape[0], device=self.device)[:, None]
         extra = flash_kwargs(mb, getattr(self.hf_config, "_attn_implementation", None))
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                     if self.mixed_precision and self.process_group is None else contextlib.nullcontext())

@@ -102,9 +102,10 @@ class MicroBatch:
     targets: Tensor  # [b, R] long, the response tokens (0 on padding)
     mask: Tensor  # [b, R] bool, True on real response tokens (that the loss mask, if any, keeps)
     response_lens: list[int]
-    packed: bool = False  # packing.py's layout: every sequence in row 0, positions restart per sequence
-    cu_seqlens: Tensor | None = None  # packed: [b + 1] int32 start offsets of the sequences, then N
+    packed: bool = False  # packing.py's layout: sequences end to end in rows, positions restart per sequence
+    cu_seqlens: Tensor | None = None  # packed in one row: [b + 1] int32 start offsets of the sequences, then N
     max_seqlen: int = 0  # packed: the longest sequence
+    rows: Tensor | None = None  # packed: [b, 1] long, the row that holds each sequence
 
     @property
     def padded_tokens(self) -> int:

@@ -1,11 +1,15 @@
-"""Padding-free micro-batches: the sequences of a micro-batch packed end to end in one row.
+"""Padding-free micro-batches: the sequences of a micro-batch packed end to end.
 
 Layout of one packed micro-batch of b sequences, N = their total length, R = the longest
 response: ``input_ids`` [1, N]; ``position_ids`` [1, N] restarting at 0 with each sequence;
 no attention mask; ``cu_seqlens`` [b + 1] the sequences' start offsets (int32) and
 ``max_seqlen`` the longest. The response token j of sequence i (starting at offset o_i, prompt
-length p_i) is predicted by the logits at o_i + p_i + j - 1 (``logit_pos`` [b, R], row 0);
-``targets``/``mask`` as in microbatch.py.
+length p_i) is predicted by the logits at o_i + p_i + j - 1 (``logit_pos`` [b, R], in row
+``rows[i]``); ``targets``/``mask`` as in microbatch.py.
+
+For the eager and SDPA kernels the sequences are spread over rows of about ``ROW_TOKENS``
+tokens instead ([rows, W], each row's tail padding a sequence of its own, no ``cu_seqlens``):
+those kernels score a row's whole block, so one long row would cost N x N.
 
 Attention must not cross sequences. Hugging Face models see it from the position ids: with no
 attention mask and no cache, ``transformers.masking_utils`` finds where positions restart
@@ -14,8 +18,8 @@ SDPA kernels (the CPU path, tested against the padded path); flash-attention ker
 cumulative lengths instead (``cu_seq_lens_*`` / ``max_length_*`` keyword arguments, which the
 engine passes for those kernels; not run here: no accelerator).
 
-Cost: no padding, but the eager and SDPA kernels still score an N x N block (masked), where
-the padded path scores b x L x L; flash kernels score only the blocks on the diagonal.
+Cost: the eager and SDPA kernels score each packed row's W x W block (masked), where the
+padded path scores b x L x L; flash kernels score only the blocks on the diagonal.
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ from torch import Tensor
 
 from asyncflow.engines.train.microbatch import MicroBatch, joined_sequences, pad_right
 
-__all__ = ["build_packed_micro_batch", "check_packing_supported", "flash_kwargs", "plan_packed_micro_batches"]
+__all__ = ["ROW_TOKENS", "build_packed_micro_batch", "check_packing_supported", "flash_kwargs", "pack_rows",
+           "plan_packed_micro_batches"]
+
+# Packed rows for the eager and SDPA kernels hold about this many tokens: they score a row's
+# whole N x N block, so one row per micro-batch would cost attention quadratic in the batch.
+ROW_TOKENS = 64
 
 
 def check_packing_supported() -> None:
@@ -61,26 +70,58 @@ def plan_packed_micro_batches(lengths: list[int], token_budget: int) -> list[lis
     return groups
 
 
+def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """Sequence indices per packed row: ceil(total / row_tokens) rows, longest first into the
+    emptiest, so the rows come out near the same length; one row (row_tokens <= 0, or few
+    tokens) keeps the order given. Deterministic (ties keep input order)."""
+    rows = 1 if row_tokens <= 0 else max(1, min(len(lengths), -(-sum(lengths) // row_tokens)))
+    if rows == 1:
+        return [list(range(len(lengths)))]
+    out: list[list[int]] = [[] for _ in range(rows)]
+    fill = [0] * rows
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(rows), key=fill.__getitem__)
+        out[r].append(i)
+        fill[r] += lengths[i]
+    return out
+
+
 def build_packed_micro_batch(prompts: list[Tensor], responses: list[Tensor], indices: list[int],
-                             loss_masks: list[Tensor] | None = None) -> MicroBatch:
-    """Pack the sequences ``indices`` (prompt then response each) into one row; see the module
-    docstring. ``loss_masks`` as in microbatch.build_micro_batch."""
+                             loss_masks: list[Tensor] | None = None, row_tokens: int = 0) -> MicroBatch:
+    """Pack the sequences ``indices`` (prompt then response each) end to end; see the module
+    docstring. ``row_tokens`` > 0 spreads them over rows of about that many tokens (eager and
+    SDPA score a row's whole N x N block, so shorter rows cost less attention); the short rows
+    end in padding that is a sequence of its own (positions from 0), never attended to from
+    the real ones. ``loss_masks`` as in microbatch.build_micro_batch."""
     seqs, plens, rlens = joined_sequences(prompts, responses, indices)
-    lens = torch.tensor([s.numel() for s in seqs])
-    starts = torch.cumsum(lens, 0) - lens
-    input_ids = torch.cat(seqs)[None, :]
-    position_ids = torch.cat([torch.arange(n) for n in lens.tolist()])[None, :]
+    lens = [s.numel() for s in seqs]
+    layout = pack_rows(lens, row_tokens)
+    width = max(sum(lens[i] for i in members) for members in layout)
+    input_ids = torch.zeros((len(layout), width), dtype=torch.long)
+    position_ids = torch.zeros((len(layout), width), dtype=torch.long)
+    row_of = torch.zeros(len(seqs), dtype=torch.long)
+    starts = torch.zeros(len(seqs), dtype=torch.long)
+    for r, members in enumerate(layout):
+        off = 0
+        for i in members:
+            input_ids[r, off:off + lens[i]] = seqs[i]
+            position_ids[r, off:off + lens[i]] = torch.arange(lens[i])
+            row_of[i], starts[i] = r, off
+            off += lens[i]
+        position_ids[r, off:] = torch.arange(width - off)  # the padding: a sequence of its own
     rwidth = max(max(rlens), 1)
     rcols = torch.arange(rwidth)
     mask = rcols[None, :] < torch.tensor(rlens)[:, None]
     # Padded response slots point at the prompt's last position: valid, and masked out afterwards.
     logit_pos = starts[:, None] + torch.tensor(plens)[:, None] - 1 + rcols[None, :] * mask
-    targets = input_ids[0][(logit_pos + 1).clamp(max=input_ids.shape[1] - 1)] * mask
+    targets = input_ids[row_of[:, None], (logit_pos + 1).clamp(max=width - 1)] * mask
     if loss_masks is not None:
         mask = mask & pad_right([loss_masks[i].to("cpu", torch.bool) for i in indices], rwidth, False)
-    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lens, 0).to(torch.int32)])
+    one_row = len(layout) == 1
+    cu_seqlens = (torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(torch.tensor(lens), 0).to(torch.int32)])
+                  if one_row else None)
     return MicroBatch(list(indices), input_ids, None, position_ids, logit_pos, targets, mask, rlens,
-                      packed=True, cu_seqlens=cu_seqlens, max_seqlen=int(lens.max()))
+                      packed=True, cu_seqlens=cu_seqlens, max_seqlen=max(lens), rows=row_of[:, None])
 
 
 def flash_kwargs(mb: MicroBatch, attn_implementation: str | None) -> dict[str, object]:
