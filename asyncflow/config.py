@@ -79,6 +79,9 @@ class RolloutConfig:
     # Benchmark workload. "": each row stops at EOS or max_new_tokens. "longtail": each row gets its own
     # token budget (a seeded lognormal draw capped at max_new_tokens: most short, a few at the cap).
     length_profile: Literal["", "longtail"] = ""
+    # Benchmarks of fixed lengths: EOS does not stop a row, every row runs to its budget (the
+    # reward reads a response up to its first EOS).
+    ignore_eos: bool = False
     gpu_memory_utilization: float = 0.5  # vllm only
 
 

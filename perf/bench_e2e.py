@@ -47,12 +47,11 @@ Fairness, what is done about each source of bias:
              the same prompts, so the rows' lengths match in distribution (the JSON shows
              generated tokens per row on both sides);
     fixed    every row generates exactly --max-new-tokens tokens on both sides (TRL:
-             min_new_tokens, EOS suppressed; AsyncFlow: ``rollout.ignore_eos=true``).
-             AsyncFlow's config has no way to ignore EOS today (the built-in engine always
-             stops a row at the tokenizer's EOS, and ``rollout.length_profile`` only caps
-             budgets), so this refuses to start until it has one. Fixed lengths measure
-             speed only: with EOS suppressed the answer runs on into other characters and
-             the ``number`` reward is 0 on every row (measured on TRL's side).
+             min_new_tokens, EOS suppressed; AsyncFlow: ``rollout.ignore_eos=true``, checked
+             on every row). Fixed lengths measure speed more than learning: TRL's suppressed
+             EOS makes the answer run on into other characters (its ``number`` reward was 0
+             on every row, measured), while AsyncFlow's reward reads a response up to its
+             first EOS, so the reward curves of the two sides are not comparable here.
   TRL runs as one process; --trl-threads gives one entry per torch thread count (default
   trl_2t and trl_1t): with 2 threads it uses both cores, but on a shared machine a thread
   that loses its core stalls every parallel op of the tiny model (measured here: the same
@@ -345,20 +344,6 @@ def placement_overrides(mode: list[str], a: argparse.Namespace) -> list[str]:
     if "placement.mode=disaggregated" not in mode:
         return []
     return [f"placement.ref_with={a.ref_with}"]
-
-
-def ignore_eos_supported() -> str | None:
-    """None when AsyncFlow's config accepts rollout.ignore_eos, else why not."""
-    from asyncflow.config import ConfigError, load_config
-    try:
-        load_config(RECIPE, [f"{IGNORE_EOS_KEY}=true"])
-    except ConfigError as e:
-        return (f"AsyncFlow cannot ignore EOS through its config: {e}. The built-in rollout engine stops a row at "
-                "the tokenizer's EOS (BuiltinRolloutEngine needs a non-empty eos_token_ids, RolloutWorker passes "
-                "[tokenizer.eos_token_id]) or at a SamplingParams.stop_token_ids token, and the trainer builds "
-                "SamplingParams from rollout.max_new_tokens/temperature/top_p/top_k only; "
-                "rollout.length_profile=longtail sets per-row budgets (caps), never a minimum length")
-    return None
 
 
 def train(name: str, overrides: list[str], run_dir: Path, timeout_s: float) -> tuple[int | str, float, Path]:
@@ -667,7 +652,7 @@ def main() -> None:
                     help="the length cap (--lengths natural) or every row's length (--lengths fixed), both sides")
     ap.add_argument("--lengths", choices=LENGTHS, default="natural",
                     help="natural: rows stop at EOS or at the cap; fixed: EOS ignored, every row at the cap "
-                         "(needs AsyncFlow's rollout.ignore_eos)")
+                         "(AsyncFlow's rollout.ignore_eos)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per AsyncFlow rank (2 ranks)")
     ap.add_argument("--trl-threads", default="2,1",
@@ -698,9 +683,6 @@ def main() -> None:
     t0 = time.monotonic()
     rows = a.prompts * a.group
     code = code_version()
-    no_fixed = ignore_eos_supported()
-    if a.lengths == "fixed" and no_fixed:
-        raise SystemExit(f"bench_e2e --lengths fixed: {no_fixed}")
 
     warm = warm_up(a, out)
     model = Path(warm["model"])
@@ -768,7 +750,7 @@ def main() -> None:
     spreads = summary.pop("_spreads")
     summary.update({
         "reps": a.reps, "orders": orders, "steps": a.steps, "max_new_tokens": a.max_new_tokens,
-        "lengths": a.lengths, **({"fixed_lengths_unavailable": no_fixed} if no_fixed else {}),
+        "lengths": a.lengths,
         "warmup": {k: warm[k] for k in ("warmup_steps", "accuracy", "reused")},
         "trl": ({"version": TRL, "threads": trl, "gradient_checkpointing": False} if spec else None),
         "code": code, "errors": errors, "reward_png": str(png) if png else None, "wall_s": round(time.monotonic() - t0, 1),

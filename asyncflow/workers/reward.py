@@ -51,7 +51,7 @@ class RewardWorker(Worker):
     def compute(self, data: Any, io: dict | None = None) -> dict:
         """[response, answer, and optionally prompt, metadata] -> one score per row."""
         io = StageIO.of(io, ["response_ids", "answer"], ["scores"])
-        texts = self.tokenizer.batch_decode([r.tolist() for r in rows(data[io.inputs[0]])],
+        texts = self.tokenizer.batch_decode([self._to_first_eos(r.tolist()) for r in rows(data[io.inputs[0]])],
                                             skip_special_tokens=True)
         answers = [str(a) for a in values(data[io.inputs[1]])]
         extra = [{} for _ in texts]
@@ -65,6 +65,12 @@ class RewardWorker(Worker):
         self.errors += int(stats.get("errors", 0))
         self.timeouts += int(stats.get("timeouts", 0))
         return {io.outputs[0]: torch.tensor(scores, dtype=torch.float32)}
+
+    def _to_first_eos(self, ids: list[int]) -> list[int]:
+        """A response ends at its first EOS: with rollout.ignore_eos a row runs on past it, and
+        what follows is not the answer."""
+        eos = self.tokenizer.eos_token_id
+        return ids[:ids.index(eos) + 1] if eos is not None and eos in ids else ids
 
     @register(Dispatch.ONE_TO_ALL)
     def reward_stats(self) -> dict:

@@ -68,7 +68,7 @@ class RolloutWorker(EngineOffload, Worker):
             raise ValueError(f"rollout worker rank {self.rank}: unknown engine {r.engine!r} (builtin | vllm)")
         self.engine.version = 0
         self.params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                     top_k=r.top_k)
+                                     top_k=r.top_k, ignore_eos=r.ignore_eos)
         self.service = RolloutService(self.engine, name=f"rollout-rank{self.rank}", in_flight=r.partial_rollout,
                                       swap_mode=r.swap_mode)
         self.stream = RowStream(self.service, lambda: self.tq, self.params,

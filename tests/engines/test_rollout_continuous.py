@@ -220,3 +220,20 @@ def test_packed_and_shared_prefill_match_rows_run_alone(model):
         n = min(len(got.log_probs), len(alone.log_probs))
         assert torch.allclose(got.log_probs[:n], alone.log_probs[:n], atol=1e-4)
     assert out[6].response_ids.tolist() != out[7].response_ids.tolist()  # shared prefill, own samples
+
+
+def test_ignore_eos_runs_every_row_to_its_budget(model):
+    """ignore_eos: the engine's EOS no longer stops a row (stop ids still do); rows with and
+    without it share a batch and each keeps its own rule."""
+    eng = _engine(model)
+    eng.eos_token_ids = tuple(range(VOCAB))  # every token is an EOS: any row stops at its first token
+    ps = prompts(4, seed=41)
+    fixed = SamplingParams(max_new_tokens=9, temperature=1.0, ignore_eos=True)
+    reqs = [GenerationRequest(0, ps[0], fixed, seed=1, max_new_tokens=9),
+            GenerationRequest(1, ps[1], SAMPLED, seed=2, max_new_tokens=9),
+            GenerationRequest(2, ps[2], fixed, seed=3, max_new_tokens=5)]
+    out = _run(eng, reqs)
+    assert [len(out[i].response_ids) for i in range(3)] == [9, 1, 5]
+    assert [out[i].finish_reason for i in range(3)] == ["length", "stop", "length"]
+    stop_at = SamplingParams(max_new_tokens=9, temperature=0, ignore_eos=True, stop_token_ids=tuple(range(VOCAB)))
+    assert len(_run(_engine(model), [GenerationRequest(3, ps[3], stop_at)])[3].response_ids) == 1

@@ -41,6 +41,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 => off
     stop_token_ids: tuple[int, ...] = ()  # in addition to the engine's eos ids
+    # The engine's eos ids do not stop a row (stop_token_ids still do): every row runs to its
+    # budget. For benchmarks of fixed lengths, as vLLM's ignore_eos.
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:

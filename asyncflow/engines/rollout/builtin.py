@@ -63,7 +63,7 @@ class _Chunked:
 
 
 def _params_key(p: SamplingParams) -> tuple:
-    return (p.temperature, p.top_k, p.top_p, p.stop_token_ids)
+    return (p.temperature, p.top_k, p.top_p, p.stop_token_ids, p.ignore_eos)
 
 
 class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
@@ -261,11 +261,11 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
                            keys=keys, step=steps, vhash=self._vhash)
 
     def _stop_mask(self, params: SamplingParams) -> torch.Tensor:
-        key = params.stop_token_ids
+        key = (params.stop_token_ids, params.ignore_eos)
         m = self._stop_masks.get(key)
         if m is None:
             m = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-            m[list(self.eos_token_ids) + list(key)] = True
+            m[([] if params.ignore_eos else list(self.eos_token_ids)) + list(params.stop_token_ids)] = True
             self._stop_masks[key] = m
         return m
 

@@ -173,7 +173,8 @@ def _vllm_params_factory(vllm: Any) -> ParamsFactory:
         return vllm.SamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, max_tokens=int(budget), seed=int(seed), logprobs=0,
-            stop_token_ids=list(params.stop_token_ids), detokenize=False, output_kind=RequestOutputKind.DELTA)
+            stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, detokenize=False,
+            output_kind=RequestOutputKind.DELTA)
     return make
 
 
