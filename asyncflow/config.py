@@ -284,7 +284,7 @@ class WeightSyncConfig:
     # buckets of extra memory per sender).
     bucket_mb: float = 64.0
     # staged: a version arrives into a second copy while generation goes on, swapped in at a
-    # step boundary, instances in turn; in_place: straight into the engine's weights with
+    # step boundary, instances in waves (swaps_at_once); in_place: straight into the engine's weights with
     # generation paused for the transfer (no second copy, for models that fill the device).
     load: Literal["staged", "in_place"] = "staged"
     # the rollout dtype the weights are cast to and the rollout engine holds; auto: bfloat16
@@ -292,6 +292,9 @@ class WeightSyncConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_inflight: int = 1  # buckets of a sender on the wire while it fills the next
     timeout_s: float = 300.0  # a sync that takes longer (a dead or stuck peer) stops the run
+    # Rollout instances that swap a new version in at the same time; the rest keep generating,
+    # so never all of them (capped at instances - 1). 0: a quarter of the instances (at least one).
+    swaps_at_once: int = 0
 
 
 @dataclass
@@ -431,9 +434,9 @@ def _check(cfg: RunConfig) -> RunConfig:
                             f"indices per rollout rank ({len(cfg.placement.rollout_ranks)} here), no device in two "
                             "instances, with rollout.engine=vllm and placement.mode=disaggregated")
     ws = cfg.weight_sync
-    if ws.bucket_mb <= 0 or ws.max_inflight < 1 or ws.timeout_s <= 0:
-        problems.append(f"weight_sync.bucket_mb and timeout_s must be > 0 and max_inflight >= 1, got "
-                        f"{ws.bucket_mb}, {ws.timeout_s} and {ws.max_inflight}")
+    if ws.bucket_mb <= 0 or ws.max_inflight < 1 or ws.timeout_s <= 0 or ws.swaps_at_once < 0:
+        problems.append(f"weight_sync.bucket_mb and timeout_s must be > 0, max_inflight >= 1 and swaps_at_once "
+                        f">= 0 (0: auto), got {ws.bucket_mb}, {ws.timeout_s}, {ws.max_inflight} and {ws.swaps_at_once}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return cfg

@@ -166,7 +166,8 @@ class Training:
                               max_refill_factor=cfg.algorithm.max_refill_factor,
                               wait_timeout_s=cfg.workflow.call_timeout_s,
                               # apart from other roles, an instance streams rows; colocated, it takes its turn
-                              rollout_service=cfg.placement.mode == "disaggregated")
+                              rollout_service=cfg.placement.mode == "disaggregated",
+                              swaps_at_once=cfg.weight_sync.swaps_at_once)
         budget = cfg.trainer.time_budget_s
         progress = Progress(None if budget else cfg.trainer.steps - first, enabled=cfg.trainer.progress,
                             desc=f"RL ({budget:.0f} s budget)" if budget else "RL")

@@ -19,7 +19,7 @@ the TransferQueue as soon as it finishes. Otherwise each call generates a batch 
 the rank's call queue (colocated roles take turns on their ranks).
 
 Weights: each version is published once, received by every instance in the background,
-then swapped in by the instances one after another, so generation never stops everywhere.
+then swapped in by the instances in waves (never all at once), so generation never stops everywhere.
 """
 from __future__ import annotations
 
@@ -49,6 +49,12 @@ class ExecutorConfig:
     max_refill_factor: float = 3.0
     wait_timeout_s: float = 600.0
     rollout_service: bool = False  # instances take rows as slots free (submit) instead of one call per batch
+    swaps_at_once: int = 0  # instances swapping a new version in together (0: a quarter); never all of them
+
+    def swap_wave(self, instances: int) -> int:
+        """How many instances swap at once: never every one of several (the rest keep generating)."""
+        k = self.swaps_at_once or max(1, instances // 4)
+        return max(1, min(k, instances - 1)) if instances > 1 else 1
 
     @property
     def lag(self) -> int:
@@ -530,14 +536,18 @@ class Executor:
                 v = self._sync_queue.get_nowait()
                 taken += 1
             # Every instance starts receiving in the background (generating meanwhile), then the
-            # actor ranks send; then the instances swap the new weights in one after another, so
-            # that at no moment are all of them paused (with weight_sync.load=staged).
+            # actor ranks send; then the instances swap the new weights in, in waves of
+            # cfg.swap_wave(n), so that at no moment are all of them paused (weight_sync.load=staged).
             await asyncio.gather(*(inst.receive_weights(v) for inst in self.instances))
             # Timed under step v: the step whose rollout the new weights serve (and whose metrics log it).
             await self._timed(_SYNC, actor.role, actor.ranks, v, 0, actor.publish_weights(v))
-            for k, inst in enumerate(self.instances):
-                await self._timed(_SYNC, inst.role, inst.ranks, v, 0, inst.swap_weights(v))
-                self.instance_version[k] = v
+            wave = self.cfg.swap_wave(len(self.instances))
+            for w in range(0, len(self.instances), wave):
+                members = list(range(w, min(w + wave, len(self.instances))))
+                await asyncio.gather(*(self._timed(_SYNC, self.instances[k].role, self.instances[k].ranks, v, 0,
+                                                   self.instances[k].swap_weights(v)) for k in members))
+                for k in members:
+                    self.instance_version[k] = v
                 await self.ledger.notify()
             for _ in range(taken):
                 self._sync_queue.task_done()

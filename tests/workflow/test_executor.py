@@ -48,6 +48,7 @@ class Rollout(Group):
         self.staged = v
 
     async def swap_weights(self, v):
+        self.log.append(("swap_start", self.role, asyncio.get_running_loop().time()))
         await asyncio.sleep(0.001)
         self.log.append(("swap", self.role, asyncio.get_running_loop().time()))
         self.version = self.staged
@@ -181,7 +182,7 @@ def stages(dynamic: bool):
 
 
 def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, instances=1, dynamic=False,
-        score_fn=lambda seed, g: float(seed % 2), service=False, delays=None, critic_delay=None):
+        score_fn=lambda seed, g: float(seed % 2), service=False, delays=None, critic_delay=None, swaps_at_once=0):
     async def main():
         svc = await TransferQueueService(TransferQueueConfig()).start()
         tq = AsyncTransferQueueClient(svc.controller_address, ctx=zmq.asyncio.Context(), wait_timeout=20)
@@ -195,7 +196,8 @@ def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, ins
             groups["critic"] = Critic(tq, critic_delay)
             plan.insert(-1, Stage("critic_update", "critic", "update", ["scores"], batch_rows=4 * G))
         cfg = ExecutorConfig(mode=mode, max_staleness=staleness, group_size=G, prompts_per_step=4,
-                             dynamic_sampling=dynamic, wait_timeout_s=20, rollout_service=service)
+                             dynamic_sampling=dynamic, wait_timeout_s=20, rollout_service=service,
+                             swaps_at_once=swaps_at_once)
         src = PromptSource(records(), G, seed=0)
         reports = []
 
@@ -301,3 +303,23 @@ def test_a_worker_stage_beside_the_update_reads_its_rows_before_they_are_cleared
     ex, actor, _, reports = run(mode, steps=3, train_delay=0.0, critic_delay=0.2)
     assert ex.test_groups["critic"].read == [(f"step{t}", 4 * G) for t in range(3)]
     assert [r.step for r in reports] == [0, 1, 2]
+
+
+def test_swap_wave_never_takes_every_instance():
+    wave = ExecutorConfig().swap_wave
+    assert [wave(n) for n in (1, 2, 3, 4, 8, 128)] == [1, 1, 1, 1, 2, 32]  # default: a quarter
+    assert [ExecutorConfig(swaps_at_once=k).swap_wave(4) for k in (1, 3, 4, 99)] == [1, 3, 3, 3]
+
+
+@pytest.mark.parametrize("swaps_at_once, want", [(0, 2), (1, 1), (8, 7)])
+def test_instances_swap_in_waves(swaps_at_once, want):
+    """8 instances: each version is swapped in by waves of the configured size, and never by all
+    8 at once (the rest keep generating)."""
+    _, _, log, _ = run("async", steps=4, instances=8, service=True, swaps_at_once=swaps_at_once)
+    events = sorted((t, +1 if e == "swap_start" else -1) for e, _, t in log if e in ("swap_start", "swap"))
+    assert len(events) >= 2 * 8 * 3  # every instance swapped each new version
+    running, most = 0, 0
+    for _, d in events:
+        running += d
+        most = max(most, running)
+    assert most == want
