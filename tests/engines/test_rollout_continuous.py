@@ -46,6 +46,17 @@ def _alone(model, req: GenerationRequest):
     return _run(_engine(model), [req])[req.request_id]
 
 
+def _assert_as_alone(model, reqs, out) -> None:
+    """Each row got the tokens it gets alone (or diverged at a tie), log-probs within 1e-4."""
+    for req in reqs:
+        alone = _alone(model, req)
+        got = out[req.request_id]
+        assert _close_or_tied(got.response_ids.tolist(), alone.response_ids.tolist(), got.log_probs, alone.log_probs)
+        n = min(len(got.log_probs), len(alone.log_probs))
+        assert torch.allclose(got.log_probs[:n], alone.log_probs[:n], atol=1e-4)
+        assert got.finish_reason == alone.finish_reason
+
+
 def _close_or_tied(a, b, lp_a, lp_b) -> bool:
     """Equal tokens, or a divergence where the two best logits tie within fp tolerance."""
     n = min(len(a), len(b))
@@ -66,13 +77,7 @@ def test_rows_do_not_depend_on_their_batch(model, params):
     out = _run(_engine(model, max_running_rows=3), reqs, submit_every=2,
                per_step=lambda e, s: running.append(e.stats()["running"]))
     assert max(running) == 3  # the batch filled up, and never went past its limit
-    for req in reqs:
-        alone = _alone(model, req)
-        got = out[req.request_id]
-        assert _close_or_tied(got.response_ids.tolist(), alone.response_ids.tolist(), got.log_probs, alone.log_probs)
-        n = min(len(got.log_probs), len(alone.log_probs))
-        assert torch.allclose(got.log_probs[:n], alone.log_probs[:n], atol=1e-4)
-        assert got.finish_reason == alone.finish_reason
+    _assert_as_alone(model, reqs, out)
 
 
 def test_results_come_back_as_rows_finish(model):
@@ -213,12 +218,7 @@ def test_packed_and_shared_prefill_match_rows_run_alone(model):
     eng = _engine(model)
     out = _run(eng, reqs)
     assert eng.stats()["prefill_shared_rows"] == 4
-    for req in reqs:
-        alone = _alone(model, req)
-        got = out[req.request_id]
-        assert _close_or_tied(got.response_ids.tolist(), alone.response_ids.tolist(), got.log_probs, alone.log_probs)
-        n = min(len(got.log_probs), len(alone.log_probs))
-        assert torch.allclose(got.log_probs[:n], alone.log_probs[:n], atol=1e-4)
+    _assert_as_alone(model, reqs, out)
     assert out[6].response_ids.tolist() != out[7].response_ids.tolist()  # shared prefill, own samples
 
 
