@@ -22,6 +22,7 @@ __all__ = [
     "ModelLoadError",
     "SafetensorsWeights",
     "check_tokenizer_fits",
+    "eos_token_ids",
     "load_causal_lm",
     "load_reward_model",
     "load_tokenizer",
@@ -258,6 +259,25 @@ def check_tokenizer_fits(tokenizer: "PreTrainedTokenizerBase", vocab_size: int, 
             f"the model's embedding has only {vocab_size} rows, so some ids would index past it. "
             f"Use the tokenizer saved with this model, or resize the model's embeddings."
         )
+
+
+def eos_token_ids(path: str | Path, tokenizer: "PreTrainedTokenizerBase") -> list[int]:
+    """The ids that end a response: the tokenizer's EOS and those of the directory's
+    generation_config.json (an instruct model may end a turn with either), without repeats."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        try:
+            value = json.loads(gen.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+            raise ModelLoadError(f"{gen} is not a JSON object with an eos_token_id: {exc}") from exc
+        for t in value if isinstance(value, list) else [] if value is None else [value]:
+            if int(t) not in ids:
+                ids.append(int(t))
+    if not ids:
+        raise ModelLoadError(f"{path}: neither the tokenizer nor generation_config.json names an EOS token; "
+                             "set the tokenizer's eos_token")
+    return ids
 
 
 def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":

@@ -37,12 +37,13 @@ class RewardWorker(Worker):
     needs_device = False  # a rule over decoded text: the roles beside it stay loaded
 
     def __init__(self, cfg: dict):
-        from ..models.loading import load_tokenizer
+        from ..models.loading import eos_token_ids, load_tokenizer
         from ..rewards.runner import RewardRunner
 
         c = config_of(cfg)
         setup_rank(c)
         self.tokenizer = load_tokenizer(c.model.path)
+        self.eos = set(eos_token_ids(c.model.path, self.tokenizer))
         self.runner = RewardRunner(c.reward.name, timeout_s=c.reward.timeout_s, on_error=c.reward.on_error)
         self.errors = 0
         self.timeouts = 0
@@ -67,10 +68,10 @@ class RewardWorker(Worker):
         return {io.outputs[0]: torch.tensor(scores, dtype=torch.float32)}
 
     def _to_first_eos(self, ids: list[int]) -> list[int]:
-        """A response ends at its first EOS: with rollout.ignore_eos a row runs on past it, and
-        what follows is not the answer."""
-        eos = self.tokenizer.eos_token_id
-        return ids[:ids.index(eos) + 1] if eos is not None and eos in ids else ids
+        """A response ends at its first EOS (any of the rollout's): with rollout.ignore_eos a row
+        runs on past it, and what follows is not the answer."""
+        end = next((i for i, t in enumerate(ids) if t in self.eos), None)
+        return ids if end is None else ids[:end + 1]
 
     @register(Dispatch.ONE_TO_ALL)
     def reward_stats(self) -> dict:

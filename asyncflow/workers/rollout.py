@@ -37,13 +37,13 @@ class RolloutWorker(EngineOffload, Worker):
     def __init__(self, cfg: dict, sync_timeout_s: float = 300.0):
         from ..config import offload_idle
         from ..engines.rollout.service import RolloutService
-        from ..models.loading import load_tokenizer
+        from ..models.loading import eos_token_ids, load_tokenizer
 
         c = config_of(cfg)
         setup_rank(c)
         r = c.rollout
         self.tokenizer = load_tokenizer(c.model.path)
-        eos = [self.tokenizer.eos_token_id]
+        eos = eos_token_ids(c.model.path, self.tokenizer)
         if r.engine == "builtin":
             from ..config import rollout_dtype
             from ..engines.rollout.builtin import BuiltinRolloutEngine

@@ -544,8 +544,13 @@ class Executor:
             wave = self.cfg.swap_wave(len(self.instances))
             for w in range(0, len(self.instances), wave):
                 members = list(range(w, min(w + wave, len(self.instances))))
-                await asyncio.gather(*(self._timed(_SYNC, self.instances[k].role, self.instances[k].ranks, v, 0,
-                                                   self.instances[k].swap_weights(v)) for k in members))
+                # every swap of the wave ends (or fails) before a failure is raised: none left running unseen
+                outcomes = await asyncio.gather(*(self._timed(_SYNC, self.instances[k].role, self.instances[k].ranks,
+                                                              v, 0, self.instances[k].swap_weights(v))
+                                                  for k in members), return_exceptions=True)
+                failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+                if failed is not None:
+                    raise failed
                 for k in members:
                     self.instance_version[k] = v
                 await self.ledger.notify()

@@ -107,9 +107,11 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(model):
         assert out[r.request_id].response_ids.tolist() == ref.response_ids.tolist()
 
 
-def test_swap_keep_and_recompute(model):
+@pytest.mark.parametrize("prefill_chunk", [2048, 12], ids=["one_forward", "recompute_in_chunks"])
+def test_swap_keep_and_recompute(model, prefill_chunk):
     """A swap mid-generation: rows keep running; tokens after it carry the new version. With
-    recompute, the rest of a greedy row equals the new weights run on prompt + tokens so far."""
+    recompute, the rest of a greedy row equals the new weights run on prompt + tokens so far
+    (re-prefilled in one forward, or in several of at most prefill_chunk tokens)."""
     new_model = tiny_model(tie=False, seed=7)
     new_sd = {k: v.clone() for k, v in new_model.state_dict().items()}
     ps = prompts(3, seed=9)
@@ -120,7 +122,13 @@ def test_swap_keep_and_recompute(model):
         out = {}
         for _ in range(4):
             out.update({r.request_id: r for r in eng.step()})
+        eng.prefill_chunk = prefill_chunk  # the prompts came in whole; the recompute may take several forwards
+        forwards = []
+        prefill = eng._prefill
+        eng._prefill = lambda seqs: (forwards.append(len(seqs)), prefill(seqs))[1]
         eng.load_weights(new_sd, 1, mode)
+        if mode == "recompute":
+            assert sum(forwards) == 3 and (len(forwards) > 1) == (prefill_chunk < 2048)
         while eng.has_work():
             out.update({r.request_id: r for r in eng.step()})
         fresh = _engine(new_model)

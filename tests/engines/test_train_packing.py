@@ -9,7 +9,7 @@ import torch
 
 from asyncflow.engines.train import FSDPEngine, OptimConfig
 from asyncflow.engines.train.options import EngineOptions
-from asyncflow.engines.train.packing import build_packed_micro_batch, flash_kwargs, pack_rows, plan_packed_micro_batches
+from asyncflow.engines.train.packing import build_packed_micro_batch, flash_kwargs, plan_packed_micro_batches
 from asyncflow.platform import get_platform
 from tests.engines._train_helpers import loss_masks_for, make_batch, ppo_loss, tiny_model, value_loss
 from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
@@ -49,17 +49,15 @@ def test_packed_layout():
 
 
 def test_packed_rows_layout():
-    """Spread over rows of about row_tokens: longest first into the emptiest row; each row's
-    padding restarts its positions (a sequence of its own); logit_pos/rows find every target."""
-    assert pack_rows([5, 9, 3, 7], 0) == [[0, 1, 2, 3]]
-    assert pack_rows([5, 9, 3, 7], 12) == [[1, 2], [3, 0]]  # 24 tokens: two rows of 12
+    """Spread over rows (row_packing.pack_rows); each row's padding restarts its positions (a
+    sequence of its own); logit_pos/rows find every target."""
     prompts = [torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
     responses = [torch.tensor([7, 8]), torch.tensor([9, 10, 11]), torch.tensor([12])]
     mb = build_packed_micro_batch(prompts, responses, [0, 1, 2], row_tokens=6)
-    # 12 tokens, two rows: 5 | 4, then the 3 into the emptiest (4)
-    assert mb.input_ids.tolist() == [[1, 2, 3, 7, 8, 0, 0], [4, 9, 10, 11, 5, 6, 12]]
-    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2]]
-    assert mb.rows.squeeze(1).tolist() == [0, 1, 1] and mb.cu_seqlens is None
+    # 5 + 4 + 3 tokens, rows of at most 6: one sequence per row, padded to the longest
+    assert mb.input_ids.tolist() == [[1, 2, 3, 7, 8], [4, 9, 10, 11, 0], [5, 6, 12, 0, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    assert mb.rows.squeeze(1).tolist() == [0, 1, 2] and mb.cu_seqlens is None
     for i, n in enumerate(mb.response_lens):
         row = mb.input_ids[mb.rows[i, 0]]
         assert row[mb.logit_pos[i, :n] + 1].tolist() == mb.targets[i, :n].tolist() == responses[i].tolist()

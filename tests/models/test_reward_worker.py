@@ -2,6 +2,7 @@
 its first EOS (with rollout.ignore_eos a row runs on past it)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -21,3 +22,22 @@ def test_reward_reads_a_response_up_to_its_first_eos(tiny_dir):
                  torch.tensor(answer + tail)]              # no EOS: all of it
     out = worker.compute({"response_ids": responses, "answer": ["42", "42", "42"]})
     assert out["scores"].tolist() == [1.0, 1.0, 0.0]
+
+
+def test_eos_ids_come_from_the_tokenizer_and_the_generation_config(tiny_dir, tmp_path):
+    import json
+    import shutil
+
+    from asyncflow.models import ModelLoadError, load_tokenizer
+    from asyncflow.models.loading import eos_token_ids
+
+    tok = load_tokenizer(tiny_dir)
+    d = tmp_path / "model"
+    shutil.copytree(tiny_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, 5]}))
+    assert eos_token_ids(d, tok) == [tok.eos_token_id, 5]  # an instruct model's second end-of-turn id
+    (d / "generation_config.json").unlink()
+    assert eos_token_ids(d, tok) == [tok.eos_token_id]
+    (d / "generation_config.json").write_text("[1, 2")
+    with pytest.raises(ModelLoadError, match="generation_config.json"):
+        eos_token_ids(d, tok)

@@ -34,6 +34,7 @@ from asyncflow.engines.rollout.base import (SWAP_MODES, GenerationOutput, Genera
 from asyncflow.engines.rollout.attention import GROUPED, use_grouped_attention
 from asyncflow.engines.rollout.sampling import SeedKeys, _splitmix64, sample_step, vocab_hash
 from asyncflow.engines.rollout.slot_cache import PrefillCache, SlotKVCache
+from asyncflow.engines.row_packing import pack_rows
 
 __all__ = ["BuiltinRolloutEngine"]
 
@@ -41,8 +42,8 @@ __all__ = ["BuiltinRolloutEngine"]
 # computes logits itself, so it refuses such models rather than sample from wrong ones.
 _HEAD_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 _MASK32 = 0xFFFFFFFF
-# Prefill packs prompts into rows of about this many tokens: attention inside a packed row
-# costs width^2, while padding rows to a common length costs whole tokens.
+# Prefill packs prompts into rows of at most this many tokens (or the longest prompt):
+# attention inside a packed row costs width^2, padding rows to one width costs whole tokens.
 PACK_WIDTH = 128
 
 
@@ -463,15 +464,13 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         return hidden[torch.tensor(of, device=hidden.device)], [places[o] for o in of]
 
     def _prefill_packed(self, seqs: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[PrefillCache, int, int]]]:
+        """Run sequences through the model in one forward, packed end to end into rows of at most
+        max(PACK_WIDTH, longest) tokens brought near one length (``row_packing``: padding is
+        compute thrown away). A block-diagonal causal mask and per-sequence positions keep each
+        sequence to itself."""
         lens = [s.numel() for s in seqs]
-        rows = min(len(seqs), -(-sum(lens) // PACK_WIDTH))
-        bins: list[list[int]] = [[] for _ in range(rows)]
-        fill = [0] * rows
-        for i in sorted(range(len(seqs)), key=lambda i: -lens[i]):
-            b = min(range(rows), key=fill.__getitem__)
-            bins[b].append(i)
-            fill[b] += lens[i]
-        width = max(fill)
+        bins = pack_rows(lens, PACK_WIDTH)
+        rows, width = len(bins), max(sum(lens[i] for i in members) for members in bins)
         ids = torch.full((rows, width), self.pad_token_id, dtype=torch.int64)
         positions = torch.zeros((rows, width), dtype=torch.int64)
         segment = torch.full((rows, width), -1, dtype=torch.int64)  # padding: a segment of its own
@@ -485,12 +484,13 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
                 segment[r, off:off + n] = i
                 where[i] = (r, off)
                 off += n
-        causal = torch.ones((width, width), dtype=torch.bool).tril()
+        segment = segment.to(self.device)
+        causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
         allowed = (segment[:, :, None] == segment[:, None, :]) & causal
-        mask = torch.zeros((rows, 1, width, width), dtype=self._dtype)
+        mask = torch.zeros((rows, 1, width, width), dtype=self._dtype, device=self.device)
         mask.masked_fill_(~allowed[:, None], self._neg)
         cache = PrefillCache(self.num_layers, rows, width)
-        out = self.base(input_ids=ids.to(self.device), attention_mask={"full_attention": mask.to(self.device)},
+        out = self.base(input_ids=ids.to(self.device), attention_mask={"full_attention": mask},
                         position_ids=positions.to(self.device), cache=cache, use_cache=True).last_hidden_state
         last = torch.tensor([r * width + off + n - 1 for (r, off), n in zip(where, lens)], device=self.device)
         return out.reshape(rows * width, -1)[last], [(cache, r, off) for r, off in where]
@@ -649,8 +649,19 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         for j, (row, s) in enumerate(zip(self._rows, steps)):
             fed = self._out_tok[j, :s - 1].cpu()  # the last sampled token is fed by the next decode
             seqs.append(torch.cat([row.req.prompt_ids.to(torch.int64), fed]))
-        _, places = self._prefill(seqs)
-        self._cache.overwrite(list(range(len(seqs))), places, [q.numel() for q in seqs])
+        # by length, in forwards of at most prefill_chunk tokens (or one sequence): the running
+        # rows can hold far more tokens than one forward should take
+        order = sorted(range(len(seqs)), key=lambda j: seqs[j].numel())
+        start = 0
+        while start < len(order):
+            end, tokens = start, 0
+            while end < len(order) and (end == start or tokens + seqs[order[end]].numel() <= self.prefill_chunk):
+                tokens += seqs[order[end]].numel()
+                end += 1
+            part = order[start:end]
+            _, places = self._prefill([seqs[j] for j in part])
+            self._cache.overwrite(part, places, [seqs[j].numel() for j in part])
+            start = end
         self.counters["recomputed_rows"] += len(seqs)
 
     def memory_held(self) -> dict[str, int]:

@@ -110,10 +110,21 @@ class SlotKVCache:
                                                                                  device=self.lens.device)
 
     def _copy_in(self, slots: Iterable[int], places: list[tuple[PrefillCache, int, int]], lengths: list[int]) -> None:
+        """One gather and one scatter per layer per staging cache (not one copy per sequence: on
+        an accelerator each copy is a kernel launch). A slot's positions past its sequence get
+        what follows it in the staging row: past the row's length, never attended to, and
+        overwritten by the decode steps that reach them."""
+        groups: dict[int, tuple[PrefillCache, list[tuple[int, int, int, int]]]] = {}
         for slot, (staged, row, start), n in zip(slots, places, lengths):
+            groups.setdefault(id(staged), (staged, []))[1].append((slot, row, start, n))
+        dev = self.keys[0].device
+        for staged, members in groups.values():
+            dst, rows, starts, ns = (torch.tensor(c, device=dev) for c in zip(*members))
+            t = torch.arange(int(ns.max()), device=dev)[None, :]
+            src_pos = (starts[:, None] + t).clamp(max=staged.keys[0].shape[2] - 1)
             for i in range(self.num_layers):
-                self.keys[i][slot, :, :n] = staged.keys[i][row, :, start:start + n]
-                self.values[i][slot, :, :n] = staged.values[i][row, :, start:start + n]
+                self.keys[i][dst[:, None], :, t] = staged.keys[i][rows[:, None], :, src_pos]
+                self.values[i][dst[:, None], :, t] = staged.values[i][rows[:, None], :, src_pos]
 
     def compact(self, keep: torch.Tensor) -> torch.Tensor:
         """Keep the rows where bool ``keep`` [n] is set; return ``order``: new slot j holds the row

@@ -229,7 +229,8 @@ def move_train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer |
     ``.data`` (cpu <-> cuda) and elsewhere (another device type such as an out-of-tree
     accelerator, or 'meta') makes new ones, which would untie tied weights and leave the
     optimizer stepping the old tensors. Scalar optimizer state (Adam's ``step``) stays where
-    it is: bookkeeping, not memory, and a non-capturable Adam wants it on the host. When
+    it is: bookkeeping, not memory (the fused kernel keeps it beside the parameters, the
+    per-tensor one on the host), and nothing steps while the state is away. When
     nothing is elsewhere this costs one pass over the tensors and no ``.to``.
     """
     device = torch.device(device)

@@ -188,7 +188,7 @@ class FSDPEngine(TrainEngine):
         """This rank's micro-batches and the count every rank runs (max over ranks)."""
         lengths = [p.numel() + r.numel() for p, r in zip(prompts, responses)]
         overhead = self.optim_config.micro_batch_overhead_tokens
-        if self.options.padding_free:  # no padding to weigh: the fewest micro-batches within the budget
+        if self.options.padding_free:  # rows packed near full (row_packing): the fewest micro-batches by real tokens
             groups = plan_packed_micro_batches(lengths, self.optim_config.micro_batch_tokens)
         else:
             groups = plan_micro_batches(lengths, self.optim_config.micro_batch_tokens,

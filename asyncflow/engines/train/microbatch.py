@@ -95,7 +95,7 @@ def pad_right(rows: list[Tensor], length: int, value: float | int | bool = 0) ->
 @dataclass
 class MicroBatch:
     indices: list[int]  # positions of these rows in the caller's lists
-    input_ids: Tensor  # [b, L] long ([1, N] when packed)
+    input_ids: Tensor  # [b, L] long ([rows, W] when packed)
     attention_mask: Tensor | None  # [b, L] long, 1 on real tokens; None when packed
     position_ids: Tensor  # [b, L] long
     logit_pos: Tensor  # [b, R] long, position whose output predicts each response token

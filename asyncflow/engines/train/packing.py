@@ -7,9 +7,10 @@ no attention mask; ``cu_seqlens`` [b + 1] the sequences' start offsets (int32) a
 length p_i) is predicted by the logits at o_i + p_i + j - 1 (``logit_pos`` [b, R], in row
 ``rows[i]``); ``targets``/``mask`` as in microbatch.py.
 
-For the eager and SDPA kernels the sequences are spread over rows of about ``ROW_TOKENS``
-tokens instead ([rows, W], each row's tail padding a sequence of its own, no ``cu_seqlens``):
-those kernels score a row's whole block, so one long row would cost N x N.
+For the eager and SDPA kernels the sequences are spread over rows of at most
+max(``ROW_TOKENS``, longest) tokens instead (``row_packing.pack_rows``; [rows, W], each row's
+tail padding a sequence of its own, no ``cu_seqlens``): those kernels score a row's whole
+block, so one long row would cost N x N.
 
 Attention must not cross sequences. Hugging Face models see it from the position ids: with no
 attention mask and no cache, ``transformers.masking_utils`` finds where positions restart
@@ -27,9 +28,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from asyncflow.engines.row_packing import pack_rows
 from asyncflow.engines.train.microbatch import MicroBatch, joined_sequences, pad_right
 
-__all__ = ["ROW_TOKENS", "build_packed_micro_batch", "check_packing_supported", "flash_kwargs", "pack_rows",
+__all__ = ["ROW_TOKENS", "build_packed_micro_batch", "check_packing_supported", "flash_kwargs",
            "plan_packed_micro_batches"]
 
 # Packed rows for the eager and SDPA kernels hold about this many tokens: they score a row's
@@ -70,29 +72,13 @@ def plan_packed_micro_batches(lengths: list[int], token_budget: int) -> list[lis
     return groups
 
 
-def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
-    """Sequence indices per packed row: ceil(total / row_tokens) rows, longest first into the
-    emptiest, so the rows come out near the same length; one row (row_tokens <= 0, or few
-    tokens) keeps the order given. Deterministic (ties keep input order)."""
-    rows = 1 if row_tokens <= 0 else max(1, min(len(lengths), -(-sum(lengths) // row_tokens)))
-    if rows == 1:
-        return [list(range(len(lengths)))]
-    out: list[list[int]] = [[] for _ in range(rows)]
-    fill = [0] * rows
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = min(range(rows), key=fill.__getitem__)
-        out[r].append(i)
-        fill[r] += lengths[i]
-    return out
-
-
 def build_packed_micro_batch(prompts: list[Tensor], responses: list[Tensor], indices: list[int],
                              loss_masks: list[Tensor] | None = None, row_tokens: int = 0) -> MicroBatch:
     """Pack the sequences ``indices`` (prompt then response each) end to end; see the module
-    docstring. ``row_tokens`` > 0 spreads them over rows of about that many tokens (eager and
-    SDPA score a row's whole N x N block, so shorter rows cost less attention); the short rows
-    end in padding that is a sequence of its own (positions from 0), never attended to from
-    the real ones. ``loss_masks`` as in microbatch.build_micro_batch."""
+    docstring. ``row_tokens`` > 0 spreads them over rows of at most max(row_tokens, longest)
+    tokens (eager and SDPA score a row's whole block, so shorter rows cost less attention);
+    the shorter rows end in padding that is a sequence of its own (positions from 0), never
+    attended to from the real ones. ``loss_masks`` as in microbatch.build_micro_batch."""
     seqs, plens, rlens = joined_sequences(prompts, responses, indices)
     lens = [s.numel() for s in seqs]
     layout = pack_rows(lens, row_tokens)
