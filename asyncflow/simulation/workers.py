@@ -51,8 +51,10 @@ def lengths(col: Column) -> list[int]:
 def largest_share(meta: BatchMeta, dp_size: int, mine: BatchMeta, my_tokens: int) -> float:
     """The model tokens of the largest data-parallel share, from the controller's per-row token
     counts (every jagged column of the row) scaled to this rank's measured share."""
-    shares = meta.chunk(dp_size)
-    counted = [sum(s.tokens) if s.tokens else len(s) for s in shares]
+    counted, start = [], 0
+    for size in meta.part_sizes(dp_size):  # sizes only: no BatchMeta per share
+        counted.append(sum(meta.tokens[start:start + size]) if meta.tokens else size)
+        start += size
     mine_counted = sum(mine.tokens) if mine.tokens else len(mine)
     if not mine_counted:
         return float(my_tokens)
@@ -217,7 +219,7 @@ class _LogProbs(SimWorker):
     def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
         io = StageIO.of(io, ["prompt_ids", "response_ids"], ["old_log_probs"])
         prompt, response = io.inputs[:2]
-        mine = meta.chunk(self.dp_size)[self.dp_rank]
+        mine = meta.part(self.dp_size, self.dp_rank)
         if not len(mine):  # a rank with no rows still waits for the others (the forward is collective)
             self.clock.hold(self.costs.forward_s(largest_share(meta, self.dp_size, mine, 0)))
             return None
@@ -271,7 +273,7 @@ class SimActorWorker(_LogProbs):
                                 {"name": "token_balanced", "dp_size": self.dp_size},
                                 timeout=float(batch["timeout_s"]), dp_group=self.role,
                                 dp_rank=self.dp_rank, dp_size=self.dp_size)
-        mine = meta.chunk(self.dp_size)[self.dp_rank]
+        mine = meta.part(self.dp_size, self.dp_rank)
         if not len(mine):
             return {**self._train({}, largest_share(meta, self.dp_size, mine, 0)), "step": step}
         cols = self.tq.get_columns(mine, list(io.inputs))

@@ -126,21 +126,32 @@ class BatchMeta:
             locations.update({c: [unit] * len(self.rows) for c in columns})
         return replace(self, locations=locations)
 
-    def chunk(self, n: int) -> list["BatchMeta"]:
-        """Split into ``n`` parts: the sampler's data-parallel split when it made one,
+    def part_sizes(self, n: int) -> list[int]:
+        """Rows in each of ``n`` parts: the sampler's data-parallel split when it made one,
         else contiguous parts of near-equal row count."""
         if n < 1:
             raise ValueError(f"cannot split a batch into {n} parts")
         if self.dp_parts and len(self.dp_parts) == n:
-            sizes = self.dp_parts
-        else:
-            q, r = divmod(len(self.rows), n)
-            sizes = [q + (1 if i < r else 0) for i in range(n)]
+            return list(self.dp_parts)
+        q, r = divmod(len(self.rows), n)
+        return [q + (1 if i < r else 0) for i in range(n)]
+
+    def chunk(self, n: int) -> list["BatchMeta"]:
+        """Split into ``n`` contiguous parts (``part_sizes``)."""
         out, start = [], 0
-        for s in sizes:
+        for s in self.part_sizes(n):
             out.append(self.select(range(start, start + s)))
             start += s
         return out
+
+    def part(self, n: int, i: int) -> "BatchMeta":
+        """Part ``i`` of ``chunk(n)`` alone: a data-parallel rank builds its own share, not all
+        ``n`` (with hundreds of ranks, every rank building every share costs ranks x rows)."""
+        sizes = self.part_sizes(n)
+        if not 0 <= i < n:
+            raise IndexError(f"part {i} of a batch split into {n} parts")
+        start = sum(sizes[:i])
+        return self.select(range(start, start + sizes[i]))
 
     @staticmethod
     def concat(metas: Sequence["BatchMeta"]) -> "BatchMeta":

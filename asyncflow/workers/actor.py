@@ -93,7 +93,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                                 {"name": "token_balanced", "dp_size": self.dp_size},
                                 timeout=float(batch["timeout_s"]), dp_group=self.role,
                                 dp_rank=self.dp_rank, dp_size=self.dp_size)
-        mine = meta.chunk(self.dp_size)[self.dp_rank]
+        mine = meta.part(self.dp_size, self.dp_rank)
         have = [c for c in (*PER_TOKEN, "loss_mask", "prompt_ids", "response_ids", "scores", "gen_version")
                 if c in io.inputs]
         if "advantages" not in have:

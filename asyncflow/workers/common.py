@@ -88,7 +88,7 @@ def train_engine_class(name: str) -> type:
 def share_of(meta: Any, dp_rank: int, dp_size: int) -> Any:
     """This data-parallel rank's part of a batch (ranks that get no rows still take part in
     the collectives of the step)."""
-    return meta.chunk(dp_size)[dp_rank]
+    return meta.part(dp_size, dp_rank)
 
 
 def share_column(worker: Any, meta: Any, io: Any,
@@ -101,7 +101,7 @@ def share_column(worker: Any, meta: Any, io: Any,
         raise ValueError(f"role {worker.role!r} rank {worker.rank}: this method reads [prompt, response] "
                          f"columns first and writes one column; the stage declares {io.inputs} -> {io.outputs}")
     prompt_col, response_col = io.inputs[:2]
-    mine = meta.chunk(worker.dp_size)[worker.dp_rank]
+    mine = meta.part(worker.dp_size, worker.dp_rank)
     data = worker.tq.get_data(mine, [prompt_col, response_col]) if len(mine) else None
     prompts = rows(data[prompt_col]) if data is not None else []
     responses = rows(data[response_col]) if data is not None else []
