@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..single_controller import Driver, DriverConfig
+from ..single_controller import Driver, DriverConfig, GroupSpec
 from ..transfer_queue import AsyncTransferQueueClient, TransferQueueConfig, TransferQueueService
 from ..workflow.executor import Executor, ExecutorConfig, StepObserver, StepReport
 from ..workflow.source import PromptSource, longtail_budgets, row_seed
@@ -228,11 +228,13 @@ async def _drive(cfg: ClusterConfig, lay: Layout, run: _Run, controller: str) ->
 async def _workflow(cfg: ClusterConfig, lay: Layout, run: _Run, driver: Driver, recipe: Any, spec: dict,
                     started: float) -> dict:
     roles = recipe.roles
-    groups = {"actor": await driver.create_group(roles["actor"].worker_class(), "actor", ranks=lay.actor, sim=spec)}
-    groups["ref"] = await driver.create_group(roles["ref"].worker_class(), "ref", ranks=lay.actor, sim=spec)
-    groups["reward"] = await driver.create_group(roles["reward"].worker_class(), "reward", ranks=lay.reward, sim=spec)
-    instances = [await driver.create_group(roles["rollout"].worker_class(), f"rollout{k}", ranks=r, sim=spec)
-                 for k, r in enumerate(lay.instances)]
+    made = await driver.create_groups(
+        [GroupSpec(roles["actor"].worker_class(), "actor", lay.actor, None, {"sim": spec}),
+         GroupSpec(roles["ref"].worker_class(), "ref", lay.actor, None, {"sim": spec}),
+         GroupSpec(roles["reward"].worker_class(), "reward", lay.reward, None, {"sim": spec})]
+        + [GroupSpec(roles["rollout"].worker_class(), f"rollout{k}", r, None, {"sim": spec})
+           for k, r in enumerate(lay.instances)])
+    groups, instances = dict(zip(("actor", "ref", "reward"), made[:3])), made[3:]
     actor = groups["actor"]
     await asyncio.gather(actor.init_weight_sync([i.ranks for i in instances]),
                          *(i.init_weight_sync(actor.ranks[0]) for i in instances))

@@ -4,7 +4,7 @@ See DESIGN.md, "Processes". Worker methods are plain Python marked with
 ``@register(Dispatch.X)``; the driver gets a ``WorkerGroup`` whose methods are coroutines.
 """
 from .dispatch import DISPATCH_MODES, Dispatch, DispatchMode, register, register_dispatch_mode
-from .driver import Driver, DriverConfig
+from .driver import Driver, DriverConfig, GroupSpec
 from .errors import LaunchError, WorkerCallTimeout, WorkerDiedError, WorkerError
 from .layout import GroupLayout
 from .placement import PlacementConfig
@@ -22,7 +22,7 @@ def __getattr__(name: str):  # launch is imported lazily: `python -m ...launch` 
 
 
 __all__ = [
-    "Dispatch", "DispatchMode", "DISPATCH_MODES", "register", "register_dispatch_mode", "Driver", "DriverConfig",
+    "Dispatch", "DispatchMode", "DISPATCH_MODES", "register", "register_dispatch_mode", "Driver", "DriverConfig", "GroupSpec",
     "WorkerGroup", "Worker", "GroupLayout", "PlacementConfig", "RunConfig", "RuntimeConfig", "launch_local",
     "run_rank", "LaunchError", "WorkerError", "WorkerCallTimeout", "WorkerDiedError",
 ]

@@ -12,8 +12,8 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Sequence, TypeVar
 
 import zmq.asyncio
 
@@ -42,6 +42,17 @@ class DriverConfig:
     # event loop, while that method's last call came back within it (transport.SpinPolicy).
     # Saves a wake-up per call on idle vCPUs; 0 turns it off.
     spin_us: float = 200.0
+
+
+@dataclass
+class GroupSpec:
+    """One group for ``Driver.create_groups``: as ``create_group``'s arguments."""
+
+    cls: type
+    role: str
+    ranks: list[int] | None = None
+    dp_size: int | None = None
+    init_kwargs: dict = field(default_factory=dict)
 
 
 class Driver:
@@ -153,21 +164,36 @@ class Driver:
     async def create_group(self, cls: type, role: str, *, ranks: list[int] | None = None,
                            dp_size: int | None = None, **init_kwargs: Any) -> WorkerGroup:
         """Start a worker of ``cls`` as ``role`` on its ranks (from the placement unless given)."""
+        return (await self.create_groups([GroupSpec(cls, role, ranks, dp_size, init_kwargs)]))[0]
+
+    async def create_groups(self, specs: Sequence[GroupSpec]) -> list[WorkerGroup]:
+        """Start several groups, in order, with one call per rank: with hundreds of rollout
+        instances, a call to the whole world per instance made creation quadratic in ranks."""
         self.check()
-        ranks = list(ranks) if ranks is not None else self.placement.ranks_for(role, self.world_size)
-        layout = GroupLayout(role, tuple(ranks), dp_size or self.placement.dp_size_for(role, len(ranks)))
-        path = class_path(cls)
-        wire_kwargs = to_wire(init_kwargs)
+        made: list[tuple[GroupLayout, str, dict, type]] = []
+        for spec in specs:
+            ranks = list(spec.ranks) if spec.ranks is not None else self.placement.ranks_for(spec.role, self.world_size)
+            dp = spec.dp_size or self.placement.dp_size_for(spec.role, len(ranks))
+            made.append((GroupLayout(spec.role, tuple(ranks), dp), class_path(spec.cls),
+                         to_wire(dict(spec.init_kwargs)), spec.cls))
+        roles = [m[0].role for m in made]
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"create_groups got a role twice: {roles}")
+        what = f"create_groups({', '.join(roles)})" if len(roles) > 1 else f"{roles[0]}.__init__"
         # new_group is collective over the whole world and must run in the same order on
         # every rank: one creation at a time, sent to every rank.
         async with self._create_lock:
             await asyncio.gather(*(
-                ep.request("create_group", f"{role}.__init__", role, self.config.create_timeout_s,
-                           layout=layout.to_wire(), cls=path, init_kwargs=wire_kwargs, member=ep.rank in ranks)
+                ep.request("create_groups", what, roles[0] if len(roles) == 1 else None, self.config.create_timeout_s,
+                           groups=[{"layout": layout.to_wire(), "cls": path, "init_kwargs": kwargs,
+                                    "member": ep.rank in layout.ranks} for layout, path, kwargs, _ in made])
                 for ep in self.ranks))
-        for r in ranks:
-            self.ranks[r].roles.append(role)
-        return WorkerGroup(self, layout, cls)
+        groups = []
+        for layout, _, _, cls in made:
+            for r in layout.ranks:
+                self.ranks[r].roles.append(layout.role)
+            groups.append(WorkerGroup(self, layout, cls))
+        return groups
 
     async def make_group(self, ranks: list[int], backend: str = "gloo", timeout_s: float = 300.0) -> None:
         """A process group of these ranks, made on every rank in the same order (a collective over

@@ -131,9 +131,9 @@ class _CallService:
     def __init__(self, rt: "WorkerRuntime"):
         self.rt = rt
 
-    def rpc_create_group(self, layout: dict, cls: str, init_kwargs: dict, member: bool) -> dict:
-        return self.rt._guarded(f"create_group({layout['role']})", self.rt._create, GroupLayout.from_wire(layout),
-                                cls, from_wire(init_kwargs), member)
+    def rpc_create_groups(self, groups: list) -> dict:
+        roles = ", ".join(g["layout"]["role"] for g in groups)
+        return self.rt._guarded(f"create_groups({roles})", self.rt._create_all, groups)
 
     def rpc_make_group(self, ranks: list, backend: str, timeout_s: float) -> dict:
         return self.rt._guarded(f"make_group({ranks})", self.rt._make_group, [int(r) for r in ranks], backend,
@@ -275,6 +275,22 @@ class WorkerRuntime:
             self._active_role = None
         worker.onload()
         self._active_role = role
+
+    def _create_all(self, groups: list[dict]) -> list[dict]:
+        """``_create`` for each group, in the driver's order; the first failure names its role."""
+        out = []
+        for g in groups:
+            layout = GroupLayout.from_wire(g["layout"])
+            try:
+                out.append(self._create(layout, g["cls"], from_wire(g["init_kwargs"]), bool(g["member"])))
+            except Exception as e:
+                msg = f"rank {self.rank}: creating group {layout.role!r} ({g['cls']}): {e}"
+                try:  # keep the type the driver reports; one whose constructor differs gets RuntimeError
+                    wrapped = type(e)(msg)
+                except Exception:
+                    wrapped = RuntimeError(msg)
+                raise wrapped from e
+        return out
 
     def _create(self, layout: GroupLayout, cls_path: str, init_kwargs: dict, member: bool) -> dict:
         """Every rank of the world runs this (new_group is collective over the world), in

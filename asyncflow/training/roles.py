@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, to_dict
+from ..single_controller.driver import GroupSpec
 from ..workflow.stages import RecipeSpec
 
 
@@ -70,9 +71,10 @@ async def start_roles(driver: Any, cfg: RunConfig, spec: RecipeSpec, out: Path) 
         if not ranks:
             raise ValueError(f"role {name!r} has no ranks (on={role.on!r}): check placement")
         if role.per_rank:
-            for k, r in enumerate(ranks):  # one instance per rank: each swaps weights on its own
-                roles.instances.append(await driver.create_group(cls, f"{name}{k}", ranks=[r], cfg=wire_cfg,
-                                                                 **role.options))
+            # one instance per rank (each swaps weights on its own), all made in one call per rank
+            roles.instances.extend(await driver.create_groups([
+                GroupSpec(cls, f"{name}{k}", [r], None, {"cfg": wire_cfg, **role.options})
+                for k, r in enumerate(ranks)]))
         else:
             roles.groups[name] = await driver.create_group(cls, name, ranks=ranks, cfg=wire_cfg, **role.options)
     write_ranks(driver, roles, out)

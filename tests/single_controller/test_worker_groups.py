@@ -266,3 +266,22 @@ def test_concurrent_methods_are_served_while_a_call_runs(cluster3, groups):
     with pytest.raises(ValueError, match="cannot use DP_COMPUTE"):
         from asyncflow.single_controller import register
         register("dp_compute", concurrent=True)
+
+
+def test_create_groups_makes_many_with_one_call_per_rank(cluster3):
+    """create_groups: every group of the list, in order, each on its own ranks; a group that
+    fails to start names its rank and role, and a role given twice is refused before any call."""
+    from asyncflow.single_controller import GroupSpec
+    d = cluster3.driver
+    made = cluster3.run(d.create_groups([GroupSpec(W.EchoWorker, f"many{k}", [k], None, {"tag": f"t{k}"})
+                                         for k in range(3)] + [GroupSpec(W.EchoWorker, "many-all")]))
+    assert [g.role for g in made] == ["many0", "many1", "many2", "many-all"]
+    for k in range(3):
+        (who,) = cluster3.run(made[k].whoami())
+        assert (who["rank"], who["tag"], who["role"]) == (k, f"t{k}", f"many{k}")
+    assert [w["rank"] for w in cluster3.run(made[3].whoami())] == [0, 1, 2]
+    with pytest.raises(WorkerError, match=r"rank 1: creating group 'bad-init'.*unexpected keyword argument"):
+        cluster3.run(d.create_groups([GroupSpec(W.EchoWorker, "fine-before", [1]),
+                                      GroupSpec(W.EchoWorker, "bad-init", [1], None, {"nope": 1})]))
+    with pytest.raises(ValueError, match="role twice"):
+        cluster3.run(d.create_groups([GroupSpec(W.EchoWorker, "twice", [0]), GroupSpec(W.EchoWorker, "twice", [1])]))
