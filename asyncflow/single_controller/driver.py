@@ -170,6 +170,8 @@ class Driver:
         """Start several groups, in order, with one call per rank: with hundreds of rollout
         instances, a call to the whole world per instance made creation quadratic in ranks."""
         self.check()
+        if not specs:
+            return []
         made: list[tuple[GroupLayout, str, dict, type]] = []
         for spec in specs:
             ranks = list(spec.ranks) if spec.ranks is not None else self.placement.ranks_for(spec.role, self.world_size)

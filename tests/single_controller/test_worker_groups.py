@@ -283,5 +283,6 @@ def test_create_groups_makes_many_with_one_call_per_rank(cluster3):
     with pytest.raises(WorkerError, match=r"rank 1: creating group 'bad-init'.*unexpected keyword argument"):
         cluster3.run(d.create_groups([GroupSpec(W.EchoWorker, "fine-before", [1]),
                                       GroupSpec(W.EchoWorker, "bad-init", [1], None, {"nope": 1})]))
+    assert cluster3.run(d.create_groups([])) == []
     with pytest.raises(ValueError, match="role twice"):
         cluster3.run(d.create_groups([GroupSpec(W.EchoWorker, "twice", [0]), GroupSpec(W.EchoWorker, "twice", [1])]))
