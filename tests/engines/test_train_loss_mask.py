@@ -187,8 +187,9 @@ class _FakeQueue:
     class Meta(list):
         groups: list
 
-        def chunk(self, parts):
-            return [self]
+        def part(self, parts, index):  # one rank: its share is every row
+            assert (parts, index) == (1, 0)
+            return self
 
     def __init__(self, columns: dict, groups: list[int]):
         self.columns, self.groups = columns, groups
