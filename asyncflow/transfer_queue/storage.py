@@ -33,6 +33,8 @@ from .recent import RecentSet
 
 _POS_BITS = 32  # a row's location in a unit: batch id in the high bits, position in the low
 _POS_MASK = (1 << _POS_BITS) - 1
+_FEW_RUNS = 16  # a read of this many runs or fewer is always concatenated from views
+_RUNS_PER_BATCH = 4  # above this many runs per batch touched, gather per batch then reorder
 
 
 @dataclass
@@ -441,13 +443,24 @@ class StorageUnit:
         return out
 
     def _gather(self, name: str, codes: torch.Tensor) -> Column:
-        """Rows at ``codes`` in order: one gather per batch, then back in the requested order."""
+        """Rows at ``codes`` in order: views of runs concatenated, or one gather per batch and a reorder."""
         n = codes.numel()
         first = int(codes[0])
         bids = codes >> _POS_BITS
         pos = codes & _POS_MASK
         if bool((bids == bids[0]).all()):
             return self.batches[first >> _POS_BITS].columns[name].take(pos.tolist())
+        # Rows in the requested order as runs (consecutive positions of one batch): each run is
+        # a view and one concat copies them, with no gather. Rows streamed in one or a few at a
+        # time (a rollout's) read this way; when runs are many more than batches (rows of a few
+        # large puts, shuffled), one gather per batch and one reorder cost less.
+        starts = [0, *torch.nonzero((bids.diff() != 0) | (pos.diff() != 1)).flatten().add_(1).tolist()]
+        b = bids[starts].tolist()
+        if len(starts) <= _FEW_RUNS or len(starts) <= _RUNS_PER_BATCH * len(set(b)):
+            p = pos[starts].tolist()
+            stops = [*starts[1:], n]
+            return concat([self.batches[b[i]].columns[name].take(range(p[i], p[i] + stops[i] - starts[i]))
+                           for i in range(len(starts))])
         order = torch.argsort(bids, stable=True)
         sb = bids[order]
         uniq, counts = torch.unique_consecutive(sb, return_counts=True)

@@ -129,3 +129,21 @@ def test_unit_refuses_a_malformed_put_column_and_stores_nothing(unit, wire, err)
         asyncio.run(unit.rpc_put(PART, {"bad": wire}, rows=ids))
     assert _state(unit) == before
     _expect(_read(unit, ids), [0, 1, 2])
+
+
+@pytest.mark.parametrize("put_sizes", [[1] * 40, [1, 2, 3] * 7, [20, 20]])
+def test_reads_across_many_puts_in_any_order_come_back_right(unit, put_sizes):
+    """Rows streamed in one or a few per put (a rollout's writes) and rows of a few large puts,
+    read in shuffled orders, in runs, and with repeats of a batch's neighbours: the runs path
+    (views, one concat) and the per-batch gather give the same rows."""
+    ids, lo = [], 0
+    for n in put_sizes:
+        ids.append(_put_rows(unit, lo, n))
+        lo += n
+    ids = torch.cat(ids)
+    gen = torch.Generator().manual_seed(0)
+    orders = [torch.randperm(lo, generator=gen)[:k] for k in (2, 8, 17, lo)]
+    orders.append(torch.cat([torch.arange(5, 12), torch.arange(0, 5), torch.arange(30, 40)]))  # runs across puts
+    orders.append(torch.arange(lo - 1, -1, -2))
+    for order in orders:
+        _expect(_read(unit, ids[order]), order.tolist())
