@@ -24,12 +24,14 @@ def _unit_main(index: int, controller: str, conn: Any, parent: int) -> None:
     import asyncio
 
     from ..transfer_queue.service import serve_storage_unit
+    from ..transfer_queue.unit_process import prepare_unit_process
 
     def watch() -> None:  # go with the process that started us
         while os.getppid() == parent:
             time.sleep(1.0)
         os._exit(0)
     threading.Thread(target=watch, name="sim-unit-watchdog", daemon=True).start()
+    prepare_unit_process()  # as a node's unit process is set up
 
     async def serve() -> None:
         ready = asyncio.Event()
@@ -50,6 +52,8 @@ def _host_main(ranks: list[int], world: int, unit: int | None, controller: str |
                parent: int) -> None:
     """One host process: start the runtimes, send their addresses, serve. ``unit``: the storage
     unit (already registered) that this host's ranks write to."""
+    import torch
+
     from ..platform import get_platform
     from ..single_controller.runtime import RuntimeConfig, WorkerRuntime
     from ..transfer_queue import locality
@@ -58,6 +62,9 @@ def _host_main(ranks: list[int], world: int, unit: int | None, controller: str |
         if unit is not None:
             locality.set_locality(unit, unit)  # this node's ranks write their rows here
         platform = get_platform("cpu")
+        # The ranks compute nothing (the device work is a hold): their tensor ops are the control
+        # plane's small copies, where intra-op threads only add wake-ups on the shared cores.
+        torch.set_num_threads(1)
         # A rank exits after 60 s without the driver's pings (10 s in a run): the hosts share this
         # machine's cores with the driver and with whatever else runs on it.
         cfg = RuntimeConfig(collectives=False, driver_timeout_s=60.0, parent_pid=parent, local_ipc=True)

@@ -41,6 +41,18 @@ def key_from_store(address: str, timeout_s: float) -> bytes:
         raise SystemExit(str(e)) from None
 
 
+def prepare_unit_process() -> None:
+    """Set up a process that only stores: it reuses the memory of cleared messages and keeps its
+    imports out of every garbage collection (alloc.py), and runs tensor ops on one thread: its
+    ops are small copies and gathers, where intra-op threads only add wake-ups (and spin on the
+    cores of the workers beside it)."""
+    import torch
+
+    keep_freed_memory()
+    freeze_gc_heap()
+    torch.set_num_threads(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Run one TransferQueue storage unit process.")
     p.add_argument("--controller", required=True, help="controller address, e.g. tcp://10.0.0.1:5555")
@@ -57,10 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     elif auth.key_source() == "generated":  # nothing inherited: the key made at import is ours alone
         raise SystemExit(f"no run key: pass --store MASTER_ADDR:MASTER_PORT, or set {auth.ENV_VAR} (hex) in the "
                          "environment; a unit with a key of its own would drop every message of the run")
-    # A process that only stores: let it reuse the memory of cleared messages, and keep its
-    # imports out of every garbage collection (alloc.py).
-    keep_freed_memory()
-    freeze_gc_heap()
+    prepare_unit_process()
     asyncio.run(serve_storage_unit(a.controller, a.index, a.host, a.max_rows, a.max_bytes))
 
 
