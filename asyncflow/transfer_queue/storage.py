@@ -455,12 +455,10 @@ class StorageUnit:
         # time (a rollout's) read this way; when runs are many more than batches (rows of a few
         # large puts, shuffled), one gather per batch and one reorder cost less.
         starts = [0, *torch.nonzero((bids.diff() != 0) | (pos.diff() != 1)).flatten().add_(1).tolist()]
-        b = bids[starts].tolist()
-        if len(starts) <= _FEW_RUNS or len(starts) <= _RUNS_PER_BATCH * len(set(b)):
-            p = pos[starts].tolist()
+        heads = codes[starts].tolist()
+        if len(starts) <= _FEW_RUNS or len(starts) <= _RUNS_PER_BATCH * len({c >> _POS_BITS for c in heads}):
             stops = [*starts[1:], n]
-            return concat([self.batches[b[i]].columns[name].take(range(p[i], p[i] + stops[i] - starts[i]))
-                           for i in range(len(starts))])
+            return concat([self._run_view(name, c, stop - start) for c, start, stop in zip(heads, starts, stops)])
         order = torch.argsort(bids, stable=True)
         sb = bids[order]
         uniq, counts = torch.unique_consecutive(sb, return_counts=True)

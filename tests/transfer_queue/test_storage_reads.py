@@ -134,8 +134,8 @@ def test_unit_refuses_a_malformed_put_column_and_stores_nothing(unit, wire, err)
 @pytest.mark.parametrize("put_sizes", [[1] * 40, [1, 2, 3] * 7, [20, 20]])
 def test_reads_across_many_puts_in_any_order_come_back_right(unit, put_sizes):
     """Rows streamed in one or a few per put (a rollout's writes) and rows of a few large puts,
-    read in shuffled orders, in runs, and with repeats of a batch's neighbours: the runs path
-    (views, one concat) and the per-batch gather give the same rows."""
+    read shuffled, in runs that cross puts, and backwards by twos: the runs path (views, one
+    concat) and the per-batch gather (the shuffled read of two large puts) give the right rows."""
     ids, lo = [], 0
     for n in put_sizes:
         ids.append(_put_rows(unit, lo, n))
