@@ -66,12 +66,18 @@ def test_workers_exit_when_driver_heartbeat_stops():
         stop_cluster(c)
 
 
+# The pids go through a file: the workers share the starter's stdout, and torch 2.10's gloo
+# prints there from several processes at once, so a line on stdout may be interleaved.
 _ORPHANS = """
+import os, sys, time
 from asyncflow.single_controller.local import LocalWorkers
 from _sc_cluster import run_config
 w = LocalWorkers(2, run_config())
-print(*(p.pid for p in w.procs), flush=True)
-import time; time.sleep(120)
+out = sys.argv[1]
+with open(out + ".tmp", "w") as f:
+    f.write(" ".join(str(p.pid) for p in w.procs))
+os.replace(out + ".tmp", out)
+time.sleep(120)
 """
 
 
@@ -84,16 +90,19 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_workers_exit_when_their_starter_dies_before_any_ping():
+def test_workers_exit_when_their_starter_dies_before_any_ping(tmp_path: Path):
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), str(here)]), "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-c", _ORPHANS], env=env, stdout=subprocess.PIPE, text=True)
+    pid_file = tmp_path / "pids"
+    p = subprocess.Popen([sys.executable, "-c", _ORPHANS, str(pid_file)], env=env, stdout=subprocess.DEVNULL)
     pids: list[int] = []
     try:
-        # torch 2.10's gloo prints "[Gloo] Rank r is connected to n peer ranks..." on the workers' stdout
-        line = next((ln for ln in p.stdout if not ln.startswith("[Gloo]")), "")
-        pids = [int(x) for x in line.split()]
-        assert len(pids) == 2, f"LocalWorkers did not start (exit {p.poll()})"
+        t0 = time.monotonic()
+        while not pid_file.exists() and p.poll() is None and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        assert pid_file.exists(), f"LocalWorkers did not start within 60 s (exit {p.poll()})"
+        pids = [int(x) for x in pid_file.read_text().split()]
+        assert len(pids) == 2, f"expected 2 worker pids, got {pids}"
         p.kill()  # SIGKILL: no atexit, no close(); the workers have never been pinged
         p.wait()
         t0 = time.monotonic()
