@@ -290,7 +290,7 @@ class WeightSyncConfig:
     # the rollout dtype the weights are cast to and the rollout engine holds; auto: bfloat16
     # on accelerators, float32 on CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_inflight: int = 1  # buckets of a sender on the wire while it fills the next
+    max_inflight: int = 1  # buckets' worth of a sender's copies on the wire while it fills the next
     timeout_s: float = 300.0  # a sync that takes longer (a dead or stuck peer) stops the run
     # Rollout instances that swap a new version in at the same time; the rest keep generating,
     # so never all of them (capped at instances - 1). 0: a quarter of the instances (at least one).

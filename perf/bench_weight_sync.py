@@ -4,24 +4,30 @@ Four processes: ranks 0 and 1 train (FSDP2 over both, a model of ``--mb`` megaby
 fp32), ranks 2 and 3 are rollout instances. Each training rank has its own group with both
 instances, as the trainer makes them.
 
-- ``sync``: the trainer's path (asyncflow/workers/weight_send.py, weight_recv.py): every
-  training rank gathers the sharded parameters layer by layer, packs its share of the
-  buckets and broadcasts each while it fills the next; the instances receive into their
-  staging weights (``weight_sync.load=staged``).
-- ``raw``: ``torch.distributed.broadcast`` of the same buckets (same sizes, same source
-  ranks, same weight-sync groups) from buffers filled beforehand, every broadcast posted at
-  once: the wire alone, its strongest use.
+- ``sync``: the trainer's path (asyncflow/workers/weight_send.py, weight_recv.py) with
+  buckets of ``--bucket-mb`` (default: ``weight_sync.bucket_mb``'s): every training rank
+  broadcasts its own rows of each sharded tensor (large runs from the tensor's own memory,
+  small ones packed), all ranks at once; the instances receive into their staging weights
+  (``weight_sync.load=staged``).
+- ``raw``: ``torch.distributed.broadcast`` of the same bytes as whole buckets (bucket b from
+  training rank b % 2, on the same weight-sync groups) from buffers filled beforehand, every
+  broadcast posted at once: the wire alone. Measured at the sync's bucket size and at each
+  of ``--raw-bucket-mb``; the headline ratio is against the fastest of them (the strongest
+  raw), with the ratio at the sync's own buckets beside it.
 
-The two take turns round by round (after one warm-up round each); the ratio is of the
-medians. ``peak_sender_extra_mb`` is the most bucket memory a sender held at once (the
-bucket it fills plus those on the wire), from the sender's own accounting. Also prints
+All entries take turns round by round, in rotating order (after one warm-up each); ratios
+are of the medians. ``peak_sender_extra_mb`` is the most memory a sender allocated for
+sending at once (casts and packed small tensors, filled and on the wire; messages sent from
+the tensors' own memory count nothing), from the sender's own accounting. Also prints
 PROJECTED sync times for Qwen2.5-7B and 32B at 25, 100 and 400 GB/s links: bytes in bf16
 over the link speed, scaled by the ratio measured here (a projection, not a measurement).
 
-    python perf/bench_weight_sync.py [--quick] [--mb 128] [--bucket-mb 16] [--rounds 5] [--max-inflight 1]
+    python perf/bench_weight_sync.py [--quick] [--mb 128] [--bucket-mb 64] [--raw-bucket-mb 16,64]
+                                     [--rounds 5] [--max-inflight 1]
 
-The last line is one JSON object: weight_sync_gbps, raw_broadcast_gbps, ratio_sync_vs_raw,
-peak_sender_extra_mb, model_mb, bucket_mb, rounds.
+The last line is one JSON object: weight_sync_gbps, raw_broadcast_gbps (the strongest raw),
+raw_best_bucket_mb, raw_gbps_by_bucket_mb, ratio_sync_vs_raw, ratio_spread,
+ratio_vs_raw_same_buckets, peak_sender_extra_mb, model_mb, bucket_mb, rounds.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ TRAIN, RECV = [0, 1], [2, 3]
 # published parameter counts (Qwen2.5 technical report / model cards): 7.62B and 32.8B
 PROJECT = {"Qwen2.5-7B": 7.62e9, "Qwen2.5-32B": 32.8e9}
 LINKS_GBPS = (25, 100, 400)
+RAW_BUCKET_MB = (16.0, 64.0)  # raw's strongest bucket size on this machine is found among these
 
 
 def _port() -> int:
@@ -75,7 +82,8 @@ def _model(mb: float):
     return Net()
 
 
-def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, inflight: int, q) -> None:
+def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, inflight: int, q,
+           raw_mbs: tuple[float, ...] = (16.0,)) -> None:
     try:
         import torch
         import torch.distributed as dist
@@ -116,9 +124,11 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, infli
         named = local_tensors(net)
         header = make_header(named, 0, 0, int(bucket_mb * 2**20), len(TRAIN), None)
         nb = len(header.buckets)
-        # raw: the same buckets, filled beforehand, on their sources; receive buffers elsewhere
-        raw_bufs = [torch.full((header.bucket_nbytes(b),), b % 251, dtype=torch.uint8) for b in range(nb)
-                    if rank in RECV or header.source(b) == TRAIN.index(rank)]
+        # raw: whole buckets of each size, filled beforehand, on their sources (bucket b from
+        # training rank b % 2); receive buffers elsewhere
+        raw_headers = {mb_: make_header(named, 0, 0, int(mb_ * 2**20), len(TRAIN), None) for mb_ in raw_mbs}
+        raw_bufs = {mb_: [torch.full((h.bucket_nbytes(b),), b % 251, dtype=torch.uint8) for b in range(len(h.buckets))
+                          if rank in RECV or h.source(b) == TRAIN.index(rank)] for mb_, h in raw_headers.items()}
 
         def run_sync(v: int) -> float:
             dist.barrier()
@@ -139,14 +149,15 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, infli
             dist.barrier()
             return time.perf_counter() - start
 
-        def run_raw() -> float:
+        def run_raw(mb_: float) -> float:
+            h = raw_headers[mb_]
             dist.barrier()
             start = time.perf_counter()
             works, i = [], 0
-            for b in range(nb):
-                src = header.source(b)
+            for b in range(len(h.buckets)):
+                src = h.source(b)
                 if rank in RECV or src == TRAIN.index(rank):
-                    works.append(groups[src].broadcast(raw_bufs[i], 0))
+                    works.append(groups[src].broadcast(raw_bufs[mb_][i], 0))
                     i += 1
             for w in works:
                 w.wait()
@@ -154,16 +165,18 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, infli
             return time.perf_counter() - start
 
         peaks: list[int] = []
-        sync_t, raw_t = [], []
+        sync_t: list[float] = []
+        raw_t: dict[float, list[float]] = {mb_: [] for mb_ in raw_mbs}
+        entries = ["sync", *raw_mbs]
         run_sync(1)
-        run_raw()  # warm-up of both
-        for r in range(rounds):
-            if r % 2 == 0:
-                sync_t.append(run_sync(r + 2))
-                raw_t.append(run_raw())
-            else:
-                raw_t.append(run_raw())
-                sync_t.append(run_sync(r + 2))
+        for mb_ in raw_mbs:
+            run_raw(mb_)  # a warm-up of each
+        for r in range(rounds):  # in turns, the order rotating round by round
+            for e in entries[r % len(entries):] + entries[:r % len(entries)]:
+                if e == "sync":
+                    sync_t.append(run_sync(r + 2))
+                else:
+                    raw_t[e].append(run_raw(e))
         if rank == 0:
             q.put({"nbytes": header.nbytes, "buckets": nb, "sync": sync_t, "raw": raw_t,
                    "peak": max(peaks)})
@@ -175,12 +188,14 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, infli
         q.put({"error": rank, "trace": traceback.format_exc()})
 
 
-def measure(mb: float = 64.0, bucket_mb: float = 16.0, rounds: int = 5, inflight: int = 1) -> dict:
+def measure(mb: float = 64.0, bucket_mb: float = 64.0, rounds: int = 5, inflight: int = 1,
+            raw_mbs: tuple[float, ...] = RAW_BUCKET_MB) -> dict:
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=_child, args=(r, port, mb, bucket_mb, rounds, inflight, q), daemon=True)
+    raw_mbs = tuple(dict.fromkeys((*raw_mbs, bucket_mb)))  # always also the sync's own buckets
+    procs = [ctx.Process(target=_child, args=(r, port, mb, bucket_mb, rounds, inflight, q, raw_mbs), daemon=True)
              for r in range(4)]
     for p in procs:
         p.start()
@@ -192,13 +207,18 @@ def measure(mb: float = 64.0, bucket_mb: float = 16.0, rounds: int = 5, inflight
         raise RuntimeError(f"bench_weight_sync: rank {errors[0]['error']} failed:\n{errors[0]['trace']}")
     main = next(g for g in got if "nbytes" in g)
     peak = max(main["peak"], next(g for g in got if "peak1" in g)["peak1"])
-    sync_s, raw_s = statistics.median(main["sync"]), statistics.median(main["raw"])
+    sync_s = statistics.median(main["sync"])
+    raw_s = {k: statistics.median(v) for k, v in main["raw"].items()}
+    best = min(raw_s, key=raw_s.get)  # the strongest raw: its fastest bucket size
+    gbps = lambda s: round(main["nbytes"] / s / 1e9, 3)  # noqa: E731
     return {"model_mb": round(main["nbytes"] / 2**20, 1), "bucket_mb": bucket_mb, "buckets": main["buckets"],
             "max_inflight": inflight,
-            "rounds": rounds, "weight_sync_gbps": round(main["nbytes"] / sync_s / 1e9, 3),
-            "raw_broadcast_gbps": round(main["nbytes"] / raw_s / 1e9, 3),
-            "ratio_sync_vs_raw": round(raw_s / sync_s, 3),
-            "ratio_spread": [round(r / s, 3) for s, r in zip(main["sync"], main["raw"])],
+            "rounds": rounds, "weight_sync_gbps": gbps(sync_s),
+            "raw_broadcast_gbps": gbps(raw_s[best]), "raw_best_bucket_mb": best,
+            "raw_gbps_by_bucket_mb": {str(k): gbps(v) for k, v in raw_s.items()},
+            "ratio_sync_vs_raw": round(raw_s[best] / sync_s, 3),
+            "ratio_spread": [round(r / s, 3) for s, r in zip(main["sync"], main["raw"][best])],
+            "ratio_vs_raw_same_buckets": round(raw_s[bucket_mb] / sync_s, 3),
             "peak_sender_extra_mb": round(peak / 2**20, 1)}
 
 
@@ -213,14 +233,16 @@ def projections(ratio: float) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="64 MB model, 3 rounds")
+    ap.add_argument("--quick", action="store_true", help="64 MB model, 5 rounds")
     ap.add_argument("--mb", type=float, default=128.0)
-    ap.add_argument("--bucket-mb", type=float, default=16.0)
+    ap.add_argument("--bucket-mb", type=float, default=64.0, help="the sync's buckets (weight_sync.bucket_mb's default)")
+    ap.add_argument("--raw-bucket-mb", default=",".join(str(x) for x in RAW_BUCKET_MB),
+                    help="bucket sizes raw is measured at (besides --bucket-mb); the fastest is the headline's")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-inflight", type=int, default=1, help="weight_sync.max_inflight of the senders")
     a = ap.parse_args()
-    mb, rounds = (64.0, 3) if a.quick else (a.mb, a.rounds)
-    out = measure(mb, a.bucket_mb, rounds, a.max_inflight)
+    mb, rounds = (64.0, 5) if a.quick else (a.mb, a.rounds)
+    out = measure(mb, a.bucket_mb, rounds, a.max_inflight, tuple(float(x) for x in a.raw_bucket_mb.split(",") if x))
     for line in projections(out["ratio_sync_vs_raw"]):
         print(line)
     print(json.dumps(out))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -23,6 +25,7 @@ import torch
 from .weight_sync import TensorSpec, WeightHeader, torch_dtype, views
 
 LOAD_MODES = ("staged", "in_place")
+_AHEAD = 8  # buckets a receiver posts at once where each has its own place (as many as a sender may)
 
 # Rollout instances living in this process (colocated with a training rank): the sender
 # hands them every tensor in process. Registered by the rollout worker.
@@ -166,6 +169,7 @@ class BucketReceiver:
         self.expected_version = -1
         self.header: WeightHeader | None = None  # the last version received whole
         self.bytes_received = 0
+        self._scratch: dict = {}  # the streams' scratch, reused by every version (one receive at a time)
 
     def start(self, version: int, load: Callable[[WeightHeader, Iterator], None],
               dest: Callable[[WeightHeader, int], torch.Tensor] | None = None) -> None:
@@ -184,7 +188,7 @@ class BucketReceiver:
         try:
             header: WeightHeader = self.groups[0].broadcast_object(None, 0)
             where = f"weight sync of {header.describe()}: {self.role} rank {self.rank}"
-            stream = _BucketStream(header, self.train_ranks, self.groups, self.device, dest)
+            stream = _BucketStream(header, self.train_ranks, self.groups, self.device, dest, self._scratch)
             try:
                 load(header, iter(stream))
             except BaseException:
@@ -217,47 +221,119 @@ class BucketReceiver:
         return self._thread is not None
 
 
+@dataclass
+class PostedBucket:
+    """Bucket ``b``'s receives, posted: each training rank's piece on its own group at once."""
+    b: int
+    full: torch.Tensor  # the bucket's byte buffer, as ``weight_sync.views`` reads it
+    posted: list  # (training index, message, buffer, work)
+
+
+def post_bucket(header: WeightHeader, b: int, groups: Any, full: torch.Tensor,
+                scratch: Callable[[int, int], torch.Tensor]) -> PostedBucket:
+    """Post the receives of bucket ``b`` into ``full``: a direct message lands in place, a
+    packed one into ``scratch(i, nbytes)`` (copied to where its rows go by ``finish_bucket``).
+    Every training rank's messages are posted at once, each rank's on its own group."""
+    posted = []
+    for i, msgs in enumerate(header.pieces(b)):
+        if msgs and i not in groups:
+            raise RuntimeError(f"bucket {b + 1} has messages from training index {i}, but this rank joined the "
+                               f"groups of {sorted(groups)} only")
+        for msg in msgs:
+            first = msg.segments[0]
+            buf = full[first.at:first.at + msg.nbytes] if msg.direct else scratch(i, msg.nbytes)
+            posted.append((i, msg, buf, groups[i].broadcast(buf, 0)))
+    return PostedBucket(b, full, posted)
+
+
+def finish_bucket(p: PostedBucket, groups: Any, train_ranks: list[int] | None = None) -> int:
+    """Wait for every piece of a posted bucket and put each in place; returns the bytes received.
+    Every receive is awaited even after one failed, so that none is left on the wire to take a
+    later message for its own; then the first failure is raised."""
+    error = None
+    for i, msg, buf, work in p.posted:
+        who = f"training rank {train_ranks[i]}" if train_ranks else f"training index {i}"
+        try:
+            groups[i].wait(work, f"bucket {p.b + 1} from {who}")
+        except Exception as e:  # noqa: BLE001 - raised once all are settled
+            error = error or e
+            continue
+        if not msg.direct:
+            for sg in msg.segments:
+                p.full[sg.at:sg.at + sg.nbytes].copy_(buf[sg.off:sg.off + sg.nbytes])
+    if error is not None:
+        raise error
+    return sum(x[2].numel() for x in p.posted)
+
+
 class _BucketStream:
     """The (spec, tensor) pairs of a version as its buckets arrive: each bucket into the
-    loader's own bytes (``dest``) where it has them, else into one reused scratch buffer."""
+    loader's own bytes (``dest``) where it has them, else into scratch. The next bucket's
+    receives are posted before this one is put in place and handed out, so the wire never
+    waits for the loader."""
 
     def __init__(self, header: WeightHeader, train_ranks: list[int], groups: dict[int, Any], device: torch.device,
-                 dest: Any = None):
+                 dest: Any = None, scratch: dict | None = None):
+        if header.n_sources != len(train_ranks):
+            raise RuntimeError(f"the version comes from {header.n_sources} training ranks, but "
+                               f"{len(train_ranks)} take part in this sync")
         self.header = header
         self.train_ranks, self.groups = train_ranks, groups
         self.dest, self.device = dest, device
-        self.scratch: torch.Tensor | None = None
+        self.scratch: dict[tuple, torch.Tensor] = {} if scratch is None else scratch  # (what, slot) -> buffer
         self.draining = False  # refused or failed: the rest goes to scratch, never to the loader
+        self.broken = False  # a receive failed: the groups are out of step, nothing more is read
+        self.ahead: deque[PostedBucket] = deque()  # posted, not yet finished, in order
         self.received = 0
         self.bytes = 0
 
-    def _buffer(self, b: int, n: int) -> torch.Tensor:
-        if self.dest is not None and not self.draining:
-            return self.dest(self.header, b)
-        if self.scratch is None:
-            size = max(self.header.bucket_nbytes(k) for k in range(len(self.header.buckets)))
-            self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
-        return self.scratch[:n]
+    def _scratch(self, what: Any, slot: int, n: int, size: Callable[[], int]) -> torch.Tensor:
+        buf = self.scratch.get((what, slot))
+        if buf is None or buf.numel() < n:
+            buf = self.scratch[(what, slot)] = torch.empty(size(), dtype=torch.uint8, device=self.device)
+        return buf[:n]
 
-    def _recv(self, b: int) -> torch.Tensor:
-        n = self.header.bucket_nbytes(b)
-        src = self.header.source(b)
-        if src >= len(self.train_ranks):
-            raise RuntimeError(f"bucket {b} comes from training index {src}, but {len(self.train_ranks)} "
-                               "training ranks take part in this sync")
-        buf = self._buffer(b, n)
-        group = self.groups[src]
-        group.wait(group.broadcast(buf, 0), f"bucket {b + 1} from training rank {self.train_ranks[src]}")
+    @property
+    def depth(self) -> int:
+        """Buckets posted at once: into the loader's own bytes every bucket has its place, so
+        several can be on the wire; into scratch, two (a bucket of scratch each)."""
+        return _AHEAD if self.dest is not None and not self.draining else 2
+
+    def _post(self, b: int) -> PostedBucket:
+        h, slot = self.header, b % (_AHEAD + 1)
+        n = h.bucket_nbytes(b)
+        if self.dest is not None and not self.draining:
+            full = self.dest(h, b)
+        else:
+            full = self._scratch("bucket", b % 2, n, lambda: max(h.bucket_nbytes(k) for k in range(len(h.buckets))))
+        return post_bucket(h, b, self.groups, full, lambda i, m: self._scratch(i, slot, m, lambda: m))
+
+    def _next(self) -> torch.Tensor:
+        """Finish bucket ``received`` (posted earlier where it was) once the ones after it are
+        posted, up to ``depth`` in all."""
+        nb = len(self.header.buckets)
+        try:
+            if not self.ahead:
+                self.ahead.append(self._post(self.received))
+            while len(self.ahead) < self.depth and self.ahead[-1].b + 1 < nb:
+                self.ahead.append(self._post(self.ahead[-1].b + 1))
+            cur = self.ahead.popleft()
+            self.bytes += finish_bucket(cur, self.groups, self.train_ranks)
+        except BaseException:
+            self.broken = True
+            raise
         self.received += 1
-        self.bytes += n
-        return buf
+        return cur.full
 
     def __iter__(self) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
-        for b in range(self.received, len(self.header.buckets)):
-            yield from views(self.header, b, self._recv(b))
+        while self.received < len(self.header.buckets):
+            b = self.received
+            yield from views(self.header, b, self._next())
 
     def drain(self) -> None:
-        """Read the rest off the wire into scratch memory (never into the loader's)."""
+        """Read the rest off the wire into scratch memory (never into the loader's; a bucket
+        already posted lands where it was posted); nothing after a failed receive (the run
+        stops: its senders are gone or out of step)."""
         self.draining = True
-        for b in range(self.received, len(self.header.buckets)):
-            self._recv(b)
+        while not self.broken and self.received < len(self.header.buckets):
+            self._next()

@@ -1,12 +1,15 @@
-"""Weight sync, the sending side: every training rank gathers, casts and sends its share.
+"""Weight sync, the sending side: every training rank casts and sends its piece of each bucket.
 
-All training ranks walk the model's tensors together (gathering a sharded parameter is a
-collective over their group). Training rank ``a`` broadcasts buckets ``a, a + n, ...`` on
-its own group (itself and every remote rollout rank) and fills the next of its buckets
-while the previous one is on the wire: at most ``max_inflight`` buckets of its own in flight
-plus the one being filled, so the extra memory of a sender is about two buckets. A rollout
-instance in the same process (colocated) gets every tensor handed over in process, with
-no copy on the wire.
+Training rank ``a`` broadcasts its piece of every bucket on its own group (itself and every
+remote rollout rank): its own rows of each tensor FSDP2 shards by rows, and the bucket's
+other tensors whole where ``a`` is the bucket's source (weight_sync.py). Split tensors are
+never gathered, so the training ranks send at once, each at its own pace. A rank fills its
+next piece while the previous ones are on the wire: copies (a cast, small tensors packed) of
+at most ``max_inflight`` buckets' worth in flight plus the piece being filled, so the extra
+memory of a sender is about two buckets; messages sent from the tensors' own memory cost
+none and travel up to ``_MAX_POSTED`` buckets deep. A rollout
+instance in the same process (colocated) gets every tensor whole in process (an all-gather
+on every training rank), with no copy on the wire.
 """
 from __future__ import annotations
 
@@ -17,9 +20,16 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
-from ..engines.train.gather import full_tensors, gather_bucket
-from .weight_sync import TensorSpec, WeightHeader, torch_dtype, views
+from ..engines.train.gather import DTensor, local_rows, row_shard_group, whole
+from .weight_sync import Message, TensorSpec, WeightHeader, torch_dtype
+
+
+# Messages sent from the tensors' own memory hold no extra memory on the wire, so only copies
+# count toward ``max_inflight`` (in bytes: that many buckets' worth); this many buckets at most
+# are posted at once in all.
+_MAX_POSTED = 8
 
 
 class WeightSink(Protocol):
@@ -35,9 +45,54 @@ class WeightSink(Protocol):
 class SendStats:
     bytes_sent: int = 0  # bytes this rank broadcast
     buckets_sent: int = 0
-    peak_extra_bytes: int = 0  # the most bucket bytes this rank held at once (filled + in flight)
+    peak_extra_bytes: int = 0  # the most bytes this rank allocated for sending at once (filled + in flight)
     seconds: float = 0.0
     waits: list[float] = field(default_factory=list)  # time blocked on the wire per bucket
+
+
+def pack_piece(header: WeightHeader, b: int, named: list[tuple[str, torch.Tensor]], msgs: list[Message],
+               sinks: list[WeightSink], gather_all: bool) -> tuple[list[torch.Tensor], int]:
+    """This rank's messages of bucket ``b`` as byte tensors in the header's dtypes, and with
+    ``gather_all`` every tensor whole to the local ``sinks``. A direct message is the tensor's
+    own memory where its dtype already matches (no copy); small runs are copied into one
+    buffer. A tensor that is not split, or every tensor with ``gather_all``, is gathered whole:
+    a collective every training rank joins, whether or not its messages hold that tensor.
+    Returns the byte tensors (one per message) and how many of their bytes were allocated."""
+    where = {sg.index: (m, sg) for m, msg in enumerate(msgs) for sg in msg.segments}
+    out: list[torch.Tensor | None] = [None] * len(msgs)
+    allocated = 0
+    lo, hi = header.buckets[b]
+    with torch.no_grad():
+        for k in range(lo, hi):
+            spec, (name, t) = header.specs[k], named[k]
+            m, seg = where.get(k, (None, None))
+            dtype = torch_dtype(spec.dtype)
+            fresh = 0  # bytes of a tensor made here (gathered or cast) that a direct message keeps alive
+            if gather_all or not spec.split:
+                gathered = whole(t)
+                full = gathered.to(dtype)
+                if full is not gathered or isinstance(t, DTensor):
+                    fresh = full.numel() * full.element_size()
+                for s in sinks if gather_all else ():
+                    s.tensor(spec, full)
+                src = full if seg is None or seg.rows is None else full[seg.rows[0]:seg.rows[1]]
+            elif seg is not None:
+                src = local_rows(t, name, seg.rows)
+            else:
+                continue
+            if seg is None:
+                continue
+            if msgs[m].direct:
+                if src.dtype != dtype or not src.is_contiguous():
+                    src, fresh = src.to(dtype).contiguous(), seg.nbytes
+                out[m] = src.reshape(-1).view(torch.uint8)
+                allocated += fresh
+                continue
+            if out[m] is None:
+                out[m] = torch.empty(msgs[m].nbytes, dtype=torch.uint8, device=src.device)
+                allocated += msgs[m].nbytes
+            out[m][seg.off:seg.off + seg.nbytes].view(dtype).view(src.shape).copy_(src)
+    return out, allocated
 
 
 class BucketSender:
@@ -71,9 +126,10 @@ class BucketSender:
         return f"weight sync of {header.describe()}: {self.role} rank {self.rank} (source {self.index}){at}"
 
     def send(self, header: WeightHeader, named: list[tuple[str, torch.Tensor]]) -> SendStats:
-        """Gather, cast and send one version. ``named``: this rank's (name, tensor) in the
-        header's order, sharded or not (engines/train/gather.py). Collective over the training
-        ranks. Returns when every bucket of this rank is on its way and received."""
+        """Cast and send one version. ``named``: this rank's (name, tensor) in the header's
+        order, sharded or not (engines/train/gather.py). Collective over the training ranks
+        where a tensor must be gathered (a local instance, or a tensor not split by rows).
+        Returns when every piece of this rank is on its way and received."""
         stats, start = SendStats(), time.monotonic()
         sinks = list(self.local_sinks() or [])
         b = None
@@ -81,37 +137,30 @@ class BucketSender:
             if [n for n, _ in named] != [s.name for s in header.specs]:
                 raise RuntimeError("the tensors differ from the header's (every training rank must walk the "
                                    "same model in the same order)")
+            if sinks and not self.gather_all:
+                raise RuntimeError("a rollout instance shares this rank's process, but the sender was set up "
+                                   "with gather_all=False (every training rank must gather every tensor then)")
+            self._check_shards(header, named)
             if self.group is not None and self.index == 0:
                 self.group.broadcast_object(header, 0)
             for s in sinks:
                 s.begin(header)
-            it = full_tensors(named) if self.gather_all else None
-            pending: deque[tuple[int, Any, torch.Tensor]] = deque()
+            pending: deque[tuple[int, list, list, int]] = deque()
             held = 0
-            for b, (lo, hi) in enumerate(header.buckets):
-                mine = self.group is not None and header.source(b) == self.index
-                if mine:
-                    while len(pending) >= self.max_inflight:
-                        held -= self._wait(pending.popleft(), stats)
-                    buf = torch.empty(header.bucket_nbytes(b), dtype=torch.uint8, device=self.device(named))
-                    held += buf.numel()
+            # copies on the wire at once: max_inflight buckets' worth, plus the one being filled
+            budget = self.max_inflight * max(header.bucket_nbytes(k) for k in range(len(header.buckets)))
+            for b in range(len(header.buckets)):
+                msgs = header.pieces(b)[self.index] if self.group is not None else []
+                bufs, allocated = pack_piece(header, b, named, msgs, sinks, self.gather_all)  # while earlier ones travel
+                if msgs:
+                    held += allocated
                     stats.peak_extra_bytes = max(stats.peak_extra_bytes, held)
-                if it is not None:  # every rank gets each tensor whole (an instance in its process)
-                    for spec, off in header.layout(b):
-                        _, full = next(it)
-                        t = full.to(torch_dtype(spec.dtype))
-                        if mine:
-                            buf[off:off + spec.nbytes].view(t.dtype).view(spec.shape).copy_(t)
-                        for s in sinks:
-                            s.tensor(spec, t)
-                elif self.group is not None:  # only the bucket's sender gets it, into the buffer
-                    dests = [v for _, v in views(header, b, buf)] if mine else None
-                    gather_bucket(named[lo:hi], [torch_dtype(sp.dtype) for sp in header.specs[lo:hi]], dests,
-                                  self.train_ranks[header.source(b)])
-                if mine:
-                    work = self.group.broadcast(buf, 0)  # member 0 of its group: this training rank
-                    pending.append((b, work, buf))
-                    stats.bytes_sent += buf.numel()
+                    while pending and (len(pending) >= _MAX_POSTED or held > budget):
+                        held -= self._wait(pending.popleft(), stats)
+                    # member 0 of its group: this training rank
+                    works = [self.group.broadcast(buf, 0) for buf in bufs]
+                    pending.append((b, works, bufs, allocated))
+                    stats.bytes_sent += sum(buf.numel() for buf in bufs)
                     stats.buckets_sent += 1
             while pending:
                 b = pending[0][0]
@@ -127,19 +176,32 @@ class BucketSender:
         self.last = stats
         return stats
 
+    def _check_shards(self, header: WeightHeader, named: list[tuple[str, torch.Tensor]]) -> None:
+        """A split tensor's shard i must be on training rank i of this sync."""
+        for spec, (name, t) in zip(header.specs, named):
+            if spec.split:
+                at = dist.get_rank(row_shard_group(t))
+                if at != self.index:
+                    raise RuntimeError(f"{name!r}: this rank holds shard {at} of its rows but is training "
+                                       f"index {self.index} of the sync (the FSDP mesh must list the "
+                                       "training ranks in the same order)")
+                return
+
     @staticmethod
     def device(named: list[tuple[str, torch.Tensor]]) -> torch.device:
         return named[0][1].device if named else torch.device("cpu")
 
-    def _wait(self, item: tuple[int, Any, torch.Tensor], stats: SendStats) -> int:
-        b, work, buf = item
+    def _wait(self, item: tuple[int, list, list, int], stats: SendStats) -> int:
+        """Wait for every message of a bucket; returns the bytes that frees."""
+        b, works, _, allocated = item
         t0 = time.monotonic()
-        try:
-            done = work.wait(timedelta(seconds=self.timeout_s))
-        except Exception as e:  # noqa: BLE001 - re-raised naming the bucket on the wire
-            raise RuntimeError(f"broadcast of bucket {b + 1} failed: {e}") from e
-        if done is False:
-            raise TimeoutError(f"bucket {b + 1} was not received within {self.timeout_s:.0f} s "
-                               "(are the rollout instances alive and receiving?)")
+        for work in works:
+            try:
+                done = work.wait(timedelta(seconds=self.timeout_s))
+            except Exception as e:  # noqa: BLE001 - re-raised naming the bucket on the wire
+                raise RuntimeError(f"broadcast of bucket {b + 1} failed: {e}") from e
+            if done is False:
+                raise TimeoutError(f"bucket {b + 1} was not received within {self.timeout_s:.0f} s "
+                                   "(are the rollout instances alive and receiving?)")
         stats.waits.append(time.monotonic() - t0)
-        return buf.numel()
+        return allocated

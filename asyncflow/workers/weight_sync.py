@@ -3,9 +3,14 @@
 A version goes from the training ranks to the rollout instances as a header, then buckets.
 The header lists every tensor (name, shape, dtype after the cast to the rollout dtype) and
 cuts the list into buckets of about ``bucket_bytes``, in the model's state-dict order, so
-that the senders gather parameters layer after layer. Bucket ``b`` is sent by training
-rank ``b % n_sources`` (every training rank takes part) as one flat byte buffer in which
-each tensor starts at an 8-byte-aligned offset.
+that the senders walk parameters layer after layer. On the receiving side a bucket is one
+flat byte buffer in which each tensor starts at an 8-byte-aligned offset.
+
+On the wire a bucket is a piece per training rank (``pieces``): a tensor whose rows the
+training ranks hold as FSDP2's dim-0 shards (``TensorSpec.split``) is sent by every rank as
+its own rows, so nothing crosses between training ranks; any other tensor goes whole from
+rank ``b % n_sources``. Each rank broadcasts its piece on its own group, all at once, and
+the receivers put the rows where the whole tensor has them.
 
 Sending: ``weight_send.py``; receiving and loading: ``weight_recv.py``.
 """
@@ -15,6 +20,9 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
+
+from ..engines.train.gather import chunk_rows, row_shard_group
 
 _ALIGN = 8  # the widest element size: every tensor view into a bucket is aligned
 
@@ -24,6 +32,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str  # e.g. "bfloat16"
+    split: bool = False  # rows split over the training ranks as torch.chunk splits them (FSDP2's shards)
 
     @property
     def numel(self) -> int:
@@ -39,6 +48,51 @@ class TensorSpec:
     def meta(self) -> torch.Tensor:
         """A tensor of this shape and dtype that holds no memory (for checks before the data)."""
         return torch.empty(self.shape, dtype=torch_dtype(self.dtype), device="meta")
+
+
+# A run of at least this many bytes travels as a message of its own: sent from the tensor's own
+# memory and received where it belongs, with no copy on either side. Smaller runs are packed
+# together, so a model's many small tensors (norms, biases) do not each pay a message.
+DIRECT_BYTES = 1 << 18
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of one tensor's bytes in a message."""
+    index: int  # the tensor's index in the header's specs
+    rows: tuple[int, int] | None  # [lo, hi) of a split tensor; None: the whole tensor
+    at: int  # byte offset in the bucket's buffer (the whole tensor's layout)
+    off: int  # byte offset in the message
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """One broadcast of a training rank: a single run (``direct``) or small runs packed."""
+    segments: tuple[Segment, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.segments[-1].off + self.segments[-1].nbytes
+
+    @property
+    def direct(self) -> bool:
+        return len(self.segments) == 1
+
+
+def _messages(runs: list[tuple[int, tuple[int, int] | None, int, int]]) -> list[Message]:
+    out: list[Message] = []
+    packed: list[Segment] = []
+    off = 0
+    for k, rows, at, n in runs:
+        if n >= DIRECT_BYTES:
+            out.append(Message((Segment(k, rows, at, 0, n),)))
+            continue
+        packed.append(Segment(k, rows, at, off, n))
+        off = _aligned(off + n)
+    if packed:
+        out.append(Message(tuple(packed)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -60,6 +114,22 @@ class WeightHeader:
             out.append((spec, off))
             off = _aligned(off + spec.nbytes)
         return out
+
+    def pieces(self, b: int) -> list[list[Message]]:
+        """What each training rank sends of bucket ``b``, as its messages: its rows of every split
+        tensor, and every other tensor whole from the bucket's source. A rank with nothing in
+        the bucket sends nothing."""
+        runs: list[list] = [[] for _ in range(self.n_sources)]
+        start = self.buckets[b][0]
+        for k, (spec, at) in enumerate(self.layout(b), start):
+            parts = [(i, chunk_rows(spec.shape[0], self.n_sources, i)) for i in range(self.n_sources)] \
+                if spec.split else [(self.source(b), None)]
+            for i, rows in parts:
+                n = spec.nbytes if rows is None else (rows[1] - rows[0]) * (spec.nbytes // spec.shape[0])
+                if n:
+                    skip = 0 if rows is None else rows[0] * (spec.nbytes // spec.shape[0])
+                    runs[i].append((k, rows, at + skip, n))
+        return [_messages(r) for r in runs]
 
     def bucket_nbytes(self, b: int) -> int:
         lay = self.layout(b)
@@ -110,13 +180,16 @@ def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> tuple[tuple[
 def make_header(tensors: Iterable[tuple[str, torch.Tensor]], version: int, seq: int, bucket_bytes: int,
                 n_sources: int, cast: torch.dtype | None) -> WeightHeader:
     """The header of a version from the (possibly sharded) tensors' global shapes: floating
-    tensors are announced in ``cast`` (the rollout dtype), others as they are."""
+    tensors are announced in ``cast`` (the rollout dtype), others as they are; a tensor whose
+    rows are sharded over exactly the ``n_sources`` training ranks is sent as their rows."""
     specs = []
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"weight sync: state dict entry {name!r} is a {type(t).__name__}, not a tensor")
         dt = cast if cast is not None and t.is_floating_point() else t.dtype
-        specs.append(TensorSpec(name, tuple(t.shape), dtype_name(dt)))
+        group = row_shard_group(t)
+        split = group is not None and len(t.shape) > 0 and dist.get_world_size(group) == n_sources
+        specs.append(TensorSpec(name, tuple(t.shape), dtype_name(dt), split))
     if not specs:
         raise ValueError("weight sync: the model has no tensors to send")
     specs_t = tuple(specs)

@@ -23,9 +23,9 @@ class Net(nn.Module):
         self.register_buffer("steps", torch.arange(6))
 
 
-def expected(version: int, cast: torch.dtype | None) -> dict[str, torch.Tensor]:
+def expected(version: int, cast: torch.dtype | None, net_class: type = None) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    sd = Net().state_dict()
+    sd = (net_class or Net)().state_dict()
     out = {}
     for k, v in sd.items():
         v = v * version if v.is_floating_point() else v
@@ -50,11 +50,20 @@ def _setup(rank: int, port: int) -> tuple:
     return train, groups
 
 
-def _sharded(train) -> nn.Module:
+class BigNet(Net):
+    """Net with a last tensor larger than the sockets' buffers take (4 MB): a sender cannot have
+    handed its whole version to the kernel before a receiver reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(1024, 1024, bias=False)
+
+
+def _sharded(train, net_class: type = Net) -> nn.Module:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
-    net = Net()
+    net = net_class()
     mesh = DeviceMesh.from_group(train, device_type="cpu")
     for layer in net.layers:
         fully_shard(layer, mesh=mesh)
@@ -79,7 +88,7 @@ def _sender(rank: int, groups: dict, gather_all: bool = False):
 
 
 def _send(net: nn.Module, sender, version: int, cast, die_after: int | None = None):
-    """Send a version; ``die_after``: exit the process after that many buckets were gathered
+    """Send a version; ``die_after``: exit the process after that many buckets were packed
     (a sender dying mid-version, buckets already on the wire)."""
     import asyncflow.workers.weight_send as WS
     from asyncflow.engines.train.gather import local_tensors
@@ -87,26 +96,27 @@ def _send(net: nn.Module, sender, version: int, cast, die_after: int | None = No
     named = local_tensors(net)
     header = make_header(named, version, version, BUCKET, len(TRAIN), cast)
     if die_after is not None:
-        gather, calls = WS.gather_bucket, [0]
+        pack, calls = WS.pack_piece, [0]
 
         def dying(*args):
             calls[0] += 1
             if calls[0] > die_after:
                 os._exit(3)
-            return gather(*args)
-        WS.gather_bucket = dying
+            return pack(*args)
+        WS.pack_piece = dying
     return header, sender.send(header, named)
 
 
 def sync_two_versions(rank: int, port: int, q, gather_all: bool = False) -> None:
-    """v1 in fp32, v2 (weights doubled) cast to bf16: receivers hold exactly the expected.
-    gather_all False: each bucket gathered into its sender only (shards point to point);
+    """v1 in fp32, v2 (weights doubled) cast to bf16: receivers hold exactly the expected
+    (BigNet: small tensors travel packed, the large one from and into its own memory).
+    gather_all False: each training rank sends its own rows of every split tensor (nothing gathered);
     True: every training rank all-gathers every tensor (as when an instance shares its process)."""
     try:
         from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
         train, groups = _setup(rank, port)
         if rank in TRAIN:
-            net = _sharded(train)
+            net = _sharded(train, BigNet)
             sender = _sender(rank, groups, gather_all)
             header, s1 = _send(net, sender, 1, None)
             with torch.no_grad():
@@ -123,7 +133,7 @@ def sync_two_versions(rank: int, port: int, q, gather_all: bool = False) -> None
                 recv.start(v, _staged(sink), sink.bucket_buffer)
                 recv.join()
                 header, staged = sink.take()
-                want = expected(v, cast)
+                want = expected(v, cast, BigNet)
                 same = list(staged) == list(want) and all(
                     torch.equal(staged[k], want[k]) and staged[k].dtype == want[k].dtype for k in want)
                 got[v] = (header.version, same, recv.bytes_received)
@@ -172,7 +182,7 @@ def receiver_dies(rank: int, port: int, q) -> None:
         from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
         train, groups = _setup(rank, port)
         if rank in TRAIN:
-            net = _sharded(train)
+            net = _sharded(train, BigNet)
             sender = _sender(rank, groups)
             start = time.monotonic()
             try:

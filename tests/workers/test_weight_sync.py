@@ -47,3 +47,52 @@ def test_a_non_tensor_or_an_empty_model_is_refused_by_name():
         ws.make_header([("x", 3)], 0, 0, 1024, 1, None)
     with pytest.raises(ValueError, match="no tensors"):
         ws.make_header([], 0, 0, 1024, 1, None)
+
+
+def _split_header(n_sources: int, bucket_bytes: int) -> tuple[ws.WeightHeader, dict[str, torch.Tensor]]:
+    t = {"embed": torch.randn(5, 3), "ids": torch.arange(7), "w": torch.randn(4, 2).to(torch.bfloat16),
+         "big": torch.randn(600, 512), "one_row": torch.randn(1, 4), "bias": torch.randn(3)}
+    split = {"embed", "w", "big", "one_row", "bias"}  # as FSDP2 shards parameters (not buffers) by rows
+    specs = tuple(ws.TensorSpec(k, tuple(v.shape), ws.dtype_name(v.dtype), k in split) for k, v in t.items())
+    return ws.WeightHeader(1, 1, specs, ws.plan_buckets(specs, bucket_bytes), n_sources), t
+
+
+@pytest.mark.parametrize("n_sources,bucket_bytes", [(2, 1 << 20), (2, 64), (3, 96), (1, 1 << 20)])
+def test_pieces_cover_every_byte_of_a_bucket_once_with_each_rank_sending_its_own_rows(n_sources, bucket_bytes):
+    header, t = _split_header(n_sources, bucket_bytes)
+    directs = 0
+    for b in range(len(header.buckets)):
+        pieces = header.pieces(b)
+        assert len(pieces) == n_sources
+        # what each rank sends from its own shard (rows as torch.chunk splits them), put back where the
+        # receiver's layout has it: the bucket comes out whole and every byte is written exactly once
+        full = torch.zeros(header.bucket_nbytes(b), dtype=torch.uint8)
+        written = torch.zeros(header.bucket_nbytes(b), dtype=torch.int32)
+        for i, msgs in enumerate(pieces):
+            for msg in msgs:
+                # a run of DIRECT_BYTES or more travels alone (from and into the tensor's own memory)
+                assert msg.direct == (len(msg.segments) == 1)
+                assert all(sg.nbytes < ws.DIRECT_BYTES for sg in msg.segments) or msg.direct
+                directs += msg.direct and msg.segments[0].nbytes >= ws.DIRECT_BYTES
+                wire = torch.zeros(msg.nbytes, dtype=torch.uint8)
+                for sg in msg.segments:
+                    spec = header.specs[sg.index]
+                    assert sg.off % 8 == 0
+                    if spec.split:
+                        chunks = torch.chunk(t[spec.name], n_sources)
+                        shard = chunks[i] if i < len(chunks) else t[spec.name][:0]
+                        assert sg.rows == ws.chunk_rows(spec.shape[0], n_sources, i)
+                        assert shard.shape[0] == sg.rows[1] - sg.rows[0]
+                        src = shard
+                    else:
+                        assert sg.rows is None and i == header.source(b)  # unsplit: whole, from the bucket's source
+                        src = t[spec.name]
+                    wire[sg.off:sg.off + sg.nbytes].view(src.dtype).view(src.shape).copy_(src)
+                for sg in msg.segments:
+                    full[sg.at:sg.at + sg.nbytes].copy_(wire[sg.off:sg.off + sg.nbytes])
+                    written[sg.at:sg.at + sg.nbytes] += 1
+        for spec, off in header.layout(b):
+            assert bool((written[off:off + spec.nbytes] == 1).all()), spec.name
+        for spec, v in ws.views(header, b, full):
+            assert torch.equal(v, t[spec.name]), spec.name
+    assert directs == n_sources  # "big" (1.2 MB): every rank's rows of it alone

@@ -75,15 +75,24 @@ class WeightLoaderExtension:
         """Receive every bucket of the header's version into device memory and (``load``)
         load each into the model as it arrives; with load False only drain (refused weights).
         Returns the buckets received."""
+        from asyncflow.workers.weight_recv import finish_bucket, post_bucket
         from asyncflow.workers.weight_sync import views
         header, groups = self._asyncflow_header, self._asyncflow_groups
         device = self._asyncflow_device()
         n = len(header.buckets)
         buf = torch.empty(max(header.bucket_nbytes(b) for b in range(n)), dtype=torch.uint8, device=device)
+        pieces: dict[int, torch.Tensor] = {}
+
+        def scratch(i: int, size: int) -> torch.Tensor:  # a training rank's pieces of several runs
+            if i not in pieces or pieces[i].numel() < size:
+                pieces[i] = torch.empty(size, dtype=torch.uint8, device=device)
+            return pieces[i][:size]
         for b in range(n):
             part = buf[:header.bucket_nbytes(b)]
-            g = groups[header.source(b)]
-            g.wait(g.broadcast(part, 0), f"bucket {b + 1}/{n} of version {header.version}")
+            try:
+                finish_bucket(post_bucket(header, b, groups, part, scratch), groups)
+            except Exception as e:
+                raise RuntimeError(f"version {header.version}, bucket {b + 1}/{n}: {e}") from e
             if load:
                 self._asyncflow_load([(spec.name, t) for spec, t in views(header, b, part)])
         return n
