@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .weight_sync import TensorSpec, WeightHeader, torch_dtype, views
+from .weight_sync import TensorSpec, WeightHeader, aligned, torch_dtype, views
 
 LOAD_MODES = ("staged", "in_place")
 _AHEAD = 8  # buckets a receiver posts at once where each has its own place (as many as a sender may)
@@ -63,7 +63,7 @@ class StagingSink:
             self._ready = None  # being overwritten: not a whole version until end()
             self._filling = header
         if self._layout != (header.specs, header.buckets):  # allocated once, reused by every version
-            sizes = [header.bucket_nbytes(b) for b in range(len(header.buckets))]
+            sizes = [aligned(header.bucket_nbytes(b)) for b in range(len(header.buckets))]  # every bucket 8-aligned
             self._starts = [sum(sizes[:b]) for b in range(len(sizes))]
             self._flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
             self.staging = {spec.name: t for b in range(len(sizes))
@@ -195,7 +195,9 @@ class BucketReceiver:
                 stream.drain()  # refused or failed on our side: the senders still finish this version
                 raise
             if stream.received != len(header.buckets):
-                raise RuntimeError(f"the loader stopped after {stream.received} of {len(header.buckets)} buckets")
+                got = stream.received
+                stream.drain()  # the senders still finish this version
+                raise RuntimeError(f"the loader stopped after {got} of {len(header.buckets)} buckets")
             self.header = header
             self.bytes_received += stream.bytes
         except BaseException as e:  # noqa: BLE001 - handed to the worker thread by join()
@@ -234,11 +236,13 @@ def post_bucket(header: WeightHeader, b: int, groups: Any, full: torch.Tensor,
     """Post the receives of bucket ``b`` into ``full``: a direct message lands in place, a
     packed one into ``scratch(i, nbytes)`` (copied to where its rows go by ``finish_bucket``).
     Every training rank's messages are posted at once, each rank's on its own group."""
+    pieces = header.pieces(b)
+    missing = [i for i, msgs in enumerate(pieces) if msgs and i not in groups]
+    if missing:  # before anything is posted: no group is left a receive ahead of its sender
+        raise RuntimeError(f"bucket {b + 1} has messages from training index {missing[0]}, but this rank joined "
+                           f"the groups of {sorted(groups)} only")
     posted = []
-    for i, msgs in enumerate(header.pieces(b)):
-        if msgs and i not in groups:
-            raise RuntimeError(f"bucket {b + 1} has messages from training index {i}, but this rank joined the "
-                               f"groups of {sorted(groups)} only")
+    for i, msgs in enumerate(pieces):
         for msg in msgs:
             first = msg.segments[0]
             buf = full[first.at:first.at + msg.nbytes] if msg.direct else scratch(i, msg.nbytes)

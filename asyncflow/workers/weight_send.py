@@ -51,13 +51,14 @@ class SendStats:
 
 
 def pack_piece(header: WeightHeader, b: int, named: list[tuple[str, torch.Tensor]], msgs: list[Message],
-               sinks: list[WeightSink], gather_all: bool) -> tuple[list[torch.Tensor], int]:
+               sinks: list[WeightSink], gather_all: bool, device: torch.device) -> tuple[list[torch.Tensor], int]:
     """This rank's messages of bucket ``b`` as byte tensors in the header's dtypes, and with
     ``gather_all`` every tensor whole to the local ``sinks``. A direct message is the tensor's
     own memory where its dtype already matches (no copy); small runs are copied into one
     buffer. A tensor that is not split, or every tensor with ``gather_all``, is gathered whole:
     a collective every training rank joins, whether or not its messages hold that tensor.
-    Returns the byte tensors (one per message) and how many of their bytes were allocated."""
+    Every message is on ``device`` (the wire's). Returns the byte tensors (one per message)
+    and how many of their bytes were allocated."""
     where = {sg.index: (m, sg) for m, msg in enumerate(msgs) for sg in msg.segments}
     out: list[torch.Tensor | None] = [None] * len(msgs)
     allocated = 0
@@ -68,6 +69,8 @@ def pack_piece(header: WeightHeader, b: int, named: list[tuple[str, torch.Tensor
             m, seg = where.get(k, (None, None))
             dtype = torch_dtype(spec.dtype)
             fresh = 0  # bytes of a tensor made here (gathered or cast) that a direct message keeps alive
+            if not gather_all and seg is None and not isinstance(t, DTensor):
+                continue  # another rank sends it, and no collective to join
             if gather_all or not spec.split:
                 gathered = whole(t)
                 full = gathered.to(dtype)
@@ -83,13 +86,13 @@ def pack_piece(header: WeightHeader, b: int, named: list[tuple[str, torch.Tensor
             if seg is None:
                 continue
             if msgs[m].direct:
-                if src.dtype != dtype or not src.is_contiguous():
-                    src, fresh = src.to(dtype).contiguous(), seg.nbytes
+                if src.dtype != dtype or not src.is_contiguous() or src.device != device:
+                    src, fresh = src.to(device=device, dtype=dtype).contiguous(), seg.nbytes
                 out[m] = src.reshape(-1).view(torch.uint8)
                 allocated += fresh
                 continue
             if out[m] is None:
-                out[m] = torch.empty(msgs[m].nbytes, dtype=torch.uint8, device=src.device)
+                out[m] = torch.empty(msgs[m].nbytes, dtype=torch.uint8, device=device)
                 allocated += msgs[m].nbytes
             out[m][seg.off:seg.off + seg.nbytes].view(dtype).view(src.shape).copy_(src)
     return out, allocated
@@ -151,12 +154,16 @@ class BucketSender:
             budget = self.max_inflight * max(header.bucket_nbytes(k) for k in range(len(header.buckets)))
             for b in range(len(header.buckets)):
                 msgs = header.pieces(b)[self.index] if self.group is not None else []
-                bufs, allocated = pack_piece(header, b, named, msgs, sinks, self.gather_all)  # while earlier ones travel
+                bufs, allocated = pack_piece(header, b, named, msgs, sinks, self.gather_all,
+                                             self.device(named))  # while earlier ones travel
                 if msgs:
                     held += allocated
                     stats.peak_extra_bytes = max(stats.peak_extra_bytes, held)
+                    packing = b
                     while pending and (len(pending) >= _MAX_POSTED or held > budget):
+                        b = pending[0][0]  # an error names the bucket waited for
                         held -= self._wait(pending.popleft(), stats)
+                    b = packing
                     # member 0 of its group: this training rank
                     works = [self.group.broadcast(buf, 0) for buf in bufs]
                     pending.append((b, works, bufs, allocated))
@@ -177,7 +184,10 @@ class BucketSender:
         return stats
 
     def _check_shards(self, header: WeightHeader, named: list[tuple[str, torch.Tensor]]) -> None:
-        """A split tensor's shard i must be on training rank i of this sync."""
+        """A split tensor's shard i must be on training rank i of this sync (unless every
+        tensor is gathered whole, and rows are cut from it)."""
+        if self.gather_all:
+            return
         for spec, (name, t) in zip(header.specs, named):
             if spec.split:
                 at = dist.get_rank(row_shard_group(t))

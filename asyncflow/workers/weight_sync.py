@@ -89,7 +89,7 @@ def _messages(runs: list[tuple[int, tuple[int, int] | None, int, int]]) -> list[
             out.append(Message((Segment(k, rows, at, 0, n),)))
             continue
         packed.append(Segment(k, rows, at, off, n))
-        off = _aligned(off + n)
+        off = aligned(off + n)
     if packed:
         out.append(Message(tuple(packed)))
     return out
@@ -112,7 +112,7 @@ class WeightHeader:
         start, end = self.buckets[b]
         for spec in self.specs[start:end]:
             out.append((spec, off))
-            off = _aligned(off + spec.nbytes)
+            off = aligned(off + spec.nbytes)
         return out
 
     def pieces(self, b: int) -> list[list[Message]]:
@@ -124,11 +124,11 @@ class WeightHeader:
         for k, (spec, at) in enumerate(self.layout(b), start):
             parts = [(i, chunk_rows(spec.shape[0], self.n_sources, i)) for i in range(self.n_sources)] \
                 if spec.split else [(self.source(b), None)]
+            row = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else 0
             for i, rows in parts:
-                n = spec.nbytes if rows is None else (rows[1] - rows[0]) * (spec.nbytes // spec.shape[0])
+                n = spec.nbytes if rows is None else (rows[1] - rows[0]) * row
                 if n:
-                    skip = 0 if rows is None else rows[0] * (spec.nbytes // spec.shape[0])
-                    runs[i].append((k, rows, at + skip, n))
+                    runs[i].append((k, rows, at + (0 if rows is None else rows[0] * row), n))
         return [_messages(r) for r in runs]
 
     def bucket_nbytes(self, b: int) -> int:
@@ -155,7 +155,7 @@ def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
@@ -166,7 +166,7 @@ def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> tuple[tuple[
                          "(set weight_sync.bucket_mb)")
     out, start, size, n = [], 0, 0, 0
     for i, spec in enumerate(specs):
-        need = _aligned(spec.nbytes)
+        need = aligned(spec.nbytes)
         if i > start and size + need > bucket_bytes:
             out.append((start, i))
             start, size = i, 0
@@ -188,7 +188,7 @@ def make_header(tensors: Iterable[tuple[str, torch.Tensor]], version: int, seq: 
             raise TypeError(f"weight sync: state dict entry {name!r} is a {type(t).__name__}, not a tensor")
         dt = cast if cast is not None and t.is_floating_point() else t.dtype
         group = row_shard_group(t)
-        split = group is not None and len(t.shape) > 0 and dist.get_world_size(group) == n_sources
+        split = group is not None and len(t.shape) > 0 and t.shape[0] > 0 and dist.get_world_size(group) == n_sources
         specs.append(TensorSpec(name, tuple(t.shape), dtype_name(dt), split))
     if not specs:
         raise ValueError("weight sync: the model has no tensors to send")

@@ -96,3 +96,27 @@ def test_pieces_cover_every_byte_of_a_bucket_once_with_each_rank_sending_its_own
         for spec, v in ws.views(header, b, full):
             assert torch.equal(v, t[spec.name]), spec.name
     assert directs == n_sources  # "big" (1.2 MB): every rank's rows of it alone
+
+
+def test_a_split_tensor_with_no_rows_sends_nothing_and_breaks_nothing():
+    specs = (ws.TensorSpec("empty", (0, 4), "float32", True), ws.TensorSpec("w", (3, 2), "float32", True))
+    header = ws.WeightHeader(1, 1, specs, ws.plan_buckets(specs, 1 << 20), 2)
+    pieces = header.pieces(0)
+    assert [[sg.index for m in msgs for sg in m.segments] for msgs in pieces] == [[1], [1]]
+
+
+def test_staging_gives_every_bucket_an_aligned_start_whatever_the_sizes_before_it():
+    from asyncflow.workers.weight_recv import StagingSink
+    # bucket 0: 3 bf16 values (6 bytes); bucket 1: int64 values, whose views need 8-byte alignment
+    t = {"a": torch.randn(3).to(torch.bfloat16), "ids": torch.arange(5)}
+    header = ws.make_header(t.items(), 1, 1, bucket_bytes=8, n_sources=1, cast=None)
+    assert len(header.buckets) == 2 and header.bucket_nbytes(0) == 6
+    sink = StagingSink(lambda sd, v: None)
+    sink.begin(header)
+    for b in range(2):
+        assert sink.bucket_buffer(header, b).data_ptr() % 8 == 0
+    for name, v in t.items():
+        sink.tensor(next(s for s in header.specs if s.name == name), v)
+    sink.end(header)
+    _, staged = sink.take()
+    assert all(torch.equal(staged[k], t[k]) for k in t)
