@@ -216,7 +216,10 @@ class PlacementConfig:
     mode: Literal["colocated", "disaggregated"] = "disaggregated"
     rollout_ranks: list[int] = field(default_factory=lambda: [1])  # disaggregated: rollout ranks
     actor_ranks: list[int] = field(default_factory=lambda: [0])  # disaggregated: training ranks
-    reward_with: Literal["actor", "rollout"] = "actor"  # the ranks the reward role shares
+    # The ranks the reward role shares, or inline: each rollout instance scores its rows with
+    # the rule reward as they finish and writes the score with the response (no reward stage:
+    # the rows are not read again, no call per batch; a rule reward only, not reward.model_path).
+    reward_with: Literal["actor", "rollout", "inline"] = "actor"
     # actor | rollout: the ranks the reference model shares. With the rollout ranks, its forward
     # pass runs beside generation instead of in the training ranks' critical path (async mode's
     # actor side is the busier one on small setups). The critic always sits with the actor.
@@ -382,6 +385,10 @@ def _check(cfg: RunConfig) -> RunConfig:
     if cfg.reward.overlong_buffer < 0 or cfg.reward.overlong_buffer > r.max_new_tokens:
         problems.append(f"reward.overlong_buffer: must lie within 0..rollout.max_new_tokens ({r.max_new_tokens}), "
                         f"got {cfg.reward.overlong_buffer}")
+    if cfg.placement.reward_with == "inline" and cfg.reward.model_path:
+        problems.append("placement.reward_with=inline scores with the rule reward inside the rollout; a reward "
+                        "model (reward.model_path) runs as its own stage: set placement.reward_with to actor "
+                        "or rollout")
     if t.nproc == 1 and cfg.placement.mode == "disaggregated":
         problems.append("placement.mode: trainer.nproc=1 runs every role on rank 0: set placement.mode=colocated")
     problems += _import_problems(cfg) or _registry_problems(cfg)

@@ -33,39 +33,33 @@ def _accepted(fn: Any) -> set[str] | None:
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-class RewardWorker(Worker):
-    needs_device = False  # a rule over decoded text: the roles beside it stay loaded
+class RowScorer:
+    """A rule reward over token responses: each response decoded up to its first EOS and scored
+    with its answer and, where given, its prompt text and its record's metadata. The reward
+    stage's worker and a rollout instance scoring its own rows (``placement.reward_with=inline``)
+    both score through it, so the two give the same scores."""
 
-    def __init__(self, cfg: dict):
-        from ..models.loading import eos_token_ids, load_tokenizer
+    def __init__(self, reward: Any, tokenizer: Any, eos: set[int]):
         from ..rewards.runner import RewardRunner
-
-        c = config_of(cfg)
-        setup_rank(c)
-        self.tokenizer = load_tokenizer(c.model.path)
-        self.eos = set(eos_token_ids(c.model.path, self.tokenizer))
-        self.runner = RewardRunner(c.reward.name, timeout_s=c.reward.timeout_s, on_error=c.reward.on_error)
+        self.tokenizer = tokenizer
+        self.eos = set(eos)
+        self.runner = RewardRunner(reward.name, timeout_s=reward.timeout_s, on_error=reward.on_error)
         self.errors = 0
         self.timeouts = 0
 
-    @register(Dispatch.DP_COMPUTE)
-    def compute(self, data: Any, io: dict | None = None) -> dict:
-        """[response, answer, and optionally prompt, metadata] -> one score per row."""
-        io = StageIO.of(io, ["response_ids", "answer"], ["scores"])
-        texts = self.tokenizer.batch_decode([self._to_first_eos(r.tolist()) for r in rows(data[io.inputs[0]])],
+    def score(self, responses: list[torch.Tensor], answers: list, prompts: list | None = None,
+              metadata: list | None = None) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode([self._to_first_eos(r.tolist()) for r in responses],
                                             skip_special_tokens=True)
-        answers = [str(a) for a in values(data[io.inputs[1]])]
-        extra = [{} for _ in texts]
-        if "prompt" in io.inputs:
-            for e, p in zip(extra, values(data["prompt"])):
-                e["prompt"] = p
-        if "metadata" in io.inputs:
-            for e, m in zip(extra, values(data["metadata"])):
-                e.update({k: v for k, v in dict(m or {}).items() if k != "prompt"})
-        scores, stats = self.runner.score(texts, answers, reward_kwargs(self.runner.fn, extra))
+        extra: list[dict] = [{} for _ in texts]
+        for e, p in zip(extra, prompts or ()):
+            e["prompt"] = p
+        for e, m in zip(extra, metadata or ()):
+            e.update({k: v for k, v in dict(m or {}).items() if k != "prompt"})
+        scores, stats = self.runner.score(texts, [str(a) for a in answers], reward_kwargs(self.runner.fn, extra))
         self.errors += int(stats.get("errors", 0))
         self.timeouts += int(stats.get("timeouts", 0))
-        return {io.outputs[0]: torch.tensor(scores, dtype=torch.float32)}
+        return torch.tensor(scores, dtype=torch.float32)
 
     def _to_first_eos(self, ids: list[int]) -> list[int]:
         """A response ends at its first EOS (any of the rollout's): with rollout.ignore_eos a row
@@ -73,7 +67,31 @@ class RewardWorker(Worker):
         end = next((i for i, t in enumerate(ids) if t in self.eos), None)
         return ids if end is None else ids[:end + 1]
 
+    def stats(self) -> dict:
+        return {"reward/errors": self.errors, "reward/timeouts": self.timeouts}
+
+
+class RewardWorker(Worker):
+    needs_device = False  # a rule over decoded text: the roles beside it stay loaded
+
+    def __init__(self, cfg: dict):
+        from ..models.loading import eos_token_ids, load_tokenizer
+
+        c = config_of(cfg)
+        setup_rank(c)
+        tokenizer = load_tokenizer(c.model.path)
+        self.scorer = RowScorer(c.reward, tokenizer, set(eos_token_ids(c.model.path, tokenizer)))
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute(self, data: Any, io: dict | None = None) -> dict:
+        """[response, answer, and optionally prompt, metadata] -> one score per row."""
+        io = StageIO.of(io, ["response_ids", "answer"], ["scores"])
+        return {io.outputs[0]: self.scorer.score(
+            rows(data[io.inputs[0]]), values(data[io.inputs[1]]),
+            values(data["prompt"]) if "prompt" in io.inputs else None,
+            values(data["metadata"]) if "metadata" in io.inputs else None)}
+
     @register(Dispatch.ONE_TO_ALL)
     def reward_stats(self) -> dict:
         """Reward calls that raised or timed out so far (the trainer sums every role that has this)."""
-        return {"reward/errors": self.errors, "reward/timeouts": self.timeouts}
+        return self.scorer.stats()

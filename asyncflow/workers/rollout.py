@@ -9,6 +9,9 @@ Two ways in:
 - ``generate`` (colocated placement): one call in the rank's call queue, so that colocated
   roles still take turns on the rank; the rows go through the same service.
 
+Rows of a stage with the option ``score_into`` (``placement.reward_with=inline``) are scored
+here with the run's rule reward as they finish and written with their scores.
+
 Weights: ``receive_weights`` starts a background receive; ``swap_weights`` waits for it and
 has the service swap the weights in at the next decode-step boundary (mid-generation with
 ``rollout.partial_rollout``, else once the running batch has drained).
@@ -16,6 +19,7 @@ has the service swap the weights in at the next decode-step boundary (mid-genera
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from typing import Any
 
@@ -30,7 +34,7 @@ from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
 from .common import EngineOffload, config_of, setup_rank
 from .reward import reward_kwargs
-from .rollout_stream import ROLLOUT_INPUTS, RowStream, row_inputs, stage_params
+from .rollout_stream import ROLLOUT_INPUTS, RowStream, ScoreContext, row_inputs, scored_columns, stage_params
 
 
 class RolloutWorker(EngineOffload, Worker):
@@ -44,6 +48,9 @@ class RolloutWorker(EngineOffload, Worker):
         r = c.rollout
         self.tokenizer = load_tokenizer(c.model.path)
         eos = eos_token_ids(c.model.path, self.tokenizer)
+        self._reward_cfg, self._eos = c.reward, set(eos)
+        self._scorer: Any = None  # a RowScorer, made when a stage first asks for scores
+        self._scorer_lock = threading.Lock()
         if r.engine == "builtin":
             from ..config import rollout_dtype
             from ..engines.rollout.builtin import BuiltinRolloutEngine
@@ -78,6 +85,7 @@ class RolloutWorker(EngineOffload, Worker):
         self.episodes = EpisodeRunner(self.service, self.tokenizer, EpisodeLimits(c.agent.max_turns, c.agent.max_tokens),
                                       name=f"rollout-rank{self.rank}")
         self.stream.episodes = self.episodes
+        self.stream.scorer = self.scorer
         self._eval_runners: dict[tuple, Any] = {}  # (reward, timeout, on_error) -> RewardRunner: one thread each
         self._call_ids = itertools.count()  # ids of generate/evaluate calls (atomic next() across threads)
         self.receiver: Any = None  # a weight_recv.BucketReceiver, when no training rank shares this process
@@ -193,6 +201,20 @@ class RolloutWorker(EngineOffload, Worker):
         raise RuntimeError(f"rollout rank {self.rank}: asked to swap in version {version}, but no newer "
                            f"weights arrived (holding {self.engine.version})")
 
+    def scorer(self) -> Any:
+        """The rule reward of ``score_into`` stages (one RowScorer, made on first use)."""
+        with self._scorer_lock:
+            if self._scorer is None:
+                from .reward import RowScorer
+                self._scorer = RowScorer(self._reward_cfg, self.tokenizer, self._eos)
+            return self._scorer
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    def reward_stats(self) -> dict:
+        """Scoring calls of ``score_into`` stages that raised or timed out so far."""
+        s = self._scorer
+        return s.stats() if s is not None else {"reward/errors": 0, "reward/timeouts": 0}
+
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def version(self) -> int:
         return int(self.engine.version)
@@ -241,7 +263,10 @@ class RolloutWorker(EngineOffload, Worker):
         for r in results:
             if r.finish_reason == "error":
                 raise ValueError(f"rollout rank {self.rank}: a row was refused: {r.error}")
-        return result_columns(results, int(self.engine.version), io.outputs)
+        score_into = io.options.get("score_into")
+        context = ScoreContext.of(data, len(results), f"rollout rank {self.rank}") if score_into else None
+        return scored_columns(result_columns, results, int(self.engine.version), io.outputs, score_into,
+                              self.scorer() if score_into else None, context)
 
     def _run_episodes(self, data: Any, min_version: int, io: StageIO) -> dict:
         """One episode per row of the call; the columns of their trajectories."""

@@ -6,6 +6,10 @@ TransferQueue in one put per batch of finished rows (so downstream stages see ro
 finish, not when the slowest row of a call does). The stream counts rows in flight so
 that the executor can keep the engine's running batch full: ``wait_capacity`` returns
 once enough rows have been written out.
+
+A stage with the option ``score_into`` (``placement.reward_with=inline``) also scores each
+row with the run's rule reward before writing it and writes the score into that column with
+the response: no reward stage, no second read of the rows.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from ..agents.runner import episode_columns
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 
-__all__ = ["RowStream", "group_leaders", "row_inputs", "stage_params"]
+__all__ = ["RowStream", "ScoreContext", "group_leaders", "row_inputs", "stage_params"]
 
 
 ROLLOUT_INPUTS = ["prompt_ids", "seed"]
@@ -48,12 +52,14 @@ def stage_params(params: SamplingParams, options: dict) -> SamplingParams:
     """The instance's sampling parameters with a stage's overrides (e.g. temperature 0 for a
     greedy baseline rollout)."""
     import dataclasses
-    bad = sorted(set(options) - set(SAMPLING_OPTIONS) - {"one_per_group", "episode"})
+    known = [*SAMPLING_OPTIONS, "one_per_group", "episode", "score_into"]
+    bad = sorted(set(options) - set(known))
     if bad:
-        raise ValueError(f"rollout stage options {bad} are unknown; known: "
-                         f"{[*SAMPLING_OPTIONS, 'one_per_group', 'episode']}")
+        raise ValueError(f"rollout stage options {bad} are unknown; known: {known}")
     if options.get("episode") and options.get("one_per_group"):
         raise ValueError("rollout stage options: one_per_group does not apply to episodes (one per row)")
+    if options.get("episode") and options.get("score_into"):
+        raise ValueError("rollout stage options: score_into does not apply to episodes (an episode scores itself)")
     over = {k: options[k] for k in SAMPLING_OPTIONS if k in options}
     return dataclasses.replace(params, **over) if over else params
 
@@ -72,12 +78,61 @@ def group_leaders(groups: list[int] | None, n: int) -> dict[int, list[int]]:
 
 
 @dataclass
+class ScoreContext:
+    """What a rule reward reads of each row beside its response (``score_into`` stages)."""
+    answers: list
+    prompts: list | None = None
+    metadata: list | None = None
+
+    @staticmethod
+    def of(data: Any, n: int, stage: str) -> "ScoreContext":
+        from .common import values
+        keys = set(data.keys())
+        if "answer" not in keys:
+            raise ValueError(f"{stage}: a rollout stage with score_into reads the 'answer' column (and "
+                             f"optionally 'prompt' and 'metadata'); it reads {sorted(keys)}")
+        ctx = ScoreContext(values(data["answer"]), values(data["prompt"]) if "prompt" in keys else None,
+                           values(data["metadata"]) if "metadata" in keys else None)
+        if len(ctx.answers) != n:
+            raise ValueError(f"{stage}: {len(ctx.answers)} answers for {n} rows")
+        return ctx
+
+    def select(self, index: list[int]) -> "ScoreContext":
+        pick = (lambda xs: None if xs is None else [xs[i] for i in index])
+        return ScoreContext(pick(self.answers), pick(self.prompts), pick(self.metadata))
+
+    def score(self, scorer: Any, responses: list[torch.Tensor]) -> torch.Tensor:
+        return scorer.score(responses, self.answers, self.prompts, self.metadata)
+
+
+def scored_columns(columns: Callable[..., dict], results: list, version: int, outputs: list[str] | None,
+                   score_into: str | None, scorer: Any, context: ScoreContext | None) -> dict:
+    """The stage's columns of ``results``; with ``score_into``, that column holds their scores
+    and the others are the rollout's, in their order."""
+    if not score_into:
+        return columns(results, version, outputs)
+    rest = [o for o in outputs or () if o != score_into]
+    if not rest:
+        raise ValueError(f"a rollout stage with score_into={score_into!r} must also write the responses")
+    cols = columns(results, version, rest)
+    try:
+        cols[score_into] = context.score(scorer, [r.response_ids for r in results])
+    except Exception as e:
+        raise RuntimeError(f"scoring {len(results)} rows into {score_into!r} (the reward inline in the rollout) "
+                           f"failed: {type(e).__name__}: {e}") from e
+    return cols
+
+
+@dataclass
 class _Batch:
-    """The rows of one submitted BatchMeta, the columns its stage writes, and whether its rows
-    are episodes (trajectories) rather than single requests."""
+    """The rows of one submitted BatchMeta, the columns its stage writes, whether its rows
+    are episodes (trajectories) rather than single requests, and with ``score_into`` the
+    column of their scores and what the reward reads of each row."""
     meta: Any
     outputs: list[str] | None = None
     episodes: bool = False
+    score_into: str | None = None
+    context: ScoreContext | None = None
 
 
 class RowStream:
@@ -100,6 +155,7 @@ class RowStream:
         self._error: BaseException | None = None
         self.rows_written = 0
         self.episodes: Any = None  # the instance's EpisodeRunner, for stages with an episode option
+        self.scorer: Callable[[], Any] | None = None  # the instance's RowScorer, for score_into stages
         self._writer = threading.Thread(target=self._write_loop, name=f"{name}-writer", daemon=True)
         self._writer.start()
 
@@ -118,7 +174,11 @@ class RowStream:
             return self._submit_episodes(meta, data, min_version, io)
         prompts, seeds, budgets = row_inputs(data, inputs)
         params = stage_params(self.params, options)
-        batch = _Batch(meta, None if io is None else io.outputs)
+        score_into = options.get("score_into")
+        if score_into and self.scorer is None:
+            raise RuntimeError(f"{self.name}: a stage asks for scores ({score_into!r}) but this instance has no scorer")
+        batch = _Batch(meta, None if io is None else io.outputs, score_into=score_into,
+                       context=ScoreContext.of(data, len(prompts), self.name) if score_into else None)
         fan = (group_leaders(meta.groups, len(prompts)) if options.get("one_per_group")
                else {i: [i] for i in range(len(prompts))})
         with self._cond:
@@ -180,7 +240,7 @@ class RowStream:
     def check(self) -> None:
         self.service.check()
         if self._error is not None:
-            raise RuntimeError(f"{self.name}: writing finished rows to the TransferQueue failed: "
+            raise RuntimeError(f"{self.name}: scoring or writing finished rows to the TransferQueue failed: "
                                f"{type(self._error).__name__}: {self._error}") from self._error
 
     def close(self) -> None:
@@ -228,17 +288,22 @@ class RowStream:
             per_batch: dict[int, tuple[_Batch, list[tuple[int, RequestResult]]]] = {}
             for batch, i, r in items:
                 per_batch.setdefault(id(batch), (batch, []))[1].append((i, r))
-            by_outputs: dict[tuple, tuple[list, list]] = {}  # rows of stages that write other columns
+            by_outputs: dict[tuple, tuple[list, list, list]] = {}  # rows of stages that write other columns
             for batch, rows in per_batch.values():
                 rows.sort(key=lambda x: x[0])
-                key = (batch.episodes, tuple(batch.outputs or ()))
-                metas, results = by_outputs.setdefault(key, ([], []))
-                metas.append(batch.meta.select([i for i, _ in rows]))
+                key = (batch.episodes, tuple(batch.outputs or ()), batch.score_into)
+                metas, results, contexts = by_outputs.setdefault(key, ([], [], []))
+                index = [i for i, _ in rows]
+                metas.append(batch.meta.select(index))
                 results += [r for _, r in rows]
-            for (episodes, outputs), (metas, results) in by_outputs.items():
+                if batch.context is not None:
+                    contexts.append(batch.context.select(index))
+            for (episodes, outputs, score_into), (metas, results, contexts) in by_outputs.items():
                 meta = metas[0] if len(metas) == 1 else BatchMeta.concat(metas)
                 columns = episode_columns if episodes else result_columns
-                tq.put(columns(results, version, list(outputs) or None), part, meta)
+                context = _concat_contexts(contexts) if score_into else None
+                tq.put(scored_columns(columns, results, version, list(outputs) or None, score_into,
+                                      self.scorer() if score_into else None, context), part, meta)
             results = [r for _, rows in per_batch.values() for _, r in rows]
             with self._cond:
                 self.in_flight -= len(results)
@@ -246,3 +311,10 @@ class RowStream:
                 self._written[part] = self._written.get(part, 0) + len(results)
                 self._tokens[part] = self._tokens.get(part, 0) + sum(len(r.response_ids) for r in results)
                 self._cond.notify_all()
+
+
+def _concat_contexts(parts: list[ScoreContext]) -> ScoreContext:
+    def cat(get: Callable[[ScoreContext], list | None]) -> list | None:
+        lists = [get(p) for p in parts]
+        return None if any(x is None for x in lists) else [v for x in lists for v in x]
+    return ScoreContext(cat(lambda p: p.answers), cat(lambda p: p.prompts), cat(lambda p: p.metadata))

@@ -13,7 +13,7 @@ def build(cfg) -> RecipeSpec:
     if not cfg.algorithm.dynamic_sampling:
         raise ValueError("recipe dapo: algorithm.dynamic_sampling must stay true (it is what DAPO is)")
     r = cfg.reward
-    stages = [grpo.rollout(cfg), grpo.reward(cfg)]
+    stages = grpo.scored_rollout(cfg)
     score = "scores"
     if r.overlong_buffer > 0:
         stages.append(Stage("overlong", role=DRIVER, method="", inputs=["scores", "response_ids"],

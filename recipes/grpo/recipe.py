@@ -2,7 +2,7 @@
 
 ``build`` declares the whole algorithm: the roles (worker classes and where they run) and
 the stages with the columns each reads and writes; the executor overlaps the stages. Copy
-this folder to start a new algorithm; the pieces below (``roles``, ``reward``,
+this folder to start a new algorithm; the pieces below (``roles``, ``scored_rollout``,
 ``log_prob_stages``, ``advantage``, ``update``) are plain functions other recipes import
 (``from recipes.grpo.recipe import roles``).
 """
@@ -24,17 +24,23 @@ def groups(cfg) -> dict:
 
 def roles(cfg) -> dict[str, Role]:
     """The policy (trained, on the training ranks), the rollout instances (one per generation
-    rank), the reward (a rule, or a reward model when reward.model_path is set) and, with a
-    KL term, the frozen reference."""
+    rank), the reward (a rule, or a reward model when reward.model_path is set; none when the
+    rollout scores inline) and, with a KL term, the frozen reference."""
     out = {
         "actor": Role("asyncflow.workers.actor:ActorWorker", on="actor"),
         "rollout": Role("asyncflow.workers.rollout:RolloutWorker", on="rollout", per_rank=True),
-        "reward": Role("asyncflow.workers.reward_model:RewardModelWorker" if cfg.reward.model_path
-                       else "asyncflow.workers.reward:RewardWorker", on=cfg.placement.reward_with),
     }
+    if not reward_inline(cfg):
+        out["reward"] = Role("asyncflow.workers.reward_model:RewardModelWorker" if cfg.reward.model_path
+                             else "asyncflow.workers.reward:RewardWorker", on=cfg.placement.reward_with)
     if cfg.algorithm.kl_coef > 0:
         out["ref"] = Role("asyncflow.workers.reference:ReferenceWorker", on=cfg.placement.ref_with)
     return out
+
+
+def reward_inline(cfg) -> bool:
+    """The rollout instances score their own rows (placement.reward_with=inline)."""
+    return cfg.placement.reward_with == "inline"
 
 
 def rollout(cfg, name: str = "rollout", outputs: list[str] | None = None, options: dict | None = None) -> Stage:
@@ -47,8 +53,26 @@ def rollout(cfg, name: str = "rollout", outputs: list[str] | None = None, option
 def reward(cfg, name: str = "reward", response: str = "response_ids", output: str = "scores") -> Stage:
     """Scores of ``response``: the rule sees the decoded text, the answer, the prompt text and
     the record's metadata; a reward model sees prompt and response tokens."""
+    if reward_inline(cfg):
+        raise ValueError(f"stage {name!r}: placement.reward_with=inline has no reward stage; build the "
+                         "rollout and its scores with scored_rollout(cfg, ...)")
     inputs = ["prompt_ids", response] if cfg.reward.model_path else [response, "answer", "prompt", "metadata"]
     return Stage(name, role="reward", method="compute", inputs=inputs, outputs=[output], batch_rows=batch_rows(cfg))
+
+
+def scored_rollout(cfg, name: str = "rollout", outputs: list[str] | None = None, options: dict | None = None,
+                   score: str = "scores", reward_name: str = "") -> list[Stage]:
+    """A rollout stage and the scores of its responses (column ``score``): one stage that
+    scores each row as it finishes when the reward is inline, else the rollout and a reward
+    stage (named ``reward_name``, default "reward" for the main rollout, "<name>_reward")."""
+    gen = rollout(cfg, name, outputs, options)
+    if not reward_inline(cfg):
+        return [gen, reward(cfg, reward_name or ("reward" if name == "rollout" else f"{name}_reward"),
+                            response=gen.outputs[0], output=score)]
+    gen.inputs = [*gen.inputs, "answer", "prompt", "metadata"]
+    gen.outputs = [*gen.outputs, score]
+    gen.options = {**gen.options, "score_into": score}
+    return [gen]
 
 
 def log_prob_stages(cfg, gate: list[str]) -> list[Stage]:
@@ -95,7 +119,7 @@ def update(cfg, extra: list[str] = ()) -> Stage:
 
 
 def build(cfg) -> RecipeSpec:
-    stages = [rollout(cfg), reward(cfg)]
+    stages = scored_rollout(cfg)
     gate = []  # with dynamic sampling, later stages see only the groups the filter kept
     if cfg.algorithm.dynamic_sampling:
         stages.append(Stage("filter", role=DRIVER, method="", inputs=["scores"], outputs=["accepted"],

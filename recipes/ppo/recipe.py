@@ -11,7 +11,7 @@ from recipes.grpo import recipe as grpo
 def build(cfg) -> RecipeSpec:
     roles = {**grpo.roles(cfg), "critic": Role("asyncflow.workers.critic:CriticWorker", on="actor")}
     batch = grpo.batch_rows(cfg)
-    stages = [grpo.rollout(cfg), grpo.reward(cfg),
+    stages = [*grpo.scored_rollout(cfg),
               Stage("values", role="critic", method="compute_values", inputs=["prompt_ids", "response_ids"],
                     outputs=["values"], batch_rows=batch)]
     stages += grpo.log_prob_stages(cfg, [])

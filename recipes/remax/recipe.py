@@ -27,11 +27,9 @@ def build(cfg) -> RecipeSpec:
         raise ValueError("recipe remax: algorithm.kl_in_reward is not supported (its advantage is score minus "
                          "baseline score); use the KL loss (algorithm.kl_coef with kl_in_reward=false)")
     stages = [
-        grpo.rollout(cfg),
-        grpo.rollout(cfg, name="baseline", outputs=["baseline_ids"],
-                     options={"temperature": 0.0, "one_per_group": True}),
-        grpo.reward(cfg),
-        grpo.reward(cfg, name="baseline_reward", response="baseline_ids", output="baseline_scores"),
+        *grpo.scored_rollout(cfg),
+        *grpo.scored_rollout(cfg, name="baseline", outputs=["baseline_ids"], score="baseline_scores",
+                             options={"temperature": 0.0, "one_per_group": True}),
         *grpo.log_prob_stages(cfg, []),
         Stage("advantages", role=DRIVER, method="", inputs=["scores", "baseline_scores", "response_ids"],
               outputs=["advantages"], batch_rows=grpo.batch_rows(cfg), fn=remax_advantages),

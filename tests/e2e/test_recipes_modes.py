@@ -34,12 +34,16 @@ def test_recipe_mode_placement(tmp_path, recipe, mode, placement):
 
 @pytest.mark.slow
 def test_sync_and_stream_give_the_same_samples_and_update(tmp_path):
-    """Also with the reference and reward roles moved to the rollout rank: placement changes
-    where a stage runs, never what it computes."""
+    """Also with the reference and reward roles moved to the rollout rank, and with the reward
+    scored inline by the rollout instance (streamed rows; colocated: rows of a call): placement
+    changes where a stage runs, never what it computes."""
     runs = {}
     for name, extra in (("sync", ["workflow.mode=sync"]), ("stream", ["workflow.mode=stream"]),
                         ("stream_ref_on_rollout", ["workflow.mode=stream", "placement.ref_with=rollout",
-                                                   "placement.reward_with=rollout"])):
+                                                   "placement.reward_with=rollout"]),
+                        ("stream_inline", ["workflow.mode=stream", "placement.reward_with=inline"]),
+                        ("sync_colocated_inline", ["workflow.mode=sync", "placement.mode=colocated",
+                                                   "placement.reward_with=inline"])):
         out = tmp_path / name
         ok(train(out, "grpo", "trainer.steps=2", "reward.name=digits", "trainer.eval_every=0",
                  "algorithm.dynamic_sampling=false", "algorithm.kl_coef=0.05", *extra))
@@ -48,7 +52,9 @@ def test_sync_and_stream_give_the_same_samples_and_update(tmp_path):
     assert "ref" in roles[1] and "reward" in roles[1] and "ref" not in roles[0], roles
     from safetensors.torch import load_file
     a = load_file(runs["sync"] / "hf_model" / "model.safetensors")
-    for other in ("stream", "stream_ref_on_rollout"):
+    inline_roles = {r["rank"]: r["roles"] for r in json.loads((runs["stream_inline"] / "ranks.json").read_text())}
+    assert not any("reward" in r for r in inline_roles.values()), inline_roles
+    for other in ("stream", "stream_ref_on_rollout", "stream_inline", "sync_colocated_inline"):
         assert _samples(runs["sync"]) == _samples(runs[other]), other
         b = load_file(runs[other] / "hf_model" / "model.safetensors")
         assert a.keys() == b.keys()

@@ -57,6 +57,27 @@ def test_remax_baseline_is_a_second_greedy_rollout():
     assert "baseline_scores" in next(s for s in spec.stages if s.name == "advantages").inputs
 
 
+@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo", "remax"])
+def test_an_inline_reward_is_scored_by_the_rollout_stage(name):
+    """placement.reward_with=inline: no reward role or stage; the rollout stage reads what the
+    rule reads and writes the scores (each rollout stage its own: ReMax's baseline too)."""
+    spec = _build(name, "placement.reward_with=inline")
+    assert "reward" not in spec.roles and all(s.role != "reward" for s in spec.stages)
+    scored = {s.name: s for s in spec.stages if s.kind == "rollout"}
+    want = {"rollout": "scores", "baseline": "baseline_scores"} if name == "remax" else {"rollout": "scores"}
+    assert scored.keys() == want.keys()
+    for stage_name, column in want.items():
+        s = scored[stage_name]
+        assert s.options["score_into"] == column and s.outputs[-1] == column
+        assert {"answer", "prompt", "metadata"} <= set(s.inputs)
+    assert _build(name, "placement.reward_with=rollout").roles["reward"].on == "rollout"
+
+
+def test_an_inline_reward_model_is_refused():
+    with pytest.raises(ConfigError, match="reward_with=inline"):
+        load_config(find_recipe("grpo").config, ["placement.reward_with=inline", "reward.model_path=/m"])
+
+
 def test_group_estimator_with_one_response_is_refused():
     with pytest.raises(ValueError, match="rollout.n=1 with algorithm.advantage=grpo") as e:
         _build("grpo", "rollout.n=1")
