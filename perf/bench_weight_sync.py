@@ -136,6 +136,7 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, infli
             if rank in TRAIN:
                 h = make_header(named, v, v, int(bucket_mb * 2**20), len(TRAIN), None)
                 stats = sender.send(h, named)
+                sender.settle()  # what send left on the wire (header, copies) is part of the sync
                 peaks.append(stats.peak_extra_bytes)
             else:
                 def load(h, tensors):

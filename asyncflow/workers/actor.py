@@ -209,12 +209,19 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                                    gather_all=bool(gather_all))
         self.sync_dtype = torch_dtype(rollout_dtype(self.cfg, self.platform.is_accelerator))
         self.bucket_bytes = int(w.bucket_mb * 2**20)
+        # An engine that says before writing its parameters lets publish return before the
+        # receivers have read them: the next update overlaps the transfer.
+        self._defer_sync = bool(getattr(self.engine, "guards_weight_writes", False))
+        if self._defer_sync:
+            self.engine.before_weights_change = self.sender.settle
 
     @register(Dispatch.ONE_TO_ALL)
     def publish_weights(self, version: int) -> dict:
         """Send ``version`` to every rollout instance (all actor ranks, bucket by bucket; the
         receivers must be receiving: ``receive_weights`` first). Returns when this rank's
-        buckets are sent."""
+        buckets are posted; the engine's next write of the parameters (optimizer step,
+        offload, loading) first waits until the receivers have them, and so does the next
+        publish."""
         from ..engines.train.gather import local_tensors
         from .weight_sync import make_header
 
@@ -224,9 +231,15 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.published += 1
         named = local_tensors(self.engine.model)
         header = make_header(named, version, self.published, self.bucket_bytes, self.group_size, self.sync_dtype)
-        stats = self.sender.send(header, named)
+        stats = self.sender.send(header, named, wait_direct=not self._defer_sync)
         return {"bytes": header.nbytes, "bytes_sent": stats.bytes_sent, "buckets": len(header.buckets),
                 "peak_extra_bytes": stats.peak_extra_bytes, "publish_s": time.monotonic() - start}
+
+    def close(self) -> None:
+        """At shutdown: the last version's messages still on the wire arrive before the process
+        ends (bounded: a receiver that is gone must not hold the exit)."""
+        if self.sender is not None:
+            self.sender.settle(timeout_s=min(10.0, self.sender.timeout_s))
 
     # ---- export ----------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)

@@ -10,6 +10,12 @@ memory of a sender is about two buckets; messages sent from the tensors' own mem
 none and travel up to ``_MAX_POSTED`` buckets deep. A rollout
 instance in the same process (colocated) gets every tensor whole in process (an all-gather
 on every training rank), with no copy on the wire.
+
+``send`` returns once no message still on the wire reads the tensors' own memory (with
+``wait_direct=False``, at once: the caller then calls ``settle`` before anything writes
+them, as the actor does before its optimizer step); what is left on the wire is waited
+for at the next ``send`` or ``settle``, so the training rank goes on with its next update
+while the receivers take the version in.
 """
 from __future__ import annotations
 
@@ -123,19 +129,25 @@ class BucketSender:
         self.max_inflight = max_inflight
         self.role = role
         self.last = SendStats()
+        # copy-only messages of the last version still on the wire: (header, pending items)
+        self._unsettled: tuple[WeightHeader, deque] | None = None
 
     def _where(self, header: WeightHeader, b: int | None = None) -> str:
-        at = f" at bucket {b + 1}/{len(header.buckets)}" if b is not None else ""
+        """Where a failure happened: the version, this rank, and bucket ``b`` (-1: the header)."""
+        at = "" if b is None else " at its header" if b < 0 else f" at bucket {b + 1}/{len(header.buckets)}"
         return f"weight sync of {header.describe()}: {self.role} rank {self.rank} (source {self.index}){at}"
 
-    def send(self, header: WeightHeader, named: list[tuple[str, torch.Tensor]]) -> SendStats:
+    def send(self, header: WeightHeader, named: list[tuple[str, torch.Tensor]], wait_direct: bool = True) -> SendStats:
         """Cast and send one version. ``named``: this rank's (name, tensor) in the header's
         order, sharded or not (engines/train/gather.py). Collective over the training ranks
         where a tensor must be gathered (a local instance, or a tensor not split by rows).
-        Returns when every piece of this rank is on its way and received."""
+        Returns when every piece of this rank is on its way and, with ``wait_direct``, every
+        message that reads the tensors' own memory has been received (see the module's doc)."""
+        self.settle()
         stats, start = SendStats(), time.monotonic()
         sinks = list(self.local_sinks() or [])
         b = None
+        pending: deque[tuple[int, list, list, int, bool]] = deque()
         try:
             if [n for n, _ in named] != [s.name for s in header.specs]:
                 raise RuntimeError("the tensors differ from the header's (every training rank must walk the "
@@ -145,10 +157,10 @@ class BucketSender:
                                    "with gather_all=False (every training rank must gather every tensor then)")
             self._check_shards(header, named)
             if self.group is not None and self.index == 0:
-                self.group.broadcast_object(header, 0)
+                works, bufs = self.group.post_object(header)
+                pending.append((-1, works, bufs, 0, False))
             for s in sinks:
                 s.begin(header)
-            pending: deque[tuple[int, list, list, int]] = deque()
             held = 0
             # copies on the wire at once: max_inflight buckets' worth, plus the one being filled
             budget = self.max_inflight * max(header.bucket_nbytes(k) for k in range(len(header.buckets)))
@@ -166,10 +178,11 @@ class BucketSender:
                     b = packing
                     # member 0 of its group: this training rank
                     works = [self.group.broadcast(buf, 0) for buf in bufs]
-                    pending.append((b, works, bufs, allocated))
+                    # a direct message reads the tensor's own memory: the next update must wait for it
+                    pending.append((b, works, bufs, allocated, any(msg.direct for msg in msgs)))
                     stats.bytes_sent += sum(buf.numel() for buf in bufs)
                     stats.buckets_sent += 1
-            while pending:
+            while wait_direct and any(item[4] for item in pending):
                 b = pending[0][0]
                 held -= self._wait(pending.popleft(), stats)
             b = None
@@ -179,9 +192,27 @@ class BucketSender:
             for s in sinks:
                 s.fail(e)
             raise RuntimeError(f"{self._where(header, b)} failed: {type(e).__name__}: {e}") from e
+        if pending:
+            self._unsettled = (header, pending)
         stats.seconds = time.monotonic() - start
         self.last = stats
         return stats
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """Wait until the messages the last ``send`` left on the wire (the header, copies) have
+        been received (each within ``timeout_s``, default the sender's); a failure names that
+        version, this rank and the bucket."""
+        if self._unsettled is None:
+            return
+        header, pending = self._unsettled
+        self._unsettled = None
+        b = None
+        try:
+            while pending:
+                b = pending[0][0]
+                self._wait(pending.popleft(), SendStats(), timeout_s)
+        except BaseException as e:
+            raise RuntimeError(f"{self._where(header, b)} failed: {type(e).__name__}: {e}") from e
 
     def _check_shards(self, header: WeightHeader, named: list[tuple[str, torch.Tensor]]) -> None:
         """A split tensor's shard i must be on training rank i of this sync (unless every
@@ -201,17 +232,19 @@ class BucketSender:
     def device(named: list[tuple[str, torch.Tensor]]) -> torch.device:
         return named[0][1].device if named else torch.device("cpu")
 
-    def _wait(self, item: tuple[int, list, list, int], stats: SendStats) -> int:
-        """Wait for every message of a bucket; returns the bytes that frees."""
-        b, works, _, allocated = item
+    def _wait(self, item: tuple[int, list, list, int, bool], stats: SendStats, timeout_s: float | None = None) -> int:
+        """Wait for every message of a bucket (-1: the header); returns the bytes that frees."""
+        b, works, _, allocated, _ = item
+        what = "the header" if b < 0 else f"bucket {b + 1}"
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         for work in works:
             try:
-                done = work.wait(timedelta(seconds=self.timeout_s))
+                done = work.wait(timedelta(seconds=timeout_s))
             except Exception as e:  # noqa: BLE001 - re-raised naming the bucket on the wire
-                raise RuntimeError(f"broadcast of bucket {b + 1} failed: {e}") from e
+                raise RuntimeError(f"broadcast of {what} failed (timeout {timeout_s:.0f} s): {e}") from e
             if done is False:
-                raise TimeoutError(f"bucket {b + 1} was not received within {self.timeout_s:.0f} s "
+                raise TimeoutError(f"{what} was not received within {timeout_s:.0f} s "
                                    "(are the rollout instances alive and receiving?)")
         stats.waits.append(time.monotonic() - t0)
         return allocated

@@ -92,6 +92,13 @@ class WireGroup:
         opts.timeout = timedelta(seconds=self.timeout_s)
         return self.pg.broadcast([t], opts)
 
+    def post_object(self, obj: Any) -> tuple[list, list[torch.Tensor]]:
+        """The source's side of ``broadcast_object`` (this member the source) without waiting:
+        the posted works and the buffers they read (keep both until the works are done)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        return [self.broadcast(size, self.index), self.broadcast(data, self.index)], [size, data]
+
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """``obj`` from member ``src`` to every member (the others pass None)."""
         if self.index == src:

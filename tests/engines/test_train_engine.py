@@ -153,6 +153,27 @@ def test_grad_norm_reported_before_clipping_and_clipped():
     assert after == pytest.approx(clip, rel=1e-4)
 
 
+def test_the_weights_change_hook_runs_before_every_write_of_the_parameters(tmp_path):
+    """A weight sync may leave messages that read the parameters on the wire past its return:
+    the engine calls ``before_weights_change`` before the optimizer step and before loading
+    weights, while the parameters still hold what was sent."""
+    engine = _engine()
+    assert engine.guards_weight_writes
+    seen: list[dict] = []
+    engine.before_weights_change = lambda: seen.append({k: v.clone() for k, v in engine.full_state_dict().items()})
+    before = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    prompts, responses, fields = make_batch(3, seed=4)
+    engine.train_step(prompts, responses, fields, ppo_loss)
+    assert len(seen) == 1 and all(torch.equal(seen[0][k], before[k]) for k in before)
+    after = engine.full_state_dict()
+    assert any(not torch.equal(after[k], before[k]) for k in before)  # the step did write them
+    engine.load_model_state(before)
+    assert len(seen) == 2 and all(torch.equal(seen[1][k], after[k]) for k in after)
+    engine.save_checkpoint(tmp_path / "c")
+    engine.load_checkpoint(tmp_path / "c")
+    assert len(seen) == 3
+
+
 def test_bad_fields_raise_with_key():
     engine = _engine()
     prompts, responses, fields = make_batch(3, seed=6)

@@ -104,7 +104,9 @@ def _send(net: nn.Module, sender, version: int, cast, die_after: int | None = No
                 os._exit(3)
             return pack(*args)
         WS.pack_piece = dying
-    return header, sender.send(header, named)
+    stats = sender.send(header, named)
+    sender.settle()  # what send left on the wire (the header, copies): the trainer's next publish waits for it
+    return header, stats
 
 
 def sync_two_versions(rank: int, port: int, q, gather_all: bool = False) -> None:
@@ -212,3 +214,44 @@ def receiver_dies(rank: int, port: int, q) -> None:
                 q.put(("failed", rank, str(e), time.monotonic() - start))
     except Exception as e:  # noqa: BLE001 - reported to the test
         q.put(("failed", rank, f"outside the sync: {e}", time.monotonic() - start if start else -1.0))
+
+
+def send_returns_before_copies_arrive(rank: int, port: int, q, big: bool = False) -> None:
+    """The receivers start receiving 3 s late. A version of small tensors in one bucket (every
+    message a packed copy, within max_inflight) leaves ``send`` at once; with ``big`` (BigNet: its
+    large tensor sent from its own memory) so does a send with ``wait_direct=False``. ``settle``
+    returns once the receivers have it; the weights then change (as an optimizer step after the
+    actor's settle), and the receivers still hold exactly the version sent."""
+    try:
+        from asyncflow.engines.train.gather import local_tensors
+        from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
+        from asyncflow.workers.weight_sync import make_header
+        net_class = BigNet if big else Net
+        train, groups = _setup(rank, port)
+        if rank in TRAIN:
+            net = _sharded(train, net_class)
+            sender = _sender(rank, groups)
+            named = local_tensors(net)
+            header = make_header(named, 1, 1, 2**23, len(TRAIN), None)  # one bucket: within max_inflight
+            t0 = time.monotonic()
+            sender.send(header, named, wait_direct=not big)
+            sent_s = time.monotonic() - t0
+            sender.settle()
+            settled_s = time.monotonic() - t0
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.to_local().mul_(2)
+            q.put(("sent", rank, sent_s, settled_s))
+        else:
+            sink = StagingSink(lambda sd, v: None)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
+            time.sleep(3.0)
+            recv.start(1, _staged(sink), sink.bucket_buffer)
+            recv.join()
+            header, staged = sink.take()
+            want = expected(1, None, net_class)
+            q.put(("received", rank, header.version,
+                   list(staged) == list(want) and all(torch.equal(staged[k], want[k]) for k in want)))
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - reported to the test
+        q.put(("error", rank, traceback.format_exc()))

@@ -30,7 +30,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -84,6 +84,11 @@ class TrainEngine(ABC):
     """One model + optimizer on one data-parallel rank. See module docstring."""
 
     step: int  # optimizer steps taken
+    # An engine that calls ``before_weights_change`` (when set) before anything writes its
+    # parameters' memory (optimizer step, loading weights, offload) sets this True: a weight
+    # sync may then leave messages that read that memory on the wire past its return.
+    guards_weight_writes: bool = False
+    before_weights_change: Callable[[], None] | None = None
 
     @abstractmethod
     def reset_optimizer(self, optim: OptimConfig) -> None:

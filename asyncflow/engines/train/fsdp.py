@@ -72,6 +72,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 class FSDPEngine(TrainEngine):
+    guards_weight_writes = True  # _weights_change() before every write of the parameters
     """See the module docstring.
 
     model: a ModelSource (model_source.py; e.g. PretrainedModel(path), which the workers pass)
@@ -136,7 +137,13 @@ class FSDPEngine(TrainEngine):
     def load_model_state(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the weights with a full (unsharded, HF-named) state dict, on every rank."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        self._weights_change()
         set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True))
+
+    def _weights_change(self) -> None:
+        """The parameters' memory is about to be written: whoever reads it still is done first."""
+        if self.before_weights_change is not None:
+            self.before_weights_change()
 
     # ---------------------------------------------------------------- setup
     def _build(self, source: ModelSource) -> nn.Module:
@@ -340,6 +347,7 @@ class FSDPEngine(TrainEngine):
         if skipped:  # every rank sees the same global values, so all skip together
             self._skip_nonfinite(loss_total, grad_norm)
         else:
+            self._weights_change()
             self.optimizer.step()
             self.scheduler.step()
             self.step += 1
@@ -396,6 +404,7 @@ class FSDPEngine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cpu" or self.options.cpu_offload:  # (with cpu_offload FSDP2 keeps it on the host)
             return 0
+        self._weights_change()
         moved = move_train_state(self.model, self.optimizer, torch.device("cpu"))
         getattr(torch, self.device.type).empty_cache()
         return moved
@@ -435,6 +444,7 @@ class FSDPEngine(TrainEngine):
                              platform=self.platform)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        self._weights_change()
         self.step, extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer,
                                                 scheduler=self.scheduler,
                                                 process_group=self.process_group, platform=self.platform)
