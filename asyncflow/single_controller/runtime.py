@@ -383,13 +383,13 @@ class WorkerRuntime:
             os._exit(3)
 
     def close(self) -> None:
-        for role, worker in self.workers.items():  # a worker's own teardown (e.g. sends still on the wire)
-            closer = getattr(worker, "close", None)
-            if callable(closer):
-                try:
-                    closer()
-                except Exception:  # noqa: BLE001 - shutting down: reported, the rest still closes
-                    log.exception("rank %d: closing worker %r failed", self.rank, role)
+        for role, worker in self.workers.items():  # each worker's own teardown (e.g. sends still on the wire)
+            teardown = getattr(worker, "teardown", None)  # Worker's is a no-op
+            try:
+                if callable(teardown):
+                    teardown()
+            except Exception:  # noqa: BLE001 - shutting down: reported, the rest still closes
+                log.exception("rank %d: the teardown of worker %r failed", self.rank, role)
         self._calls.close()
 
         async def stop() -> None:

@@ -122,3 +122,6 @@ class Worker:
 
     def offload(self) -> None:
         """Called when another role that ``needs_device`` is about to run on this rank."""
+
+    def teardown(self) -> None:
+        """Called once when the rank shuts down, before its sockets close (a failure is logged)."""

@@ -24,7 +24,7 @@ async def sync_weights(roles: RunRoles, version: int) -> None:
 async def reward_failures(roles: RunRoles) -> dict[str, float]:
     """Reward calls that raised or timed out so far, over every role that counts them."""
     total = {"reward/errors": 0.0, "reward/timeouts": 0.0}
-    for g in roles.with_method("reward_stats"):
+    for g in roles.with_method("reward_stats", instances=True):
         for s in await g.reward_stats():
             for k in total:
                 total[k] += float(s.get(k, 0))

@@ -50,9 +50,11 @@ class RunRoles:
     def policy(self) -> Any:
         return self.groups[self.spec.policy]
 
-    def with_method(self, name: str) -> list[Any]:
-        """The groups whose worker class defines ``name`` (e.g. save_checkpoint, load_reference)."""
-        return [g for g in self.groups.values() if callable(getattr(g.cls, name, None))]
+    def with_method(self, name: str, instances: bool = False) -> list[Any]:
+        """The groups whose worker class defines ``name`` (e.g. save_checkpoint, load_reference);
+        with ``instances``, the rollout instances' groups too."""
+        pool = self.all_groups() if instances else self.groups.values()
+        return [g for g in pool if callable(getattr(g.cls, name, None))]
 
     def all_groups(self) -> list[Any]:
         return [*self.groups.values(), *self.instances]

@@ -235,7 +235,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         return {"bytes": header.nbytes, "bytes_sent": stats.bytes_sent, "buckets": len(header.buckets),
                 "peak_extra_bytes": stats.peak_extra_bytes, "publish_s": time.monotonic() - start}
 
-    def close(self) -> None:
+    def teardown(self) -> None:
         """At shutdown: the last version's messages still on the wire arrive before the process
         ends (bounded: a receiver that is gone must not hold the exit)."""
         if self.sender is not None:

@@ -40,8 +40,11 @@ class RowScorer:
     both score through it, so the two give the same scores."""
 
     def __init__(self, reward: Any, tokenizer: Any, eos: set[int]):
+        import threading
+
         from ..rewards.runner import RewardRunner
         self.tokenizer = tokenizer
+        self._lock = threading.Lock()  # one RewardRunner: a call at a time (writer thread, call queue)
         self.eos = set(eos)
         self.runner = RewardRunner(reward.name, timeout_s=reward.timeout_s, on_error=reward.on_error)
         self.errors = 0
@@ -56,9 +59,10 @@ class RowScorer:
             e["prompt"] = p
         for e, m in zip(extra, metadata or ()):
             e.update({k: v for k, v in dict(m or {}).items() if k != "prompt"})
-        scores, stats = self.runner.score(texts, [str(a) for a in answers], reward_kwargs(self.runner.fn, extra))
-        self.errors += int(stats.get("errors", 0))
-        self.timeouts += int(stats.get("timeouts", 0))
+        with self._lock:
+            scores, stats = self.runner.score(texts, [str(a) for a in answers], reward_kwargs(self.runner.fn, extra))
+            self.errors += int(stats.get("errors", 0))
+            self.timeouts += int(stats.get("timeouts", 0))
         return torch.tensor(scores, dtype=torch.float32)
 
     def _to_first_eos(self, ids: list[int]) -> list[int]:

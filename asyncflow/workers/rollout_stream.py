@@ -106,7 +106,7 @@ class ScoreContext:
 
 
 def scored_columns(columns: Callable[..., dict], results: list, version: int, outputs: list[str] | None,
-                   score_into: str | None, scorer: Any, context: ScoreContext | None) -> dict:
+                   score_into: str | None, scorer: Any, context: ScoreContext | None, where: str = "") -> dict:
     """The stage's columns of ``results``; with ``score_into``, that column holds their scores
     and the others are the rollout's, in their order."""
     if not score_into:
@@ -118,8 +118,8 @@ def scored_columns(columns: Callable[..., dict], results: list, version: int, ou
     try:
         cols[score_into] = context.score(scorer, [r.response_ids for r in results])
     except Exception as e:
-        raise RuntimeError(f"scoring {len(results)} rows into {score_into!r} (the reward inline in the rollout) "
-                           f"failed: {type(e).__name__}: {e}") from e
+        raise RuntimeError(f"scoring {len(results)} rows{where} into {score_into!r} (the reward inline in the "
+                           f"rollout) failed: {type(e).__name__}: {e}") from e
     return cols
 
 
@@ -303,7 +303,8 @@ class RowStream:
                 columns = episode_columns if episodes else result_columns
                 context = _concat_contexts(contexts) if score_into else None
                 tq.put(scored_columns(columns, results, version, list(outputs) or None, score_into,
-                                      self.scorer() if score_into else None, context), part, meta)
+                                      self.scorer() if score_into else None, context, f" of partition {part!r}"),
+                       part, meta)
             results = [r for _, rows in per_batch.values() for _, r in rows]
             with self._cond:
                 self.in_flight -= len(results)

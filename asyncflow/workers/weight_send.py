@@ -15,7 +15,10 @@ on every training rank), with no copy on the wire.
 ``wait_direct=False``, at once: the caller then calls ``settle`` before anything writes
 them, as the actor does before its optimizer step); what is left on the wire is waited
 for at the next ``send`` or ``settle``, so the training rank goes on with its next update
-while the receivers take the version in.
+while the receivers take the version in. Copies a slow receiver has not taken yet stay
+allocated until then (at most the ``max_inflight`` buckets' worth plus the last piece; what
+has arrived is dropped when ``send`` returns). After a failure the sender refuses further
+sends: the receivers' groups are out of step with it.
 """
 from __future__ import annotations
 
@@ -131,6 +134,7 @@ class BucketSender:
         self.last = SendStats()
         # copy-only messages of the last version still on the wire: (header, pending items)
         self._unsettled: tuple[WeightHeader, deque] | None = None
+        self._failed: str | None = None  # why the last send or settle failed: no further sends
 
     def _where(self, header: WeightHeader, b: int | None = None) -> str:
         """Where a failure happened: the version, this rank, and bucket ``b`` (-1: the header)."""
@@ -144,6 +148,9 @@ class BucketSender:
         Returns when every piece of this rank is on its way and, with ``wait_direct``, every
         message that reads the tensors' own memory has been received (see the module's doc)."""
         self.settle()
+        if self._failed is not None:
+            raise RuntimeError(f"{self._where(header)}: this sender failed before ({self._failed}); its "
+                               "weight-sync group is out of step with the receivers")
         stats, start = SendStats(), time.monotonic()
         sinks = list(self.local_sinks() or [])
         b = None
@@ -182,7 +189,8 @@ class BucketSender:
                     pending.append((b, works, bufs, allocated, any(msg.direct for msg in msgs)))
                     stats.bytes_sent += sum(buf.numel() for buf in bufs)
                     stats.buckets_sent += 1
-            while wait_direct and any(item[4] for item in pending):
+            while pending and (wait_direct and any(item[4] for item in pending)
+                               or all(w.is_completed() for w in pending[0][1])):  # arrived: its copies go now
                 b = pending[0][0]
                 held -= self._wait(pending.popleft(), stats)
             b = None
@@ -191,6 +199,7 @@ class BucketSender:
         except BaseException as e:
             for s in sinks:
                 s.fail(e)
+            self._failed = f"{header.describe()}: {type(e).__name__}: {e}"
             raise RuntimeError(f"{self._where(header, b)} failed: {type(e).__name__}: {e}") from e
         if pending:
             self._unsettled = (header, pending)
@@ -200,18 +209,20 @@ class BucketSender:
 
     def settle(self, timeout_s: float | None = None) -> None:
         """Wait until the messages the last ``send`` left on the wire (the header, copies) have
-        been received (each within ``timeout_s``, default the sender's); a failure names that
-        version, this rank and the bucket."""
+        been received, within ``timeout_s`` in all (default the sender's timeout); a failure
+        names that version, this rank and the bucket."""
         if self._unsettled is None:
             return
         header, pending = self._unsettled
         self._unsettled = None
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         b = None
         try:
             while pending:
                 b = pending[0][0]
-                self._wait(pending.popleft(), SendStats(), timeout_s)
+                self._wait(pending.popleft(), SendStats(), max(0.001, deadline - time.monotonic()))
         except BaseException as e:
+            self._failed = f"{header.describe()}: {type(e).__name__}: {e}"
             raise RuntimeError(f"{self._where(header, b)} failed: {type(e).__name__}: {e}") from e
 
     def _check_shards(self, header: WeightHeader, named: list[tuple[str, torch.Tensor]]) -> None:

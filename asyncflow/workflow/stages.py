@@ -215,7 +215,10 @@ def check_roles(spec: RecipeSpec, where: str = "recipe") -> None:
         except ValueError as e:
             raise ValueError(f"{where}: role {name!r}: {e}") from None
         if isinstance(role.on, str) and role.on not in SIDES:
-            raise ValueError(f"{where}: role {name!r}: on={role.on!r}; expected one of {SIDES} or a list of ranks")
+            hint = (" (placement.reward_with=inline has no reward role: the rollout scores its rows; build the "
+                     "stages with recipes.grpo.recipe.scored_rollout)" if role.on == "inline" else "")
+            raise ValueError(f"{where}: role {name!r}: on={role.on!r}; expected one of {SIDES} or a list of "
+                             f"ranks{hint}")
         if not isinstance(role.on, str) and not list(role.on):
             raise ValueError(f"{where}: role {name!r} has no ranks (on=[]): give it at least one rank")
     used = set()

@@ -120,3 +120,6 @@ def test_a_receiver_that_never_reads_times_out_naming_the_sync():
         sender.send(header, list(sd.items()))
     assert __import__("time").monotonic() - start < 15
     assert "timeout 2 s" in str(err.value) and ("bucket" in str(err.value) or "header" in str(err.value)), err.value
+    # the group is out of step now: the sender refuses the next version instead of sending into it
+    with pytest.raises(RuntimeError, match="failed before"):
+        sender.send(make_header(sd.items(), 2, 2, 1 << 20, 1, None), list(sd.items()))

@@ -72,7 +72,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 class FSDPEngine(TrainEngine):
-    guards_weight_writes = True  # _weights_change() before every write of the parameters
     """See the module docstring.
 
     model: a ModelSource (model_source.py; e.g. PretrainedModel(path), which the workers pass)
@@ -87,6 +86,8 @@ class FSDPEngine(TrainEngine):
     value_head: wrap the model in ValueModel and act as a critic: compute_values works,
         and loss_fn's first argument is the values tensor [b, T] instead of log-probs.
     """
+
+    guards_weight_writes = True  # _weights_change() before every write of the parameters
 
     def __init__(self, model_factory: ModelSource | Callable[[], nn.Module], optim: OptimConfig, *,
                  process_group: dist.ProcessGroup | None = None, platform: Platform | None = None,
