@@ -7,6 +7,7 @@ other fields); keywords the function does not take are left out.
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any
 
 import torch
@@ -40,8 +41,6 @@ class RowScorer:
     both score through it, so the two give the same scores."""
 
     def __init__(self, reward: Any, tokenizer: Any, eos: set[int]):
-        import threading
-
         from ..rewards.runner import RewardRunner
         self.tokenizer = tokenizer
         self._lock = threading.Lock()  # one RewardRunner: a call at a time (writer thread, call queue)

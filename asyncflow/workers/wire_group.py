@@ -102,15 +102,15 @@ class WireGroup:
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """``obj`` from member ``src`` to every member (the others pass None)."""
         if self.index == src:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
-            size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
-        else:
-            size = torch.zeros(1, dtype=torch.int64, device=self.device)
+            works, _ = self.post_object(obj)
+            for work, what in zip(works, ("the header's size", "the header")):
+                self.wait(work, what)
+            return obj
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.wait(self.broadcast(size, src), "the header's size")
-        if self.index != src:
-            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self.wait(self.broadcast(data, src), "the header")
-        return obj if self.index == src else pickle.loads(data.cpu().numpy().tobytes())
+        return pickle.loads(data.cpu().numpy().tobytes())
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for a posted broadcast; a failure or timeout names the group and ``what``."""
