@@ -267,9 +267,13 @@ class TrainerConfig:
 class UnitsConfig:
     """The ``transfer_queue`` section: where the TransferQueue's storage units run and their
     bounds (what the launcher hands to asyncflow.single_controller.tq_units)."""
-    # driver: one storage unit, in rank 0's process. per_node: one per node, hosted by the node's
-    # local rank 0; every process writes to its own node's unit (multi-node runs).
+    # driver: one storage unit, beside the controller (see service). per_node: one per node,
+    # hosted by the node's local rank 0; every process writes to its own node's unit (multi-node runs).
     storage_units: Literal["driver", "per_node"] = "driver"
+    # Where the controller (and the driver's unit) run. own_process: a child process of the
+    # driver's rank, so that serving requests never takes the GIL from the rank's compute;
+    # driver: threads inside the driver's rank (one process fewer, for the smallest runs).
+    service: Literal["own_process", "driver"] = "own_process"
     max_rows_per_unit: int = 0  # backpressure: a put of new rows waits for room (0: unbounded)
     max_bytes_per_unit: int = 0
     stats_path: str = ""  # rank 0 writes every unit's stats there as JSON at the end ("": out_dir/tq_units.json)

@@ -135,6 +135,8 @@ def label_for(cmdline: str, is_root: bool) -> str:
         return "resource_tracker"
     if "spawn_main" in cmdline or "--multiprocessing-fork" in cmdline:
         return "rank"
+    if "asyncflow.transfer_queue.service_process" in cmdline:
+        return "tq_service"
     words = cmdline.split()
     return Path(words[0]).name if words else "?"
 

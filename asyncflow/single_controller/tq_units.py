@@ -1,10 +1,13 @@
 """Where the TransferQueue's storage units run in a launched job.
 
-``storage_units: driver`` (the default): the controller and one unit run in rank 0's
-process (the driver's in-process TransferQueue). ``per_node``: each node's local rank 0
-hosts one unit, index = node index (torchrun's GROUP_RANK); node 0's is the driver's own
-in-process unit, since rank 0 is node 0's local rank 0. Every process on a node writes
-to its node's unit (``transfer_queue.locality``); reads go wherever rows live.
+The driver's rank runs the TransferQueue service: the controller and one storage unit, in a
+child process of its own (``service: own_process``, the default: serving requests never
+takes the GIL from the rank's compute) or in threads of rank 0's process (``service:
+driver``). ``storage_units: driver`` (the default): that one unit is all. ``per_node``:
+each other node's local rank 0 also hosts one unit, index = node index (torchrun's
+GROUP_RANK); node 0's is the service's own, since rank 0 is node 0's local rank 0. Every
+process on a node writes to its node's unit (``transfer_queue.locality``); reads go
+wherever rows live.
 
 Start-up order, all through torchrun's TCPStore: rank 0 starts the controller and puts
 its address in the store; each unit-hosting rank waits for it, starts its unit, waits
@@ -34,6 +37,7 @@ from .rendezvous import KEY_PREFIX
 log = logging.getLogger(__name__)
 
 STORAGE_UNITS = ("driver", "per_node")
+SERVICE_PLACES = ("own_process", "driver")
 CONTROLLER_KEY = f"{KEY_PREFIX}tq/controller"
 
 
@@ -114,6 +118,8 @@ def check_units(cfg: UnitsConfig) -> None:
     if cfg.storage_units not in STORAGE_UNITS:
         raise LaunchError(f"transfer_queue.storage_units: expected one of {STORAGE_UNITS}, "
                           f"got {cfg.storage_units!r}")
+    if cfg.service not in SERVICE_PLACES:
+        raise LaunchError(f"transfer_queue.service: expected one of {SERVICE_PLACES}, got {cfg.service!r}")
 
 
 def start_for_rank(cfg: UnitsConfig, store: Any, rank: int, local_rank: int, node: int, host: str,
@@ -121,7 +127,7 @@ def start_for_rank(cfg: UnitsConfig, store: Any, rank: int, local_rank: int, nod
     """Before the rank publishes its worker address. The driver's rank starts the controller
     (and node 0's unit) and puts the controller's address in the store; with ``per_node``,
     local rank 0 of every other node starts its node's unit and waits until it registered."""
-    from ..transfer_queue import TransferQueueConfig, TransferQueueService
+    from ..transfer_queue import TransferQueueConfig, TransferQueueError, TransferQueueService
 
     check_units(cfg)
     out = RankTransferQueue()
@@ -131,9 +137,16 @@ def start_for_rank(cfg: UnitsConfig, store: Any, rank: int, local_rank: int, nod
             raise LaunchError(f"the driver's rank {rank} is on node {node}: with transfer_queue.storage_units="
                               "per_node it must be on node 0 (torchrun puts rank 0 on node rank 0)")
         locality.set_locality(node, 0 if cfg.per_node else None)
-        out.service = TransferQueueService(TransferQueueConfig(
-            host=host, max_rows_per_unit=_bound(cfg.max_rows_per_unit),
-            max_bytes_per_unit=_bound(cfg.max_bytes_per_unit))).start_in_thread()
+        service_cfg = TransferQueueConfig(host=host, max_rows_per_unit=_bound(cfg.max_rows_per_unit),
+                                          max_bytes_per_unit=_bound(cfg.max_bytes_per_unit))
+        if cfg.service == "own_process":
+            from ..transfer_queue.service_process import ServiceProcess
+            try:
+                out.service = ServiceProcess(service_cfg, start_timeout_s=cfg.register_timeout_s)
+            except TransferQueueError as e:
+                raise LaunchError(f"rank {rank}: {e}") from None
+        else:
+            out.service = TransferQueueService(service_cfg).start_in_thread()
         store.set(CONTROLLER_KEY, out.service.controller_address)
         return out
     locality.set_locality(node, node if cfg.per_node else None)

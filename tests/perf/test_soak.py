@@ -65,6 +65,8 @@ def test_labels_from_command_lines():
     assert soak.label_for(f"{py} from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=27, "
                           "pipe_handle=31) --multiprocessing-fork", False) == "rank"
     assert soak.label_for("/usr/bin/sleep 5", False) == "sleep"
+    assert soak.label_for("/venv/bin/python -m asyncflow.transfer_queue.service_process --host 127.0.0.1",
+                          False) == "tq_service"
 
 
 def test_sampler_reads_this_process():
