@@ -11,9 +11,10 @@ of the storage process's system time. Raising both thresholds keeps up to ``trim
 of freed memory per heap for the next messages.
 
 Process-wide (``mallopt``), so it is for a process that mostly stores: a storage unit's
-own process (``unit_process``) does it by default; the driver's in-process service only
-when ``TransferQueueConfig.keep_freed_memory`` says so (the driver also trains, and every
-allocator arena of it would keep that much). glibc only; elsewhere a no-op.
+own process (``unit_process``) and the TransferQueue service's (``service_process``) do it
+by default; a service in the driver's rank only when ``TransferQueueConfig.keep_freed_memory``
+says so (that rank also trains, and every allocator arena of it would keep that much).
+glibc only; elsewhere a no-op.
 """
 from __future__ import annotations
 
