@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -128,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no run key: set {auth.ENV_VAR} (hex) in the environment, as a rank that starts this "
                          "process does; a service with a key of its own would drop every message of the run")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s tq-service %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group: the parent stops us (stdin) once its driver has
+    # read what it needs (the final unit stats), not the terminal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     prepare_unit_process()
     asyncio.run(_serve(TransferQueueConfig(host=a.host, num_local_units=a.units, max_rows_per_unit=a.max_rows,
                                            max_bytes_per_unit=a.max_bytes, wait_timeout_s=a.wait_timeout)))
