@@ -277,7 +277,8 @@ class UnitsConfig:
     max_rows_per_unit: int = 0  # backpressure: a put of new rows waits for room (0: unbounded)
     max_bytes_per_unit: int = 0
     stats_path: str = ""  # rank 0 writes every unit's stats there as JSON at the end ("": out_dir/tq_units.json)
-    register_timeout_s: float = 120.0  # a node's unit must register with the controller within this
+    # the service's own process must be serving, and a node's unit registered, within this
+    register_timeout_s: float = 120.0
 
     @property
     def per_node(self) -> bool:

@@ -74,7 +74,8 @@ def train_main(argv: Sequence[str]) -> int:
     units = dataclasses.replace(cfg.transfer_queue, stats_path=cfg.transfer_queue.stats_path
                                 or str(Path(cfg.trainer.out_dir) / "tq_units.json"))
     run = LaunchConfig(main="asyncflow.trainer:driver_main", platform=cfg.trainer.platform,
-                    driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units)
+                    driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units,
+                    tq_imports=list(cfg.imports))
     if "RANK" in os.environ:
         return run_from_env(run)
     return launch_local(run, cfg.trainer.nproc, describe_rank=lambda r: rank_roles(Path(cfg.trainer.out_dir), r))

@@ -5,9 +5,10 @@ tiny model on 2 CPU ranks) as a subprocess in its own process group, with
 ``trainer.time_budget_s`` set to the soak length and ``trainer.steps`` out of reach, and
 every ``--interval`` seconds reads the resident memory (VmRSS and RssAnon from
 /proc/<pid>/status, no psutil) of the launcher and all its descendants (found by walking
-/proc for ppids): the launcher, torch's elastic ranks (rank 0 also runs the driver and
-the TransferQueue; named from the run's ranks.json with their roles, else by start order,
-which is local-rank order) and multiprocessing's resource tracker.
+/proc for ppids): the launcher, torch's elastic ranks (rank 0 also runs the driver; named
+from the run's ranks.json with their roles, else by start order, which is local-rank
+order), the TransferQueue service's process (``tq_service``, a child of rank 0) and
+multiprocessing's resource tracker.
 
 What it reports:
 

@@ -49,8 +49,11 @@ class RunConfig:
     # makes that the timeout of every collective on the default group too, so it is
     # runtime.collective_timeout_s, as for the groups that new_group makes.
     rendezvous_timeout_s: float = 120.0
-    transfer_queue: bool = True  # rank 0 hosts a TransferQueueService and tells the workers
-    tq_units: UnitsConfig = field(default_factory=UnitsConfig)  # where storage units run (tq_units.py)
+    transfer_queue: bool = True  # rank 0 starts the TransferQueue service and tells the workers
+    tq_units: UnitsConfig = field(default_factory=UnitsConfig)  # where the service and units run (tq_units.py)
+    # modules the service imports before serving, as every worker does (the run's imports:
+    # samplers registered there are known to the controller wherever it runs)
+    tq_imports: list[str] = field(default_factory=list)
 
 
 def import_function(path: str) -> Callable:
@@ -78,7 +81,8 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
     is_driver = with_driver if with_driver is not None else rank == 0
     # Before the address is published: a node's storage unit is registered by then.
     tq = start_for_rank(cfg.tq_units, store, rank, local_rank, node, host, cfg.rendezvous_timeout_s,
-                        driver=is_driver) if cfg.transfer_queue else None
+                        driver=is_driver, imports=cfg.tq_imports,
+                        on_service_death=_stop_this_rank) if cfg.transfer_queue else None
     runtime = WorkerRuntime(rank, world_size, local_rank, platform, host, cfg.runtime)
     # A rank's process is ours: its import-time heap (torch, zmq, the TQ service on rank 0)
     # stays out of every later garbage collection, as in a storage unit's process.
@@ -109,6 +113,13 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
     if code == 0:
         dist.destroy_process_group()  # after a failure a peer may be gone: just exit
     return code
+
+
+def _stop_this_rank(why: str) -> None:
+    """The TransferQueue service's process died under the run (the watcher logged why): stop this
+    rank as the launcher would (SIGTERM), so the run ends now instead of at its next timeout."""
+    os.write(2, f"asyncflow: {why}; stopping rank {os.environ.get('RANK', '0')}\n".encode("utf-8", "replace"))
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from ..config import UnitsConfig  # the config tree's transfer_queue section
 from ..rpc.store_wait import wait_for_value
@@ -123,9 +123,11 @@ def check_units(cfg: UnitsConfig) -> None:
 
 
 def start_for_rank(cfg: UnitsConfig, store: Any, rank: int, local_rank: int, node: int, host: str,
-                   timeout_s: float, *, driver: bool) -> RankTransferQueue:
+                   timeout_s: float, *, driver: bool, imports: Sequence[str] = (),
+                   on_service_death: Callable[[str], None] | None = None) -> RankTransferQueue:
     """Before the rank publishes its worker address. The driver's rank starts the controller
-    (and node 0's unit) and puts the controller's address in the store; with ``per_node``,
+    (and node 0's unit; in a process of its own, ``imports`` imported there first,
+    ``on_service_death`` called if it dies) and puts the controller's address in the store; with ``per_node``,
     local rank 0 of every other node starts its node's unit and waits until it registered."""
     from ..transfer_queue import TransferQueueConfig, TransferQueueError, TransferQueueService
 
@@ -142,7 +144,8 @@ def start_for_rank(cfg: UnitsConfig, store: Any, rank: int, local_rank: int, nod
         if cfg.service == "own_process":
             from ..transfer_queue.service_process import ServiceProcess
             try:
-                out.service = ServiceProcess(service_cfg, start_timeout_s=cfg.register_timeout_s)
+                out.service = ServiceProcess(service_cfg, start_timeout_s=cfg.register_timeout_s, imports=imports,
+                                             on_death=on_service_death)
             except TransferQueueError as e:
                 raise LaunchError(f"rank {rank}: {e}") from None
         else:

@@ -214,7 +214,8 @@ SAMPLERS: dict[str, Callable[..., Sampler]] = {
 
 
 def register_sampler(name: str, factory: Callable[..., Sampler]) -> None:
-    """Add a sampler; it must be registered in the process that runs the controller."""
+    """Add a sampler; it must be registered in the process that runs the controller (a launched
+    run's service imports the run's ``imports`` first: register it in one of those modules)."""
     SAMPLERS[name] = factory
 
 
@@ -229,7 +230,9 @@ def build_sampler(spec: str | Mapping[str, Any] | None) -> Sampler:
     else:
         raise ValueError(f"sampler must be a name or {{'name': ..., **options}}, got {spec!r}")
     if name not in SAMPLERS:
-        raise ValueError(f"unknown sampler {name!r}; known: {sorted(SAMPLERS)}")
+        raise ValueError(f"unknown sampler {name!r}; known: {sorted(SAMPLERS)}. A sampler is looked up in the "
+                         "TransferQueue controller's process: register it in a module of the run's `imports` "
+                         "(that process imports them too)")
     try:
         return SAMPLERS[name](**kwargs)
     except TypeError as e:

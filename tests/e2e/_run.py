@@ -14,10 +14,21 @@ TINY = ["trainer.time_budget_s=0", "trainer.prompts_per_step=4", "rollout.n=4", 
         "warmup.target_accuracy=1.0", "trainer.progress=false"]
 
 
-def train(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _command(out: Path, args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "asyncflow.cli", "train", *args[:1], *TINY, *args[1:], f"trainer.out_dir={out}"]
+    return [sys.executable, "-m", "asyncflow.cli", "train", *args[:1], *TINY, *args[1:], f"trainer.out_dir={out}"], env
+
+
+def train(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd, env = _command(out, args)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def start_train(out: Path, *args: str, stderr: Path) -> subprocess.Popen:
+    """The same run, not waited for; its stderr goes to a file (a pipe nobody reads would fill)."""
+    cmd, env = _command(out, args)
+    with open(stderr, "wb") as err:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
 
 
 def ok(p: subprocess.CompletedProcess) -> None:

@@ -1,12 +1,16 @@
 """A reward function that hangs or raises, in a real run: a per-call timeout, scored 0 and
-counted (reward.on_error=zero), or the run stops with the function, row and cause (fail)."""
+counted (reward.on_error=zero), or the run stops with the function, row and cause (fail).
+The TransferQueue's process killed under a run: the run stops at once, saying so."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
 
-from _run import ok, train
+from _run import ok, start_train, train
 
 pytestmark = pytest.mark.slow
 FAULTY = "imports=[tests.e2e._faulty_rewards]"
@@ -31,3 +35,48 @@ def test_a_raising_reward_under_on_error_fail_stops_the_run_naming_it(tmp_path):
     assert p.returncode != 0
     assert "reward 'test_raises' failed on row 0" in p.stderr and "reward backend unavailable" in p.stderr, \
         p.stderr[-3000:]
+
+
+def _descendant_running(root: int, needle: str) -> int | None:
+    """The pid of a process below ``root`` whose command line contains ``needle``."""
+    parent = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    for pid in parent:
+        up = pid
+        while up in parent and up != root:
+            up = parent[up]
+        if up == root and pid != root:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if needle.encode() in f.read():
+                        return pid
+            except OSError:
+                continue
+    return None
+
+
+def test_the_transfer_queue_process_killed_mid_run_stops_the_run_saying_so(tmp_path):
+    out, err = tmp_path / "run", tmp_path / "stderr.log"
+    p = start_train(out, "grpo", "trainer.steps=100000", "trainer.eval_every=0", "warmup.max_steps=5", stderr=err)
+    try:
+        deadline = time.monotonic() + 180
+        while not ((out / "metrics.jsonl").exists() and '"actor/loss"' in (out / "metrics.jsonl").read_text()):
+            assert p.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.5)
+        service = _descendant_running(p.pid, "asyncflow.transfer_queue.service_process")
+        assert service is not None, "no TransferQueue service process under the run"
+        os.kill(service, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = p.wait(90)
+        took = time.monotonic() - t0
+    finally:
+        p.kill()
+        p.wait(30)
+    text = err.read_text()
+    assert code != 0 and took < 60, (code, took)  # not at the next TransferQueue timeout (300 s)
+    assert f"the TransferQueue service process (pid {service}) was killed by SIGKILL" in text, text[-3000:]

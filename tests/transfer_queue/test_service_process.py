@@ -38,11 +38,14 @@ def _reset_locality():
 
 
 def _gone(pid: int, timeout_s: float) -> bool:
+    """Ended: no such process, or a zombie nobody reaped yet (an orphan's reaper may be slow)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except (FileNotFoundError, ProcessLookupError):
             return True
         time.sleep(0.1)
     return False
@@ -82,6 +85,7 @@ def test_the_service_process_ends_when_its_parent_dies():
             "print(s.pid, flush=True)\n"
             "import time; time.sleep(600)\n" % ROOT)
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = None
     try:
         child = int(parent.stdout.readline())
         assert not _gone(child, 0.5)
@@ -90,6 +94,8 @@ def test_the_service_process_ends_when_its_parent_dies():
         assert _gone(child, 20), f"service process {child} outlived its parent"
     finally:
         parent.kill()
+        if child is not None and not _gone(child, 0):
+            os.kill(child, signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -101,5 +107,43 @@ def test_a_service_that_cannot_start_fails_saying_so_and_a_keyless_one_refuses()
     env = {k: v for k, v in os.environ.items() if k != auth.ENV_VAR}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, "-m", "asyncflow.transfer_queue.service_process"], env=env,
-                       capture_output=True, text=True, timeout=120)
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "no run key" in p.stderr
+    with pytest.raises(TransferQueueError, match=r"exited with code 1 before serving"):
+        ServiceProcess(TransferQueueConfig(), imports=["asyncflow_no_such_module"])
+
+
+@pytest.mark.slow
+def test_the_service_imports_the_runs_modules_and_a_death_under_the_run_is_reported(tmp_path, monkeypatch):
+    (tmp_path / "my_samplers.py").write_text(
+        "from asyncflow.transfer_queue import register_sampler\n"
+        "from asyncflow.transfer_queue.samplers import SequentialSampler\n"
+        "register_sampler('mine', SequentialSampler)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    deaths: list[str] = []
+    service = ServiceProcess(TransferQueueConfig(wait_timeout_s=5), imports=["my_samplers"], on_death=deaths.append)
+    c = TransferQueueClient(service.controller_address, timeout=10, wait_timeout=5)
+    try:
+        c.create_partition("p")
+        c.put({"k": torch.arange(4)}, "p")
+        assert len(c.get_meta(["k"], 2, "t", "p", sampler="mine", timeout=2).rows) == 2  # known there
+        with pytest.raises(ValueError, match=r"unknown sampler 'theirs'.*module of the run's `imports`"):
+            c.get_meta(["k"], 2, "t", "p", sampler="theirs", timeout=2)
+        assert deaths == []
+        os.kill(service.pid, signal.SIGKILL)  # as the out-of-memory killer would
+        deadline = time.monotonic() + 20
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(deaths) == 1 and "was killed by SIGKILL" in deaths[0] and "every row it held" in deaths[0]
+    finally:
+        c.close()
+        service.stop_in_thread()
+    assert len(deaths) == 1  # a stop that was asked for is no death
+
+
+def test_the_service_can_stay_in_the_driver_ranks_threads():
+    tq = start_for_rank(UnitsConfig(service="driver"), _Store(), 0, 0, 0, "127.0.0.1", 5, driver=True)
+    try:
+        assert not isinstance(tq.service, ServiceProcess) and tq.service.controller is not None
+    finally:
+        tq.stop()
