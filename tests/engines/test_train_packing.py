@@ -122,7 +122,10 @@ def test_packed_train_step_equals_padded_with_loss_masks(row_tokens):
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     assert b["tokens"] == a["tokens"]
     sa, sb = padded.full_state_dict(), packed.full_state_dict()
-    assert max((sa[k] - sb[k]).abs().max().item() for k in sa) <= 1e-6
+    # Adam's first step moves a parameter by lr * g / (|g| + eps): ~lr (5e-4 here) where the
+    # gradient is clear, but where |g| is near eps the summation-order noise of g (packed vs
+    # padded, and the CPU's kernels) is amplified; a real packing error moves it by ~lr.
+    assert max((sa[k] - sb[k]).abs().max().item() for k in sa) <= 1e-5
 
 
 def test_packed_critic_values_and_step_equal_padded():
