@@ -3,14 +3,16 @@ counted (reward.on_error=zero), or the run stops with the function, row and caus
 The TransferQueue's process killed under a run: the run stops at once, saying so."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
 
-from _run import ok, start_train, train
+from _run import REPO, ok, start_train, train
 
 pytestmark = pytest.mark.slow
 FAULTY = "imports=[tests.e2e._faulty_rewards]"
@@ -38,25 +40,19 @@ def test_a_raising_reward_under_on_error_fail_stops_the_run_naming_it(tmp_path):
 
 
 def _descendant_running(root: int, needle: str) -> int | None:
-    """The pid of a process below ``root`` whose command line contains ``needle``."""
-    parent = {}
-    for d in filter(str.isdigit, os.listdir("/proc")):
+    """The pid of a process below ``root`` whose command line contains ``needle`` (the process
+    tree as perf/soak.py reads it)."""
+    spec = importlib.util.spec_from_file_location("perf_soak", REPO / "perf" / "soak.py")
+    soak = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(soak)  # registered first: its dataclasses look their module up
+    ppids = {pid: ppid for pid, (ppid, _) in soak.proc_table().items()}
+    for pid in soak.descendants(ppids, root)[1:]:
         try:
-            with open(f"/proc/{d}/stat") as f:
-                parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle.encode() in f.read():
+                    return pid
+        except OSError:
             continue
-    for pid in parent:
-        up = pid
-        while up in parent and up != root:
-            up = parent[up]
-        if up == root and pid != root:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if needle.encode() in f.read():
-                        return pid
-            except OSError:
-                continue
     return None
 
 
