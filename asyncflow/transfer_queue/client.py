@@ -305,6 +305,19 @@ class AsyncTransferQueueClient:
         one hop when the controller's process holds those rows (the in-process default), else
         two. Same consumption as get_meta. Returns ``(meta, TensorDict)``; the data is None
         for an empty meta (end of stream, or nothing ready with ``allow_partial``)."""
+        meta, cols = await self.get_batch_columns(columns, batch_size, task, partition, sampler,
+                                                  data_columns=data_columns, allow_partial=allow_partial,
+                                                  timeout=timeout, dp_group=dp_group, dp_rank=dp_rank,
+                                                  dp_size=dp_size)
+        return meta, None if cols is None else to_tensordict(cols, len(meta))
+
+    async def get_batch_columns(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
+                                sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
+                                allow_partial: bool = False, timeout: float | None = None,
+                                dp_group: str | None = None, dp_rank: int = 0,
+                                dp_size: int = 1) -> tuple[BatchMeta, dict[str, Column] | None]:
+        """``get_batch`` with the data as get_columns gives it (a Column per name), for readers
+        that want the columns themselves (the driver's stage functions)."""
         names = _batch_names(columns, data_columns)
         wait = self.wait_timeout if timeout is None else timeout
         args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
@@ -315,7 +328,7 @@ class AsyncTransferQueueClient:
             return meta, None
         if cols is None:
             cols = await self.get_columns(meta, names)
-        return meta, to_tensordict(cols, len(meta))
+        return meta, cols
 
     async def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]:
         """The requested columns of the meta's rows, in the meta's row order."""

@@ -406,10 +406,15 @@ class Executor:
             done[t] = done.get(t, 0) + n
             await self.ledger.notify()
 
-    async def _driver_batch(self, stage: Stage, t: int, meta: Any) -> DriverBatch:
-        cols = await self.tq.get_columns(meta, list(stage.inputs))
-        return DriverBatch(t, {c: _plain(col) for c, col in cols.items()},
-                           list(meta.groups) if meta.groups else list(range(len(meta))), dict(stage.options))
+    async def _driver_batch(self, stage: Stage, t: int, n: int) -> tuple[Any, DriverBatch]:
+        """The stage's next ``n`` rows of step ``t`` and their columns: one TransferQueue request
+        (get_batch) where the service holds the rows, as a driver stage reads what it takes."""
+        meta, cols = await self.tq.get_batch_columns(stage.inputs, n, stage.name, partition_name(t), stage.sampler,
+                                                     timeout=self.cfg.wait_timeout_s)
+        if cols is None:  # no rows: the columns of none
+            cols = await self.tq.get_columns(meta, list(stage.inputs))
+        return meta, DriverBatch(t, {c: _plain(col) for c, col in cols.items()},
+                                 list(meta.groups) if meta.groups else list(range(len(meta))), dict(stage.options))
 
     async def _run_fn(self, stage: Stage, batch: DriverBatch) -> Any:
         """The stage's function, off the event loop (it may be heavy tensor math)."""
@@ -423,9 +428,9 @@ class Executor:
         """A driver stage: its function computes new columns from the batch's columns."""
         while work := await self._next_work(stage, index, lambda t: True):
             t, n = work
-            meta = await self._get_meta(stage, t, n)
+            meta, batch = await self._driver_batch(stage, t, n)
             start = time.monotonic()
-            out = _outputs(stage, await self._run_fn(stage, await self._driver_batch(stage, t, meta)), len(meta))
+            out = _outputs(stage, await self._run_fn(stage, batch), len(meta))
             if out:
                 await self.tq.put(out, partition_name(t), meta)
             timing = self.step_timing.setdefault(t, {})
@@ -438,8 +443,7 @@ class Executor:
         index = self.stages.index(stage)
         while work := await self._next_work(stage, index, lambda t: True):
             t, n = work
-            meta = await self._get_meta(stage, t, n)
-            batch = await self._driver_batch(stage, t, meta)
+            meta, batch = await self._driver_batch(stage, t, n)
             keep_mask = await self._run_fn(stage, batch)
             keep_rows = _keep_mask(stage, keep_mask, batch)
             keep = {g for g, k in zip(batch.groups, keep_rows) if k}
