@@ -16,6 +16,9 @@ class StepMetrics(StepObserver):
     """Throughput, idle ratios, stage timings and TransferQueue occupancy per step, to the
     metrics log and the progress bar; run totals for the summary."""
 
+    def holds_training(self, step: int) -> bool:
+        return False  # it may report while the next update trains
+
     def __init__(self, logger: Any, progress: Any, tq: Any, nproc: int, first_step: int):
         self.logger, self.progress, self.tq, self.nproc, self.first = logger, progress, tq, nproc, first_step
         self.start = self.last = time.monotonic()
@@ -60,6 +63,9 @@ class SampleAudit(StepObserver):
     """samples.jsonl: which prompt, seed and policy version each trained row came from (the
     fields whose columns the recipe has)."""
 
+    def holds_training(self, step: int) -> bool:
+        return False  # it may report while the next update trains
+
     def __init__(self, path: Path, tq: Any, append: bool, columns: list[str], decode: Any = None):
         self.tq = tq
         self.decode = decode  # a tokenizer: episodes (rows with a loss mask) get their text too
@@ -101,8 +107,12 @@ class CheckpointPolicy(StepObserver):
         self.every, self.save = every, save
 
     async def step_done(self, rep: StepReport) -> None:
-        if self.every and (rep.step + 1) % self.every == 0:
+        if self.holds_training(rep.step):
             await self.save(rep.step + 1, rep.next_uid, rep.in_flight_uids)
+
+    def holds_training(self, step: int) -> bool:
+        """The weights saved must be this step's: the next update waits."""
+        return bool(self.every) and (step + 1) % self.every == 0
 
 
 class EvalSchedule(StepObserver):
@@ -113,8 +123,12 @@ class EvalSchedule(StepObserver):
         self.pending: list[asyncio.Task] = []
 
     async def step_done(self, rep: StepReport) -> None:
-        if self.every and (rep.step + 1) % self.every == 0:
+        if self.holds_training(rep.step):
             self.pending.append(asyncio.create_task(self.evaluate(rep.step + 1, "rl")))
+
+    def holds_training(self, step: int) -> bool:
+        """An evaluation starts from this step's weights: the next update waits for it to start."""
+        return bool(self.every) and (step + 1) % self.every == 0
 
     async def wait(self) -> None:
         await asyncio.gather(*self.pending)
@@ -122,6 +136,9 @@ class EvalSchedule(StepObserver):
 
 class TimeBudget(StepObserver):
     """Stop issuing steps once RL has run ``budget_s`` seconds (0: no budget)."""
+
+    def holds_training(self, step: int) -> bool:
+        return False  # it may report while the next update trains
 
     def __init__(self, budget_s: float, stop: Callable[[], None]):
         self.budget_s, self.stop = budget_s, stop

@@ -77,15 +77,22 @@ class StepReport:
 
 
 class StepObserver:
-    """What the executor tells about each step, in order: ``trained`` after the update (its rows
-    are still in the TransferQueue), ``step_done`` once they are freed. Metrics, checkpoints,
-    evaluations and the sample audit are observers; override what you need."""
+    """What the executor tells about each step, in step order: ``trained`` after the update (its
+    rows are still in the TransferQueue), ``step_done`` once they are freed. Metrics, checkpoints,
+    evaluations and the sample audit are observers; override what you need.
+
+    Both run off the update's path: the next update starts meanwhile unless an observer's
+    ``holds_training(step)`` is true (the default), in which case it waits until every
+    observer is done with ``step`` (a checkpoint must save the weights of that step)."""
 
     async def trained(self, step: int, meta: Any) -> None:
         pass
 
     async def step_done(self, report: StepReport) -> None:
         pass
+
+    def holds_training(self, step: int) -> bool:
+        return True
 
 
 @dataclass
@@ -117,6 +124,7 @@ class Executor:
         self.filter_index = next((i for i, s in enumerate(stages) if s.kind == "filter"), None)
         self.actor_version = start_version
         self.instance_version = [start_version] * len(rollout_instances)  # receive issued (weights staged)
+        self.published_version = start_version  # the newest version the actor has published
         self.first_step = first_step
         self.last_step: int | None = None  # set when the feeder stops issuing steps
         self._stop = False
@@ -129,6 +137,7 @@ class Executor:
         self._closers: set[asyncio.Task] = set()
         self._closer_errors: list[BaseException] = []
         self._closer_failed = asyncio.Event()
+        self._reports: asyncio.Queue[tuple[int, Any, StepReport]] = asyncio.Queue()  # trained steps, in order
 
     # ---- control ---------------------------------------------------------------------------
     def stop(self) -> None:
@@ -139,7 +148,8 @@ class Executor:
         self.max_steps = max_steps
         tasks = [asyncio.create_task(self._feeder(), name="feeder"),
                  asyncio.create_task(self._watch_closers(), name="closers"),
-                 asyncio.create_task(self._weight_sync(), name="weight-sync")]
+                 asyncio.create_task(self._weight_sync(), name="weight-sync"),
+                 asyncio.create_task(self._reporter(), name="reporter")]
         for i, s in enumerate(self.stages):
             if s.kind == "rollout":
                 tasks += [asyncio.create_task(self._rollout_loop(s, k), name=f"{s.name}[{k}]")
@@ -469,6 +479,7 @@ class Executor:
             await self.ledger.wait_for(lambda: self._finished(t) or (t in self.ledger.steps and self.ledger.steps[t].closed),
                                        self.cfg.wait_timeout_s * 4, f"step {t} to be closed")
             if self._finished(t):
+                await self._reported()  # the last steps' reports are out before the run ends
                 return
             n = self.ledger.expected(t, self._after_filter(index))
             metrics: dict[str, float] = {}
@@ -481,13 +492,16 @@ class Executor:
                                               timeout=self.cfg.wait_timeout_s)
                 batch = {"partition": partition_name(t), "task": stage.name, "rows": n,
                          "timeout_s": self.cfg.wait_timeout_s}
+                # The actor's ranks take one call at a time: version t's publish goes before
+                # update t, else the rollout waits a whole update for the weights it needs.
+                await self.ledger.wait_for(lambda: self.published_version >= t, self.cfg.wait_timeout_s * 4,
+                                           f"policy version {t} to be published before update {t}")
                 results = await self._timed(stage, group.role, group.ranks, t, n,
                                             getattr(group, stage.method)(t, batch, stage.io.to_wire()))
                 metrics = {**self.step_metrics.get(t, {}),
                            **(dict(results[0]) if isinstance(results, list) else dict(results))}
-                for o in self.observers:
-                    await o.trained(t, meta)
             else:
+                meta = None
                 log.warning("step %d: no rows left to train on; the policy is unchanged", t)
             # A worker stage beside the update (PPO's critic update) may still read step t:
             # its rows are cleared only once every such stage is done with them.
@@ -499,13 +513,46 @@ class Executor:
                                 in_flight_uids=self.in_flight_uids(t), role_busy=dict(self.role_busy))
             started = self._forget(t)
             report.started = started if started is not None else now
+            report.timing = dict(self.step_timing.pop(t, {}))
             await self.ledger.notify()
             self._sync_queue.put_nowait(t + 1)
-            await self.tq.clear(partition_name(t))
-            report.timing = dict(self.step_timing.pop(t, {}))
-            for o in self.observers:
-                await o.step_done(report)
+            # The step's audit, clearing and reports follow in the reporter, while the next
+            # update trains, unless an observer holds training for this step (a checkpoint).
+            self._reports.put_nowait((t, meta, report))
+            # Waited for: a step an observer holds, or a reporter two steps behind (uncleared
+            # rows must not pile up in the TransferQueue).
+            if self._reports.qsize() > 1 or any(o.holds_training(t) for o in self.observers):
+                await self._reported()
             t += 1
+
+    async def _reporter(self) -> None:
+        """Each trained step in order: ``trained`` observers (its rows still stored), its rows
+        cleared, then ``step_done`` observers."""
+        while True:
+            t, meta, report = await self._reports.get()
+            try:
+                if meta is not None:
+                    for o in self.observers:
+                        await o.trained(t, meta)
+                await self.tq.clear(partition_name(t))
+                for o in self.observers:
+                    await o.step_done(report)
+            finally:
+                self._reports.task_done()
+
+    async def _reported(self) -> None:
+        """Wait until the reporter is done with every trained step (a failure of its own ends the run)."""
+        # asyncio.wait, not wait_for: on Python 3.11 wait_for returns the join's result and drops
+        # a cancellation that comes in the same loop round (the run ending on the reporter's error).
+        joined = asyncio.ensure_future(self._reports.join())
+        try:
+            done, _ = await asyncio.wait([joined], timeout=self.cfg.wait_timeout_s * 4)
+        finally:
+            if not joined.done():
+                joined.cancel()
+        if not done:
+            raise TimeoutError(f"workflow: the step observers did not finish within "
+                               f"{self.cfg.wait_timeout_s * 4:.0f} s")
 
     def _keep_metrics(self, t: int, out: Any) -> None:
         """A map stage that returns metrics (a dict of numbers, or one per rank: the first is
@@ -545,6 +592,8 @@ class Executor:
             await asyncio.gather(*(inst.receive_weights(v) for inst in self.instances))
             # Timed under step v: the step whose rollout the new weights serve (and whose metrics log it).
             await self._timed(_SYNC, actor.role, actor.ranks, v, 0, actor.publish_weights(v))
+            self.published_version = v
+            await self.ledger.notify()
             wave = self.cfg.swap_wave(len(self.instances))
             for w in range(0, len(self.instances), wave):
                 members = list(range(w, min(w + wave, len(self.instances))))

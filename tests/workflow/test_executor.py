@@ -8,6 +8,7 @@ overlaps rollout of the next step with the update; dynamic sampling refills drop
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -182,7 +183,8 @@ def stages(dynamic: bool):
 
 
 def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, instances=1, dynamic=False,
-        score_fn=lambda seed, g: float(seed % 2), service=False, delays=None, critic_delay=None, swaps_at_once=0):
+        score_fn=lambda seed, g: float(seed % 2), service=False, delays=None, critic_delay=None, swaps_at_once=0,
+        observers=lambda tq, log: []):
     async def main():
         svc = await TransferQueueService(TransferQueueConfig()).start()
         tq = AsyncTransferQueueClient(svc.controller_address, ctx=zmq.asyncio.Context(), wait_timeout=20)
@@ -204,7 +206,10 @@ def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, ins
         class Reports(StepObserver):
             async def step_done(self, rep):
                 reports.append(rep)
-        ex = Executor(cfg, plan, groups, insts, tq, src, observers=[Reports()])
+
+            def holds_training(self, step):
+                return False  # as the trainer's metrics: reports beside the next update
+        ex = Executor(cfg, plan, groups, insts, tq, src, observers=[Reports(), *observers(tq, log)])
         try:
             await asyncio.wait_for(ex.run(steps), 60)
         finally:
@@ -323,3 +328,56 @@ def test_instances_swap_in_waves(swaps_at_once, want):
         running += d
         most = max(most, running)
     assert most == want
+
+
+class Slow(StepObserver):
+    """Reads the step's rows in ``trained`` (they must still be stored), then takes ``delay`` s
+    in ``step_done``; holds training on the steps in ``hold``; raises at step ``fail``."""
+
+    def __init__(self, tq, log, delay, hold=(), fail=None):
+        self.tq, self.log, self.delay, self.hold, self.fail = tq, log, delay, set(hold), fail
+
+    async def trained(self, step, meta):
+        data = await self.tq.get_data(meta, ["scores"])  # raises if the rows were cleared
+        assert len(data["scores"]) == len(meta)
+        self.log.append(("trained", step, asyncio.get_running_loop().time()))
+
+    async def step_done(self, rep):
+        await asyncio.sleep(self.delay)
+        if rep.step == self.fail:
+            raise RuntimeError(f"observer failed at step {rep.step}")
+        self.log.append(("reported", rep.step, asyncio.get_running_loop().time()))
+
+    def holds_training(self, step):
+        return step in self.hold
+
+
+def _times(log, kind):
+    return {(int(x[1][4:]) if isinstance(x[1], str) else x[1]): x[2] for x in log if x[0] == kind}
+
+
+def test_step_reports_run_in_order_beside_the_next_update():
+    """Observers that do not hold training report while the next update trains, in step order,
+    each step's rows still stored in ``trained``; at most two steps behind; all out by the end."""
+    _, _, log, reports = run("async", steps=6, train_delay=0.01,
+                             observers=lambda tq, log: [Slow(tq, log, delay=0.05)])
+    assert [r.step for r in reports] == list(range(6))
+    done, started = _times(log, "reported"), _times(log, "update_start")
+    assert sorted(done) == list(range(6)) and sorted(_times(log, "trained")) == list(range(6))
+    assert [s for s, _ in sorted(done.items(), key=lambda kv: kv[1])] == list(range(6))  # in order
+    assert any(started[t + 1] < done[t] for t in range(5)), "no update overlapped a report"
+    assert all(done[t - 2] <= started[t + 1] for t in range(2, 5)), "the reports fell more than two steps behind"
+
+
+def test_an_observer_that_holds_a_step_holds_the_next_update():
+    _, _, log, _ = run("async", steps=4, observers=lambda tq, log: [Slow(tq, log, delay=0.05, hold={1})])
+    assert _times(log, "reported")[1] <= _times(log, "update_start")[2]
+
+
+@pytest.mark.parametrize("hold", [(), range(6)])
+def test_a_failing_observer_ends_the_run_with_its_error_at_once(hold):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="observer failed at step 1"):
+        run("async", steps=6, observers=lambda tq, log: [Slow(tq, log, delay=0.0, fail=1, hold=hold)])
+    # not after a wait of wait_timeout_s (20 s): the update must not go on to the next step
+    assert time.monotonic() - start < 15
