@@ -328,6 +328,8 @@ class RpcServer(_ServerBase):
         # bound: past this many held replies, its new ones are dropped (its calls time out).
         self.max_backlog_per_peer = 256
         self.dropped_replies = 0
+        self.backlog_retry_s = 0.005
+        self._retry: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -343,6 +345,18 @@ class RpcServer(_ServerBase):
         _drain(sock, self._on_request, self.name, "request")
         if self._backlog and not sock.closed:
             self._flush()
+            # A send, and EVENTS itself, may consume the fd's wake-up for a request that came
+            # meanwhile or for room freed in a held peer's pipe: look for requests now, and
+            # retry what is still held on a timer rather than wait for an event that may not come.
+            if not sock.closed:
+                if sock.getsockopt(_EVENTS) & _POLLIN:
+                    self._loop.call_soon(self._on_events)
+                if self._backlog and self._retry is None:
+                    self._retry = self._loop.call_later(self.backlog_retry_s, self._retry_backlog)
+
+    def _retry_backlog(self) -> None:
+        self._retry = None
+        self._on_events()
 
     def _on_request(self, frames: list) -> None:
         # Checked here, in arrival order on the loop's thread: the replay window is not shared.
@@ -420,6 +434,9 @@ class RpcServer(_ServerBase):
 
     async def close(self) -> None:
         _unwatch(self._loop, self._sock, self._fd)
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         await _cancel(list(self._inflight))
         self._backlog.clear()
         self._sock.close(linger=0)
