@@ -38,6 +38,10 @@ Headline:
   - ``ratio_async_vs_sync_samples_per_s``: per seed, async_s1's samples/s over sync's of the SAME
     seed (same warm-up, neighbouring slots in time); then the median and range of those ratios.
     ``ratio_async_s2_vs_sync_samples_per_s`` likewise; ``ratios_vs_sync`` has every setting.
+  - beside it, ``ratio_async_vs_sync_steps_per_s`` (and ``step_ratios_vs_sync``): the same per-seed
+    ratio of RL steps per RL second. samples/s = steps/s x rows trained per step, and with dynamic
+    sampling the rows per step depend on the policy (groups it answers all alike are dropped),
+    so the two ratios split the headline into the system's speed and what the policies left.
   - ``reward_within_noise``: true when async_s1's median ``reward_last20`` lies within
     [min, max] of sync's per-seed ``reward_last20`` (inclusive). With one seed that range is a
     single point, so the rule is only meaningful with several seeds. null if either is missing.
@@ -84,8 +88,8 @@ HEADLINE_RATIOS = {"ratio_async_vs_sync_samples_per_s": "async_s1",
                    "ratio_async_s2_vs_sync_samples_per_s": "async_s2"}
 NOISE_CANDIDATE = "async_s1"
 TAIL_FRACTION = 0.2
-FIGURES = ("samples_per_s", "reward_last20", "final_accuracy", "best_accuracy", "accuracy_before",
-           "staleness_mean", "samples", "rl_s")
+FIGURES = ("samples_per_s", "steps_per_s", "rows_per_step", "reward_last20", "final_accuracy", "best_accuracy",
+           "accuracy_before", "staleness_mean", "samples", "rl_s")
 
 
 # ---- pure logic ------------------------------------------------------------------------------------------------
@@ -252,6 +256,18 @@ class RunResult:
     rl_s: float
     wall_s: float
 
+    @property
+    def steps_per_s(self) -> float:
+        """RL steps per RL second: the speed of the system alone. samples/s is this times the rows
+        per step, which dynamic sampling makes a property of the policy (how many groups it answers
+        all alike), not of the system."""
+        return self.rl_steps / self.rl_s if self.rl_s > 0 else float("nan")
+
+    @property
+    def rows_per_step(self) -> float:
+        """Rows trained per RL step (after dynamic sampling's filter)."""
+        return self.samples / self.rl_steps if self.rl_steps else float("nan")
+
 
 def run_result(curves: Curves, summary: Mapping, wall_s: float, where: str = "run") -> RunResult:
     """One run's figures from its curves and its summary.json."""
@@ -289,20 +305,27 @@ def summarise(results: Mapping[str, Mapping[int, RunResult]]) -> dict:
         if runs:
             settings[name] = {f: sp.as_json() for f, sp in figs.items() if sp is not None}
     ref = results.get(REFERENCE, {})
-    ratios = {}
+    ratios, step_ratios = {}, {}
     for name, runs in results.items():
         r = per_seed_ratios({s: x.samples_per_s for s, x in runs.items()},
                             {s: x.samples_per_s for s, x in ref.items()})
         if name != REFERENCE and r:
             ratios[name] = spread(r).as_json(3)
+        r = per_seed_ratios({s: x.steps_per_s for s, x in runs.items()},
+                            {s: x.steps_per_s for s, x in ref.items()})
+        if name != REFERENCE and r:
+            step_ratios[name] = spread(r).as_json(3)
     noise = {}
     ref_reward = maybe_spread({s: x.reward_last20 for s, x in ref.items()})
     for name, runs in results.items():
         cand = maybe_spread({s: x.reward_last20 for s, x in runs.items()})
         if name != REFERENCE and cand is not None and ref_reward is not None:
             noise[name] = within_noise(cand.median, ref_reward)
-    out = {"settings": settings, "ratios_vs_sync": ratios}
+    out = {"settings": settings, "ratios_vs_sync": ratios, "step_ratios_vs_sync": step_ratios}
     out.update({key: ratios.get(name) for key, name in HEADLINE_RATIOS.items()})
+    # Beside the headline: how much of it is the system's speed (RL steps/s) and how much the rows
+    # each policy's groups leave to train on.
+    out["ratio_async_vs_sync_steps_per_s"] = step_ratios.get(NOISE_CANDIDATE)
     out["reward_within_noise"] = noise.get(NOISE_CANDIDATE)
     out["reward_within_noise_per_setting"] = noise
     out["reward_within_noise_rule"] = (f"{NOISE_CANDIDATE} median reward_last20 in [min, max] of "
@@ -417,7 +440,8 @@ def fmt_spread(s: dict | None, spec: str = ".3f") -> str:
 
 
 def print_table(summary: dict, names: Sequence[str]) -> None:
-    cols = [("samples_per_s", "samples/s", ".0f"), ("reward_last20", "reward last20%", ".3f"),
+    cols = [("samples_per_s", "samples/s", ".0f"), ("steps_per_s", "steps/s", ".2f"),
+            ("rows_per_step", "rows/step", ".1f"), ("reward_last20", "reward last20%", ".3f"),
             ("final_accuracy", "final acc", ".3f"), ("best_accuracy", "best acc", ".3f"),
             ("accuracy_before", "acc before", ".3f"), ("staleness_mean", "stale", ".2f"),
             ("samples", "samples", ".0f")]
@@ -431,6 +455,8 @@ def print_table(summary: dict, names: Sequence[str]) -> None:
         print(f"{name:15} " + " ".join(f"{fmt_spread(fig.get(k), spec):>22}" for k, _, spec in cols))
     for name, r in summary["ratios_vs_sync"].items():
         print(f"samples/s {name} / {REFERENCE} (per seed, then median): {fmt_spread(r, '.3f')}")
+    for name, r in summary["step_ratios_vs_sync"].items():
+        print(f"RL steps/s {name} / {REFERENCE} (per seed, then median): {fmt_spread(r, '.3f')}")
     for name, ok in summary["reward_within_noise_per_setting"].items():
         print(f"reward_last20 of {name} within {REFERENCE}'s seed spread: {ok}")
 

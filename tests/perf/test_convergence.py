@@ -3,6 +3,7 @@ seeds, the ratio per seed then its median, the within-noise rule, and the curves
 files (small made-up run directories; no training)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -222,3 +223,15 @@ def test_median_curve_aligns_by_index_and_cuts_to_the_shortest():
     assert conv.median_curve([a, b, c]) == [(12, 0.2), (22, 0.2)]
     assert conv.median_curve([[], []]) == []
     assert conv.moving_mean([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+
+
+def test_step_rate_ratio_splits_the_headline_from_the_rows_each_policy_left():
+    def run(sps: float, rows: int, steps: int, secs: float) -> "conv.RunResult":
+        return dataclasses.replace(_result(sps, 0.2), samples=rows, rl_steps=steps, rl_s=secs)
+    # async: 200 steps in 25 s keeping 100 rows a step; sync: 200 steps in 40 s keeping 120
+    s = conv.summarise({"sync": {0: run(600.0, 24000, 200, 40.0)}, "async_s1": {0: run(800.0, 20000, 200, 25.0)}})
+    assert s["ratio_async_vs_sync_steps_per_s"]["median"] == 1.6
+    assert s["ratio_async_vs_sync_samples_per_s"]["median"] == pytest.approx(800 / 600, abs=1e-3)
+    assert s["settings"]["async_s1"]["rows_per_step"]["median"] == 100.0
+    assert s["settings"]["sync"]["steps_per_s"]["median"] == 5.0
+    assert math.isnan(dataclasses.replace(_result(1, 0), rl_s=0.0).steps_per_s)
