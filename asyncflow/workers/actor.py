@@ -89,17 +89,22 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         (partition, task, timeout in ``batch``): ``ppo_epochs`` passes, each one optimizer step
         per mini-batch. Returns the step's metrics (the same on every rank)."""
         io = StageIO.of(io, UPDATE_INPUTS, [])
-        meta = self.tq.get_meta(io.inputs, int(batch["rows"]), batch["task"], batch["partition"],
-                                {"name": "token_balanced", "dp_size": self.dp_size},
-                                timeout=float(batch["timeout_s"]), dp_group=self.role,
-                                dp_rank=self.dp_rank, dp_size=self.dp_size)
-        mine = meta.part(self.dp_size, self.dp_rank)
         have = [c for c in (*PER_TOKEN, "loss_mask", "prompt_ids", "response_ids", "scores", "gen_version")
                 if c in io.inputs]
         if "advantages" not in have:
             raise ValueError(f"actor rank {self.rank}: the update stage must read an 'advantages' column "
                              f"(the recipe's advantage stage writes it); it reads {io.inputs}")
-        data = self.tq.get_data(mine, have) if len(mine) else None
+        args = (io.inputs, int(batch["rows"]), batch["task"], batch["partition"],
+                {"name": "token_balanced", "dp_size": self.dp_size})
+        dp = {"timeout": float(batch["timeout_s"]), "dp_group": self.role, "dp_rank": self.dp_rank,
+              "dp_size": self.dp_size}
+        if self.dp_size == 1:  # the whole step is this rank's: its rows and their data in one request
+            meta, data = self.tq.get_batch(*args, data_columns=have, **dp)
+            mine = meta
+        else:  # every rank samples the same split, then reads only its own part
+            meta = self.tq.get_meta(*args, **dp)
+            mine = meta.part(self.dp_size, self.dp_rank)
+            data = self.tq.get_data(mine, have) if len(mine) else None
         prompts = rows(data["prompt_ids"]) if data is not None else []
         responses = rows(data["response_ids"]) if data is not None else []
         fields = {c: ([x.float() for x in rows(data[c])] if data is not None else []) for c in PER_TOKEN if c in have}

@@ -202,6 +202,10 @@ class _FakeQueue:
     def get_data(self, meta, cols):
         return {c: self.columns[c] for c in cols}
 
+    def get_batch(self, columns, *args, data_columns=None, **kwargs):
+        meta = self.get_meta()
+        return meta, self.get_data(meta, data_columns or columns)
+
 
 def _bare_actor(engine, queue=None):
     """An ActorWorker without a cluster: one rank, the given engine and queue."""
