@@ -296,6 +296,19 @@ def same_start(results: Mapping[str, Mapping[int, RunResult]]) -> dict[int, bool
     return {s: len(v) <= 1 for s, v in sorted(by_seed.items())}
 
 
+def ratios_to_reference(results: Mapping[str, Mapping[int, RunResult]], figure: str) -> dict[str, dict]:
+    """Per setting other than the reference, ``figure``'s ratio to the reference's, taken per seed
+    then summarised (median and range); settings with no seed in common are left out."""
+    ref = results.get(REFERENCE, {})
+    out = {}
+    for name, runs in results.items():
+        r = per_seed_ratios({s: getattr(x, figure) for s, x in runs.items()},
+                            {s: getattr(x, figure) for s, x in ref.items()})
+        if name != REFERENCE and r:
+            out[name] = spread(r).as_json(3)
+    return out
+
+
 def summarise(results: Mapping[str, Mapping[int, RunResult]]) -> dict:
     """Per setting, every figure's median and spread over the seeds; the ratios to sync per seed;
     the within-noise verdict. ``results[setting][seed]`` holds the runs that finished."""
@@ -305,16 +318,7 @@ def summarise(results: Mapping[str, Mapping[int, RunResult]]) -> dict:
         if runs:
             settings[name] = {f: sp.as_json() for f, sp in figs.items() if sp is not None}
     ref = results.get(REFERENCE, {})
-    ratios, step_ratios = {}, {}
-    for name, runs in results.items():
-        r = per_seed_ratios({s: x.samples_per_s for s, x in runs.items()},
-                            {s: x.samples_per_s for s, x in ref.items()})
-        if name != REFERENCE and r:
-            ratios[name] = spread(r).as_json(3)
-        r = per_seed_ratios({s: x.steps_per_s for s, x in runs.items()},
-                            {s: x.steps_per_s for s, x in ref.items()})
-        if name != REFERENCE and r:
-            step_ratios[name] = spread(r).as_json(3)
+    ratios, step_ratios = ratios_to_reference(results, "samples_per_s"), ratios_to_reference(results, "steps_per_s")
     noise = {}
     ref_reward = maybe_spread({s: x.reward_last20 for s, x in ref.items()})
     for name, runs in results.items():
