@@ -27,6 +27,7 @@ __all__ = [
     "load_reward_model",
     "load_tokenizer",
     "read_causal_lm_config",
+    "record_attn_implementation",
 ]
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,23 @@ def _check_weights(p: Path) -> None:
     )
 
 
+# Kernels that run on every device; a device-only one (flash) is left to the loader's default.
+_PORTABLE_ATTN = ("eager", "sdpa")
+
+
+def record_attn_implementation(directory: str | Path, attn_implementation: str | None) -> None:
+    """Note in a model directory the attention kernel its weights were trained with, so that
+    load_causal_lm picks it again (config.json does not carry it). A kernel that only some
+    devices have is not recorded."""
+    from asyncflow.models.tiny import SPEC_FILE
+
+    if attn_implementation in _PORTABLE_ATTN:
+        (Path(directory) / SPEC_FILE).write_text(json.dumps({"attn_implementation": attn_implementation}))
+
+
 def _default_attn_implementation(p: Path) -> str | None:
-    """Our tiny models record the attention kernel they were measured fastest with."""
+    """The attention kernel a directory records: our tiny models the one they were measured
+    fastest with, an export the one it was trained with."""
     from asyncflow.models.tiny import SPEC_FILE
 
     spec_path = p / SPEC_FILE

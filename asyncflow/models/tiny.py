@@ -21,7 +21,7 @@ from asyncflow.models.char_tokenizer import CHARS, CHAT_TEMPLATE, EOS_TOKEN, PAD
 __all__ = ["SPEC_FILE", "TinyModelSpec", "build_tiny_model", "default_cache_root", "ensure_tiny_model"]
 
 # Written last into a built directory: its presence means the build is complete,
-# and loading.py reads attn_implementation from it.
+# and loading.py reads attn_implementation from it (an export writes only that key).
 SPEC_FILE = "asyncflow_spec.json"
 # Bump when the files a build writes change, so old caches are not reused.
 _BUILD_VERSION = 1

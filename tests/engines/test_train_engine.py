@@ -12,6 +12,7 @@ import torch
 
 from asyncflow.engines.train import FSDPEngine, MindSpeedEngine, OptimConfig, lr_at
 from asyncflow.engines.train.microbatch import build_micro_batch, plan_micro_batches
+from asyncflow.models.loading import load_causal_lm, read_causal_lm_config, record_attn_implementation
 from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 from tests.engines._train_helpers import VOCAB, make_batch, ppo_loss, tiny_model, value_loss
 
@@ -248,6 +249,9 @@ def test_export_hf_loads_with_auto_model_and_same_logits(tmp_path):
     with torch.no_grad():
         diff = (loaded(ids).logits - engine.model(ids).logits).abs().max().item()
     assert diff <= 1e-6
+    # The export loads back with the kernel it trained with (config.json does not record it).
+    assert load_causal_lm(tmp_path / "hf").config._attn_implementation == "eager"
+    assert read_causal_lm_config(tmp_path / "hf")._attn_implementation == "eager"
     with pytest.raises(RuntimeError, match="exists"):
         engine.export_hf(tmp_path / "hf")
 
@@ -287,3 +291,12 @@ def test_mindspeed_missing_gives_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "mindspeed", None)
     with pytest.raises(ImportError, match=r"'mindspeed'.*pip install asyncflow\[npu\]"):
         MindSpeedEngine(factory, OptimConfig())
+
+
+def test_only_portable_attention_kernels_are_recorded(tmp_path):
+    from asyncflow.models.loading import _default_attn_implementation
+    for kernel, expected in (("sdpa", "sdpa"), ("flash_attention_2", None), (None, None)):
+        d = tmp_path / str(kernel)
+        d.mkdir()
+        record_attn_implementation(d, kernel)
+        assert _default_attn_implementation(d) == expected

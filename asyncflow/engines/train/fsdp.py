@@ -56,6 +56,7 @@ from asyncflow.engines.train.options import EngineOptions
 from asyncflow.engines.train.packing import (ROW_TOKENS, build_packed_micro_batch, check_packing_supported,
                                              flash_kwargs, plan_packed_micro_batches)
 from asyncflow.engines.train.schedule import build_scheduler
+from asyncflow.models.loading import record_attn_implementation
 from asyncflow.platform import Platform, get_platform
 
 __all__ = ["FSDPEngine", "decoder_layers"]
@@ -474,6 +475,7 @@ class FSDPEngine(TrainEngine):
                 model.save_pretrained(tmp, safe_serialization=True)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
+                record_attn_implementation(tmp, getattr(self.hf_config, "_attn_implementation", None))
                 os.rename(tmp, target)
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 shutil.rmtree(tmp, ignore_errors=True)
