@@ -337,6 +337,14 @@ def summarise(results: Mapping[str, Mapping[int, RunResult]]) -> dict:
     return out
 
 
+def headline(summary: Mapping) -> dict:
+    """What of ``summarise``'s result the last printed line carries: every ratio and verdict and
+    the per-setting figures."""
+    keys = (*HEADLINE_RATIOS, "ratio_async_vs_sync_steps_per_s", "reward_within_noise", "reward_within_noise_rule",
+            "settings", "ratios_vs_sync", "step_ratios_vs_sync", "reward_within_noise_per_setting")
+    return {k: summary[k] for k in keys}
+
+
 def moving_mean(ys: Sequence[float], window: int) -> list[float]:
     """Trailing mean over ``window`` points (fewer at the start)."""
     out = []
@@ -549,9 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {png}")
     print_table(summary, names)
     head = {
-        **{k: summary[k] for k in (*HEADLINE_RATIOS, "reward_within_noise", "reward_within_noise_rule")},
-        "settings": summary["settings"], "ratios_vs_sync": summary["ratios_vs_sync"],
-        "reward_within_noise_per_setting": summary["reward_within_noise_per_setting"],
+        **headline(summary),
         "seeds": seeds, "orders": orders, "steps": steps, "eval_every": every, "quick": args.quick,
         "overrides": list(args.overrides), "same_start": bool(starts) and all(starts.values()),
         "warmups": {str(s): w for s, w in warmups.items()}, "failed": failed,

@@ -235,3 +235,8 @@ def test_step_rate_ratio_splits_the_headline_from_the_rows_each_policy_left():
     assert s["settings"]["async_s1"]["rows_per_step"]["median"] == 100.0
     assert s["settings"]["sync"]["steps_per_s"]["median"] == 5.0
     assert math.isnan(dataclasses.replace(_result(1, 0), rl_s=0.0).steps_per_s)
+    # the last printed line carries the split too
+    head = json.loads(json.dumps(conv.headline(s)))
+    assert head["ratio_async_vs_sync_steps_per_s"]["median"] == 1.6
+    assert head["step_ratios_vs_sync"]["async_s1"]["median"] == 1.6
+    assert head["settings"] == s["settings"]
