@@ -279,3 +279,56 @@ def test_release_frees_the_kv_cache_and_resume_gives_the_same_samples(engine):
     after = engine.generate(prompts, params, seeds=seeds)
     assert [r.tolist() for r in after.response_ids] == [r.tolist() for r in before.response_ids]
     assert all(torch.equal(a, b) for a, b in zip(after.log_probs, before.log_probs))
+
+
+def _stack_taking(base, name: str | None):
+    """A copy of ``base`` whose forward takes the KV cache by ``name`` only (None: by no name;
+    its **kwargs swallow whatever else comes), handing it to the real forward by its own name."""
+    import copy
+
+    from asyncflow.engines.rollout.builtin import cache_keyword
+
+    stack = copy.deepcopy(base)
+    real, theirs = stack.forward, cache_keyword(base)
+
+    def run(input_ids, attention_mask, position_ids, use_cache, cache):
+        return real(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    use_cache=use_cache, **{theirs: cache})
+
+    if name == "past_key_values":
+        def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
+            return run(input_ids, attention_mask, position_ids, use_cache, past_key_values)
+    elif name == "cache":
+        def forward(input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None):
+            return run(input_ids, attention_mask, position_ids, use_cache, cache)
+    else:
+        def forward(input_ids=None, attention_mask=None, position_ids=None, use_cache=None, **kwargs):
+            return run(input_ids, attention_mask, position_ids, use_cache, None)
+    stack.forward = forward
+    return stack
+
+
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_the_kv_cache_goes_by_the_name_the_decoder_takes(model, name):
+    """transformers 5.24 renamed the decoder's past_key_values to cache; the engine passes its KV cache
+    by the name the stack's forward takes, on either side of the rename (by the other name the cache
+    would be swallowed, and the model would fill one of its own: seen on transformers 5.17)."""
+    import copy
+
+    from asyncflow.engines.rollout import BuiltinRolloutEngine
+    from asyncflow.engines.rollout.builtin import cache_keyword
+
+    prompts, params = _prompts(6), SamplingParams(max_new_tokens=8, temperature=0)
+    ref = BuiltinRolloutEngine(copy.deepcopy(model), eos_token_ids=[EOS], pad_token_id=PAD).generate(
+        prompts, params, seeds=list(range(6)))
+    other = copy.deepcopy(model)
+    other.model = _stack_taking(model.model, name)
+    assert cache_keyword(other.model) == name
+    out = BuiltinRolloutEngine(other, eos_token_ids=[EOS], pad_token_id=PAD).generate(prompts, params,
+                                                                                     seeds=list(range(6)))
+    assert [r.tolist() for r in out.response_ids] == [r.tolist() for r in ref.response_ids]
+
+    neither = copy.deepcopy(model)
+    neither.model = _stack_taking(model.model, None)
+    with pytest.raises(ValueError, match="takes neither 'cache' nor 'past_key_values'"):
+        BuiltinRolloutEngine(neither, eos_token_ids=[EOS], pad_token_id=PAD)
