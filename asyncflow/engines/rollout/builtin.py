@@ -22,6 +22,7 @@ the cache they have (``keep``) or have it recomputed with the new weights
 """
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,18 @@ class _Chunked:
     req: GenerationRequest
     cache: PrefillCache
     done: int = 0  # prompt tokens prefilled so far
+
+
+def cache_keyword(base: torch.nn.Module) -> str:
+    """The keyword a decoder stack's forward takes its KV cache by: ``cache`` from transformers
+    5.24, ``past_key_values`` before. Passed by the wrong name, the cache is swallowed by
+    ``**kwargs`` and the model fills a DynamicCache of its own instead of ours."""
+    params = inspect.signature(base.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise ValueError(f"BuiltinRolloutEngine: {type(base).__name__}.forward takes neither 'cache' nor "
+                     f"'past_key_values' (its parameters: {', '.join(params)}); it cannot run on the engine's KV cache")
 
 
 def _params_key(p: SamplingParams) -> tuple:
@@ -103,6 +116,7 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         use_grouped_attention(model)
         self.model = model
         self.base = getattr(model, model.base_model_prefix)  # the decoder stack without the LM head
+        self._cache_kw = cache_keyword(self.base)
         self.head = model.get_output_embeddings()
         if self.base is None or self.head is None:
             raise ValueError(f"{type(model).__name__} has no base model / output embeddings to call separately")
@@ -490,8 +504,7 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         mask = torch.zeros((rows, 1, width, width), dtype=self._dtype, device=self.device)
         mask.masked_fill_(~allowed[:, None], self._neg)
         cache = PrefillCache(self.num_layers, rows, width)
-        out = self.base(input_ids=ids.to(self.device), attention_mask={"full_attention": mask},
-                        position_ids=positions.to(self.device), cache=cache, use_cache=True).last_hidden_state
+        out = self._run_base(ids.to(self.device), mask, positions.to(self.device), cache)
         last = torch.tensor([r * width + off + n - 1 for (r, off), n in zip(where, lens)], device=self.device)
         return out.reshape(rows * width, -1)[last], [(cache, r, off) for r, off in where]
 
@@ -507,8 +520,7 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         mask = self._causal(q, ch.done, 1)
         positions = torch.arange(ch.done, end, device=self.device)[None]
         ch.cache.offset = ch.done
-        out = self.base(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=positions,
-                        cache=ch.cache, use_cache=True).last_hidden_state
+        out = self._run_base(ids, mask, positions, ch.cache)
         ch.done = end
         if end < plen:
             return None
@@ -525,11 +537,15 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         mask.masked_fill_(keys[None, :] > queries[:, None], self._neg)
         return mask[None, None].expand(rows, 1, q, offset + q)
 
+    def _run_base(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Run the decoder stack on our cache and mask; the hidden states [rows, q, hidden]."""
+        out = self.base(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=positions,
+                        use_cache=True, **{self._cache_kw: cache})
+        return out.last_hidden_state
+
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """Run the decoder stack; return the last position's hidden state [rows, hidden]."""
-        out = self.base(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=positions,
-                        cache=cache, use_cache=True)
-        return out.last_hidden_state[:, -1]
+        return self._run_base(ids, mask, positions, cache)[:, -1]
 
     # ---- the batch API, over the request API ---------------------------------------------
     def generate(self, prompts: list[torch.Tensor], params: SamplingParams, *, seeds: list[int],
