@@ -254,6 +254,12 @@ def _encode_reply(reply: dict) -> list:
         return codec.encode({"id": reply["id"], "e": {"type": "RemoteError", "msg": str(e), "tb": ""}})
 
 
+# From Python 3.12 asyncio.timeout and wait_for need the current Task: there a handler starts as an
+# eager Task (run at once, up to its first suspension, as a Task). 3.11 has no eager Tasks: there
+# the handler is started by hand and handed to a Task (_resume) when it first suspends.
+_EAGER_TASK = getattr(asyncio, "eager_task_factory", None)
+
+
 @types.coroutine
 def _resume(coro: Any, yielded: Any) -> Any:
     """Drive on, inside a Task, a coroutine that was run by hand until it first suspended on
@@ -373,6 +379,13 @@ class RpcServer(_ServerBase):
             if fn is None:
                 raise _no_method(self, method)
             coro = fn(**args)
+            if _EAGER_TASK is not None:
+                t = _EAGER_TASK(self._loop, self._serve(ident, nonce, rid, coro), name=f"{self.name}-{method}")
+                if not t.done():  # suspended: the Task answers when the handler returns
+                    self._inflight.add(t)
+                    t.add_done_callback(self._inflight.discard)
+                    t.add_done_callback(lambda _: self._look_again())
+                return
             yielded = coro.send(None)  # run it now, up to its first suspension
         except StopIteration as done:  # finished without suspending: answer at once
             self._reply(ident, nonce, {"id": rid, "r": done.value})
@@ -384,6 +397,14 @@ class RpcServer(_ServerBase):
         self._inflight.add(t)
         t.add_done_callback(self._inflight.discard)
 
+    async def _serve(self, ident: bytes, nonce: bytes, rid: Any, coro: Any) -> None:
+        """A handler run in an eagerly started Task (Python 3.12+); then its reply."""
+        try:
+            reply = {"id": rid, "r": await coro}
+        except Exception as e:
+            reply = _error_reply(rid, e)
+        self._reply(ident, nonce, reply)
+
     async def _finish(self, ident: bytes, nonce: bytes, rid: Any, coro: Any, yielded: Any) -> None:
         """The rest of a handler that suspended, in a Task; then its reply."""
         try:
@@ -391,6 +412,9 @@ class RpcServer(_ServerBase):
         except Exception as e:
             reply = _error_reply(rid, e)
         self._reply(ident, nonce, reply)
+        self._look_again()
+
+    def _look_again(self) -> None:
         # A send lets libzmq take in what its I/O thread signalled, and so may consume the fd's
         # wake-up for a request that came meanwhile: look now (the reader covers the rest).
         if not self._sock.closed and self._sock.getsockopt(_EVENTS) & _POLLIN:
