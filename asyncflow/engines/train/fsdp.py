@@ -198,7 +198,7 @@ class FSDPEngine(TrainEngine):
         lengths = [p.numel() + r.numel() for p, r in zip(prompts, responses)]
         overhead = self.optim_config.micro_batch_overhead_tokens
         if self.options.padding_free:  # rows packed near full (row_packing): the fewest micro-batches by real tokens
-            groups = plan_packed_micro_batches(lengths, self.optim_config.micro_batch_tokens)
+            groups = plan_packed_micro_batches(lengths, self.optim_config.micro_batch_tokens, self._row_tokens())
         else:
             groups = plan_micro_batches(lengths, self.optim_config.micro_batch_tokens,
                                         overhead if overhead >= 0 else None)
@@ -207,11 +207,16 @@ class FSDPEngine(TrainEngine):
 
     def _micro_batch(self, prompts: list[Tensor], responses: list[Tensor], indices: list[int],
                      loss_masks: list[Tensor] | None = None) -> MicroBatch:
-        if self.options.padding_free:  # flash kernels take one row and its cumulative lengths
-            flash = "flash" in (getattr(self.hf_config, "_attn_implementation", None) or "")
+        if self.options.padding_free:
             return build_packed_micro_batch(prompts, responses, indices, loss_masks=loss_masks,
-                                            row_tokens=0 if flash else ROW_TOKENS)
+                                            row_tokens=self._row_tokens())
         return build_micro_batch(prompts, responses, indices, loss_masks=loss_masks)
+
+    def _row_tokens(self) -> int:
+        """Packed rows' length: flash kernels take one row and its cumulative lengths (0); eager
+        and SDPA score a row's whole block, so rows of about ROW_TOKENS."""
+        flash = "flash" in (getattr(self.hf_config, "_attn_implementation", None) or "")
+        return 0 if flash else ROW_TOKENS
 
     # ---------------------------------------------------------------- forward
     def _forward(self, mb: MicroBatch, temperature: float,

@@ -52,10 +52,15 @@ def check_packing_supported() -> None:
                          "upgrade transformers or set model.padding_free=false")
 
 
-def plan_packed_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+def plan_packed_micro_batches(lengths: list[int], token_budget: int, row_tokens: int = 0) -> list[list[int]]:
     """Group sequence indices into micro-batches of at most ``token_budget`` tokens in total
     (a longer sequence gets one of its own): first fit, longest first, so few micro-batches.
-    Deterministic (ties keep input order); within a group, longest first."""
+    Deterministic (ties keep input order); within a group, longest first.
+
+    ``row_tokens`` > 0 (the eager and SDPA layout of ``build_packed_micro_batch``): the rows a
+    group packs into are padded to a common width, so a group whose rows hold more than
+    ``token_budget`` positions, padding included, is split (its longest sequences first): the
+    budget bounds the tensors a micro-batch makes, as it does on the padded path."""
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -69,7 +74,37 @@ def plan_packed_micro_batches(lengths: list[int], token_budget: int) -> list[lis
         else:
             groups[slot].append(i)
             free[slot] -= lengths[i]
-    return groups
+    if row_tokens <= 0:
+        return groups
+    return [part for g in groups for part in _split_to_padded_budget(g, lengths, token_budget, row_tokens)]
+
+
+def packed_positions(lengths: list[int], row_tokens: int) -> int:
+    """Positions, padding included, of the rows ``build_packed_micro_batch`` packs these into."""
+    rows = pack_rows(lengths, row_tokens)
+    return len(rows) * max(sum(lengths[i] for i in r) for r in rows) if rows else 0
+
+
+def _split_to_padded_budget(group: list[int], lengths: list[int], budget: int, row_tokens: int) -> list[list[int]]:
+    """``group`` (longest first) cut into runs whose packed rows fit ``budget`` positions: each
+    run is the longest prefix of what is left that fits (found by bisection; one sequence
+    always makes a run)."""
+    out: list[list[int]] = []
+    rest = group
+    while rest:
+        if packed_positions([lengths[i] for i in rest], row_tokens) <= budget:
+            out.append(rest)
+            break
+        lo, hi = 1, len(rest) - 1  # the whole of rest does not fit; a prefix of lo always may
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if packed_positions([lengths[i] for i in rest[:mid]], row_tokens) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        out.append(rest[:lo])
+        rest = rest[lo:]
+    return out
 
 
 def build_packed_micro_batch(prompts: list[Tensor], responses: list[Tensor], indices: list[int],
