@@ -6,6 +6,10 @@
 #   1. nvidia-smi, torch / CUDA / vLLM versions
 #   2. build a ~104M-parameter Qwen2 (hidden 768, 12 layers, 12 heads, 4 KV heads, FFN 3072,
 #      character tokenizer) offline into a temp dir, and print its parameter count
+#   2b. on the device, world 1 over the platform's backend: the FSDP2 engine built on meta and loaded
+#      from that model's safetensors (checked equal), its log-probs and training step in fp32 and bf16,
+#      padded and padding-free, with activation checkpointing (lower peak memory), tokens/s of each;
+#      the built-in rollout engine's tokens/s in bf16 (scripts/device_check.py scale)
 #   3. the GPU tests: pytest -k "(cuda or vllm or gpu) and not launch" (tests/engines/
 #      test_rollout_vllm.py, the cuda cases of tests/test_platform.py; not the launch-script tests)
 #   3b. vLLM's request API (VLLMRolloutEngine add_request / step / load_weights) on a tiny
@@ -19,6 +23,9 @@
 #   5. throughput: tokens/s per device (the run's summary.json) and weight-sync GB/s
 #      (perf/bench_weight_sync.py: host-memory gloo sync between two processes, not
 #      GPU-to-GPU)
+#   6. (only with DEVICE_CHECK_MODES=STEPS) the same colocated job at 256 rows x 64 new tokens a step,
+#      sync and async in turns, twice each, STEPS RL steps a run: samples/s and tokens/s of each run
+#      and the async/sync ratio of each pair (scripts/device_check.py modes)
 # Everything printed also goes to $OUT/device_check.log when OUT is set; the run's small
 # output files are copied to $OUT/grpo_run/. Knobs (for trying the script on a CPU):
 #   PYTHON (python), DEVICE_CHECK_PLATFORM (cuda), DEVICE_CHECK_SPEC (768,12,12,4,3072).
@@ -159,6 +166,9 @@ main() {
   local model="$work/qwen2_100m"
   step build-model 90 "$PYTHON" scripts/device_check.py build-model "$model" --spec "$SPEC"
 
+  heading "2b. training engine options and built-in rollout throughput on the device"
+  step scale 150 "$PYTHON" scripts/device_check.py scale "$model" --platform "$PLATFORM"
+
   heading "3. GPU tests (pytest -k 'cuda or vllm or gpu')"
   step pytest-gpu 140 "$PYTHON" -m pytest -q tests -k "(cuda or vllm or gpu) and not launch" -rs -p no:cacheprovider
 
@@ -195,6 +205,21 @@ main() {
   if [[ -n "${OUT:-}" && -d "$run" ]]; then
     mkdir -p "$OUT/grpo_run"
     find "$run" -maxdepth 1 -type f -size -20M -exec cp {} "$OUT/grpo_run/" \;
+  fi
+  local mode_steps="${DEVICE_CHECK_MODES:-0}"
+  if (( mode_steps > 0 )); then
+    heading "6. sync and async in turns, ${mode_steps} RL steps a run (256 rows x 64 new tokens a step)"
+    local runs=()
+    for round in 1 2; do
+      for mode in sync async; do
+        run="$work/mode_${mode}_$round"
+        step "mode-$mode-$round" 180 "$PYTHON" -m asyncflow.cli train grpo "${common[@]}" rollout.engine=builtin \
+          trainer.steps="$mode_steps" trainer.prompts_per_step=32 rollout.n=8 rollout.batch_prompts=32 \
+          rollout.max_new_tokens=64 workflow.mode="$mode" "trainer.out_dir=$run"
+        runs+=("$run")
+      done
+    done
+    step modes 15 "$PYTHON" scripts/device_check.py modes "${runs[@]}"
   fi
   rm -rf "$work"
 
