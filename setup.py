@@ -14,7 +14,7 @@ setup(
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["asyncflow", "asyncflow.*"]),
-    python_requires=">=3.11",
+    python_requires=">=3.11",  # tested: 3.11 (CI's first run), 3.12 (its second run)
     install_requires=[
         # 2.10: the torch that vllm-ascend 0.23 and torch_npu 2.10.0.post4 pair with, and the oldest
         # that CI tests (.ci/run's second run, requirements-torch210.txt). Nothing older is tested.
@@ -23,7 +23,9 @@ setup(
         "pyzmq>=25",
         "tensordict>=0.7",  # tested: 0.15.3 (torch 2.13), 0.14.3 (torch 2.10; 0.15.x needs torch>=2.11)
         "omegaconf>=2.3",
-        "transformers>=4.56",  # from_pretrained(dtype=...), masking_utils, model.set_attn_implementation
+        # from_pretrained(dtype=...), masking_utils, model.set_attn_implementation; tested: 5.24
+        # (requirements.txt) and 5.17 (CI's second run, before 5.24's renames); 4.x not tested
+        "transformers>=4.56",
         "tokenizers>=0.21",
         "safetensors>=0.4.3",
         "math-verify>=0.8",  # parse/verify with their signal timeouts off (None)

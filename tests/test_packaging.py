@@ -146,7 +146,7 @@ def test_requirements_are_pinned_and_hold_torch_at_the_cpu_version():
     assert all("==" in r for r in dev[1:]), f"test tools pinned too: {dev[1:]}"
 
 
-_CI_TORCH210 = "# --- torch 2.10 run"
+_CI_TORCH210 = "# --- Python 3.12, torch 2.10 run"
 
 
 def _ci_lines() -> tuple[list[str], list[str]]:
@@ -194,6 +194,7 @@ def test_ci_runs_the_same_test_command_on_torch210():
     assert any("requirements-torch210.txt" in c for c in t210 if c.startswith("pip install"))
     assert not any("torch==2.13" in c or "-c <(echo torch" in c for c in t210), "the 2.10 venv takes no 2.13 pin"
     assert t210[-1] == "python -m pytest -q tests"
+    assert any(c.startswith('"$PY312" -m venv') for c in t210), "the second run is on Python 3.12"
     readme = (ROOT / "README.md").read_text()
     assert "torch 2.10" in readme and "requirements-torch210.txt" in readme, "README names the torch 2.10 run"
 

@@ -47,5 +47,6 @@ def test_freeze_keeps_the_heap_so_far_out_of_collections():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     before, frozen, tracked = map(int, r.stdout.split())
-    assert before == 0 and frozen > 50_000  # torch's import heap, frozen
-    assert tracked < frozen // 10  # what a collection still walks: the few objects made since
+    # Python 3.12 starts with a few hundred objects frozen already (375 seen); 3.11 with none
+    assert before < 1_000 and frozen - before > 50_000  # torch's import heap, frozen
+    assert tracked < (frozen - before) // 10  # what a collection still walks: the few objects made since
