@@ -218,6 +218,26 @@ def test_a_peer_that_never_reads_holds_a_bounded_backlog(served):
         ctx.destroy(linger=0)
 
 
+def _call_once(service, method: str, **args):
+    """Serve ``service`` on a fresh server and loop, call ``method`` once, close everything."""
+    loop = EventLoopThread(f"rpc-server-{method}")
+
+    async def scenario():
+        srv = RpcServer(service, "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), f"rpc-{method}")
+        srv.start()
+        c = RpcClient(srv.address, zmq.asyncio.Context.instance(), timeout=WAIT_S)
+        try:
+            return await c.call(method, **args)
+        finally:
+            await c.close()
+            await srv.close()
+
+    try:
+        return loop.run(scenario(), timeout=10)
+    finally:
+        loop.stop()
+
+
 def test_a_handler_may_call_a_local_endpoint_with_a_timeout_in_its_eager_step():
     """LocalEndpoint.call(_timeout=...) works outside a Task (the handler's first step)."""
     from asyncflow.rpc.transport import LocalEndpoint
@@ -233,26 +253,11 @@ def test_a_handler_may_call_a_local_endpoint_with_a_timeout_in_its_eager_step():
         async def rpc_call_inner(self, x: int) -> int:
             return await self.inner.call("twice", _timeout=WAIT_S, x=x)
 
-    loop = EventLoopThread("rpc-server-local")
-
-    async def scenario() -> int:
-        srv = RpcServer(Outer(), "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), "rpc-local")
-        srv.start()
-        c = RpcClient(srv.address, zmq.asyncio.Context.instance(), timeout=WAIT_S)
-        try:
-            return await c.call("call_inner", x=21)
-        finally:
-            await c.close()
-            await srv.close()
-
-    try:
-        assert loop.run(scenario(), timeout=10) == 42
-    finally:
-        loop.stop()
+    assert _call_once(Outer(), "call_inner", x=21) == 42
 
 
 @pytest.mark.skipif(not EAGER, reason="Python 3.11 has no eager Tasks: a handler's first step runs outside a Task")
-def test_a_handler_may_use_asyncio_timeouts_in_its_first_step(served):
+def test_a_handler_may_use_asyncio_timeouts_in_its_first_step():
     """From Python 3.12 asyncio.timeout and wait_for raise 'Timeout should be used inside a task'
     outside a Task: every handler of the TransferQueue's controller waits so (seen when the main
     job first ran on Python 3.12)."""
@@ -262,19 +267,4 @@ def test_a_handler_may_use_asyncio_timeouts_in_its_first_step(served):
                 await asyncio.sleep(0)
             return await asyncio.wait_for(asyncio.sleep(0, x + 1), WAIT_S)
 
-    loop = EventLoopThread("rpc-server-timeouts")
-
-    async def scenario() -> int:
-        srv = RpcServer(Timed(), "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), "rpc-timeouts")
-        srv.start()
-        c = RpcClient(srv.address, zmq.asyncio.Context.instance(), timeout=WAIT_S)
-        try:
-            return await c.call("timed", x=41)
-        finally:
-            await c.close()
-            await srv.close()
-
-    try:
-        assert loop.run(scenario(), timeout=10) == 42
-    finally:
-        loop.stop()
+    assert _call_once(Timed(), "timed", x=41) == 42
