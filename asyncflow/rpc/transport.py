@@ -398,7 +398,7 @@ class RpcServer(_ServerBase):
         t.add_done_callback(self._inflight.discard)
 
     async def _serve(self, ident: bytes, nonce: bytes, rid: Any, coro: Any) -> None:
-        """A handler run in an eagerly started Task (Python 3.12+); then its reply."""
+        """A handler (or its rest) awaited in a Task; then its reply."""
         try:
             reply = {"id": rid, "r": await coro}
         except Exception as e:
@@ -406,12 +406,8 @@ class RpcServer(_ServerBase):
         self._reply(ident, nonce, reply)
 
     async def _finish(self, ident: bytes, nonce: bytes, rid: Any, coro: Any, yielded: Any) -> None:
-        """The rest of a handler that suspended, in a Task; then its reply."""
-        try:
-            reply = {"id": rid, "r": await _resume(coro, yielded)}
-        except Exception as e:
-            reply = _error_reply(rid, e)
-        self._reply(ident, nonce, reply)
+        """The rest of a handler that suspended (started by hand), in a Task; then its reply."""
+        await self._serve(ident, nonce, rid, _resume(coro, yielded))
         self._look_again()
 
     def _look_again(self) -> None:
