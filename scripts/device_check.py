@@ -143,18 +143,6 @@ def cmd_modes(a: argparse.Namespace) -> int:
     return 1 if missing else 0
 
 
-def _ppo_loss(log_probs, entropy, mask, fields, norm):
-    """PPO-clip with an entropy bonus, normalised by the global token count (as the recipes do)."""
-    import torch
-    ratio = torch.exp(log_probs - fields["old_log_probs"])
-    adv = fields["advantages"]
-    pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
-    loss = (pg * mask).sum() / norm.num_tokens
-    if entropy is not None:
-        loss = loss - 0.01 * (entropy * mask).sum() / norm.num_tokens
-    return loss, {}
-
-
 def _scale_batch(vocab: int, rows: int, seed: int):
     import torch
     g = torch.Generator().manual_seed(seed)
@@ -199,8 +187,12 @@ def _scale_checks(a: argparse.Namespace, plat, group) -> int:
     from asyncflow.engines.rollout.builtin import BuiltinRolloutEngine
     from asyncflow.engines.train import FSDPEngine, OptimConfig
     from asyncflow.engines.train.model_source import PretrainedModel
+    from asyncflow.config import AlgorithmConfig
     from asyncflow.engines.train.options import EngineOptions
+    from asyncflow.workers.actor_loss import policy_loss_fn
 
+    # the actor's own loss: PPO-clip over token-mean, with an entropy bonus
+    loss_fn = policy_loss_fn(AlgorithmConfig(policy_loss="ppo_clip", entropy_coef=0.01))
     problems: list[str] = []
     report: dict = {"platform": plat.name, "backend": plat.backend}
     vocab = int(json.loads((Path(a.model_dir) / "config.json").read_text())["vocab_size"])
@@ -217,9 +209,9 @@ def _scale_checks(a: argparse.Namespace, plat, group) -> int:
     on_disk = {k: v for f in files for k, v in load_file(str(f)).items()}
     for name, options in settings.items():
         plat.synchronize()
-        if plat.name == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+        if plat.is_accelerator:  # each setting's own peak
+            getattr(torch, plat.name).empty_cache()
+            getattr(torch, plat.name).reset_peak_memory_stats()
         t0 = time.perf_counter()
         engine = FSDPEngine(PretrainedModel(a.model_dir, attn_implementation="sdpa"), optim, process_group=group,
                             platform=plat, options=options)
@@ -237,15 +229,15 @@ def _scale_checks(a: argparse.Namespace, plat, group) -> int:
         if ref_lp is None:
             ref_lp = flat
         diff = (flat - ref_lp).abs().max().item()
-        engine.train_step(*batch, _ppo_loss, with_entropy=True)  # warm-up (kernels, allocator)
+        engine.train_step(*batch, loss_fn, with_entropy=True)  # warm-up (kernels, allocator)
         plat.synchronize()
         t0 = time.perf_counter()
         metrics = {}
         for _ in range(a.steps):
-            metrics = engine.train_step(*batch, _ppo_loss, with_entropy=True)
+            metrics = engine.train_step(*batch, loss_fn, with_entropy=True)
         plat.synchronize()
         step_s = (time.perf_counter() - t0) / a.steps
-        peak = plat.memory_stats().get("peak_bytes", 0) if plat.name != "cpu" else 0
+        peak = plat.memory_stats()["peak_bytes"] if plat.is_accelerator else 0  # CPU: the process's, not the step's
         row = {"build_s": round(build_s, 2), "log_prob_max_diff_vs_fp32_padded": diff, "step_s": round(step_s, 4),
                "train_tokens_per_s": round(tokens / step_s), "peak_mb": round(peak / 2**20),
                "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm")}
@@ -256,7 +248,7 @@ def _scale_checks(a: argparse.Namespace, plat, group) -> int:
         if not diff <= bound:
             problems.append(f"{name}: log-probs differ from the fp32 padded engine's by {diff:.2e} (> {bound})")
         del engine
-    if plat.name != "cpu" and not report["bf16_packed_ac"]["peak_mb"] < report["bf16_packed"]["peak_mb"]:
+    if plat.is_accelerator and not report["bf16_packed_ac"]["peak_mb"] < report["bf16_packed"]["peak_mb"]:
         problems.append("activation checkpointing did not lower the training step's peak memory")
 
     # the built-in engine: bf16 weights on the device, rows of fixed length (eos ignored)
