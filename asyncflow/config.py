@@ -346,6 +346,15 @@ def rollout_dtype(cfg: RunConfig, accelerator: bool) -> str:
 OFFLOAD_IDLE = {"auto": None, "on": True, "true": True, "off": False, "false": False}
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, cgroup cpusets, Slurm's
+    binding), not the host's count, which oversubscribes a process confined to a few cores."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity API (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def rank_threads(cfg: RunConfig, cpus: int | None = None) -> int:
     """torch threads per rank: ``trainer.threads``, or with 0 (auto) the node's cores shared out
     among its ranks whenever ranks compute at the same time (stream and async modes, and any
@@ -356,7 +365,7 @@ def rank_threads(cfg: RunConfig, cpus: int | None = None) -> int:
         return cfg.trainer.threads
     if cfg.workflow.mode == "sync" and cfg.placement.mode == "disaggregated":
         return 0
-    cpus = cpus or os.cpu_count() or 1
+    cpus = cpus or usable_cpus()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.trainer.nproc
     return max(1, cpus // max(1, per_node))
 

@@ -1,6 +1,8 @@
 """Config: recipe yaml + key=value overrides, typed; wrong keys and values fail with their path."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from asyncflow.config import ConfigError, load_config, offload_idle
@@ -77,6 +79,17 @@ def test_rank_threads_share_the_cores_when_ranks_overlap(monkeypatch):
     assert rank_threads(load_config(overrides=["workflow.mode=async", "trainer.threads=3"]), cpus=8) == 3
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # under torchrun: the ranks of this node
     assert rank_threads(load_config(overrides=["workflow.mode=async"]), cpus=16) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity API on this OS")
+def test_rank_threads_count_the_cores_this_process_may_use(monkeypatch):
+    """Under taskset or a cgroup cpuset the host's core count would oversubscribe the allowed cores."""
+    from asyncflow.config import load_config, rank_threads, usable_cpus
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert usable_cpus() == 2
+    assert rank_threads(load_config(overrides=["workflow.mode=async"])) == 1
 
 
 VLLM3 = ["rollout.engine=vllm", "trainer.nproc=3", "placement.actor_ranks=[0]", "placement.rollout_ranks=[1,2]"]
