@@ -58,6 +58,7 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
 
 
 def train_main(argv: Sequence[str]) -> int:
+    from .platform import get_platform
     from .single_controller.driver import DriverConfig
     from .single_controller.launch import RunConfig as LaunchConfig, launch_local, run_from_env
     from .trainer import CONFIG_ENV
@@ -73,7 +74,14 @@ def train_main(argv: Sequence[str]) -> int:
         os.environ["OMP_NUM_THREADS"] = str(cfg.trainer.threads)
     units = dataclasses.replace(cfg.transfer_queue, stats_path=cfg.transfer_queue.stats_path
                                 or str(Path(cfg.trainer.out_dir) / "tq_units.json"))
-    run = LaunchConfig(main="asyncflow.trainer:driver_main", platform=cfg.trainer.platform,
+    # once, before any rank starts: 'auto' becomes what every rank of this node can have
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or (1 if "RANK" in os.environ else cfg.trainer.nproc))
+    try:
+        platform = get_platform(cfg.trainer.platform, ranks_per_node=ranks_here).name
+    except (RuntimeError, ValueError) as e:
+        print(f"asyncflow train: trainer.platform={cfg.trainer.platform}: {e}", file=sys.stderr)
+        return 2
+    run = LaunchConfig(main="asyncflow.trainer:driver_main", platform=platform,
                     driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units,
                     tq_imports=list(cfg.imports))
     if "RANK" in os.environ:

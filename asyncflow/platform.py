@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -183,23 +184,42 @@ def _unavailable_reason(name: str) -> str | None:
     return None
 
 
-def get_platform(name: str = "auto") -> Platform:
-    """The platform called `name`: 'cpu', 'cuda', 'npu', or 'auto'.
+def get_platform(name: str = "auto", ranks_per_node: int = 1) -> Platform:
+    """The platform called `name`: 'cpu', 'cuda', 'npu', or 'auto', for `ranks_per_node`
+    ranks on each node.
 
-    'auto' picks npu when torch_npu imports and sees a device, else cuda when
-    available, else cpu. Asking for a platform this machine cannot use raises
-    RuntimeError saying why and what to do; an unknown name raises ValueError.
+    nccl and hccl run one rank per device: two ranks on one device fail at their first
+    collective. So 'auto' picks npu when torch_npu imports and sees a device for every rank
+    of the node, else cuda likewise, else cpu (logging why an accelerator it saw was passed
+    over). Asking for a platform this machine cannot use, or for fewer devices than ranks,
+    raises RuntimeError saying why and what to do; an unknown name raises ValueError.
     """
     key = str(name).strip().lower()
     if key == "auto":
         for candidate in ("npu", "cuda"):
             if _unavailable_reason(candidate) is None:
-                return Platform(candidate, BACKENDS[candidate])
+                reason = _too_few_devices(Platform(candidate, BACKENDS[candidate]), ranks_per_node)
+                if reason is None:
+                    return Platform(candidate, BACKENDS[candidate])
+                logging.getLogger(__name__).warning("platform auto: not %s: %s; running on the CPU", candidate, reason)
         return Platform("cpu", BACKENDS["cpu"])
     if key not in BACKENDS:
         valid = ", ".join(["auto", *BACKENDS])
         raise ValueError(f"unknown platform {name!r}: expected one of {valid}")
     reason = _unavailable_reason(key)
+    if reason is None:
+        reason = _too_few_devices(Platform(key, BACKENDS[key]), ranks_per_node)
     if reason is not None:
         raise RuntimeError(reason)
     return Platform(key, BACKENDS[key])
+
+
+def _too_few_devices(platform: Platform, ranks_per_node: int) -> str | None:
+    """Why `ranks_per_node` ranks cannot each have a device of `platform` of their own; None if they can."""
+    count = platform.device_count()
+    if not platform.is_accelerator or ranks_per_node <= count:
+        return None
+    return (f"{ranks_per_node} ranks on this node but {count} {platform.name} device(s), and "
+            f"{platform.backend} runs one rank per device: run as many ranks per node as devices "
+            "(trainer.nproc; on one device: trainer.nproc=1 placement.mode=colocated), "
+            "or use platform 'cpu'")

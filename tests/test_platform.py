@@ -79,6 +79,30 @@ def test_auto_picks_cpu_without_accelerator():
     assert get_platform("auto").name == "cpu"
 
 
+@pytest.fixture
+def one_gpu(monkeypatch):
+    """A machine with one CUDA device and no NPU, whatever this one has."""
+    import asyncflow.platform as plat
+    monkeypatch.setattr(plat, "_unavailable_reason", lambda name: None if name in ("cpu", "cuda") else "no npu")
+    monkeypatch.setattr(Platform, "device_count", lambda self: 1)
+
+
+def test_auto_takes_the_accelerator_only_with_a_device_per_rank(one_gpu, caplog):
+    """nccl refuses two ranks on one device (their first collective fails): found on one H200."""
+    assert get_platform("auto", ranks_per_node=1) == Platform("cuda", "nccl")
+    with caplog.at_level("WARNING", logger="asyncflow.platform"):
+        assert get_platform("auto", ranks_per_node=2) == Platform("cpu", "gloo")
+    assert "not cuda: 2 ranks on this node but 1 cuda device(s)" in caplog.text
+
+
+def test_an_accelerator_asked_for_with_fewer_devices_than_ranks_says_how_to_fit(one_gpu):
+    assert get_platform("cuda", ranks_per_node=1).name == "cuda"
+    with pytest.raises(RuntimeError, match=r"2 ranks on this node but 1 cuda device\(s\), and nccl runs one rank "
+                                           r"per device: .*trainer.nproc=1 placement.mode=colocated.*platform 'cpu'"):
+        get_platform("cuda", ranks_per_node=2)
+    assert get_platform("cpu", ranks_per_node=8).name == "cpu"  # gloo: any number of ranks
+
+
 # --- bad and unavailable names -------------------------------------------------
 
 
@@ -221,3 +245,15 @@ def test_two_process_all_reduce_over_platform_backend():
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def test_train_refuses_more_ranks_than_devices_before_any_rank_starts(one_gpu, tmp_path, capsys, monkeypatch):
+    from asyncflow.launcher import train_main
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    started = []
+    monkeypatch.setattr("asyncflow.single_controller.launch.launch_local", lambda *a, **k: started.append(a) or 0)
+    assert train_main(["grpo", "trainer.platform=cuda", "trainer.nproc=2", f"trainer.out_dir={tmp_path}"]) == 2
+    assert not started
+    err = capsys.readouterr().err
+    assert "trainer.platform=cuda: 2 ranks on this node but 1 cuda device(s)" in err

@@ -70,7 +70,7 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
 
     from ..platform import get_platform
 
-    platform = get_platform(cfg.platform)
+    platform = get_platform(cfg.platform, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
     platform.set_device(platform.device_for_local_rank(local_rank))
     store = connect_store(master_addr, master_port, rank, world_size, cfg.rendezvous_timeout_s, use_agent_store)
     share_run_key(store, rank, cfg.rendezvous_timeout_s)  # before any ZMQ socket: every message is signed
