@@ -60,7 +60,7 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
 def train_main(argv: Sequence[str]) -> int:
     from .platform import get_platform
     from .single_controller.driver import DriverConfig
-    from .single_controller.launch import RunConfig as LaunchConfig, launch_local, run_from_env
+    from .single_controller.launch import RunConfig as LaunchConfig, launch_local, ranks_sharing_devices, run_from_env
     from .trainer import CONFIG_ENV
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -75,7 +75,7 @@ def train_main(argv: Sequence[str]) -> int:
     units = dataclasses.replace(cfg.transfer_queue, stats_path=cfg.transfer_queue.stats_path
                                 or str(Path(cfg.trainer.out_dir) / "tq_units.json"))
     # once, before any rank starts: 'auto' becomes what every rank of this node can have
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or (1 if "RANK" in os.environ else cfg.trainer.nproc))
+    ranks_here = ranks_sharing_devices(0 if "RANK" in os.environ else cfg.trainer.nproc)
     try:
         platform = get_platform(cfg.trainer.platform, ranks_per_node=ranks_here).name
     except (RuntimeError, ValueError) as e:

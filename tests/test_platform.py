@@ -257,3 +257,14 @@ def test_train_refuses_more_ranks_than_devices_before_any_rank_starts(one_gpu, t
     assert not started
     err = capsys.readouterr().err
     assert "trainer.platform=cuda: 2 ranks on this node but 1 cuda device(s)" in err
+
+
+def test_ranks_that_share_a_nodes_devices(monkeypatch):
+    from asyncflow.single_controller.launch import ranks_sharing_devices
+    for var in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert ranks_sharing_devices(4) == 4  # about to spawn them with this environment
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert ranks_sharing_devices() == 1  # started one by one (srun): each may see a device of its own
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    assert ranks_sharing_devices() == 8  # torchrun's agent starts them all with one environment

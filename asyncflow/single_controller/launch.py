@@ -63,6 +63,18 @@ def import_function(path: str) -> Callable:
     return getattr(importlib.import_module(mod), name)
 
 
+def ranks_sharing_devices(spawning: int = 0) -> int:
+    """How many ranks of this node see the same devices: ``spawning`` when this process is
+    about to start them itself; under torch's elastic agent (torchrun, launch_local) its
+    LOCAL_WORLD_SIZE, since the agent starts every local rank with one environment; 1
+    otherwise (ranks started one by one, e.g. by srun, may each see a device of their own)."""
+    if spawning:
+        return spawning
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return 1
+
+
 def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
              *, use_agent_store: bool | None = None, with_driver: bool | None = None, node: int = 0) -> int:
     """Everything one rank does; returns the process exit code. ``node``: the node index."""
@@ -70,7 +82,7 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
 
     from ..platform import get_platform
 
-    platform = get_platform(cfg.platform, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    platform = get_platform(cfg.platform, ranks_per_node=ranks_sharing_devices())
     platform.set_device(platform.device_for_local_rank(local_rank))
     store = connect_store(master_addr, master_port, rank, world_size, cfg.rendezvous_timeout_s, use_agent_store)
     share_run_key(store, rank, cfg.rendezvous_timeout_s)  # before any ZMQ socket: every message is signed
