@@ -89,9 +89,9 @@ class Platform:
     def device_for_local_rank(self, local_rank: int) -> torch.device:
         """The device that the rank with this node-local index works on.
 
-        Modulo the device count: a node may run more ranks than it has devices
-        (tests, colocated roles), and those ranks then share devices.
-        Does not make it the current device: call `set_device` for that.
+        Modulo the device count, for a rank that sees fewer devices than its node has ranks
+        (started with a device of its own, e.g. by srun); `get_platform` refuses nccl/hccl
+        ranks that would share one. Does not make it the current device: call `set_device`.
         """
         if local_rank < 0:
             raise ValueError(f"local_rank must be >= 0, got {local_rank}")
