@@ -198,20 +198,20 @@ def get_platform(name: str = "auto", ranks_per_node: int = 1) -> Platform:
     if key == "auto":
         for candidate in ("npu", "cuda"):
             if _unavailable_reason(candidate) is None:
-                reason = _too_few_devices(Platform(candidate, BACKENDS[candidate]), ranks_per_node)
+                platform = Platform(candidate, BACKENDS[candidate])
+                reason = _too_few_devices(platform, ranks_per_node)
                 if reason is None:
-                    return Platform(candidate, BACKENDS[candidate])
+                    return platform
                 logging.getLogger(__name__).warning("platform auto: not %s: %s; running on the CPU", candidate, reason)
         return Platform("cpu", BACKENDS["cpu"])
     if key not in BACKENDS:
         valid = ", ".join(["auto", *BACKENDS])
         raise ValueError(f"unknown platform {name!r}: expected one of {valid}")
-    reason = _unavailable_reason(key)
-    if reason is None:
-        reason = _too_few_devices(Platform(key, BACKENDS[key]), ranks_per_node)
+    platform = Platform(key, BACKENDS[key])
+    reason = _unavailable_reason(key) or _too_few_devices(platform, ranks_per_node)
     if reason is not None:
         raise RuntimeError(reason)
-    return Platform(key, BACKENDS[key])
+    return platform
 
 
 def _too_few_devices(platform: Platform, ranks_per_node: int) -> str | None:
