@@ -42,6 +42,7 @@ _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+"
 _NUMBER_RE = re.compile(rf"(?:{_NUMBER})(?:\s*/\s*(?:{_NUMBER}))?")
 _FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _FRAC_SHORT_RE = re.compile(r"\\[dt]?frac(\d)(\d)")  # \frac12
+_PLAIN_INT_RE = re.compile(r"[-+]?[0-9]+", re.ASCII)  # what normalize leaves as it is, but a leading +
 
 
 def extract_boxed(text: str) -> str | None:
@@ -115,6 +116,9 @@ def _plain_rational(s: str) -> Fraction | None:
 
 def to_rational(ans: str) -> Fraction | None:
     """The exact value of a normalised integer, decimal or fraction (a/b, -(a)/(b)); None otherwise."""
+    plain = ans.strip()
+    if _PLAIN_INT_RE.fullmatch(plain):  # most answers of a numeric task: skip normalize's passes
+        return Fraction(int(plain))
     s = normalize(ans)
     sign = 1
     if s.startswith("-") and "/" in s:

@@ -73,6 +73,16 @@ def test_to_rational(raw, value):
     assert to_rational(raw) == value
 
 
+@pytest.mark.parametrize("raw", ["0", "7", "-7", "+7", " 046 ", "-0", "\t12\n", "123456789012345678901234567890",
+                                 "+-3", "3 4", "٣", "−3", "1_000", "0x10", "12."])
+def test_to_rational_of_plain_integers_agrees_with_the_general_path(raw):
+    """Plain integers skip normalize: the value must be what normalize and the parser give."""
+    from asyncflow.rewards.math_verify import _plain_rational
+    general = _plain_rational(normalize(raw))
+    assert to_rational(raw) == general
+    assert type(to_rational(raw)) is type(general)
+
+
 @pytest.mark.parametrize("response,answer", [
     (r"The answer is \boxed{72}.", "72"),
     ("Natalia sold 24 clips in May.\n#### 72", "72"),
