@@ -58,7 +58,10 @@ def _descendant_running(root: int, needle: str) -> int | None:
 
 def test_the_transfer_queue_process_killed_mid_run_stops_the_run_saying_so(tmp_path):
     out, err = tmp_path / "run", tmp_path / "stderr.log"
-    p = start_train(out, "grpo", "trainer.steps=100000", "trainer.eval_every=0", "warmup.max_steps=5", stderr=err)
+    # Every row trains (no dynamic sampling): after 5 warm-up steps every group scores all zero,
+    # and a filter that drops them would leave RL without an update for a minute or two.
+    p = start_train(out, "grpo", "trainer.steps=100000", "trainer.eval_every=0", "warmup.max_steps=5",
+                    "algorithm.dynamic_sampling=false", stderr=err)
     try:
         deadline = time.monotonic() + 180
         while not ((out / "metrics.jsonl").exists() and '"actor/loss"' in (out / "metrics.jsonl").read_text()):
