@@ -147,6 +147,8 @@ def test_requirements_are_pinned_and_hold_torch_at_the_cpu_version():
 
 
 _CI_TORCH210 = "# --- Python 3.12, torch 2.10 run"
+# The torch 2.10 run's tests (pytest.ini names the mark), so that CI runs both stacks in 45 minutes.
+_SECOND_STACK = "not slow or both_stacks"
 
 
 def _ci_lines() -> tuple[list[str], list[str]]:
@@ -193,10 +195,29 @@ def test_ci_runs_the_same_test_command_on_torch210():
     _, t210 = _ci_lines()
     assert any("requirements-torch210.txt" in c for c in t210 if c.startswith("pip install"))
     assert not any("torch==2.13" in c or "-c <(echo torch" in c for c in t210), "the 2.10 venv takes no 2.13 pin"
-    assert t210[-1] == "python -m pytest -q tests"
+    assert t210[-1] == f'python -m pytest -q tests -m "{_SECOND_STACK}"'
     assert any(c.startswith('"$PY312" -m venv') for c in t210), "the second run is on Python 3.12"
     readme = (ROOT / "README.md").read_text()
     assert "torch 2.10" in readme and "requirements-torch210.txt" in readme, "README names the torch 2.10 run"
+    assert f'python -m pytest -q tests -m "{_SECOND_STACK}"' in " ".join(readme.split()), "README names its subset"
+
+
+def test_the_second_stacks_subset_keeps_every_test_folder_and_each_multi_process_kind():
+    """The marks that choose the torch 2.10 run's tests: every folder of tests/ keeps a test in
+    it, and among the slow ones FSDP2 across ranks, weight sync, torchrun and the whole job."""
+    tests_dir = ROOT / "tests"
+    kept = set()
+    for path in sorted(tests_dir.rglob("test_*.py")):
+        text = path.read_text()
+        tests = len(re.findall(r"^(?:async )?def test_", text, re.M))
+        whole_file_slow = re.search(r"^pytestmark = .*pytest\.mark\.slow", text, re.M) is not None
+        slow = tests if whole_file_slow else text.count("@pytest.mark.slow")
+        if tests > slow or "pytest.mark.both_stacks" in text:
+            kept.add(path.parent)
+    folders = {p for p in tests_dir.rglob("*") if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders <= kept, f"folders with no test on the second stack: {sorted(map(str, folders - kept))}"
+    for name in ("test_train_fsdp_dist.py", "test_weight_sync_groups.py", "test_torchrun.py", "test_train_smoke.py"):
+        assert "pytest.mark.both_stacks" in next(tests_dir.rglob(name)).read_text(), name
 
 
 def test_core_imports_no_optional_or_heavy_package():

@@ -216,6 +216,7 @@ def _all_reduce_worker(rank: int, world_size: int, port: int, results) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.both_stacks
 def test_two_process_all_reduce_over_platform_backend():
     world_size = 2
     ctx = mp.get_context("spawn")

@@ -11,7 +11,7 @@ from _run import ok, train
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "stream", "async"])
+@pytest.mark.parametrize("mode", ["sync", "stream", pytest.param("async", marks=pytest.mark.both_stacks)])
 def test_calc_tool_recipe_in_every_mode(tmp_path, mode):
     out = tmp_path / "run"
     placement = "colocated" if mode == "stream" else "disaggregated"  # both rollout paths

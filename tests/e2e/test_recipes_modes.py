@@ -93,7 +93,8 @@ def test_partial_rollout_async_two_instances_audit(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, placement", [("async", "disaggregated"), ("sync", "colocated")])
+@pytest.mark.parametrize("mode, placement", [("async", "disaggregated"),
+                                             pytest.param("sync", "colocated", marks=pytest.mark.both_stacks)])
 def test_remax_trains_against_a_greedy_baseline(tmp_path, mode, placement):
     """The baseline rollout runs through the service (one request per group) and through the
     colocated batch call (one per distinct prompt); either way every row of a group gets the

@@ -72,6 +72,7 @@ def _two_nodes(out, *extra: str, rdzv_endpoint: bool = False) -> list[subprocess
 
 
 @pytest.mark.slow
+@pytest.mark.both_stacks
 def test_torchrun_two_nodes_over_loopback(tmp_path):
     out = tmp_path / "run"
     _check(out, _two_nodes(out, rdzv_endpoint=True))

@@ -14,6 +14,7 @@ from _run import ok, train
 
 
 @pytest.mark.slow
+@pytest.mark.both_stacks
 def test_default_pipeline_end_to_end(tmp_path):
     out = tmp_path / "run"
     ok(train(out, "grpo", "trainer.steps=3", "trainer.eval_every=2", "reward.name=digits"))

@@ -13,7 +13,7 @@ from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401
 from tests.engines._train_helpers import (BUDGETS, GLOBAL_N, RANK_SHARES, dist_child, loss_mask_batch, make_batch,
                                           ppo_loss, spawn_ranks, tiny_model)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 WORLD = 2
 
 

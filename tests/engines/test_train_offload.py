@@ -100,6 +100,7 @@ def test_fsdp_engine_offload_on_cpu_frees_the_gradients_and_changes_no_step():
 
 
 @pytest.mark.slow
+@pytest.mark.both_stacks
 def test_fsdp2_dtensor_parameters_and_optimizer_state_move(tmp_path):
     for out in spawn_ranks(fsdp2_move_child, 2, tmp_path, timeout=180):
         assert out["dtensor"] and out["same_device"] == 0

@@ -12,7 +12,7 @@ from tests.engines._scale_helpers import SCALE_BUDGET, save_reward_model, scale_
 from tests.engines._train_helpers import RANK_SHARES, loss_mask_batch, ppo_loss, spawn_ranks, tiny_model
 from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 WORLD = 2
 
 

@@ -87,6 +87,7 @@ def stranger_main(workers: list[str], controller: str, unit: str, out) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.both_stacks
 def test_a_stranger_changes_nothing_and_the_run_goes_on():
     c = start_cluster(2)
     try:

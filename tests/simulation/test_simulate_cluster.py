@@ -36,6 +36,7 @@ def test_sync_colocated_with_data_through_the_driver():
     _check_every_row_once(r)
 
 
+@pytest.mark.both_stacks
 def test_layouts_and_cost_model():
     lay = Layout.of(ClusterConfig(devices=16, mode="async"))
     assert lay.world == 16 and len(lay.actor) == 8 and len(lay.instances) == 8 and lay.reward == [8]

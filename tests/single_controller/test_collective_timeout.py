@@ -15,7 +15,7 @@ from asyncflow.single_controller.local import LocalWorkers
 import _dp_workers as D
 from _sc_cluster import FAST_DRIVER
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 
 # Also init_process_group's and new_group's timeout: enough for two ranks that start
 # together to meet even on a loaded 2-core machine, short enough to see it beat the call's.

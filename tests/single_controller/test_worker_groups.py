@@ -55,6 +55,7 @@ def test_rank_zero_runs_only_on_first_rank(cluster3, groups):
     assert cluster3.run(tp.zero_calls_seen()) == [1, 0]
 
 
+@pytest.mark.both_stacks
 def test_collective_inside_a_group(cluster3, groups):
     echo, tp, _ = groups
     assert cluster3.run(echo.all_reduce(2.0)) == [6.0] * 3
@@ -172,6 +173,7 @@ def test_failed_onload_leaves_no_role_loaded(cluster3):
         assert events == ["offload:heavy2", "onload:fragile", "onload:heavy2", "work:heavy2"]
 
 
+@pytest.mark.both_stacks
 def test_concurrent_collectives_of_groups_sharing_ranks(cluster3, groups):
     """echo (ranks 0-2) and tp (ranks 1-2) share ranks 1 and 2: their calls must reach both
     ranks in the same order, or the all_reduces would wait on each other (deadlock)."""

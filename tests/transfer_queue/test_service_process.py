@@ -52,6 +52,7 @@ def _gone(pid: int, timeout_s: float) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.both_stacks
 def test_the_driver_rank_starts_the_service_in_a_child_that_serves_and_stops(tmp_path):
     store = _Store()
     tq = start_for_rank(UnitsConfig(), store, 0, 0, 0, "127.0.0.1", 5, driver=True)

@@ -13,7 +13,7 @@ import pytest
 import _offload_workers as W
 from _sc_cluster import cluster_fixture
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 cluster2 = cluster_fixture(2)
 
 

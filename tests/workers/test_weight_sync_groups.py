@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 import _weight_sync_procs as P
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 
 
 def _port() -> int:
