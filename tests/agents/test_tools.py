@@ -383,7 +383,9 @@ def test_a_cancelled_sandbox_call_kills_its_process(tmp_path):
 
     async def main():
         call = asyncio.create_task(call_tool("python", code))
-        assert await asyncio.to_thread(_wait_until, pidfile.exists, 3.0)
+        # The file exists before its pid is written (open, then write and close): wait for the
+        # pid itself, or a cancellation in between leaves it empty.
+        assert await asyncio.to_thread(_wait_until, lambda: pidfile.exists() and pidfile.read_text() != "", 3.0)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
