@@ -1,9 +1,7 @@
 """Import layers, read from the source with ``ast`` (nothing is imported).
 
 - No import cycle between modules of asyncflow. Every import statement counts: at module
-  level, inside a function, under ``if TYPE_CHECKING:``. Checked for now in the packages
-  of ``CHECKED`` (a cycle with any module of them fails); cycles elsewhere are reported
-  as a warning until they are fixed and ``CHECKED`` is widened to ``("asyncflow",)``.
+  level, inside a function, under ``if TYPE_CHECKING:``.
 - ``asyncflow.rpc`` is below ``asyncflow.transfer_queue`` and ``asyncflow.single_controller``:
   nothing it imports, directly or through other modules, is in either.
 
@@ -16,13 +14,11 @@ submodules would otherwise be a cycle with each of them.
 from __future__ import annotations
 
 import ast
-import warnings
 from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "asyncflow"
-CHECKED = ("asyncflow.rpc", "asyncflow.transfer_queue", "asyncflow.single_controller")
 RPC = "asyncflow.rpc"
 ABOVE_RPC = ("asyncflow.transfer_queue", "asyncflow.single_controller")
 
@@ -173,18 +169,9 @@ def test_the_graph_sees_every_kind_of_import():
 
 def test_no_import_cycle():
     graph = _graph()
-    mine = [c for c in _cycles(graph) if any(_in(m, CHECKED) for m in c)]
-    assert not mine, "import cycles (make the dependency go one way, e.g. move what both need to a third " \
-        "module):\n" + "\n".join(_describe_cycle(graph, c) for c in mine)
-
-
-def test_other_import_cycles_are_reported():
-    """Cycles outside ``CHECKED``: a warning, not a failure, until they are fixed."""
-    graph = _graph()
-    others = [c for c in _cycles(graph) if not any(_in(m, CHECKED) for m in c)]
-    if others:
-        warnings.warn("import cycles outside " + ", ".join(CHECKED) + " (not failing yet):\n"
-                      + "\n".join(_describe_cycle(graph, c) for c in others), stacklevel=1)
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (make the dependency go one way, e.g. move what both need to a third " \
+        "module):\n" + "\n".join(_describe_cycle(graph, c) for c in cycles)
 
 
 def test_rpc_is_below_transfer_queue_and_single_controller():

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import AlgorithmConfig
+from ..algorithm_config import AlgorithmConfig
 from ._checks import (ADVANTAGE_KEYS, as_bool_mask, check_2d, check_algorithm_config, check_same_shape,
                       check_seq_vector)
 from .aggregate import masked_sum, masked_whiten

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import AlgorithmConfig
+from ..algorithm_config import AlgorithmConfig
 from ._checks import POLICY_LOSS_KEYS, as_bool_mask, check_algorithm_config, check_same_shape
 from .registry import POLICY_LOSSES
 
