@@ -74,6 +74,16 @@ def python_names(pids: set[int]) -> dict[int, str]:
     return names
 
 
+def _by_thread(rows: list[tuple[float, int, str, int]]) -> dict[str, float]:
+    """``pid:name`` -> CPU ms per step, for threads of at least 0.5 ms; a name its process
+    repeats (torch's unnamed worker threads share the OS name) gets ``#tid`` so none is lost."""
+    seen: dict[tuple[int, str], int] = {}
+    for _, pid, name, _ in rows:
+        seen[(pid, name)] = seen.get((pid, name), 0) + 1
+    return {f"{pid}:{name}" + (f"#{tid}" if seen[(pid, name)] > 1 else ""): round(ms, 2)
+            for ms, pid, name, tid in rows if ms >= 0.5}
+
+
 def _rows(path: str) -> int:
     try:
         with open(path) as f:
@@ -116,19 +126,19 @@ def main() -> int:
     for key, (name, sec) in c1.items():
         used = sec - c0.get(key, (name, 0.0))[1]
         if used > 0:
-            rows.append((used / steps * 1e3, key[0], names.get(key[1], name)))
+            rows.append((used / steps * 1e3, key[0], names.get(key[1], name), key[1]))
     rows.sort(reverse=True)
     print(f"window {t1 - t0:.1f} s, {steps} RL steps ({(t1 - t0) / steps * 1e3:.0f} ms per step); "
           f"CPU ms per step by thread:")
-    for ms, pid, name in rows:
+    for ms, pid, name, _ in rows:
         if ms >= 0.5:
             print(f"  pid {pid:>7}  {name:<28} {ms:7.1f}")
     per_proc: dict[int, float] = {}
-    for ms, pid, _ in rows:
+    for ms, pid, _, _ in rows:
         per_proc[pid] = per_proc.get(pid, 0.0) + ms
     print("per process:", ", ".join(f"pid {p} {ms:.1f}" for p, ms in sorted(per_proc.items())))
     print(json.dumps({"window_s": round(t1 - t0, 2), "steps": steps, "ms_per_step": round((t1 - t0) / steps * 1e3, 1),
-                      "cpu_ms_per_step": {f"{pid}:{name}": round(ms, 2) for ms, pid, name in rows if ms >= 0.5},
+                      "cpu_ms_per_step": _by_thread(rows),
                       "cpu_ms_per_step_by_process": {str(p): round(ms, 1) for p, ms in per_proc.items()}}))
     return 0
 

@@ -31,3 +31,11 @@ def test_a_busy_thread_and_a_child_process_are_counted():
         spinner.join()
         child.kill()
         child.wait()
+
+
+def test_threads_of_one_name_in_one_process_are_all_reported():
+    """torch's worker threads share their process's OS name: the JSON keeps each of them."""
+    rows = [(60.0, 7, "python", 11), (10.0, 7, "python", 12), (5.0, 7, "worker", 13), (5.0, 8, "python", 21),
+            (0.1, 7, "idle", 14)]
+    assert thread_cpu._by_thread(rows) == {"7:python#11": 60.0, "7:python#12": 10.0, "7:worker": 5.0,
+                                           "8:python": 5.0}
