@@ -48,6 +48,7 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
     except (ValueError, TypeError, ImportError, AttributeError) as e:
         raise ConfigError(str(e)) from e
     cfg.model.path = resolve_model(cfg)
+    check_paths(cfg, driver_node=int(os.environ.get("RANK", "0")) == 0, every_role_here="RANK" not in os.environ)
     out = Path(cfg.trainer.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "run_config.yaml"
@@ -55,6 +56,30 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
         path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         (out / "ranks.json").unlink(missing_ok=True)  # an earlier run's: written anew once the groups exist
     return cfg, path
+
+
+def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bool = True) -> None:
+    """The run's local files, checked before any rank starts, so that a typo in a path fails in a
+    second with the key to fix rather than from inside a worker. Every node loads ``model.path``;
+    the driver's node reads the prompt files; the reward model is checked where every role runs
+    on this node (a local launch), since under torchrun its node depends on the placement."""
+    from .models.loading import ModelLoadError, check_model_dir
+
+    checks = [("model.path", cfg.model.path, False)]
+    if cfg.reward.model_path and every_role_here:
+        checks.append(("reward.model_path", cfg.reward.model_path, True))
+    for key, path, reward_model in checks:
+        try:
+            check_model_dir(path, reward_model=reward_model)
+        except ModelLoadError as e:
+            raise ConfigError(f"{key}={path}: {e}") from e
+    if cfg.data.task == "file" and driver_node:
+        for key in ("data.path", "data.eval_path"):
+            path = getattr(cfg.data, key.split(".")[1])
+            if path and not Path(path).expanduser().is_file():
+                what = "is a directory" if Path(path).expanduser().is_dir() else "does not exist"
+                raise ConfigError(f"{key}={path}: {what}; expected a .jsonl or .parquet file of prompts and "
+                                  "answers (docs/configuration.md, section data)")
 
 
 def train_main(argv: Sequence[str]) -> int:

@@ -239,12 +239,7 @@ class SafetensorsWeights:
         return sliced[rows[0]:rows[1]]
 
 
-def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
-                      attn_implementation: str | None = None) -> "PreTrainedModel":
-    """A reward model from a local directory: a sequence-classification checkpoint with one
-    label (e.g. ``Qwen2ForSequenceClassification``) whose base architecture is supported."""
-    p = _model_dir(path, "load_reward_model")
-    cfg = _read_config(p, "load_reward_model")
+def _check_reward_model(p: Path, cfg: dict[str, Any]) -> None:
     found = cfg.get("architectures") or []
     bases = [a.replace("ForSequenceClassification", "ForCausalLM") for a in found
              if a.endswith("ForSequenceClassification")]
@@ -254,6 +249,29 @@ def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
             f"<Base>ForSequenceClassification with a base among {', '.join(SUPPORTED_ARCHITECTURES)}")
     if int(cfg.get("num_labels", len(cfg.get("id2label") or {}) or 1)) != 1:
         raise ModelLoadError(f"load_reward_model: {p} has {cfg.get('num_labels')} labels; a reward model has 1")
+
+
+def check_model_dir(path: str | Path, *, reward_model: bool = False) -> None:
+    """What loading would refuse about a local model directory, found from its files alone
+    (no transformers import, no weights read): a missing directory, config.json, architecture,
+    weights file or, for a policy, tokenizer. Raises ModelLoadError saying which."""
+    p = _model_dir(path, "load_reward_model" if reward_model else "load_causal_lm")
+    if reward_model:
+        _check_reward_model(p, _read_config(p, "load_reward_model"))
+    else:
+        _check_architecture(_read_config(p, "load_causal_lm"), p / "config.json")
+        if not any((p / name).is_file() for name in _TOKENIZER_FILES):
+            raise ModelLoadError(
+                f"load_tokenizer: no tokenizer files in {p}; expected one of {', '.join(_TOKENIZER_FILES)}")
+    _check_weights(p)
+
+
+def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                      attn_implementation: str | None = None) -> "PreTrainedModel":
+    """A reward model from a local directory: a sequence-classification checkpoint with one
+    label (e.g. ``Qwen2ForSequenceClassification``) whose base architecture is supported."""
+    p = _model_dir(path, "load_reward_model")
+    _check_reward_model(p, _read_config(p, "load_reward_model"))
     _check_weights(p)
     from transformers import AutoModelForSequenceClassification
 

@@ -117,3 +117,30 @@ def test_missing_pad_is_set_to_eos_and_logged(tmp_path, tiny_dir, caplog):
         tok = load_tokenizer(d)
     assert tok.pad_token == "<eos>" and tok.pad_token_id == tok.eos_token_id
     assert any("no pad token" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("broken, match", [
+    ("missing", "does not exist"), ("no_config", "no config.json"), ("gpt2", "unsupported architecture"),
+    ("no_weights", "no weights file"), ("no_tokenizer", "no tokenizer files")])
+def test_check_model_dir_refuses_from_the_files_what_loading_refuses(tmp_path, tiny_dir, broken, match):
+    """The launcher's check before any rank starts: each broken directory is named and refused
+    by the file checks alone, with the message loading would give."""
+    from asyncflow.models.loading import check_model_dir
+    check_model_dir(tiny_dir)  # ours passes
+    skip = {"no_config": ("config.json",), "no_weights": ("model.safetensors",),
+            "no_tokenizer": ("tokenizer.json", "tokenizer_config.json")}.get(broken, ())
+    d = tmp_path / "nope" if broken == "missing" else _copy(tiny_dir, tmp_path / "m", skip=skip)
+    if broken == "gpt2":
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match=match):
+        check_model_dir(d)
+    if broken != "no_tokenizer":  # (a tokenizer is load_tokenizer's to refuse)
+        with pytest.raises(ModelLoadError, match=match):
+            load_causal_lm(d)
+
+
+def test_check_model_dir_as_a_reward_model_wants_one_label_of_sequence_classification(tiny_dir):
+    from asyncflow.models.loading import check_model_dir
+    with pytest.raises(ModelLoadError, match="ForSequenceClassification"):
+        check_model_dir(tiny_dir, reward_model=True)  # a causal LM is not a reward model

@@ -1,0 +1,55 @@
+"""`asyncflow train` checks the run's local paths before any rank starts: a wrong path exits 2
+at once naming its key, and nothing of the run is written."""
+from __future__ import annotations
+
+import pytest
+
+from asyncflow.config import ConfigError, load_config
+
+
+def _train(tmp_path, *overrides: str) -> int:
+    from asyncflow.launcher import train_main
+    return train_main(["grpo", f"trainer.out_dir={tmp_path / 'out'}", *overrides])
+
+
+def test_a_missing_model_path_exits_2_naming_the_key_before_anything_starts(tmp_path, capsys):
+    assert _train(tmp_path, f"model.path={tmp_path / 'no_model'}") == 2
+    err = capsys.readouterr().err
+    assert f"model.path={tmp_path / 'no_model'}" in err and "does not exist" in err and "never downloads" in err
+    assert not (tmp_path / "out").exists()  # no run_config.yaml, no ranks
+
+
+def test_a_missing_prompt_file_exits_2_naming_the_key(tmp_path, capsys):
+    assert _train(tmp_path, "data.task=file", f"data.path={tmp_path / 'prompts.jsonl'}") == 2
+    err = capsys.readouterr().err
+    assert "data.path=" in err and "does not exist" in err
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    assert _train(tmp_path, "data.task=file", f"data.path={tmp_path / 'prompts.jsonl'}",
+                  f"data.eval_path={tmp_path}") == 2
+    assert "data.eval_path=" in capsys.readouterr().err
+
+
+def test_a_reward_model_path_that_is_no_reward_model_exits_2(tmp_path, capsys):
+    from asyncflow.trainer import resolve_model
+    policy = resolve_model(load_config(None, []))  # the built-in tiny causal LM
+    assert _train(tmp_path, f"reward.model_path={policy}") == 2
+    err = capsys.readouterr().err
+    assert "reward.model_path=" in err and "ForSequenceClassification" in err
+
+
+def test_under_torchrun_a_node_checks_only_what_it_reads(tmp_path):
+    """Every node loads model.path; prompt files are read on the driver's node; the reward
+    model's node depends on the placement, so only a local launch checks it."""
+    from asyncflow.launcher import check_paths
+    from asyncflow.trainer import resolve_model
+    cfg = load_config(None, ["data.task=file", f"data.path={tmp_path / 'none.jsonl'}",
+                             f"reward.model_path={tmp_path / 'no_rm'}"])
+    cfg.model.path = resolve_model(cfg)
+    check_paths(cfg, driver_node=False, every_role_here=False)  # another node: nothing it reads is wrong
+    with pytest.raises(ConfigError, match="data.path="):
+        check_paths(cfg, driver_node=True, every_role_here=False)
+    with pytest.raises(ConfigError, match="reward.model_path="):
+        check_paths(cfg, driver_node=False, every_role_here=True)
+    cfg.model.path = str(tmp_path / "no_model")
+    with pytest.raises(ConfigError, match="model.path="):
+        check_paths(cfg, driver_node=False, every_role_here=False)
