@@ -54,7 +54,8 @@ class DataConfig:
     eval_path: str = ""  # held-out prompts of the same format (file task)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
-    max_prompt_tokens: int = 512  # longer prompts are dropped (counted in the log), never truncated
+    max_prompt_tokens: int = 512  # longer prompts are dropped (counted in the log), never truncated; so are
+    # a prompt file's prompts that leave rollout.max_new_tokens no room in the model's context
     chat_template: bool = False
     system_prompt: str = ""  # used only with the chat template
     num_eval: int = 256

@@ -62,7 +62,9 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
     """The run's local files, checked before any rank starts, so that a typo in a path fails in a
     second with the key to fix rather than from inside a worker. Every node loads ``model.path``;
     the driver's node reads the prompt files; the reward model is checked where every role runs
-    on this node (a local launch), since under torchrun its node depends on the placement."""
+    on this node (a local launch), since under torchrun its node depends on the placement. A
+    generation budget that fills the model's context is refused here too."""
+    from .data.run_data import prompt_room
     from .models.loading import ModelLoadError, check_model_dir
 
     checks = [("model.path", cfg.model.path, False)]
@@ -73,6 +75,11 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
             check_model_dir(path, reward_model=reward_model)
         except ModelLoadError as e:
             raise ConfigError(f"{key}={path}: {e}") from e
+    room = prompt_room(cfg, cfg.model.path)
+    if room is not None and room < 1:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: leaves no room for a prompt in the "
+                          f"model's context of {room + cfg.rollout.max_new_tokens} tokens (max_position_embeddings in "
+                          f"{cfg.model.path}/config.json, or rollout.max_kv_tokens); lower it")
     if cfg.data.task == "file" and driver_node:
         for key in ("data.path", "data.eval_path"):
             path = getattr(cfg.data, key.split(".")[1])

@@ -53,3 +53,10 @@ def test_under_torchrun_a_node_checks_only_what_it_reads(tmp_path):
     cfg.model.path = str(tmp_path / "no_model")
     with pytest.raises(ConfigError, match="model.path="):
         check_paths(cfg, driver_node=False, every_role_here=False)
+
+
+def test_a_budget_that_fills_the_context_exits_2(tmp_path, capsys):
+    """The tiny model's context is 128 tokens: a budget of 128 leaves no room for any prompt."""
+    assert _train(tmp_path, "rollout.max_new_tokens=128") == 2
+    err = capsys.readouterr().err
+    assert "rollout.max_new_tokens=128" in err and "context of 128 tokens" in err

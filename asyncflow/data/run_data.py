@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import random
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .addition import AdditionTask
-from .dataset import BUILTIN_ADDITION, PromptDataset, addition_dataset
+from .dataset import BUILTIN_ADDITION, DataError, PromptDataset, addition_dataset
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,13 +59,54 @@ def _eval_record(r: dict[str, Any]) -> dict[str, Any]:
             "metadata": r["metadata"]}
 
 
+def model_context(model_path: str) -> int | None:
+    """The model's context in tokens (``max_position_embeddings`` of its config.json), or None."""
+    try:
+        n = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def prompt_room(cfg: Any, model_path: str) -> int | None:
+    """The longest prompt a rollout request can take: the model's context (and
+    ``rollout.max_kv_tokens`` when set) less ``rollout.max_new_tokens``; None when unbounded."""
+    limits = [n for n in (model_context(model_path), cfg.rollout.max_kv_tokens) if n]
+    return min(limits) - cfg.rollout.max_new_tokens if limits else None
+
+
+def _fit_prompts(d: Any, room: int | None) -> Any:
+    """A prompt file's limit lowered to what leaves room for the budget: such prompts are dropped
+    and counted like those over ``data.max_prompt_tokens``, instead of failing at the rollout."""
+    if room is None or room >= d.max_prompt_tokens:
+        return d
+    log.warning("data: prompts over %d tokens are dropped (data.max_prompt_tokens=%d, but the model's context "
+                "less rollout.max_new_tokens leaves %d)", room, d.max_prompt_tokens, room)
+    return dataclasses.replace(d, max_prompt_tokens=room)
+
+
+def _check_room(train: PromptDataset, room: int | None, cfg: Any) -> None:
+    longest = max((len(train._ids[k]) for k in range(len(train))), default=0)
+    if room is not None and longest > room:
+        raise DataError(f"data.task={cfg.data.task}: its longest prompt has {longest} tokens, and the model's "
+                        f"context less rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves {room}; "
+                        "lower rollout.max_new_tokens")
+
+
 def build_prompt_data(cfg: Any, model_path: str) -> RunData:
-    """``cfg`` is the run's RunConfig; the tokenizer is the model's."""
+    """``cfg`` is the run's RunConfig; the tokenizer is the model's. Every prompt leaves room
+    for ``rollout.max_new_tokens`` in the model's context: a prompt file's longer prompts are
+    dropped (counted), a built-in task whose prompts do not fit is refused."""
     from ..models.loading import load_tokenizer
 
     tok = load_tokenizer(model_path)
     seed = cfg.data.seed if cfg.data.seed >= 0 else cfg.trainer.seed
     d = dataclasses.replace(cfg.data, seed=seed)
+    room = prompt_room(cfg, model_path)
+    if room is not None and room < 1:
+        raise DataError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
+                        f"model's {room + cfg.rollout.max_new_tokens}-token context (or rollout.max_kv_tokens); "
+                        "lower it")
     if d.task == "addition":
         task = AdditionTask(seed=seed, num_eval=d.num_eval)
         train = addition_dataset(tok, task, dataclasses.replace(d, path=BUILTIN_ADDITION))
@@ -72,9 +118,13 @@ def build_prompt_data(cfg: Any, model_path: str) -> RunData:
 
         def sft(n: int, rng: random.Random) -> list[tuple[list[int], list[int]]]:
             return rng.choices(pairs, k=n)
+        _check_room(train, room, cfg)
         return RunData(train, evals, sft)
     if d.task == "calc":
-        return _calc_data(d, tok, seed)
+        data = _calc_data(d, tok, seed)
+        _check_room(data.train, room, cfg)
+        return data
+    d = _fit_prompts(d, room)
     train = PromptDataset(d, tok)
     if d.eval_path:
         ev = PromptDataset(dataclasses.replace(d, path=d.eval_path, shuffle=False), tok)
