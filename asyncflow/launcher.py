@@ -118,7 +118,24 @@ def train_main(argv: Sequence[str]) -> int:
                     tq_imports=list(cfg.imports))
     if "RANK" in os.environ:
         return run_from_env(run)
-    return launch_local(run, cfg.trainer.nproc, describe_rank=lambda r: rank_roles(Path(cfg.trainer.out_dir), r))
+    code = launch_local(run, cfg.trainer.nproc, describe_rank=lambda r: rank_roles(Path(cfg.trainer.out_dir), r))
+    if code:
+        print(resume_hint(Path(cfg.trainer.out_dir), argv), file=sys.stderr)
+    return code
+
+
+def resume_hint(out_dir: Path, argv: Sequence[str]) -> str:
+    """What to run after a failed or interrupted run: the same command resumes from its newest
+    complete checkpoint, if it wrote one."""
+    from .workflow.checkpoints import complete
+
+    found = complete(out_dir)
+    if not found:
+        return f"asyncflow train: no checkpoint was written in {out_dir} (trainer.save_every), so a new run starts over"
+    import shlex
+    again = shlex.join(["asyncflow", "train", *[a for a in argv if not a.startswith("trainer.resume=")],
+                        "trainer.resume=auto"])
+    return f"asyncflow train: the newest checkpoint is {found[-1]}; to go on from it: {again}"
 
 
 def rank_roles(out_dir: Path, rank: int) -> str:

@@ -60,3 +60,20 @@ def test_a_budget_that_fills_the_context_exits_2(tmp_path, capsys):
     assert _train(tmp_path, "rollout.max_new_tokens=128") == 2
     err = capsys.readouterr().err
     assert "rollout.max_new_tokens=128" in err and "context of 128 tokens" in err
+
+
+def test_the_resume_hint_repeats_the_command_with_resume_auto(tmp_path):
+    import shlex
+
+    from asyncflow.launcher import resume_hint
+    from asyncflow.workflow.checkpoints import STATE_FILE
+    argv = ["grpo", "trainer.resume=", "placement.actor_ranks=[0, 1]", f"trainer.out_dir={tmp_path}"]
+    assert "no checkpoint was written" in resume_hint(tmp_path, argv)
+    for step in (3, 7):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step}" / STATE_FILE).write_text("{}")
+    hint = resume_hint(tmp_path, argv)
+    assert "step_7" in hint
+    cmd = shlex.split(hint.split("to go on from it: ", 1)[1])
+    assert cmd == ["asyncflow", "train", "grpo", "placement.actor_ranks=[0, 1]", f"trainer.out_dir={tmp_path}",
+                   "trainer.resume=auto"]

@@ -82,6 +82,8 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
 
     from ..platform import get_platform
 
+    _die_of_sigint()
+
     platform = get_platform(cfg.platform, ranks_per_node=ranks_sharing_devices())
     platform.set_device(platform.device_for_local_rank(local_rank))
     store = connect_store(master_addr, master_port, rank, world_size, cfg.rendezvous_timeout_s, use_agent_store)
@@ -125,6 +127,17 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
     if code == 0:
         dist.destroy_process_group()  # after a failure a peer may be gone: just exit
     return code
+
+
+def _die_of_sigint() -> None:
+    """A rank dies of Ctrl-C at once, as of the launcher's SIGTERM. A KeyboardInterrupt raised
+    wherever the main thread happens to be would run the cleanup below while other threads still
+    use their ZMQ sockets, and libzmq aborts the process on that ("Assertion failed: _term_acks >
+    0"). Nothing is lost by dying: checkpoints are committed whole or not at all, the
+    TransferQueue's process ends with its parent, and the launcher, which gets the same Ctrl-C,
+    stops the other ranks and says how to resume."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stop_this_rank(why: str) -> None:
@@ -229,6 +242,7 @@ def launch_local(cfg: RunConfig, nproc: int, *, monitor_interval_s: float = 0.2,
 
     The launcher stops every rank as soon as one dies, often before the driver can say
     which role was lost: ``describe_rank(rank)`` (e.g. its roles) goes into that message."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -247,6 +261,11 @@ def launch_local(cfg: RunConfig, nproc: int, *, monitor_interval_s: float = 0.2,
         print(f"asyncflow run failed: rank {rank}{f' ({who})' if who else ''} {how} (pid {first.pid})\n"
               f"{e.format_msg()}", file=sys.stderr, flush=True)
         return 1
+    except SignalException as e:  # Ctrl-C or a kill of this launcher: torch has stopped every rank
+        name = signal.Signals(e.sigval).name
+        print(f"asyncflow run interrupted: this launcher got {name} and stopped its {nproc} ranks",
+              file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)  # the shell's code for a death by that signal
 
 
 def _parse_ranks(items: list[str], flag: str) -> dict[str, Any]:

@@ -169,3 +169,34 @@ def test_async_worker_killed_then_disk_full_then_resumed_loses_no_prompt(tmp_pat
     for uid, group in per_uid.items():
         assert len(group) == n and len({seed for _, seed in group}) == n, f"prompt {uid} trained as {group}"
         assert len({step for step, _ in group}) == 1, f"prompt {uid} trained in two steps: {group}"
+
+
+def test_ctrl_c_stops_every_rank_exits_130_and_prints_the_command_that_resumes(tmp_path):
+    """Ctrl-C reaches the launcher and every rank (the terminal signals the process group): the
+    run ends in seconds with exit code 130 and no crash report, leaves no process behind, and
+    the command it prints goes on from its newest checkpoint."""
+    import shlex
+    out = tmp_path / "run"
+    args = [*RUN, "trainer.steps=400", "workflow.mode=async"]
+    p = _start(out, *args)
+    try:
+        _wait_for_checkpoint(p, out, 2)
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 130, err[-4000:]
+    assert "asyncflow run interrupted: this launcher got SIGINT" in err, err[-4000:]
+    assert "Fatal Python error" not in err and "Traceback" not in err, err[-8000:]
+    time.sleep(0.5)
+    assert not _descendants(p.pid), "the interrupted run left processes behind"
+    hint = next(line for line in err.splitlines() if "to go on from it: " in line)
+    cmd = shlex.split(hint.split("to go on from it: ", 1)[1])
+    assert cmd[:3] == ["asyncflow", "train", "grpo"] and cmd[-1] == "trainer.resume=auto", hint
+    resumed = subprocess.run([sys.executable, "-m", "asyncflow.cli", *cmd[1:], "trainer.steps=4"], cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                             capture_output=True, text=True, timeout=240)
+    ok(resumed)
+    assert json.loads((out / "summary.json").read_text())["resumed_at_step"] >= 2
