@@ -50,11 +50,15 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
     cfg.model.path = resolve_model(cfg)
     check_paths(cfg, driver_node=int(os.environ.get("RANK", "0")) == 0, every_role_here="RANK" not in os.environ)
     out = Path(cfg.trainer.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "run_config.yaml"
-    if int(os.environ.get("RANK", "0")) == 0:
-        path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        (out / "ranks.json").unlink(missing_ok=True)  # an earlier run's: written anew once the groups exist
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if int(os.environ.get("RANK", "0")) == 0:
+            path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            (out / "ranks.json").unlink(missing_ok=True)  # an earlier run's: written anew once the groups exist
+    except OSError as e:
+        raise ConfigError(f"trainer.out_dir={out}: the run cannot write there ({e.strerror or e}: "
+                          f"{e.filename or out}); give a directory this user can create and write") from e
     return cfg, path
 
 

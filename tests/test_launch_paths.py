@@ -77,3 +77,11 @@ def test_the_resume_hint_repeats_the_command_with_resume_auto(tmp_path):
     cmd = shlex.split(hint.split("to go on from it: ", 1)[1])
     assert cmd == ["asyncflow", "train", "grpo", "placement.actor_ranks=[0, 1]", f"trainer.out_dir={tmp_path}",
                    "trainer.resume=auto"]
+
+
+def test_an_out_dir_that_cannot_be_written_exits_2_naming_the_key(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    assert _train(tmp_path, f"trainer.out_dir={tmp_path / 'a_file'}") == 2  # (the last out_dir wins)
+    err = capsys.readouterr().err
+    assert f"trainer.out_dir={tmp_path / 'a_file'}: the run cannot write there" in err
+    assert (tmp_path / "a_file").read_text() == "x"  # nothing it held is touched
