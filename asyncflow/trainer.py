@@ -90,6 +90,7 @@ class Training:
             extra = {"steps_done": steps_done, "next_uid": next_uid}
             for role in roles:  # one at a time: they share ranks, and a failure stops at the first
                 await self.roles.groups[role].save_checkpoint(str(tmp / role), extra)
+            ckpts.write_config(tmp, to_dict(self.cfg))
             ckpts.commit(tmp, target, state)
         except Exception as e:
             if tmp is not None:
@@ -119,8 +120,12 @@ class Training:
                 await g.load_reference(self.reference)
         log.warning("resuming from %s: %d RL steps done; %d prompts that were in flight at the checkpoint are "
                     "issued again", path, state.steps_done, len(state.in_flight))
+        changes = ckpts.config_changes(path, to_dict(self.cfg))
+        if changes:  # allowed (a new learning rate, say), but never silent
+            log.warning("resuming with %d settings other than those of the run that wrote %s (its %s): %s",
+                        len(changes), path.name, ckpts.CONFIG_FILE, "; ".join(changes))
         self.summary.update({"resumed_from": str(path), "resumed_at_step": state.steps_done,
-                             "regenerated_prompts": len(state.in_flight)})
+                             "regenerated_prompts": len(state.in_flight), "resume_config_changes": changes})
 
     async def _load_engines(self, path: Path, state: RunState) -> None:
         for role in state.roles:

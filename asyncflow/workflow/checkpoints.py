@@ -20,6 +20,11 @@ from pathlib import Path
 from typing import Any
 
 STATE_FILE = "state.json"
+CONFIG_FILE = "config.json"  # the settings of the run that wrote the checkpoint
+# Settings a resumed run may change without comment: how long it runs, what it logs, where it saves.
+RESUME_MAY_CHANGE = ("trainer.resume", "trainer.steps", "trainer.time_budget_s", "trainer.progress",
+                     "trainer.loggers", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints",
+                     "trainer.wandb", "workflow.call_timeout_s")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 FORMAT = 1
 
@@ -102,6 +107,35 @@ def begin(target: Path) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     return tmp
+
+
+def write_config(tmp: Path, config: dict[str, Any]) -> None:
+    """The run's settings beside its state (before ``commit``), for a resume to compare with."""
+    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1, sort_keys=True))
+
+
+def config_changes(checkpoint: Path, config: dict[str, Any]) -> list[str]:
+    """``key: then -> now`` for each setting that differs from the run that wrote ``checkpoint``
+    (outside ``RESUME_MAY_CHANGE``); empty when it recorded none (an older checkpoint)."""
+    try:
+        then = json.loads((checkpoint / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    a, b = _flat(then), _flat(json.loads(json.dumps(config)))  # as written: tuples read back as lists
+    keep = lambda k: not any(k == m or k.startswith(m + ".") for m in RESUME_MAY_CHANGE)  # noqa: E731
+    missing = object()
+    return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}".replace(repr(missing), "(absent)")
+            for k in sorted(set(a) | set(b)) if keep(k) and a.get(k, missing) != b.get(k, missing)]
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def commit(tmp: Path, target: Path, state: RunState) -> None:

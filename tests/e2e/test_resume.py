@@ -99,6 +99,7 @@ def test_sync_run_killed_at_random_then_resumed_ends_with_the_same_weights(tmp_p
     ok(r)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rl_steps"] == 5 and summary["resumed_at_step"] >= 1, (seed, summary)
+    assert summary["resume_config_changes"] == [], summary  # the same command, plus trainer.resume=auto
 
     a, b = _weights(tmp_path / "straight"), _weights(out)
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
@@ -195,8 +196,12 @@ def test_ctrl_c_stops_every_rank_exits_130_and_prints_the_command_that_resumes(t
     hint = next(line for line in err.splitlines() if "to go on from it: " in line)
     cmd = shlex.split(hint.split("to go on from it: ", 1)[1])
     assert cmd[:3] == ["asyncflow", "train", "grpo"] and cmd[-1] == "trainer.resume=auto", hint
-    resumed = subprocess.run([sys.executable, "-m", "asyncflow.cli", *cmd[1:], "trainer.steps=4"], cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    resumed = subprocess.run([sys.executable, "-m", "asyncflow.cli", *cmd[1:], "trainer.steps=4", "optim.lr=0.002"],
+                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
                              capture_output=True, text=True, timeout=240)
     ok(resumed)
-    assert json.loads((out / "summary.json").read_text())["resumed_at_step"] >= 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_at_step"] >= 2
+    # A setting changed on resume is allowed and reported (trainer.steps, the run's length, is not).
+    assert [c.split(":")[0] for c in summary["resume_config_changes"]] == ["optim.lr"], summary
+    assert "resuming with 1 settings other than" in resumed.stderr

@@ -138,3 +138,16 @@ def test_keep_rows_drops_what_came_after_the_checkpoint(tmp_path):
     assert keep_rows(f, lambda r: r["step"] <= 2) == 2.0
     assert [json.loads(x)["step"] for x in f.read_text().splitlines()] == [1, 2]
     assert keep_rows(tmp_path / "none.jsonl", lambda r: True) == 0.0
+
+
+def test_config_changes_name_each_setting_a_resume_changed_except_run_length_and_logging(tmp_path):
+    from asyncflow.workflow.checkpoints import config_changes, write_config
+    then = {"optim": {"lr": 1e-6, "betas": [0.9, 0.999]}, "rollout": {"n": 8},
+            "trainer": {"steps": 100, "resume": "", "wandb": {"project": "a"}, "seed": 0}}
+    assert config_changes(tmp_path, then) == []  # a checkpoint that recorded no settings: nothing to say
+    write_config(tmp_path, then)
+    assert config_changes(tmp_path, then) == []
+    now = {"optim": {"lr": 1e-3, "betas": (0.9, 0.999)}, "rollout": {"n": 8, "new_key": 1},
+           "trainer": {"steps": 500, "resume": "auto", "wandb": {"project": "b"}, "seed": 1}}
+    assert config_changes(tmp_path, now) == ["optim.lr: 1e-06 -> 0.001", "rollout.new_key: (absent) -> 1",
+                                             "trainer.seed: 0 -> 1"]
