@@ -80,8 +80,9 @@ def _fit_prompts(d: Any, room: int | None) -> Any:
     and counted like those over ``data.max_prompt_tokens``, instead of failing at the rollout."""
     if room is None or room >= d.max_prompt_tokens:
         return d
-    log.warning("data: prompts over %d tokens are dropped (data.max_prompt_tokens=%d, but the model's context "
-                "less rollout.max_new_tokens leaves %d)", room, d.max_prompt_tokens, room)
+    # Said once at start; the dataset warns only if prompts are in fact dropped, with this limit.
+    log.info("data: prompts over %d tokens are dropped (data.max_prompt_tokens=%d, but the model's context "
+             "less rollout.max_new_tokens leaves %d)", room, d.max_prompt_tokens, room)
     return dataclasses.replace(d, max_prompt_tokens=room)
 
 
