@@ -18,6 +18,8 @@ from typing import Sequence
 
 from .config import ConfigError, RunConfig, load_config
 
+log = logging.getLogger(__name__)
+
 
 def parse_train_args(argv: Sequence[str]) -> tuple[str, list[str]]:
     recipe, overrides = "grpo", []
@@ -49,6 +51,12 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
         raise ConfigError(str(e)) from e
     cfg.model.path = resolve_model(cfg)
     check_paths(cfg, driver_node=int(os.environ.get("RANK", "0")) == 0, every_role_here="RANK" not in os.environ)
+    idle = idle_ranks(cfg)
+    if idle and int(os.environ.get("RANK", "0")) == 0:
+        p = cfg.placement
+        log.warning("ranks %s hold no role and will idle (trainer.nproc=%d, placement.actor_ranks=%s, "
+                    "placement.rollout_ranks=%s): lower trainer.nproc or give them roles", idle, cfg.trainer.nproc,
+                    list(p.actor_ranks), list(p.rollout_ranks))
     out = Path(cfg.trainer.out_dir)
     path = out / "run_config.yaml"
     try:
@@ -60,6 +68,15 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
         raise ConfigError(f"trainer.out_dir={out}: the run cannot write there ({e.strerror or e}: "
                           f"{e.filename or out}); give a directory this user can create and write") from e
     return cfg, path
+
+
+def idle_ranks(cfg: RunConfig) -> list[int]:
+    """Ranks a disaggregated placement gives no role, rank 0 aside (it drives the run and serves
+    the TransferQueue, so a placement may leave it free on purpose)."""
+    if cfg.placement.mode != "disaggregated":
+        return []
+    used = {0, *cfg.placement.actor_ranks, *cfg.placement.rollout_ranks}
+    return [r for r in range(cfg.trainer.nproc) if r not in used]
 
 
 def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bool = True) -> None:

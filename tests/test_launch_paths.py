@@ -85,3 +85,11 @@ def test_an_out_dir_that_cannot_be_written_exits_2_naming_the_key(tmp_path, caps
     err = capsys.readouterr().err
     assert f"trainer.out_dir={tmp_path / 'a_file'}: the run cannot write there" in err
     assert (tmp_path / "a_file").read_text() == "x"  # nothing it held is touched
+
+
+def test_ranks_without_a_role_are_named_rank_0_aside():
+    from asyncflow.launcher import idle_ranks
+    assert idle_ranks(load_config(None, ["trainer.nproc=4"])) == [2, 3]
+    assert idle_ranks(load_config(None, ["trainer.nproc=3", "placement.actor_ranks=[1]",
+                                         "placement.rollout_ranks=[2]"])) == []  # rank 0: the driver's
+    assert idle_ranks(load_config(None, ["trainer.nproc=4", "placement.mode=colocated"])) == []
