@@ -83,6 +83,7 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
     from ..platform import get_platform
 
     _die_of_sigint()
+    _thread_lock_for_progress_bars()
 
     platform = get_platform(cfg.platform, ranks_per_node=ranks_sharing_devices())
     platform.set_device(platform.device_for_local_rank(local_rank))
@@ -138,6 +139,18 @@ def _die_of_sigint() -> None:
     stops the other ranks and says how to resume."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """tqdm's default lock holds a multiprocessing RLock: under the spawn start method a named
+    semaphore, which a rank that dies of a signal leaves to Python's resource tracker, and the
+    tracker then warns of "leaked semaphore objects". A rank's bars (its own, transformers')
+    are drawn by threads of this one process: a thread lock serves them."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _stop_this_rank(why: str) -> None:
