@@ -51,8 +51,9 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train", help="run a recipe (default: GRPO, async, 2 CPU ranks, built-in tiny model and task)",
         description="asyncflow train [RECIPE] [key=value ...]  e.g. asyncflow train grpo workflow.mode=sync")
+    from .workflow.recipe import available  # (a directory listing: the help stays fast)
     parser.add_argument("recipe", nargs="?", default=None,
-                        help="a recipe name in recipes/ (grpo, ppo, dapo) or a recipe directory")
+                        help=f"a recipe name in recipes/ ({', '.join(available())}) or a recipe directory")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value (see docs/configuration.md)")
     parser.set_defaults(func=_cmd_train)
 

@@ -5,6 +5,7 @@ mistake in a declaration fails at start with the recipe file and the stage or ro
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +178,13 @@ def test_the_launcher_refuses_a_wrong_recipe_before_starting_processes(tmp_path)
     d = _recipe(tmp_path, 'stages.insert(2, Stage("shape", DRIVER, "", ["nobody_writes"], ["x"], fn=len))')
     with pytest.raises(ConfigError, match="nobody_writes"):
         prepare([str(d), f"trainer.out_dir={tmp_path / 'out'}"])
+
+
+def test_the_train_command_s_help_names_every_built_in_recipe(capsys):
+    from asyncflow.cli import main
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    root = Path(__file__).resolve().parents[2]
+    names = sorted(p.parent.name for p in (root / "recipes").glob("*/recipe.py"))
+    assert names and f"({', '.join(names)})" in help_text, help_text
