@@ -85,8 +85,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
               "the source checkout; clone the repository and install it with `pip install -e .`", file=sys.stderr)
         return 2
     if args.name not in scripts:
-        print(f"asyncflow bench: error: unknown benchmark {args.name!r}; known: {', '.join(scripts)}",
-              file=sys.stderr)
+        what = "name a benchmark" if args.name is None else f"unknown benchmark {args.name!r}"
+        print(f"asyncflow bench: error: {what}; known: {', '.join(scripts)}", file=sys.stderr)
         return 2
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     return subprocess.call([sys.executable, str(scripts[args.name]), *args.args], cwd=repo, env=env)
@@ -96,8 +96,9 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench", help="run a benchmark of perf/ (e.g. asyncflow bench e2e --quick)",
         description="asyncflow bench NAME [ARGS...]: runs perf/bench_NAME.py (or perf/NAME.py) with ARGS")
-    parser.add_argument("name", help="transfer_queue, rpc, rollout, weight_sync, e2e, auth, soak, convergence, "
-                                     "simulate_cluster")
+    parser.add_argument("name", nargs="?", default=None,
+                        help="transfer_queue, rpc, rollout, weight_sync, e2e, auth, soak, convergence, "
+                             "simulate_cluster")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments (e.g. --quick)")
     parser.set_defaults(func=_cmd_bench)
 

@@ -20,6 +20,9 @@ def test_unknown_benchmark_exits_2_listing_the_known_ones(capsys):
     assert main(["bench", "nope"]) == 2
     err = capsys.readouterr().err
     assert "unknown benchmark 'nope'" in err and "e2e" in err
+    assert main(["bench"]) == 2  # no name: the list, not argparse's "arguments are required"
+    err = capsys.readouterr().err
+    assert "name a benchmark; known:" in err and "e2e" in err
 
 
 def test_arguments_reach_the_script():
