@@ -453,8 +453,9 @@ def _registry_problems(cfg: RunConfig) -> list[str]:
         checks.append(("algorithm.policy_loss", POLICY_LOSSES, a.policy_loss))
     out = []
     for key, reg, name in checks:
-        if name not in (reg.names() if hasattr(reg, "names") else reg):
-            out.append(f"{key}: {name!r} is not registered; known: {', '.join(sorted(reg.names()))}")
+        known = list(reg.names()) if hasattr(reg, "names") else list(reg)  # a Registry, or REWARDS (a dict)
+        if name not in known:
+            out.append(f"{key}: {name!r} is not registered; known: {', '.join(sorted(known))}")
     return out
 
 
