@@ -356,6 +356,18 @@ def _check(cfg: RunConfig) -> RunConfig:
         problems.append(f"workflow.max_staleness: must be >= 0, got {w.max_staleness}")
     if r.n < 1:
         problems.append(f"rollout.n: must be >= 1, got {r.n}")
+    # The engines' SamplingParams refuse the same values, but only once a rank has started.
+    if r.max_new_tokens < 1:
+        problems.append(f"rollout.max_new_tokens: must be >= 1 (a response of no token trains nothing), "
+                        f"got {r.max_new_tokens}")
+    if r.temperature < 0:
+        problems.append(f"rollout.temperature: must be >= 0 (0: greedy), got {r.temperature}")
+    if not 0.0 < r.top_p <= 1.0:
+        problems.append(f"rollout.top_p: must lie in (0, 1], got {r.top_p}")
+    if r.top_k < 0:
+        problems.append(f"rollout.top_k: must be >= 0 (0: off), got {r.top_k}")
+    if not 0.0 < r.gpu_memory_utilization <= 1.0:
+        problems.append(f"rollout.gpu_memory_utilization: must lie in (0, 1], got {r.gpu_memory_utilization}")
     a = cfg.algorithm
     if a.ppo_epochs < 1 or a.ppo_mini_batch_size < 0:
         problems.append(f"algorithm.ppo_epochs must be >= 1 and algorithm.ppo_mini_batch_size >= 0 (0: the whole "

@@ -119,3 +119,14 @@ def test_weight_sync_settings_are_checked():
         load_config(overrides=["weight_sync.bucket_mb=0"])
     with pytest.raises(ConfigError, match="weight_sync"):
         load_config(overrides=["weight_sync.load=copy"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.max_new_tokens=0", "rollout.max_new_tokens"), ("rollout.temperature=-1", "rollout.temperature"),
+    ("rollout.top_p=0", "rollout.top_p"), ("rollout.top_p=2", "rollout.top_p"), ("rollout.top_k=-1", "rollout.top_k"),
+    ("rollout.gpu_memory_utilization=3", "rollout.gpu_memory_utilization")])
+def test_sampling_values_the_engines_refuse_are_config_errors_at_load(override, key):
+    """Refused when the config loads, naming the key, not by a rollout rank once the run started."""
+    with pytest.raises(ConfigError, match=f"{key}: must"):
+        load_config(None, [override])
+    load_config(None, ["rollout.temperature=0", "rollout.top_p=1", "rollout.top_k=0"])  # the edges are fine
