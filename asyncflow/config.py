@@ -144,6 +144,9 @@ class OptimConfig:
                 f"OptimConfig.total_steps ({self.total_steps}) must be 0 or >= "
                 f"warmup_steps ({self.warmup_steps})"
             )
+        if self.weight_decay < 0 or self.eps <= 0 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"OptimConfig: weight_decay must be >= 0, eps > 0 and betas in [0, 1), got "
+                             f"{self.weight_decay}, {self.eps} and {tuple(self.betas)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_nonfinite_in_row < 1:
@@ -356,6 +359,23 @@ def _check(cfg: RunConfig) -> RunConfig:
         problems.append(f"workflow.max_staleness: must be >= 0, got {w.max_staleness}")
     if r.n < 1:
         problems.append(f"rollout.n: must be >= 1, got {r.n}")
+    wu, d = cfg.warmup, cfg.data
+    for key, value, ok, rule in [
+            ("trainer.steps", t.steps, t.steps >= 0, ">= 0"),
+            ("trainer.time_budget_s", t.time_budget_s, t.time_budget_s >= 0, ">= 0 (0: no limit)"),
+            ("trainer.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0: only before and after RL)"),
+            ("trainer.threads", t.threads, t.threads >= 0, ">= 0 (0: auto)"),
+            ("workflow.call_timeout_s", w.call_timeout_s, w.call_timeout_s > 0, "> 0 (every wait is bounded)"),
+            ("reward.timeout_s", cfg.reward.timeout_s, cfg.reward.timeout_s > 0, "> 0"),
+            ("data.num_eval", d.num_eval, d.num_eval >= 1, ">= 1"),
+            ("data.max_prompt_tokens", d.max_prompt_tokens, d.max_prompt_tokens >= 1, ">= 1"),
+            ("warmup.lr", wu.lr, wu.lr > 0, "> 0"),
+            ("warmup.max_steps", wu.max_steps, wu.max_steps >= 0, ">= 0"),
+            ("warmup.batch_size", wu.batch_size, wu.batch_size >= 1, ">= 1"),
+            ("warmup.check_every", wu.check_every, wu.check_every >= 1, ">= 1"),
+            ("warmup.target_accuracy", wu.target_accuracy, 0.0 <= wu.target_accuracy <= 1.0, "in [0, 1]")]:
+        if not ok:
+            problems.append(f"{key}: must be {rule}, got {value}")
     # The engines' SamplingParams refuse the same values, but only once a rank has started.
     if r.max_new_tokens < 1:
         problems.append(f"rollout.max_new_tokens: must be >= 1 (a response of no token trains nothing), "

@@ -130,3 +130,17 @@ def test_sampling_values_the_engines_refuse_are_config_errors_at_load(override, 
     with pytest.raises(ConfigError, match=f"{key}: must"):
         load_config(None, [override])
     load_config(None, ["rollout.temperature=0", "rollout.top_p=1", "rollout.top_k=0"])  # the edges are fine
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.steps=-1", "trainer.steps"), ("trainer.time_budget_s=-1", "trainer.time_budget_s"),
+    ("trainer.eval_every=-1", "trainer.eval_every"), ("trainer.threads=-1", "trainer.threads"),
+    ("workflow.call_timeout_s=0", "workflow.call_timeout_s"), ("reward.timeout_s=0", "reward.timeout_s"),
+    ("data.num_eval=0", "data.num_eval"), ("data.max_prompt_tokens=0", "data.max_prompt_tokens"),
+    ("warmup.lr=0", "warmup.lr"), ("warmup.max_steps=-1", "warmup.max_steps"),
+    ("warmup.batch_size=0", "warmup.batch_size"), ("warmup.check_every=0", "warmup.check_every"),
+    ("warmup.target_accuracy=2", "warmup.target_accuracy"), ("algorithm.kl_coef=-1", "algorithm.kl_coef"),
+    ("optim.weight_decay=-1", "weight_decay"), ("optim.betas=[0.9,1.5]", "betas")])
+def test_out_of_range_run_settings_are_config_errors_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [override])

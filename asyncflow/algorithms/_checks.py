@@ -62,6 +62,7 @@ _RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "is_cap": (lambda v: v > 0.0, "must be > 0"),
     "tis_cap": (lambda v: v > 0.0, "must be > 0"),
     "max_log_ratio": (lambda v: v > 0.0, "must be > 0"),
+    "kl_coef": (lambda v: v >= 0.0, "must be >= 0 (0: no reference stage)"),
 }
 ADVANTAGE_KEYS = ("gamma", "lam", "eps")
 POLICY_LOSS_KEYS = ("clip_low", "clip_high", "dual_clip_c", "is_cap", "tis_cap", "max_log_ratio")
