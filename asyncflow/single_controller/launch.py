@@ -16,13 +16,16 @@ import contextlib
 import importlib
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import traceback
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..config import UnitsConfig
@@ -220,8 +223,9 @@ async def run_driver(cfg: RunConfig, addresses: list[str], host: str, tq: Any = 
             await driver.start()
             await driver.run(main(driver))
             return 0
-        except Exception:  # noqa: BLE001 - the run's failure: print it whole, exit non-zero
+        except Exception as e:  # noqa: BLE001 - the run's failure: print it whole, exit non-zero
             print(f"asyncflow driver failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            _leave_failure(e)
             return 1
         finally:
             if tq is not None:  # while every node's unit still runs
@@ -229,6 +233,22 @@ async def run_driver(cfg: RunConfig, addresses: list[str], host: str, tq: Any = 
             await driver.shutdown()
             if tq is not None:
                 tq.stop_in_thread()
+
+
+FAILURE_FILE_ENV = "ASYNCFLOW_FAILURE_FILE"
+
+
+def _leave_failure(e: BaseException) -> None:
+    """The driver's error, for the launcher to repeat as its last line: torch's own report of
+    the exiting ranks otherwise buries it under its tracebacks."""
+    path = os.environ.get(FAILURE_FILE_ENV)
+    if path:
+        lines = f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__]
+        more = " (the whole error, with the remote traceback, is above)" if len(lines) > 1 else ""
+        try:
+            Path(path).write_text(lines[0][:2000] + more)
+        except OSError:
+            pass  # the full traceback is on stderr already
 
 
 def run_from_env(cfg: RunConfig) -> int:
@@ -264,6 +284,9 @@ def launch_local(cfg: RunConfig, nproc: int, *, monitor_interval_s: float = 0.2,
                       monitor_interval=monitor_interval_s, start_method="spawn")
     # By its importable name, not __main__'s: spawned children unpickle it from there.
     from asyncflow.single_controller.launch import _elastic_entry as entry
+    failure = Path(tempfile.mkdtemp(prefix="asyncflow-launch-")) / "driver_failure.txt"
+    previous = os.environ.get(FAILURE_FILE_ENV)
+    os.environ[FAILURE_FILE_ENV] = str(failure)  # the ranks inherit it
     try:
         elastic_launch(lc, entry)(cfg)
         return 0
@@ -271,14 +294,21 @@ def launch_local(cfg: RunConfig, nproc: int, *, monitor_interval_s: float = 0.2,
         rank, first = e.get_first_failure()  # the global rank
         how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with code {first.exitcode}"
         who = describe_rank(rank) if describe_rank is not None else ""
+        cause = f"\nasyncflow run failed: the driver's error: {failure.read_text()}" if failure.is_file() else ""
         print(f"asyncflow run failed: rank {rank}{f' ({who})' if who else ''} {how} (pid {first.pid})\n"
-              f"{e.format_msg()}", file=sys.stderr, flush=True)
+              f"{e.format_msg()}{cause}", file=sys.stderr, flush=True)
         return 1
     except SignalException as e:  # Ctrl-C or a kill of this launcher: torch has stopped every rank
         name = signal.Signals(e.sigval).name
         print(f"asyncflow run interrupted: this launcher got {name} and stopped its {nproc} ranks",
               file=sys.stderr, flush=True)
         return 128 + int(e.sigval)  # the shell's code for a death by that signal
+    finally:
+        shutil.rmtree(failure.parent, ignore_errors=True)
+        if previous is None:
+            os.environ.pop(FAILURE_FILE_ENV, None)
+        else:
+            os.environ[FAILURE_FILE_ENV] = previous
 
 
 def _parse_ranks(items: list[str], flag: str) -> dict[str, Any]:

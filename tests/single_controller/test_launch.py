@@ -39,6 +39,17 @@ def test_torchrun_failing_main_exits_nonzero_with_remote_traceback():
     assert "echo.fail failed on rank 0" in out and "_deep_failure" in out, out
 
 
+def test_self_launch_ends_with_the_driver_s_error_after_torch_s_report():
+    """The launcher's last line repeats the driver's error, which torch's report of the exiting
+    ranks (its own tracebacks) would otherwise bury."""
+    p = _run(["-m", "asyncflow.single_controller.launch", "--nproc", "2", "--platform", "cpu",
+              "--main", "_sc_workers:launch_failing_main"])
+    assert p.returncode != 0, p.stdout + p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("asyncflow run failed: the driver's error: WorkerError: ") and "echo.fail failed on rank 0" in last, \
+        p.stderr[-3000:]
+
+
 SELF_LAUNCH = ["-m", "asyncflow.single_controller.launch", "--nproc", "2"]
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "-m", "asyncflow.single_controller.launch"]
