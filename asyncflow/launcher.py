@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -50,9 +51,10 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
     except (ValueError, TypeError, ImportError, AttributeError) as e:
         raise ConfigError(str(e)) from e
     cfg.model.path = resolve_model(cfg)
-    check_paths(cfg, driver_node=int(os.environ.get("RANK", "0")) == 0, every_role_here="RANK" not in os.environ)
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # this process starts the ranks, or is rank 0 under torchrun
+    check_paths(cfg, driver_node=rank0, every_role_here="RANK" not in os.environ)
     idle = idle_ranks(cfg)
-    if idle and int(os.environ.get("RANK", "0")) == 0:
+    if idle and rank0:
         p = cfg.placement
         log.warning("ranks %s hold no role and will idle (trainer.nproc=%d, placement.actor_ranks=%s, "
                     "placement.rollout_ranks=%s): lower trainer.nproc or give them roles", idle, cfg.trainer.nproc,
@@ -61,7 +63,7 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
     path = out / "run_config.yaml"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank0:
             path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             (out / "ranks.json").unlink(missing_ok=True)  # an earlier run's: written anew once the groups exist
     except OSError as e:
@@ -85,6 +87,7 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
     the driver's node reads the prompt files; the reward model is checked where every role runs
     on this node (a local launch), since under torchrun its node depends on the placement. A
     generation budget that fills the model's context is refused here too."""
+    from .data.dataset import DataError
     from .data.run_data import prompt_room
     from .models.loading import ModelLoadError, check_model_dir
 
@@ -96,11 +99,10 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
             check_model_dir(path, reward_model=reward_model)
         except ModelLoadError as e:
             raise ConfigError(f"{key}={path}: {e}") from e
-    room = prompt_room(cfg, cfg.model.path)
-    if room is not None and room < 1:
-        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: leaves no room for a prompt in the "
-                          f"model's context of {room + cfg.rollout.max_new_tokens} tokens (max_position_embeddings in "
-                          f"{cfg.model.path}/config.json, or rollout.max_kv_tokens); lower it")
+    try:
+        prompt_room(cfg, cfg.model.path)
+    except DataError as e:
+        raise ConfigError(str(e)) from e
     if cfg.data.task == "file" and driver_node:
         for key in ("data.path", "data.eval_path"):
             path = getattr(cfg.data, key.split(".")[1])
@@ -153,7 +155,6 @@ def resume_hint(out_dir: Path, argv: Sequence[str]) -> str:
     found = complete(out_dir)
     if not found:
         return f"asyncflow train: no checkpoint was written in {out_dir} (trainer.save_every), so a new run starts over"
-    import shlex
     again = shlex.join(["asyncflow", "train", *[a for a in argv if not a.startswith("trainer.resume=")],
                         "trainer.resume=auto"])
     return f"asyncflow train: the newest checkpoint is {found[-1]}; to go on from it: {again}"

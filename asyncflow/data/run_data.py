@@ -5,8 +5,8 @@ import dataclasses
 import json
 import logging
 import random
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .addition import AdditionTask
@@ -70,9 +70,17 @@ def model_context(model_path: str) -> int | None:
 
 def prompt_room(cfg: Any, model_path: str) -> int | None:
     """The longest prompt a rollout request can take: the model's context (and
-    ``rollout.max_kv_tokens`` when set) less ``rollout.max_new_tokens``; None when unbounded."""
+    ``rollout.max_kv_tokens`` when set) less ``rollout.max_new_tokens``; None when unbounded.
+    A budget that leaves no room at all is a DataError."""
     limits = [n for n in (model_context(model_path), cfg.rollout.max_kv_tokens) if n]
-    return min(limits) - cfg.rollout.max_new_tokens if limits else None
+    if not limits:
+        return None
+    room = min(limits) - cfg.rollout.max_new_tokens
+    if room < 1:
+        raise DataError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: leaves no room for a prompt in the "
+                        f"model's context of {min(limits)} tokens (max_position_embeddings in "
+                        f"{model_path}/config.json, or rollout.max_kv_tokens); lower it")
+    return room
 
 
 def _fit_prompts(d: Any, room: int | None) -> Any:
@@ -87,7 +95,7 @@ def _fit_prompts(d: Any, room: int | None) -> Any:
 
 
 def _check_room(train: PromptDataset, room: int | None, cfg: Any) -> None:
-    longest = max((len(train._ids[k]) for k in range(len(train))), default=0)
+    longest = max(map(len, train._ids), default=0)
     if room is not None and longest > room:
         raise DataError(f"data.task={cfg.data.task}: its longest prompt has {longest} tokens, and the model's "
                         f"context less rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves {room}; "
@@ -104,10 +112,6 @@ def build_prompt_data(cfg: Any, model_path: str) -> RunData:
     seed = cfg.data.seed if cfg.data.seed >= 0 else cfg.trainer.seed
     d = dataclasses.replace(cfg.data, seed=seed)
     room = prompt_room(cfg, model_path)
-    if room is not None and room < 1:
-        raise DataError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
-                        f"model's {room + cfg.rollout.max_new_tokens}-token context (or rollout.max_kv_tokens); "
-                        "lower it")
     if d.task == "addition":
         task = AdditionTask(seed=seed, num_eval=d.num_eval)
         train = addition_dataset(tok, task, dataclasses.replace(d, path=BUILTIN_ADDITION))
