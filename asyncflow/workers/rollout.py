@@ -62,15 +62,7 @@ class RolloutWorker(EngineOffload, Worker):
                                                device=self.device, max_running_rows=r.max_running_rows,
                                                max_kv_tokens=r.max_kv_tokens, prefill_chunk=r.prefill_chunk)
         elif r.engine == "vllm":
-            from ..config import rollout_devices
-            from ..engines.rollout.vllm import VLLMRolloutEngine
-            # pinned to placement.rollout_devices (tensor parallel over several), else to this rank's device
-            devices = rollout_devices(c, self.rank)
-            if devices is None and self.device.type == "cuda" and self.device.index is not None:
-                devices = [self.device.index]
-            self.engine = VLLMRolloutEngine(c.model.path, devices=devices,
-                                            gpu_memory_utilization=r.gpu_memory_utilization,
-                                            max_num_seqs=r.max_running_rows)
+            self.engine = self._vllm_engine(c)
         else:
             raise ValueError(f"rollout worker rank {self.rank}: unknown engine {r.engine!r} (builtin | vllm)")
         self.engine.version = 0
@@ -98,7 +90,40 @@ class RolloutWorker(EngineOffload, Worker):
         self.local = False  # this instance shares a process with a training rank
         self.sync_timeout_s = sync_timeout_s
         self.seq = 0  # publish counter of the weights held
-        self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
+        # colocated placement: free the device while other roles run (vLLM: only where it can sleep)
+        self.start_idle(offload_idle(c) and bool(getattr(self.engine, "enable_sleep_mode", True)))
+
+    def _vllm_engine(self, c: Any) -> Any:
+        """The vLLM instance of this rank: the run's rollout dtype, its devices (tensor parallel
+        over several), on CPU its share of the node's cores, and rollout.engine_kwargs."""
+        import os
+
+        from ..config import offload_idle, rank_threads, rollout_devices, rollout_dtype
+        from ..engines.rollout.vllm import VLLMRolloutEngine
+        from ..engines.rollout.vllm_args import cpu_bind, usable_cores
+        r = c.rollout
+        extra = dict(r.engine_kwargs)
+        tp = extra.pop("tensor_parallel_size", None)
+        # pinned to placement.rollout_devices (tensor parallel over several), else to this rank's device
+        devices = rollout_devices(c, self.rank)
+        if devices is None and self.device.type == "cuda" and self.device.index is not None and tp in (None, 1):
+            devices = [self.device.index]
+        bind = None
+        if self.device.type == "cpu":
+            local = int(os.environ.get("LOCAL_RANK", self.rank))
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or c.trainer.nproc
+            bind = cpu_bind(usable_cores(), local, per_node, rank_threads(c), int(tp or 1))
+        return VLLMRolloutEngine(c.model.path, devices=devices, tensor_parallel_size=tp,
+                                 gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_running_rows,
+                                 dtype=rollout_dtype(c, self.platform.is_accelerator), seed=c.trainer.seed,
+                                 enable_sleep_mode=None if offload_idle(c) else False, cpu_bind=bind, **extra)
+
+    def teardown(self) -> None:
+        """Stop the service thread, then the engine's own processes (vLLM's workers)."""
+        self.service.close()
+        shutdown = getattr(self.engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
 
     # ---- colocation --------------------------------------------------------------------------
     def _free_engine(self) -> None:
@@ -137,7 +162,6 @@ class RolloutWorker(EngineOffload, Worker):
         if self._engine_receives:  # vLLM: its own workers join, one member each
             self.service.call(lambda e: e.join_weight_groups(addrs, index, w.timeout_s), w.timeout_s,
                               "join_weight_groups")
-            self.load_mode = "in_place"  # vLLM holds one copy of its weights
             return
         groups = {k: WireGroup(a, index, w.timeout_s, device=self.device) for k, a in enumerate(addrs)}
         self.receiver = BucketReceiver(self.rank, self.role, train_ranks, groups, w.timeout_s, self.device)
@@ -147,6 +171,10 @@ class RolloutWorker(EngineOffload, Worker):
         """Start receiving ``version`` in the background (before the actor publishes it; an
         instance in an actor's process gets it during the publish instead)."""
         if self._engine_receives and not self.local:
+            if self.load_mode == "staged":  # vLLM's workers receive it on a thread while they generate
+                self.service.call(lambda e: e.stage_weights(), self.sync_timeout_s, "stage_weights")
+                self._in_place = (None, None)
+                return
             fut = self.service.update_weights_with(lambda e: e.receive_weights(self.service.swap_mode), version)
             self._in_place = (None, fut)
             return
@@ -172,7 +200,12 @@ class RolloutWorker(EngineOffload, Worker):
             raise RuntimeError(f"rollout rank {self.rank}: swap_weights before init_weight_sync")
         if self.receiver is not None:
             self.receiver.join()
-        if self._engine_receives and not self.local:  # vLLM's workers received it, generation paused
+        if self._engine_receives and not self.local:  # vLLM's workers received it
+            if self.load_mode == "staged":  # loaded from their staged copies at a step boundary
+                timeout = self.sync_timeout_s
+                fut = self.service.update_weights_with(lambda e: e.swap_staged(self.service.swap_mode, timeout),
+                                                       version)
+                self._in_place = (None, fut)
             out = self._in_place[1].result(self.sync_timeout_s) if self._in_place[1] is not None else None
             self._in_place = (None, None)
             head = self.engine.last_header

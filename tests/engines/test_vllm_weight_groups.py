@@ -32,6 +32,8 @@ class _Model(nn.Module):
 
 
 class _Worker(WeightLoaderExtension):
+    vllm_config = None  # no vLLM: the reload falls back to the model's load_weights
+
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.model_runner = type("Runner", (), {"model": _Model()})()
@@ -118,14 +120,16 @@ def test_in_process_tensors_reach_the_workers_in_chunks():
     run = llm.collective_rpc
 
     def counting(method, args=()):
-        calls.append(len(args[0]) if args else 0)
+        calls.append((method, len(args[0]) if args else 0))
         return run(method, args)
     llm.collective_rpc = counting
     engine = VLLMRolloutEngine.from_llm(llm, SPECS, TIED, fake_params)
     sd = _weights(5.0)
     header = make_header(sd.items(), 1, 1, 1 << 20, 1, None)
     engine.load_weights_stream(header.specs, zip(header.specs, sd.values()), 1, chunk_bytes=16)
-    assert engine.version == 1 and calls == [1, 1]  # one tensor a chunk at 16 bytes
+    # one tensor a chunk at 16 bytes, between the opening and the closing of vLLM's reload
+    assert engine.version == 1 and calls == [("asyncflow_begin_reload", 0), ("asyncflow_load_chunk", 1),
+                                             ("asyncflow_load_chunk", 1), ("asyncflow_finish_reload", 0)]
     assert all(torch.equal(llm.workers[0].model_runner.model.loaded[k], sd[k].to(torch.bfloat16)) for k in sd)
 
 

