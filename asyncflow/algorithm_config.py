@@ -31,6 +31,14 @@ class AlgorithmConfig:
     is_cap: float = 2.0  # cap on decoupled_ppo's behaviour importance weight
     tis_cap: float = 2.0  # cap on tis's truncated importance weight
     max_log_ratio: float = 20.0  # log-ratios are clamped to +-this before exp (verl: 20)
+    # Rollout correction (asyncflow/algorithms/rollout_corr.py): the engine that sampled the
+    # tokens (behaviour log-probs) and the trainer (proximal log-probs) disagree even on the
+    # same weights. rho = exp(proximal - behaviour) per token; every policy loss composes with it.
+    rollout_is: str = ""  # "" | token | sequence | geometric: weight the loss by min(rho, rollout_is_cap)
+    rollout_is_cap: float = 2.0  # > 0; the cap on that weight
+    rollout_mask: str = ""  # "" | token | sequence | geometric | any_token: drop tokens whose rho leaves the band
+    rollout_mask_low: float = 0.5  # the band [low, high]: 0 < low < 1
+    rollout_mask_high: float = 2.0  # high > 1
     kl_coef: float = 0.0  # > 0 adds the reference stage
     kl_estimator: str = "k3"
     kl_in_reward: bool = False

@@ -343,10 +343,12 @@ def rank_threads(cfg: RunConfig, cpus: int | None = None) -> int:
 
 
 def policy_loss_name(cfg: RunConfig) -> str:
-    """``algorithm.policy_loss``, with auto resolved: decoupled_ppo in async mode, else ppo_clip."""
+    """``algorithm.policy_loss``, with auto resolved: decoupled_ppo in async mode, else ppo_clip.
+    With ``algorithm.rollout_is`` set, ppo_clip in every mode: its importance weight replaces
+    decoupled_ppo's own (rollout_is=token with the same cap is decoupled_ppo)."""
     if cfg.algorithm.policy_loss != "auto":
         return cfg.algorithm.policy_loss
-    return "decoupled_ppo" if cfg.workflow.mode == "async" else "ppo_clip"
+    return "decoupled_ppo" if cfg.workflow.mode == "async" and not cfg.algorithm.rollout_is else "ppo_clip"
 
 
 def offload_idle(cfg: RunConfig) -> bool:

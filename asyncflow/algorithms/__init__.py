@@ -19,6 +19,8 @@ from ._checks import algorithm_config_problems, check_algorithm_config
 from .value_loss import clipped_value_loss, mse_value_loss
 from .kl import K3_MAX, kl_penalty_to_reward
 from .entropy import entropy_from_logits
+from .rollout_corr import (RolloutCorrection, mismatch_terms, rollout_correction, rollout_is_weights,
+                           rollout_keep_mask, rollout_log_ratio, sequence_log_ratio)
 
 __all__ = [
     "Registry", "ADVANTAGES", "POLICY_LOSSES", "VALUE_LOSSES", "KL_ESTIMATORS", "AGGREGATIONS",
@@ -28,4 +30,6 @@ __all__ = [
     "clipped_value_loss", "mse_value_loss",
     "kl_penalty_to_reward", "K3_MAX",
     "entropy_from_logits",
+    "RolloutCorrection", "rollout_correction", "rollout_log_ratio", "sequence_log_ratio", "rollout_is_weights",
+    "rollout_keep_mask", "mismatch_terms",
 ]

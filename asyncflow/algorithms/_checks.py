@@ -63,21 +63,45 @@ _RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "tis_cap": (lambda v: v > 0.0, "must be > 0"),
     "max_log_ratio": (lambda v: v > 0.0, "must be > 0"),
     "kl_coef": (lambda v: v >= 0.0, "must be >= 0 (0: no reference stage)"),
+    "rollout_is_cap": (lambda v: v > 0.0, "must be > 0"),
+    "rollout_mask_low": (lambda v: 0.0 < v < 1.0, "must be in (0, 1) (the band [low, high] holds ratio 1)"),
+    "rollout_mask_high": (lambda v: v > 1.0, "must be > 1 (the band [low, high] holds ratio 1)"),
 }
+# Keys whose value is one of a few names ("" = off). The rollout correction's levels: the
+# weight or the band applies per token, to a sequence's product of ratios, to their geometric
+# mean, or (masks only) to a whole sequence when any of its tokens leaves the band.
+ROLLOUT_IS_LEVELS = ("", "token", "sequence", "geometric")
+ROLLOUT_MASK_LEVELS = ("", "token", "sequence", "geometric", "any_token")
+_CHOICES: dict[str, tuple[str, ...]] = {"rollout_is": ROLLOUT_IS_LEVELS, "rollout_mask": ROLLOUT_MASK_LEVELS}
+# Policy losses that already multiply by their own min(exp(old - behav), cap): algorithm.rollout_is
+# on top would weight every token twice by the same ratio.
+SELF_WEIGHTED_LOSSES = ("decoupled_ppo", "tis")
 ADVANTAGE_KEYS = ("gamma", "lam", "eps")
 POLICY_LOSS_KEYS = ("clip_low", "clip_high", "dual_clip_c", "is_cap", "tis_cap", "max_log_ratio")
+ROLLOUT_CORR_KEYS = ("rollout_is", "rollout_is_cap", "rollout_mask", "rollout_mask_low", "rollout_mask_high",
+                     "max_log_ratio")
 
 
-def algorithm_config_problems(cfg: object, keys: Iterable[str] = tuple(_RULES)) -> list[str]:
+def algorithm_config_problems(cfg: object, keys: Iterable[str] = (*_RULES, *_CHOICES)) -> list[str]:
     """One line per bad value among ``keys`` of an AlgorithmConfig, named by its key
     (``algorithm.gamma: must be in [0, 1], got 1.5``). config._check reports these at start-up."""
+    keys = tuple(keys)
     out = []
     for key in keys:
-        test, need = _RULES[key]
         v = getattr(cfg, key)
+        if key in _CHOICES:
+            if v not in _CHOICES[key]:
+                out.append(f"algorithm.{key}: must be one of {', '.join(map(repr, _CHOICES[key]))} ('': off), "
+                           f"got {v!r}")
+            continue
+        test, need = _RULES[key]
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and test(float(v))  # NaN fails every test
         if not ok:
             out.append(f"algorithm.{key}: {need}, got {v!r}")
+    if "rollout_is" in keys and getattr(cfg, "rollout_is", "") and getattr(cfg, "policy_loss", "") in SELF_WEIGHTED_LOSSES:
+        out.append(f"algorithm.rollout_is: {cfg.rollout_is!r} with algorithm.policy_loss={cfg.policy_loss} would weight "
+                   f"each token twice by exp(old - behav) ({cfg.policy_loss} applies its own capped weight); use "
+                   f"policy_loss=ppo_clip (or auto) with rollout_is, or rollout_is='' with {cfg.policy_loss}")
     return out
 
 

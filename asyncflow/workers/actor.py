@@ -17,7 +17,7 @@ import torch
 
 from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
-from .actor_loss import policy_loss_fn, sft_loss_fn
+from .actor_loss import RolloutCorr, policy_loss_fn, sft_loss_fn
 from .common import (EngineCheckpoints, EngineOffload, config_of, engine_optim, per_token_column, policy_model,
                      rows, setup_rank, train_engine_class)
 
@@ -89,8 +89,8 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         (partition, task, timeout in ``batch``): ``ppo_epochs`` passes, each one optimizer step
         per mini-batch. Returns the step's metrics (the same on every rank)."""
         io = StageIO.of(io, UPDATE_INPUTS, [])
-        have = [c for c in (*PER_TOKEN, "loss_mask", "prompt_ids", "response_ids", "scores", "gen_version")
-                if c in io.inputs]
+        have = [c for c in (*PER_TOKEN, "loss_mask", "prompt_ids", "response_ids", "scores", "gen_version",
+                            "token_versions") if c in io.inputs]
         if "advantages" not in have:
             raise ValueError(f"actor rank {self.rank}: the update stage must read an 'advantages' column "
                              f"(the recipe's advantage stage writes it); it reads {io.inputs}")
@@ -110,6 +110,12 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         fields = {c: ([x.float() for x in rows(data[c])] if data is not None else []) for c in PER_TOKEN if c in have}
         if "loss_mask" in have:  # multi-turn rows: 1 = model token; tool/env tokens get no gradient
             fields["loss_mask"] = rows(data["loss_mask"]) if data is not None else []  # engine checks 0/1
+        if "behav_log_probs" in fields:  # the version that sampled each token: rollout_corr's same-version figures
+            if "token_versions" in have:
+                fields["token_versions"] = [x.float() for x in rows(data["token_versions"])] if data is not None else []
+            elif "gen_version" in have:  # a row's oldest token's version: only rows wholly of one version match
+                fields["token_versions"] = ([torch.full(r.shape, float(v)) for r, v in
+                                             zip(responses, data["gen_version"].tolist())] if data is not None else [])
         metrics = self._train(step, meta, prompts, responses, fields)
         metrics.update(self._batch_stats(step, data, responses, prompts, fields.get("loss_mask")))
         return metrics
@@ -119,11 +125,20 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         n_prompts = len(set(meta.groups)) if meta.groups else len(meta)
         per_epoch = 1 if a.ppo_mini_batch_size <= 0 else max(1, math.ceil(n_prompts / a.ppo_mini_batch_size))
         steps = a.ppo_epochs * per_epoch
-        if steps > 1 and "old_log_probs" not in fields:
-            # Several optimizer steps: the ratio is against the weights the update starts from.
+        behav = "behav_log_probs" in fields
+        if (a.rollout_is or a.rollout_mask) and not behav:
+            raise ValueError(f"actor rank {self.rank}: algorithm.rollout_is / rollout_mask ({a.rollout_is!r} / "
+                             f"{a.rollout_mask!r}) need the behaviour log-probs: the update stage must read the "
+                             f"behav_log_probs column")
+        # Several optimizer steps: the ratio is against the weights the update starts from. A
+        # rollout mask: the tokens it drops must be known before the loss's token counts.
+        if (steps > 1 or (a.rollout_mask and behav)) and "old_log_probs" not in fields:
             fields["old_log_probs"] = [x.float() for x in self.engine.compute_log_probs(
                 prompts, responses, temperature=self.temperature)[0]]
-        loss = policy_loss_fn(a)
+        corr = RolloutCorr(a, version=step)  # the proximal log-probs are version `step`'s (update t: t -> t + 1)
+        if behav and "old_log_probs" in fields:
+            fields = corr.prepare(fields)  # a new dict: the caller's loss_mask stays the rows' own
+        loss = policy_loss_fn(a, corr)
         rng = random.Random(self.cfg.trainer.seed * 1_000_003 + step)
         order = list(range(len(prompts)))
         results: list[dict] = []
@@ -142,6 +157,12 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                 key = k if "/" in k else f"actor/{k}"
                 out[key] = vals[-1] if k == "lr" else sum(vals) / len(vals)
         out["actor/optimizer_steps"] = float(len(results))
+        sums, maxes = corr.totals()
+        if self.dp_size > 1:  # every rank has the same keys in the same order, rows or not
+            import torch.distributed as dist
+            dist.all_reduce(sums, group=self.process_group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.process_group)
+        out.update(corr.metrics(sums, maxes))
         return out
 
     def _batch_stats(self, step: int, data: Any, responses: list, prompts: list,

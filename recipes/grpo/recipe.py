@@ -108,9 +108,10 @@ def advantage(cfg, inputs: list[str], outputs: list[str] = ("advantages",), scor
 
 
 def update(cfg, extra: list[str] = ()) -> Stage:
-    """The policy update: reads advantages and the log-probs the loss needs."""
+    """The policy update: reads advantages and the log-probs the loss needs (and each token's
+    policy version, for the rollout_corr/ mismatch figures on the trainer's own version)."""
     a = cfg.algorithm
-    cols = ["prompt_ids", "response_ids", "advantages", "behav_log_probs", "scores", "gen_version"]
+    cols = ["prompt_ids", "response_ids", "advantages", "behav_log_probs", "scores", "gen_version", "token_versions"]
     if a.recompute_proximal:
         cols.append("old_log_probs")
     if a.kl_coef > 0 and not a.kl_in_reward:
