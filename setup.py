@@ -38,7 +38,7 @@ setup(
     extras_require={
         "gpu": ["vllm"],
         "npu": ["torch_npu", "mindspeed", "vllm-ascend"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.1", "tensorboard>=2.14"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.1", "tensorboard>=2.14", "pyarrow>=14"],
         "wandb": ["wandb>=0.19"],
     },
     entry_points={"console_scripts": ["asyncflow=asyncflow.cli:main"]},

@@ -103,7 +103,11 @@ class AgentConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "number"  # a name in asyncflow.rewards.REWARDS
+    name: str = "number"  # a name in asyncflow.rewards.REWARDS (data_source: verl's routing by data_source)
+    # A reward function written for verl's custom_reward_function (its path / name): the Python
+    # file's compute_score(data_source, solution_str, ground_truth, extra_info) scores instead of `name`.
+    custom_path: str = ""
+    custom_name: str = "compute_score"
     timeout_s: float = 10.0
     on_error: Literal["zero", "fail"] = "zero"
     # A reward model (local sequence-classification checkpoint, one label) served by the
@@ -402,6 +406,8 @@ def _check(cfg: RunConfig) -> RunConfig:
     if cfg.reward.overlong_buffer < 0 or cfg.reward.overlong_buffer > r.max_new_tokens:
         problems.append(f"reward.overlong_buffer: must lie within 0..rollout.max_new_tokens ({r.max_new_tokens}), "
                         f"got {cfg.reward.overlong_buffer}")
+    if cfg.reward.custom_path and not cfg.reward.custom_name.isidentifier():
+        problems.append(f"reward.custom_name: {cfg.reward.custom_name!r} is not a Python function name")
     if cfg.placement.reward_with == "inline" and cfg.reward.model_path:
         problems.append("placement.reward_with=inline scores with the rule reward inside the rollout; a reward "
                         "model (reward.model_path) runs as its own stage: set placement.reward_with to actor "

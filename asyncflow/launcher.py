@@ -84,8 +84,9 @@ def idle_ranks(cfg: RunConfig) -> list[int]:
 def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bool = True) -> None:
     """The run's local files, checked before any rank starts, so that a typo in a path fails in a
     second with the key to fix rather than from inside a worker. Every node loads ``model.path``;
-    the driver's node reads the prompt files; the reward model is checked where every role runs
-    on this node (a local launch), since under torchrun its node depends on the placement. A
+    the driver's node reads the prompt files; the reward model and a reward file (imported, its
+    function looked up) are checked where every role runs on this node (a local launch), since
+    under torchrun their node depends on the placement. A
     generation budget that fills the model's context is refused here too."""
     from .data.dataset import DataError
     from .data.run_data import prompt_room
@@ -99,6 +100,12 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
             check_model_dir(path, reward_model=reward_model)
         except ModelLoadError as e:
             raise ConfigError(f"{key}={path}: {e}") from e
+    if cfg.reward.custom_path and every_role_here:  # like the reward model: its node depends on the placement
+        from .rewards.custom import CustomRewardError, check_file_reward
+        try:
+            check_file_reward(cfg.reward.custom_path, cfg.reward.custom_name)
+        except CustomRewardError as e:
+            raise ConfigError(f"reward.custom_path={cfg.reward.custom_path}: {e}") from e
     try:
         prompt_room(cfg, cfg.model.path)
     except DataError as e:

@@ -21,6 +21,7 @@ import torch
 from asyncflow.config import DataConfig  # the config tree's data section is what the dataset reads
 from asyncflow.data.addition import AdditionTask
 from asyncflow.data.chat import apply_chat_template
+from asyncflow.data.fields import FieldError, answer_key_of, get_field
 
 __all__ = ["BUILTIN_ADDITION", "DataConfig", "DataError", "PromptDataset", "addition_dataset", "load_prompt_dataset"]
 
@@ -87,25 +88,31 @@ def _check_prompt(prompt: Any, where: str, key: str) -> str | list[dict[str, str
 
 
 def _parse_row(row: Any, where: str, config: DataConfig) -> tuple[str | list, str, dict[str, Any]]:
+    """(prompt, answer, metadata) of a record. Keys may be dotted paths into nested records
+    (``data.answer_key=reward_model.ground_truth``); verl's layout needs no keys (fields.py).
+    The record's other top-level fields become its metadata, for rewards and logs."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: record is a {type(row).__name__}; expected a JSON object")
-    for key in (config.prompt_key, config.answer_key):
-        if key not in row:
-            raise DataError(
-                f"{where}: missing field {key!r} (fields present: {sorted(row)}); "
-                f"set DataConfig.prompt_key / answer_key if your file names it differently"
-            )
-    prompt = _check_prompt(row[config.prompt_key], where, config.prompt_key)
-    answer = row[config.answer_key]
+    answer_key = answer_key_of(row, config.answer_key)
+    values = []
+    for key, setting in ((config.prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
+        try:
+            values.append(get_field(row, key))
+        except FieldError as exc:
+            raise DataError(f"{where}: {exc}; set {setting} if your file names it differently "
+                            f"(a dotted path reaches into nested fields)") from None
+    prompt = _check_prompt(values[0], where, config.prompt_key)
+    answer = values[1]
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise DataError(
-            f"{where}: field {config.answer_key!r} has type {type(answer).__name__}; expected a string or a number"
+            f"{where}: field {answer_key!r} has type {type(answer).__name__}; expected a string or a number"
         )
     metadata = row.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise DataError(f"{where}: field 'metadata' has type {type(metadata).__name__}; expected an object")
-    # Other columns (level, source, ...) travel along for rewards and logs.
-    extra = {k: v for k, v in row.items() if k not in (config.prompt_key, config.answer_key, "metadata")}
+    # Other columns (level, source, verl's data_source, ability, extra_info, ...) travel along for
+    # rewards and logs; a field read through a dotted path leaves its parent record there.
+    extra = {k: v for k, v in row.items() if k not in (config.prompt_key, answer_key, "metadata")}
     return prompt, str(answer), {**extra, **metadata}
 
 

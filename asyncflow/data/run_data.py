@@ -102,6 +102,29 @@ def _check_room(train: PromptDataset, room: int | None, cfg: Any) -> None:
                         "lower rollout.max_new_tokens")
 
 
+def _check_reward_fits(cfg: Any, datasets: list[PromptDataset]) -> None:
+    """A prompt file's records against the run's reward, at start: with ``reward.name=data_source``
+    every kept record's data_source needs a rule (else the first such record is named); a file
+    in verl's layout scored by the default ``number`` rule is warned about."""
+    r = cfg.reward
+    if r.custom_path:
+        return
+    if r.name == "data_source":
+        from ..rewards.data_source import SCORERS, unrouted
+        for ds in datasets:
+            for k, meta in enumerate(ds._meta):
+                if unrouted([meta.get("data_source")]):
+                    what = f"data_source {meta['data_source']!r}" if "data_source" in meta else "no data_source"
+                    raise DataError(f"{ds.source}, record {ds._index[k] + 1}: {what}, and reward.name=data_source "
+                                    f"has rules for {', '.join(SCORERS)} only; give the set's own function with "
+                                    "reward.custom_path (and reward.custom_name)")
+    elif r.name == "number" and datasets and all("data_source" in m and isinstance(m.get("reward_model"), dict)
+                                                 for m in datasets[0]._meta):
+        log.warning("%s is in verl's layout (data_source, reward_model.ground_truth), scored with reward.name=number "
+                    "(a response that is one number equal to the answer); verl's default scorer is "
+                    "reward.name=data_source, a verl reward file is reward.custom_path", datasets[0].source)
+
+
 def build_prompt_data(cfg: Any, model_path: str) -> RunData:
     """``cfg`` is the run's RunConfig; the tokenizer is the model's. Every prompt leaves room
     for ``rollout.max_new_tokens`` in the model's context: a prompt file's longer prompts are
@@ -133,8 +156,10 @@ def build_prompt_data(cfg: Any, model_path: str) -> RunData:
     train = PromptDataset(d, tok)
     if d.eval_path:
         ev = PromptDataset(dataclasses.replace(d, path=d.eval_path, shuffle=False), tok)
+        _check_reward_fits(cfg, [train, ev])
         evals = [_eval_record(r) for r in ev.take(min(len(ev), d.num_eval))]
     else:
+        _check_reward_fits(cfg, [train])
         evals = [_eval_record(r) for r in PromptDataset(dataclasses.replace(d, shuffle=False), tok).take(
                      min(len(train), d.num_eval))]
     return RunData(train, evals, None, train.num_filtered)

@@ -1,4 +1,5 @@
-"""Reward functions by name: `fn(response: str, answer: str, **metadata) -> float`.
+"""Reward functions by name: `fn(response: str, answer: str, **metadata) -> float`, or a dict
+whose `score` is the score and whose other numeric keys are logged (`reward/extra/<key>`).
 
 Built-in rewards register themselves when `asyncflow.rewards` is imported; users add
 theirs with `@register_reward("name")` and select them by that name in a config.
@@ -7,15 +8,22 @@ theirs with `@register_reward("name")` and select them by that name in a config.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["REWARDS", "RewardFn", "UnknownRewardError", "get_reward", "register_reward"]
+__all__ = ["REWARDS", "RewardContractError", "RewardFn", "UnknownRewardError", "get_reward", "register_reward"]
 
-RewardFn = Callable[..., float]
+RewardFn = Callable[..., Any]  # -> float, or {"score": float, ...}
 REWARDS: dict[str, RewardFn] = {}
 
 
 class UnknownRewardError(ValueError):
     """No reward is registered under the given name."""
+
+
+class RewardContractError(TypeError):
+    """A reward function broke its contract on a row (returned neither a number nor a dict with
+    a numeric ``score``; met a row it cannot route). A mistake in the function or the data,
+    not a row that failed: the runner raises it whatever ``on_error`` says."""
 
 
 def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFn], RewardFn]:

@@ -6,25 +6,66 @@ process alive) and a fresh worker takes the remaining rows. Abandoned threads th
 are still running are capped (`max_abandoned`); past the cap the runner raises
 instead of leaking threads. A reward that can truly hang (a solver, an external
 call) belongs in a subprocess, with the runner's timeout as the outer guard.
+
+A function may return a dict instead of a number: its ``score`` is the row's score and its
+other numeric (or boolean) values are summed per key into ``stats["extra"]`` (verl's
+``reward_extra_info``), for the metrics ``reward/extra/<key>`` and ``eval/extra/<key>``.
+A ``RewardContractError`` (a file reward returning something else) is raised whatever
+``on_error`` says: it is a mistake to fix, not a row to score 0.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from asyncflow.rewards.registry import RewardFn, get_reward
+from asyncflow.rewards.custom import resolve_reward
+from asyncflow.rewards.registry import RewardContractError, RewardFn
 
-__all__ = ["RewardError", "RewardRunner"]
+__all__ = ["RewardError", "RewardRunner", "extra_means"]
 
 _STOP = object()
 
 
 class RewardError(RuntimeError):
     """A reward call failed or timed out under on_error="fail", or too many calls hung."""
+
+
+def _number(v: Any) -> float | None:
+    """A finite float of a number or a bool; None for anything else."""
+    if isinstance(v, numbers.Real) and math.isfinite(float(v)):
+        return float(v)
+    return None
+
+
+def _split(value: Any) -> tuple[float | None, dict[str, float]]:
+    """(score, numeric extras) of what a reward returned; score None when it is not a finite
+    number (a bool is not a score), nor a dict with one under ``score``."""
+    if isinstance(value, dict):
+        score = value.get("score")
+        extras = {str(k): x for k, v in value.items() if k != "score" and (x := _number(v)) is not None}
+        value = score
+    else:
+        extras = {}
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None, {}
+    return float(value), extras
+
+
+def extra_means(totals: Mapping[str, Sequence[float]], since: Mapping[str, Sequence[float]] | None = None
+                ) -> dict[str, float]:
+    """Per key, the mean of the extras summed in ``totals`` ({key: (sum, count)}), over the rows
+    counted since ``since`` (an earlier reading of the same totals); keys with no new row left out."""
+    out = {}
+    for k, (s, n) in totals.items():
+        s0, n0 = (since or {}).get(k, (0.0, 0))
+        if n - n0 > 0:
+            out[k] = (s - s0) / (n - n0)
+    return out
 
 
 class _Worker:
@@ -69,8 +110,9 @@ class RewardRunner:
             raise ValueError(f"RewardRunner: on_error {on_error!r}; expected 'zero' or 'fail'")
         if not timeout_s > 0:
             raise ValueError(f"RewardRunner: timeout_s must be > 0, got {timeout_s}")
-        self.fn = get_reward(name_or_fn)
-        self.name = name_or_fn if isinstance(name_or_fn, str) else getattr(self.fn, "__qualname__", repr(self.fn))
+        self.fn = resolve_reward(name_or_fn)
+        self.name = getattr(self.fn, "display_name", None) or (
+            name_or_fn if isinstance(name_or_fn, str) else getattr(self.fn, "__qualname__", repr(self.fn)))
         self.timeout_s = timeout_s
         self.on_error = on_error
         self.max_abandoned = max_abandoned
@@ -107,7 +149,8 @@ class RewardRunner:
     def score(
         self, responses: Sequence[str], answers: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
     ) -> tuple[list[float], dict[str, Any]]:
-        """Scores in row order, and stats {"rows", "errors", "timeouts", "hung", "first_error"}."""
+        """Scores in row order, and stats {"rows", "errors", "timeouts", "hung", "first_error", "extra"};
+        "extra" is {key: [sum, rows]} of the numeric extras that dict results carried."""
         metadata = list(metadata) if metadata is not None else [{} for _ in responses]
         if not len(responses) == len(answers) == len(metadata):
             raise ValueError(
@@ -115,6 +158,7 @@ class RewardRunner:
                 f"{len(metadata)} metadata"
             )
         scores: list[float] = []
+        extra: dict[str, list[float]] = {}
         errors = timeouts = 0
         first_error: str | None = None
         rows = list(zip(responses, answers, metadata))
@@ -140,22 +184,29 @@ class RewardRunner:
                     row += 1
                     break  # the rest goes to a fresh worker
                 row += 1
-                if ok and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    scores.append(float(value))
+                score, extras = _split(value) if ok else (None, {})
+                if score is not None:
+                    scores.append(score)
+                    for k, x in extras.items():
+                        acc = extra.setdefault(k, [0.0, 0])
+                        acc[0] += x
+                        acc[1] += 1
                     continue
                 errors += 1
                 cause = value if not ok else None
-                what = f"{type(value).__name__}: {value}" if not ok else f"returned {value!r}, expected a finite float"
+                what = (f"{type(value).__name__}: {value}" if not ok
+                        else f"returned {value!r}, expected a finite float or a dict with a finite 'score'")
                 msg = f"reward {self.name!r} failed on row {row - 1}: {what}"
                 first_error = first_error or msg
-                if self.on_error == "fail":  # rows still queued on this worker must not reach the next call
+                fail = self.on_error == "fail" or isinstance(cause, RewardContractError)
+                if fail:  # rows still queued on this worker must not reach the next call
                     worker.cancelled = True
                     worker.inbox.put(_STOP)
                     self._worker = None
-                self._fail_or_count(msg, cause)
+                    raise RewardError(msg) from cause
                 scores.append(0.0)
         stats = {"rows": len(scores), "errors": errors, "timeouts": timeouts, "hung": self.num_hung,
-                 "first_error": first_error}
+                 "first_error": first_error, "extra": extra}
         return scores, stats
 
     def close(self) -> None:

@@ -21,14 +21,25 @@ async def sync_weights(roles: RunRoles, version: int) -> None:
         await inst.swap_weights(version)
 
 
-async def reward_failures(roles: RunRoles) -> dict[str, float]:
-    """Reward calls that raised or timed out so far, over every role that counts them."""
+async def reward_totals(roles: RunRoles) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Reward calls that raised or timed out so far, and the sums of the reward's extras so far
+    ({key: [sum, rows]}), over every role that counts them."""
     total = {"reward/errors": 0.0, "reward/timeouts": 0.0}
+    extra: dict[str, list[float]] = {}
     for g in roles.with_method("reward_stats", instances=True):
         for s in await g.reward_stats():
             for k in total:
                 total[k] += float(s.get(k, 0))
-    return total
+            for k, (v, n) in dict(s.get("reward/extra") or {}).items():
+                acc = extra.setdefault(k, [0.0, 0])
+                acc[0] += float(v)
+                acc[1] += int(n)
+    return total, extra
+
+
+async def reward_failures(roles: RunRoles) -> dict[str, float]:
+    """Reward calls that raised or timed out so far, over every role that counts them."""
+    return (await reward_totals(roles))[0]
 
 
 class Evaluator:
@@ -41,18 +52,27 @@ class Evaluator:
         self.answers = [str(r["answer"]) for r in records]
         # what a reward function gets besides response and answer, as in training
         self.extra = [{**dict(r.get("metadata") or {}), "prompt": str(r.get("prompt", ""))} for r in records]
+        self._extra_seen: dict[str, list[float]] = {}  # the training extras' sums at the previous evaluation
 
     async def __call__(self, step: int, phase: str) -> float:
+        from ..rewards.custom import reward_ref
+        from ..rewards.runner import extra_means
+
         rc = self.cfg.reward
-        r = await self.roles.instances[0].evaluate(self.prompts, self.answers, reward=rc.name,
+        r = await self.roles.instances[0].evaluate(self.prompts, self.answers, reward=reward_ref(rc),
                                                    max_new_tokens=self.cfg.rollout.max_new_tokens,
                                                    timeout_s=rc.timeout_s, on_error=rc.on_error,
                                                    extra=self.extra, episode=self.episode)
-        failures = await reward_failures(self.roles)
+        failures, extra = await reward_totals(self.roles)
+        # a dict-returning reward's other keys: over the training rows scored since the last evaluation,
+        # and over this evaluation's rows
+        extras = {**{f"reward/extra/{k}": v for k, v in extra_means(extra, self._extra_seen).items()},
+                  **{f"eval/extra/{k}": v for k, v in dict(r.get("reward_extra") or {}).items()}}
+        self._extra_seen = extra
         episodes = {f"eval/{k}": r[k] for k in ("turns_mean", "tool_calls_per_episode") if k in r}
         self.logger.log(step, {"eval/accuracy": r["accuracy"], "phase": phase, "eval/version": r["version"],
                                "eval/reward_errors": r["reward_errors"],
-                               "eval/reward_timeouts": r["reward_timeouts"], **episodes, **failures})
+                               "eval/reward_timeouts": r["reward_timeouts"], **episodes, **failures, **extras})
         log.info("eval (%s, step %d): accuracy %.3f  e.g. %s", phase, step, r["accuracy"],
                  "; ".join(f"{e['prompt']}{e['response']!r} (want {e['answer']})" for e in r["examples"][:3]))
         return float(r["accuracy"])

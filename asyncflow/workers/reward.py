@@ -2,7 +2,8 @@
 
 A reward function is called as ``fn(response, answer, prompt=..., **metadata)`` when its
 stage reads the ``prompt`` and ``metadata`` columns (the prompt text and the data record's
-other fields); keywords the function does not take are left out.
+other fields); keywords the function does not take are left out. The reward is ``reward.name``,
+or with ``reward.custom_path`` a verl-style function from that file (asyncflow.rewards.custom).
 """
 from __future__ import annotations
 
@@ -41,13 +42,15 @@ class RowScorer:
     both score through it, so the two give the same scores."""
 
     def __init__(self, reward: Any, tokenizer: Any, eos: set[int]):
+        from ..rewards.custom import reward_ref
         from ..rewards.runner import RewardRunner
         self.tokenizer = tokenizer
         self._lock = threading.Lock()  # one RewardRunner: a call at a time (writer thread, call queue)
         self.eos = set(eos)
-        self.runner = RewardRunner(reward.name, timeout_s=reward.timeout_s, on_error=reward.on_error)
+        self.runner = RewardRunner(reward_ref(reward), timeout_s=reward.timeout_s, on_error=reward.on_error)
         self.errors = 0
         self.timeouts = 0
+        self.extra: dict[str, list[float]] = {}  # key -> [sum, rows] of dict results' extras, over the run
 
     def score(self, responses: list[torch.Tensor], answers: list, prompts: list | None = None,
               metadata: list | None = None) -> torch.Tensor:
@@ -62,6 +65,10 @@ class RowScorer:
             scores, stats = self.runner.score(texts, [str(a) for a in answers], reward_kwargs(self.runner.fn, extra))
             self.errors += int(stats.get("errors", 0))
             self.timeouts += int(stats.get("timeouts", 0))
+            for k, (total, n) in stats.get("extra", {}).items():
+                acc = self.extra.setdefault(k, [0.0, 0])
+                acc[0] += total
+                acc[1] += n
         return torch.tensor(scores, dtype=torch.float32)
 
     def _to_first_eos(self, ids: list[int]) -> list[int]:
@@ -71,7 +78,9 @@ class RowScorer:
         return ids if end is None else ids[:end + 1]
 
     def stats(self) -> dict:
-        return {"reward/errors": self.errors, "reward/timeouts": self.timeouts}
+        """Failures so far, and under "reward/extra" the extras' {key: [sum, rows]} so far."""
+        return {"reward/errors": self.errors, "reward/timeouts": self.timeouts,
+                "reward/extra": {k: list(v) for k, v in self.extra.items()}}
 
 
 class RewardWorker(Worker):

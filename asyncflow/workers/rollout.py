@@ -337,7 +337,7 @@ class RolloutWorker(EngineOffload, Worker):
         running batch). The reward runs under the same per-call timeout and error policy as in
         training, with each prompt's ``extra`` keywords (its text and record metadata). With
         ``episode``, each prompt is a greedy episode scored by its own reward."""
-        from ..rewards.runner import RewardRunner
+        from ..rewards.runner import RewardRunner, extra_means
 
         start = time.monotonic()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
@@ -357,7 +357,8 @@ class RolloutWorker(EngineOffload, Worker):
                  for i in range(min(samples, len(prompts)))]
         return {"accuracy": sum(scores) / max(len(scores), 1), "version": version,
                 "eval_s": time.monotonic() - start, "examples": shown,
-                "reward_errors": stats["errors"], "reward_timeouts": stats["timeouts"]}
+                "reward_errors": stats["errors"], "reward_timeouts": stats["timeouts"],
+                "reward_extra": extra_means(stats["extra"])}
 
     def _evaluate_episodes(self, prompts: list[list[int]], answers: list[str], extra: list[dict] | None,
                            params: Any, episode: str, samples: int, start: float) -> dict:

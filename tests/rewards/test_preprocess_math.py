@@ -111,3 +111,49 @@ def test_cli(tmp_path):
     bad = subprocess.run([sys.executable, str(SCRIPT), "--input", str(tmp_path / "none.jsonl"), "--output", str(out)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_verl_layout_is_what_verl_writes_and_trains_as_it_is(pm, tmp_path, suffix):
+    """--layout verl: verl's preprocessed schema, read back by the dataset with no keys given and
+    scored by reward.name=data_source."""
+    if suffix == ".parquet":
+        pytest.importorskip("pyarrow")
+    from asyncflow.data import DataConfig, PromptDataset
+    from asyncflow.rewards import RewardRunner
+
+    src = tmp_path / "gsm.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in GSM))
+    out = tmp_path / f"train{suffix}"
+    assert pm.convert(src, out, instruction="Think.", layout="verl", split="test") == 2
+    rows = [r for _, r in pm.read_rows(out)]
+    assert rows[1] == {"data_source": "openai/gsm8k", "ability": "math",
+                       "prompt": [{"role": "user", "content": "A car costs? Think."}],
+                       "reward_model": {"style": "rule", "ground_truth": "1200"},
+                       "extra_info": {"split": "test", "index": 1, "question": "A car costs?",
+                                      "solution": "It is 1,000 + 200."}}
+
+    class _Tok:
+        chat_template = None
+
+        def __call__(self, texts, add_special_tokens=True):
+            return {"input_ids": [[1] * len(t.split()) for t in texts]}
+
+    recs = PromptDataset(DataConfig(path=str(out), shuffle=False), _Tok()).take(2)
+    assert [r["answer"] for r in recs] == ["7", "1200"]
+    scores, _ = RewardRunner("data_source").score(["so #### 7", "#### 1,200"], [r["answer"] for r in recs],
+                                                  [r["metadata"] for r in recs])
+    assert scores == [1.0, 1.0]
+    # a file verl already wrote is not converted again
+    with pytest.raises(pm.PreprocessError, match=r"(row|line) 1: already in verl's preprocessed layout .*"
+                                                 r"trains on it as it is: data.task=file data.path="):
+        pm.convert(out, tmp_path / "again.jsonl")
+
+
+def test_bad_layout_and_output_names(pm, tmp_path):
+    src = tmp_path / "gsm.jsonl"
+    src.write_text(json.dumps(GSM[0]) + "\n")
+    with pytest.raises(pm.PreprocessError, match="layout 'nemo'"):
+        pm.convert(src, tmp_path / "o.jsonl", layout="nemo")
+    with pytest.raises(pm.PreprocessError, match=r"o\.csv: expected a \.jsonl or \.parquet name"):
+        pm.convert(src, tmp_path / "o.csv")

@@ -19,7 +19,7 @@ def test_scores_a_batch_with_metadata():
     with RewardRunner(fn) as runner:
         scores, stats = runner.score(["1", "2", "3"], ["1", "0", "3"], [{"weight": 2.0}, {}, {"tag": "x"}])
     assert scores == [2.0, 0.0, 1.0]
-    assert stats == {"rows": 3, "errors": 0, "timeouts": 0, "hung": 0, "first_error": None}
+    assert stats == {"rows": 3, "errors": 0, "timeouts": 0, "hung": 0, "first_error": None, "extra": {}}
     assert seen[2] == {"tag": "x"}
 
 
@@ -57,6 +57,47 @@ def test_errors_raise_with_function_row_and_cause():
     assert isinstance(info.value.__cause__, ZeroDivisionError)
     with pytest.raises(RewardError, match=r"row 0: returned nan"):
         runner.score(["nan"], ["x"])
+
+
+def test_a_dict_result_scores_its_score_and_sums_its_numeric_extras():
+    def fn(response, answer, **_):
+        if response == "plain":
+            return 0.5
+        return {"score": float(response == answer), "acc": response == answer, "len": len(response), "pred": response}
+
+    scores, stats = RewardRunner(fn).score(["7", "8", "plain", "77"], ["7"] * 4)
+    assert scores == [1.0, 0.0, 0.5, 0.0] and stats["errors"] == 0
+    assert stats["extra"] == {"acc": [1.0, 3], "len": [4.0, 3]}  # "pred" is no number: not a metric
+
+
+def test_a_dict_without_a_numeric_score_is_an_error():
+    def fn(response, answer, **_):
+        return {"acc": 1.0} if response == "a" else {"score": "1"}
+
+    scores, stats = RewardRunner(fn).score(["a", "b"], ["x", "x"])
+    assert scores == [0.0, 0.0] and stats["errors"] == 2 and stats["extra"] == {}
+    assert "row 0: returned {'acc': 1.0}, expected a finite float or a dict with a finite 'score'" in stats["first_error"]
+
+
+def test_a_contract_error_stops_scoring_even_under_on_error_zero():
+    from asyncflow.rewards import RewardContractError
+
+    def fn(response, answer, **_):
+        if response == "bad":
+            raise RewardContractError("my_reward returned None")
+        return 1.0
+
+    runner = RewardRunner(fn, on_error="zero")
+    with pytest.raises(RewardError, match=r"failed on row 1: RewardContractError: my_reward returned None"):
+        runner.score(["ok", "bad", "ok"], ["x"] * 3)
+    assert runner.score(["ok"], ["x"])[0] == [1.0]  # the queued rows of the failed call do not leak into the next
+
+
+def test_extra_means_over_a_window():
+    from asyncflow.rewards.runner import extra_means
+    now = {"acc": [3.0, 4], "len": [10.0, 2]}
+    assert extra_means(now) == {"acc": 0.75, "len": 5.0}
+    assert extra_means(now, {"acc": [1.0, 2], "len": [10.0, 2]}) == {"acc": 1.0}  # no new "len" row
 
 
 def test_timeout_scores_zero_and_later_rows_still_score():
