@@ -11,7 +11,8 @@
 #      padded and padding-free, with activation checkpointing (lower peak memory), tokens/s of each;
 #      the built-in rollout engine's tokens/s in bf16 (scripts/device_check.py scale)
 #   3. the GPU tests: pytest -k "(cuda or vllm or gpu) and not launch" (tests/engines/
-#      test_rollout_vllm.py, the CUDA IPC hand-over of tests/engines/test_vllm_ipc_cuda.py, the
+#      test_vllm_real.py over the CUDA vLLM when it imports, tests/engines/test_rollout_vllm.py,
+#      the CUDA IPC hand-over of tests/engines/test_vllm_ipc_cuda.py, the
 #      cuda cases of tests/test_platform.py; not the launch-script tests)
 #   3b. vLLM's request API (VLLMRolloutEngine add_request / step / load_weights) on a tiny
 #      Qwen2: requests stepped one by one, weights swapped mid-generation in "keep" and in

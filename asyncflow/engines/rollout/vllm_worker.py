@@ -18,8 +18,8 @@ Ways in:
 - the training ranks' weight-sync groups (weight_sync wire groups), which every worker joins:
   in place (``asyncflow_receive_header`` / ``asyncflow_receive_buckets``: each bucket loaded
   as it arrives, generation paused for the transfer), or staged
-  (``asyncflow_stage_receive`` starts a thread that receives the version into host-side
-  buffers while generation goes on; ``asyncflow_staged_header`` / ``asyncflow_load_staged``
+  (``asyncflow_stage_receive`` starts a thread that receives the version into buffers of its own
+  buffers (the worker's device) while generation goes on; ``asyncflow_staged_header`` / ``asyncflow_load_staged``
   check and load it at a step boundary).
 """
 from __future__ import annotations
