@@ -19,7 +19,7 @@ Ways in:
   in place (``asyncflow_receive_header`` / ``asyncflow_receive_buckets``: each bucket loaded
   as it arrives, generation paused for the transfer), or staged
   (``asyncflow_stage_receive`` starts a thread that receives the version into buffers of its own
-  buffers (the worker's device) while generation goes on; ``asyncflow_staged_header`` / ``asyncflow_load_staged``
+  (in the worker's device memory) while generation goes on; ``asyncflow_staged_header`` / ``asyncflow_load_staged``
   check and load it at a step boundary).
 """
 from __future__ import annotations
