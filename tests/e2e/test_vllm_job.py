@@ -38,6 +38,7 @@ def _learned(out: Path, window: int) -> tuple[float, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # warm-up, vLLM's start and 400 RL steps: longer than the suite's 300 s
 @needs_vllm
 def test_main_job_learns_on_vllm_async_disaggregated_with_staged_weights(tmp_path):
     out = tmp_path / "run"
@@ -57,6 +58,7 @@ def test_main_job_learns_on_vllm_async_disaggregated_with_staged_weights(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 @needs_vllm
 def test_main_job_learns_on_vllm_sync_colocated_in_place(tmp_path):
     """Two ranks, each a trainer shard and a vLLM instance; in sync mode the instance's log-probs
@@ -76,6 +78,7 @@ def test_main_job_learns_on_vllm_sync_colocated_in_place(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two runs, each starting vLLM
 @needs_vllm
 def test_episodes_evaluation_and_resume_on_vllm(tmp_path):
     out = tmp_path / "run"
