@@ -57,15 +57,21 @@ def _zero(x: Tensor) -> Tensor:
     return torch.zeros((), dtype=x.dtype, device=x.device)
 
 
-def rollout_log_ratio(old_log_probs: Tensor, behav_log_probs: Tensor, mask: Tensor,
-                      max_log_ratio: float = 20.0) -> Tensor:
-    """log rho = old - behav per token, clamped to +-max_log_ratio, 0 at padding; detached."""
+def _masked_pair(old_log_probs: Tensor, behav_log_probs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The validated bool mask, a zero, and both log-probs detached with padding zeroed (padding
+    may hold -inf or NaN, which must not reach any arithmetic)."""
     check_2d("old_log_probs", old_log_probs)
     check_same_shape(old_log_probs=old_log_probs, behav_log_probs=behav_log_probs)
     m = as_bool_mask(mask, old_log_probs, like_name="old_log_probs")
     z = _zero(old_log_probs)
     old = torch.where(m, old_log_probs.detach(), z)
-    behav = torch.where(m, behav_log_probs.detach().to(old.dtype), z)
+    return m, z, old, torch.where(m, behav_log_probs.detach().to(old.dtype), z)
+
+
+def rollout_log_ratio(old_log_probs: Tensor, behav_log_probs: Tensor, mask: Tensor,
+                      max_log_ratio: float = 20.0) -> Tensor:
+    """log rho = old - behav per token, clamped to +-max_log_ratio, 0 at padding; detached."""
+    m, z, old, behav = _masked_pair(old_log_probs, behav_log_probs, mask)
     return torch.where(m, (old - behav).clamp(-max_log_ratio, max_log_ratio), z)
 
 
@@ -135,12 +141,7 @@ def mismatch_terms(old_log_probs: Tensor, behav_log_probs: Tensor, mask: Tensor,
     * ``kl``: behav - old, the k1 estimate of KL(behav || old) from the behaviour's samples;
     * ``k3_kl``: (rho - 1) - log rho >= 0, the k3 estimate of the same KL (log rho clamped).
     """
-    check_2d("old_log_probs", old_log_probs)
-    check_same_shape(old_log_probs=old_log_probs, behav_log_probs=behav_log_probs)
-    m = as_bool_mask(mask, old_log_probs, like_name="old_log_probs")
-    z = _zero(old_log_probs)
-    old = torch.where(m, old_log_probs.detach(), z)
-    behav = torch.where(m, behav_log_probs.detach().to(old.dtype), z)
+    m, z, old, behav = _masked_pair(old_log_probs, behav_log_probs, mask)
     diff = behav - old
     lr = (-diff).clamp(-max_log_ratio, max_log_ratio)
     terms = {"logp_abs_diff": diff.abs(), "prob_abs_diff": (behav.exp() - old.exp()).abs(), "kl": diff,

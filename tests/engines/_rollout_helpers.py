@@ -19,3 +19,13 @@ def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 20) -> list[torch.Tens
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, VOCAB, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g)
             for _ in range(n)]
+
+
+def ref_log_probs(model, prompt: torch.Tensor, response: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probs of the response tokens from one full forward pass over prompt + response."""
+    seq = torch.cat([prompt, response])[None]
+    with torch.inference_mode():
+        logits = model(seq).logits[0, prompt.numel() - 1: -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(-1, response[:, None]).squeeze(-1)

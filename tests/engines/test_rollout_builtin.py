@@ -11,6 +11,7 @@ from asyncflow.engines.rollout.sampling import SeedKeys, sample_step, vocab_hash
 
 from tests.engines._rollout_helpers import EOS, PAD, VOCAB
 from tests.engines._rollout_helpers import prompts as _prompts
+from tests.engines._rollout_helpers import ref_log_probs as _ref_log_probs
 from tests.engines._rollout_helpers import tiny_model as _tiny_model
 
 
@@ -43,16 +44,6 @@ def _hf_greedy(model, prompts, max_new: int, eos: list[int]) -> list[torch.Tenso
         hit = [j for j, t in enumerate(r.tolist()) if t in eos]
         rows.append(r[: hit[0] + 1] if hit else r)
     return rows
-
-
-def _ref_log_probs(model, prompt, response, temperature: float) -> torch.Tensor:
-    """Log-probs of the response tokens from one full forward pass over prompt + response."""
-    seq = torch.cat([prompt, response])[None]
-    with torch.inference_mode():
-        logits = model(seq).logits[0, prompt.numel() - 1: -1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, -1).gather(-1, response[:, None]).squeeze(-1)
 
 
 def test_greedy_matches_hf_generate(model, engine):

@@ -15,6 +15,7 @@ import torch
 
 from asyncflow.engines.rollout import SamplingParams
 from asyncflow.engines.rollout.base import GenerationRequest, RequestResult
+from tests.engines._rollout_helpers import ref_log_probs as _ref_log_probs
 from tests.vllm_gate import cpu_engine_kwargs, needs_vllm, vllm_platform
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -61,15 +62,6 @@ def _hf_greedy(model, prompts: list[torch.Tensor], n: int = 8) -> list[list[int]
 
 def _greedy(engine, prompts: list[torch.Tensor]) -> list[list[int]]:
     return [r.tolist() for r in engine.generate(prompts, GREEDY, seeds=[0] * len(prompts)).response_ids]
-
-
-def _ref_log_probs(model, prompt, response, temperature):
-    seq = torch.cat([prompt, response])[None]
-    with torch.inference_mode():
-        logits = model(seq).logits[0, prompt.numel() - 1: -1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, -1).gather(-1, response[:, None]).squeeze(-1)
 
 
 def _run(engine) -> dict[str, RequestResult]:
