@@ -255,6 +255,96 @@ def check_fixed_lengths(lengths: Sequence[int], budget: int, where: str) -> None
                          f"(lengths seen: {sorted(set(off))[:8]}); EOS was not ignored")
 
 
+# ---- memory: resident set sizes of a process tree, from /proc (Linux) ---------------------------
+
+def status_kb(text: str, key: str = "VmRSS") -> int | None:
+    """The ``<key>: <n> kB`` field of a /proc/<pid>/status text (None when absent: a kernel thread,
+    a zombie)."""
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return None
+
+
+def stat_ppid(text: str) -> int:
+    """The parent pid in a /proc/<pid>/stat text. The command name before it is in parentheses and
+    may itself hold spaces and ')', so the fields are read after the last ')'."""
+    return int(text.rsplit(")", 1)[1].split()[1])
+
+
+def descendants(parent_of: dict[int, int], root: int) -> list[int]:
+    """Every process below root (children, their children, ...), from a pid -> parent pid table."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent_of.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return sorted(out)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:  # the process is gone
+        return None
+
+
+def process_table() -> dict[int, int]:
+    """pid -> parent pid of every process now (empty without /proc)."""
+    out = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if name.isdigit():
+            text = _read(f"/proc/{name}/stat")
+            if text:
+                out[int(name)] = stat_ppid(text)
+    return out
+
+
+def rss_kb(pids: Iterable[int], key: str = "VmRSS") -> dict[int, int]:
+    """Resident kB of each process (VmHWM: its peak so far); gone processes are left out."""
+    out = {}
+    for pid in pids:
+        text = _read(f"/proc/{pid}/status")
+        kb = status_kb(text, key) if text else None
+        if kb is not None:
+            out[pid] = kb
+    return out
+
+
+class TreeRSS:
+    """Samples the summed RSS of a process and everything below it on a thread, every
+    ``interval_s``; ``peak_mb`` is the highest sum seen (processes that come and go between
+    samples are missed, so it is a lower bound)."""
+
+    def __init__(self, root: int, interval_s: float = 0.5) -> None:
+        import threading
+        self.root, self.interval_s = root, interval_s
+        self.peak_kb, self.peak_processes, self.samples = 0, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-rss", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        sizes = rss_kb([self.root, *descendants(process_table(), self.root)])
+        self.samples += 1
+        if sum(sizes.values()) > self.peak_kb:
+            self.peak_kb, self.peak_processes = sum(sizes.values()), len(sizes)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return {"peak_tree_rss_mb": round(self.peak_kb / 1024, 1), "processes_at_peak": self.peak_processes,
+                "rss_samples": self.samples}
+
+
 def summarise(reps: list[dict[str, dict]], rows_per_step: int) -> dict:
     """The JSON summary from each repetition's analysed runs ({entry: result}, a failed one has
     "error"): medians over repetitions, per-repetition ratios with their median and range."""

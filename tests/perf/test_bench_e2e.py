@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -278,3 +279,39 @@ def test_a_hung_run_is_killed_with_the_processes_it_started(tmp_path):
     import time
     time.sleep(2.0)
     assert not marker.exists()
+
+
+# ---- memory from /proc --------------------------------------------------------------------------
+
+def test_status_and_stat_are_read_as_the_kernel_writes_them():
+    status = "Name:\tpython\nVmHWM:\t  204800 kB\nVmRSS:\t  102400 kB\nThreads:\t4\n"
+    assert bench_e2e.status_kb(status) == 102400 and bench_e2e.status_kb(status, "VmHWM") == 204800
+    assert bench_e2e.status_kb("Name:\tkthreadd\n") is None
+    # the command name may hold spaces and parentheses: the parent pid is read after the last ')'
+    assert bench_e2e.stat_ppid("4242 (VLLM::Worker (x) y) S 4100 4242 4100 0 -1") == 4100
+
+
+def test_descendants_walk_the_whole_tree_and_nothing_beside_it():
+    parent_of = {10: 1, 11: 10, 12: 11, 13: 10, 20: 1, 21: 20}
+    assert bench_e2e.descendants(parent_of, 10) == [11, 12, 13]
+    assert bench_e2e.descendants(parent_of, 12) == []
+
+
+def test_tree_rss_sees_a_child_process(tmp_path):
+    import subprocess
+    import time
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until the child holds its 64 MB
+            if bench_e2e.rss_kb([child.pid]).get(child.pid, 0) > 60 << 10:
+                break
+            time.sleep(0.1)
+        sampler = bench_e2e.TreeRSS(os.getpid(), interval_s=0.05)
+        sampler.sample()
+        out = sampler.stop()
+        assert child.pid in bench_e2e.descendants(bench_e2e.process_table(), os.getpid())
+        assert out["processes_at_peak"] >= 2 and out["peak_tree_rss_mb"] > 64
+    finally:
+        child.kill()
+        child.wait()
