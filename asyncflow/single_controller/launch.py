@@ -128,8 +128,10 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
     runtime.close()
     if tq is not None:
         tq.stop()
-    if code == 0:
-        dist.destroy_process_group()  # after a failure a peer may be gone: just exit
+    # after a failure a peer may be gone: just exit. A worker's teardown may have ended the group
+    # already (vLLM's engine shutdown destroys the process's default group).
+    if code == 0 and dist.is_initialized():
+        dist.destroy_process_group()
     return code
 
 

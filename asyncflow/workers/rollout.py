@@ -96,11 +96,14 @@ class RolloutWorker(EngineOffload, Worker):
     def _vllm_engine(self, c: Any) -> Any:
         """The vLLM instance of this rank: the run's rollout dtype, its devices (tensor parallel
         over several), on CPU its share of the node's cores, and rollout.engine_kwargs."""
+        import json
         import os
+        from pathlib import Path
 
         from ..config import offload_idle, rank_threads, rollout_devices, rollout_dtype
         from ..engines.rollout.vllm import VLLMRolloutEngine
-        from ..engines.rollout.vllm_args import cpu_bind, usable_cores
+        from ..engines.rollout.vllm_args import cpu_bind, kv_cache_bytes, usable_cores
+        from .weight_sync import torch_dtype
         r = c.rollout
         extra = dict(r.engine_kwargs)
         tp = extra.pop("tensor_parallel_size", None)
@@ -113,6 +116,12 @@ class RolloutWorker(EngineOffload, Worker):
             local = int(os.environ.get("LOCAL_RANK", self.rank))
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or c.trainer.nproc
             bind = cpu_bind(usable_cores(), local, per_node, rank_threads(c), int(tp or 1))
+            if "kv_cache_memory_bytes" not in extra:
+                hf = json.loads((Path(c.model.path) / "config.json").read_text())
+                longest = int(extra.get("max_model_len") or hf.get("max_position_embeddings") or 4096)
+                extra["kv_cache_memory_bytes"] = kv_cache_bytes(
+                    hf, max_rows=r.max_running_rows, max_len=longest,
+                    dtype_bytes=torch_dtype(rollout_dtype(c, False)).itemsize)
         return VLLMRolloutEngine(c.model.path, devices=devices, tensor_parallel_size=tp,
                                  gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_running_rows,
                                  dtype=rollout_dtype(c, self.platform.is_accelerator), seed=c.trainer.seed,

@@ -14,13 +14,21 @@ TINY = ["trainer.time_budget_s=0", "trainer.prompts_per_step=4", "rollout.n=4", 
         "warmup.target_accuracy=1.0", "trainer.progress=false"]
 
 
-def _command(out: Path, args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+def _command(out: Path, args: tuple[str, ...], tiny: bool = True) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return [sys.executable, "-m", "asyncflow.cli", "train", *args[:1], *TINY, *args[1:], f"trainer.out_dir={out}"], env
+    shrink = TINY if tiny else ["trainer.progress=false"]
+    return [sys.executable, "-m", "asyncflow.cli", "train", *args[:1], *shrink, *args[1:], f"trainer.out_dir={out}"], env
 
 
 def train(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     cmd, env = _command(out, args)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def train_as_is(out: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The job's own settings (warm-up, batch, evaluation set), only ``args`` changed: for the
+    tests that it learns."""
+    cmd, env = _command(out, args, tiny=False)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -251,7 +251,7 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
             raise ValueError(f"VLLMRolloutEngine: {ours} are set by the adapter ({[RESERVED[k] for k in ours]})")
         kwargs = engine_kwargs({**llm_kwargs, "tensor_parallel_size": tp}, dtype=dtype, seed=seed,
                                max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
-                               sleep_mode_available=sleep_ok,
+                               sleep_mode_available=sleep_ok, platform=str(current_platform.device_type),
                                want_sleep=sleep_ok if enable_sleep_mode is None else bool(enable_sleep_mode),
                                arg_names=frozenset(_engine_arg_names()))
         kwargs.update(model=model_path, logprobs_mode="processed_logprobs", worker_extension_cls=_EXTENSION)

