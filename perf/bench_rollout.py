@@ -56,7 +56,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_e2e: spreads, /proc readers
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_e2e import (descendants, per_rep_ratios, positions_balanced, process_table, rss_kb,  # noqa: E402
+                       spread)
 
 VOCAB = 64
 EOS, PAD = 1, 0
@@ -264,16 +267,8 @@ def balanced_orders(names: list[str], rounds: int) -> list[list[str]]:
     return [[names[i] for i in square[k % len(square)]] for k in range(rounds)]
 
 
-def positions_balanced(orders: list[list[str]]) -> bool:
-    """Each method in each position equally often over these rounds."""
-    names = sorted(orders[0]) if orders else []
-    return all(sorted(o) == names for o in orders) and all(
-        len({sum(o[pos] == m for o in orders) for m in names}) == 1 for pos in range(len(names)))
-
-
 def ratio_spread(num: list[float], den: list[float]) -> dict:
     """num[r] / den[r] for each round r: median, min, max and the values."""
-    from bench_e2e import per_rep_ratios, spread
     return spread(per_rep_ratios(num, den)).as_json()
 
 
@@ -349,7 +344,6 @@ def instance_rss(before_kb: int, known: set[int]) -> dict:
     """What the vLLM instance holds: this process's RSS growth since ``before_kb`` (vLLM imported,
     its engine core, the adapter), plus the processes it started (worker, resource tracker) now
     and at their peak (VmHWM)."""
-    from bench_e2e import descendants, process_table, rss_kb
     me = os.getpid()
     mine = [p for p in descendants(process_table(), me) if p not in known]
     now, peak = rss_kb(mine), rss_kb(mine, "VmHWM")
@@ -364,7 +358,6 @@ class VllmMethods:
     """One vLLM instance on a case's biased model and the three ways of driving it."""
 
     def __init__(self, path: str, bind: str) -> None:
-        from bench_e2e import descendants, process_table, rss_kb
         from asyncflow.engines.rollout.vllm import VLLMRolloutEngine
         me = os.getpid()
         self.known = set(descendants(process_table(), me))
