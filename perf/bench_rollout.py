@@ -484,8 +484,9 @@ def main() -> None:
             ap.exit(2, f"bench_rollout: --vllm needs vLLM importable, and here it is not ({why}). Run it with the "
                        f"vLLM venv's python, or leave --vllm out.\n")
     else:
-        print("vLLM entries: off (--vllm adds them; vLLM " + ("importable here)" if vllm_importable() is None
-                                                             else "not importable here)"), flush=True)
+        import importlib.util
+        print("vLLM entries: off (--vllm adds them; vLLM " + ("installed here)" if importlib.util.find_spec("vllm")
+                                                             else "not installed here)"), flush=True)
     import torch
     torch.set_num_threads(args.threads)
     n_methods = len(method_names(args.vllm))
