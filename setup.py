@@ -4,9 +4,12 @@ from setuptools import find_packages, setup
 
 HERE = Path(__file__).resolve().parent
 
-# What asyncflow works with, as ranges, so that it installs beside other stacks (vllm, torch_npu)
-# that bring their own torch. requirements.txt is the exact lock of the tested machine; every
-# one of its pins must satisfy the range here (tests/test_packaging.py checks it).
+# What asyncflow works with, as ranges, so that it installs beside other stacks (vllm, torch_npu,
+# verl with hydra-core 1.3) that bring their own versions. requirements.txt is the exact lock of
+# the tested machine; every one of its pins must satisfy the range here. Each range's floor is
+# tested too: requirements-lowest.txt pins every floor (install_requires and the dev and wandb
+# extras) and CI's second run installs exactly those (tests/test_packaging.py keeps them equal),
+# so a floor here is a version that installs and passes, not a guess.
 setup(
     name="asyncflow",
     version="0.1.0",
@@ -14,24 +17,27 @@ setup(
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["asyncflow", "asyncflow.*"]),
-    python_requires=">=3.11",  # tested: 3.11 (CI's first run), 3.12 (its second run)
+    python_requires=">=3.11",  # tested: 3.11 (CI's first and third runs), 3.12 (its second run)
     install_requires=[
-        # 2.10: the torch that vllm-ascend 0.23 and torch_npu 2.10.0.post4 pair with, and the oldest
-        # that CI tests (.ci/run's second run, requirements-torch210.txt). Nothing older is tested.
+        # 2.10: the torch that vllm-ascend 0.23 and torch_npu 2.10.0.post4 pair with. Nothing older is tested.
         "torch>=2.10",
         "numpy>=1.26",
-        "pyzmq>=25",
-        "tensordict>=0.7",  # tested: 0.15.3 (torch 2.13), 0.14.3 (torch 2.10; 0.15.x needs torch>=2.11)
+        "pyzmq>=25.1.1",  # the first with Python 3.12 wheels (25.0.x is a source build there)
+        "tensordict>=0.7",  # tested: 0.7.0 (lowest), 0.10.0 (beside verl 0.9, which wants <=0.10), 0.15.3
+        # 2.3: what hydra-core 1.3 (and so verl) installs beside; the config's choices are checked
+        # strings (config.one_of), as omegaconf 2.3 takes no Literal
         "omegaconf>=2.3",
-        # from_pretrained(dtype=...), masking_utils, model.set_attn_implementation; tested: 5.24
-        # (requirements.txt) and 5.17 (CI's second run, before 5.24's renames); 4.x not tested
-        "transformers>=4.56",
-        "tokenizers>=0.21",
+        # from_pretrained(dtype=...), masking_utils, set_attn_implementation. 5.1: 5.0.0 does not tie the
+        # embeddings of a model built from a config with tie_word_embeddings; 4.56 fails 8 tests (the
+        # critic's ValueModel gets no decoder from get_decoder(), ...) and cannot read the tokenizer of
+        # a tiny model cached by 5.x. Tested: 5.1.0 (lowest), 5.10.4 (beside verl 0.9), 5.24.0 (lock)
+        "transformers>=5.1",
+        "tokenizers>=0.22.1",  # transformers 5 asks for >=0.22 and huggingface-hub 1.x; 0.22.0 wants hub<1
         "safetensors>=0.4.3",
         "math-verify>=0.8",  # parse/verify with their signal timeouts off (None)
         "latex2sympy2_extended>=1.10.2",
-        "antlr4-python3-runtime>=4.9.3",
-        "sympy>=1.13",
+        "antlr4-python3-runtime>=4.9.3",  # 4.9.3: the antlr that omegaconf 2.3 / hydra-core 1.3 pin
+        "sympy>=1.13.3",  # torch 2.10 requires it
         "tqdm>=4.66",
         "matplotlib>=3.8",
     ],

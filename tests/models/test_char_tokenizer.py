@@ -49,7 +49,11 @@ def test_ids_round_trip_through_auto_and_fast_loaders(tiny_dir):
     fast = PreTrainedTokenizerFast.from_pretrained(str(tiny_dir), local_files_only=True)
     built = build_char_tokenizer()
     assert json.loads((tiny_dir / "config.json").read_text())["model_type"] == "qwen2"
-    assert type(auto).__name__ == "Qwen2Tokenizer"  # the trap is live: the test is meaningful
+    # From transformers 5.8 the trap is live (Qwen2Tokenizer), which makes the test meaningful; before,
+    # AutoTokenizer gives the plain TokenizersBackend (setup.py admits 5.1, CI's second run tests it).
+    from transformers import __version__ as tf_version
+    live = tuple(int(x) for x in tf_version.split(".")[:2]) >= (5, 8)
+    assert type(auto).__name__ == ("Qwen2Tokenizer" if live else "TokenizersBackend")
     texts = _addition_strings() + [CHARS, "user:what is 2*(3-1)\nassistant:", "a  b\n\nc", " x ", "<eos><pad>1"]
     assert not any(unsupported_chars(t.replace(EOS_TOKEN, "").replace(PAD_TOKEN, "")) for t in texts)
     ids_auto = auto(texts)["input_ids"]
