@@ -15,8 +15,8 @@ bisection so that the mean per-token EOS probability is EOS_RATE (mean response 
 they see the same length distribution.
 
 Threads: torch.set_num_threads(THREADS) (default 1, --threads to change), set before
-any model runs: on a shared 2-core machine one thread is steadier, and FACTS.md measured
-two threads barely helping generation at these sizes.
+any model runs: on a shared 2-core machine one thread is steadier, and two threads
+barely help generation at these sizes (perf/RESULTS.md).
 
     python perf/bench_rollout.py [--quick] [--threads N] [--vllm]
 

@@ -1,7 +1,7 @@
 """The built-in task: `a+b=` with a, b in 0..99, answer `str(a+b)`.
 
 A tiny character-level model learns it in seconds of warm-up and RL lifts it
-further (FACTS.md, "Learning signal"), and the answer is checked exactly. A fixed,
+further, and the answer is checked exactly. A fixed,
 seeded set of pairs is held out for evaluation and never appears in training.
 """
 

@@ -1,7 +1,7 @@
 """A character-level tokenizer: one token per character, ~50 ids.
 
 Why character level: with a BPE tokenizer that merges digit pairs, a tiny model
-barely learns 2-digit addition; one token per digit it does (see FACTS.md).
+barely learns 2-digit addition; one token per digit it does.
 
 Why the odd pipeline: `AutoTokenizer.from_pretrained` on a directory whose
 config.json says `model_type: qwen2` returns `Qwen2Tokenizer`, which rebuilds the

@@ -1,6 +1,6 @@
 """A tiny Qwen2 model with the character tokenizer, built offline and cached.
 
-The shape follows FACTS.md ("Learning signal"): hidden 128, 2 layers, 4 heads,
+The shape: hidden 128, 2 layers, 4 heads,
 FFN 512, tied embeddings (~0.5M parameters) learns `a+b=` on a laptop CPU; eager
 attention is faster than SDPA at these shapes.
 """

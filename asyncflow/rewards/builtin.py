@@ -46,7 +46,7 @@ def number_reward(response: str, answer: str, eos: str = DEFAULT_EOS, **_: objec
 def digits_reward(response: str, answer: str, eos: str = DEFAULT_EOS, **_: object) -> float:
     """Partial credit: the share of the answer's characters matched position by position, halved
     when the length differs. A denser signal for tests and small budgets; the exact-match
-    rewards teach the built-in task better (FACTS.md, "Learning signal")."""
+    rewards teach the built-in task better."""
     text = until_eos(response, eos).strip()
     gold = answer.strip()
     if not gold:

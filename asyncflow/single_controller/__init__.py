@@ -1,6 +1,6 @@
 """Single controller: one driver (asyncio) calls SPMD worker groups over ZMQ.
 
-See DESIGN.md, "Processes". Worker methods are plain Python marked with
+docs/architecture.md describes the processes. Worker methods are plain Python marked with
 ``@register(Dispatch.X)``; the driver gets a ``WorkerGroup`` whose methods are coroutines.
 """
 from .dispatch import DISPATCH_MODES, Dispatch, DispatchMode, register, register_dispatch_mode

@@ -2,7 +2,7 @@
 
 A controller keeps metadata (rows, produced columns, consumption per task); storage
 units keep bytes; clients put and get columns, variable-length ones without padding.
-See DESIGN.md, section "TransferQueue".
+docs/architecture.md, section "TransferQueue", describes it as built.
 """
 from .client import AsyncTransferQueueClient, TransferQueueClient
 from .columns import FieldSchema, FixedColumn, JaggedColumn, ObjectColumn
