@@ -409,23 +409,11 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         to run (``torn``)."""
         if mode not in SWAP_MODES:
             raise ValueError(f"receive_weights: mode must be one of {SWAP_MODES}, got {mode!r}")
-        from asyncflow.workers.weight_sync import TensorSpec
         head = self.llm.collective_rpc("asyncflow_receive_header")[0]
-        specs = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in head["specs"]]
-        try:
-            self.check_weights({sp.name: sp.meta() for sp in specs}, head["version"])
-        except Exception:
-            self.llm.collective_rpc("asyncflow_receive_buckets", args=(False,))  # the senders still finish
-            raise
-        self._wake_weights()
-        try:
-            self.llm.collective_rpc("asyncflow_receive_buckets", args=(True,))
-        except Exception as exc:
-            self.torn = f"version {head['version']}: the transfer failed midway: {exc}"
-            raise RuntimeError(f"receive_weights: {self.torn}") from exc
-        self._commit(head["version"], mode)
-        self.last_header = head
-        return {"version": int(head["version"]), "seq": int(head["seq"]), "buckets": int(head["buckets"])}
+        # refused weights are still drained: the senders finish
+        return self._load_announced(head, mode, lambda load: self.llm.collective_rpc("asyncflow_receive_buckets",
+                                                                                      args=(load,)),
+                                    "receive_weights", "the transfer failed midway")
 
     def load_weights_stream(self, specs: Sequence[Any], stream: Any, version: int, mode: str = "keep",
                             chunk_bytes: int = 256 << 20) -> None:
@@ -483,20 +471,28 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         through vLLM's reload path."""
         if mode not in SWAP_MODES:
             raise ValueError(f"swap_staged: mode must be one of {SWAP_MODES}, got {mode!r}")
-        from asyncflow.workers.weight_sync import TensorSpec
         head = self.llm.collective_rpc("asyncflow_staged_header", args=(float(timeout_s),))[0]
+        return self._load_announced(head, mode, lambda load: self.llm.collective_rpc("asyncflow_load_staged",
+                                                                                      args=(load, float(timeout_s))),
+                                    "swap_staged", "loading the staged copy failed")
+
+    def _load_announced(self, head: dict, mode: str, finish: Callable[[bool], Any], what: str, failed: str) -> dict:
+        """A version whose header the workers hold (``head``): check it, then ``finish(True)`` has
+        the workers load it; a refused one is ``finish(False)``-ed (dropped) and the engine keeps
+        its weights; a load failing midway leaves the engine refusing to run (``torn``)."""
+        from asyncflow.workers.weight_sync import TensorSpec
         specs = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in head["specs"]]
         try:
             self.check_weights({sp.name: sp.meta() for sp in specs}, head["version"])
         except Exception:
-            self.llm.collective_rpc("asyncflow_load_staged", args=(False, float(timeout_s)))
+            finish(False)
             raise
         self._wake_weights()
         try:
-            self.llm.collective_rpc("asyncflow_load_staged", args=(True, float(timeout_s)))
+            finish(True)
         except Exception as exc:
-            self.torn = f"version {head['version']}: loading the staged copy failed: {exc}"
-            raise RuntimeError(f"swap_staged: {self.torn}") from exc
+            self.torn = f"version {head['version']}: {failed}: {exc}"
+            raise RuntimeError(f"{what}: {self.torn}") from exc
         self._commit(head["version"], mode)
         self.last_header = head
         return {"version": int(head["version"]), "seq": int(head["seq"]), "buckets": int(head["buckets"])}
