@@ -1,55 +1,61 @@
-"""Sync vs async GRPO over several seeds: samples/s, reward and held-out accuracy against samples seen.
+"""Sync vs async GRPO over several seeds: time to a held-out accuracy, and learning at equal samples.
 
 The measurement that decides the main job's default mode. It runs ``asyncflow train grpo`` as
-subprocesses, one after another, for these settings (``--settings``; the first three by default):
+subprocesses, one after another, for these settings (``--settings``; the first two by default):
 
-  sync            workflow.mode=sync
-  async_s1        workflow.mode=async workflow.max_staleness=1 rollout.partial_rollout=true
-  async_s2        workflow.mode=async workflow.max_staleness=2 rollout.partial_rollout=true
-  async_s1_drain  workflow.mode=async workflow.max_staleness=1 rollout.partial_rollout=false
-
-``partial_rollout=true`` is in-flight weight updates (new weights swapped in at the next decode
-step); ``async_s1_drain`` swaps only once the running batch has drained.
+  sync            workflow.mode=sync; otherwise the main job's defaults (disaggregated, reward
+                  beside the rollout, threads auto: torch's default in sync disaggregated)
+  async           no override: the main job as shipped (async, max_staleness 1, in-flight
+                  updates off, decoupled PPO, one thread per rank)
+  async_partial   async with ``rollout.partial_rollout=true`` (new weights swapped in at the
+                  next decode step instead of once the running batch has drained)
+  async_s2        async with ``workflow.max_staleness=2``
 
 Method. For every seed of ``--seeds`` (default 0,1,2; ``--quick`` 0,1):
   1. one warm-up run (``trainer.steps=0``, the seed's supervised warm-up) exports ``hf_model``;
   2. every setting of that seed starts RL from those weights (``model.path=... warmup.enabled=false``)
      with the same seed, RL step count (``trainer.steps``, ``trainer.time_budget_s=0``, so the same
-     prompt budget) and evaluation cadence; the script checks they all start from the same
-     held-out accuracy;
+     prompt budget) and evaluation cadence (``--eval-every`` steps); the script checks they all
+     start from the same held-out accuracy;
   3. the settings run in a rotating order: the seed at position i of ``--seeds`` starts with the
-     i-th setting and wraps around (A B C, B C A, C A B, ...), so a slow spell of the shared
-     machine falls on every setting alike rather than on the one always run last.
+     i-th setting and wraps around (A B C, B C A, C A B, ...); with as many seeds as settings (or
+     a multiple) each setting runs in each position equally often, otherwise the printed orders
+     show which ran first how often.
 
 Figures, all MEASURED from the runs' files (nothing modelled), per run:
-  - ``samples_per_s``: ``summary.json``'s RL-phase figure (rows trained / RL seconds; the RL
-    seconds include the mid-RL evaluations, which every setting runs at the same cadence);
-  - samples seen = cumulative rows trained (``samples.jsonl``, one line per trained row; dynamic
-    sampling drops all-equal groups, so rows per step vary);
-  - reward: ``reward/mean`` per RL step (``metrics.jsonl``) against the samples seen after that
-    step; ``reward_last20`` is its mean over the last 20% of the RL steps that trained rows (a
-    step whose groups were all dropped by dynamic sampling logs no reward);
-  - held-out greedy accuracy (``eval/accuracy``): ``before_rl``, every ``trainer.eval_every``
-    steps and ``after_rl``, at the samples its policy version (``eval/version``) had trained on;
-    ``final_accuracy`` is ``after_rl``, ``best_accuracy`` the best after RL began.
+  - time to accuracy (perf/time_to_accuracy.py): for each of ``--thresholds`` (default 0.5, 0.6,
+    0.7), the RL seconds and the samples (rows trained) until the first policy version whose
+    held-out greedy accuracy met it had been trained; never reached is reported as such;
+  - ``samples_per_s`` (``summary.json``'s RL phase) and RL steps/s; rows trained per step
+    (dynamic sampling drops all-equal groups, so rows per step depend on the policy);
+  - held-out accuracy and reward at EQUAL SAMPLES: per seed, S = the fewest rows any setting of
+    that seed trained; the accuracy of each setting's last evaluated version trained on at most S
+    rows, and its mean per-step reward over the last fifth of those S rows; held-out accuracy at
+    equal RL time likewise (T = the shortest RL phase of the seed);
+  - final and best held-out accuracy, ``collapsed`` (the last evaluation below the start);
+  - per-step diagnostics, averaged over the run: staleness, the decoupled loss's importance
+    weight and its capped fraction, the clip fraction, entropy, gradient norm, response length.
 Per setting, each figure is reported as its median over the seeds and its spread (min, max).
 
 Headline:
-  - ``ratio_async_vs_sync_samples_per_s``: per seed, async_s1's samples/s over sync's of the SAME
-    seed (same warm-up, neighbouring slots in time); then the median and range of those ratios.
-    ``ratio_async_s2_vs_sync_samples_per_s`` likewise; ``ratios_vs_sync`` has every setting.
-  - beside it, ``ratio_async_vs_sync_steps_per_s`` (and ``step_ratios_vs_sync``): the same per-seed
-    ratio of RL steps per RL second. samples/s = steps/s x rows trained per step, and with dynamic
-    sampling the rows per step depend on the policy (groups it answers all alike are dropped),
-    so the two ratios split the headline into the system's speed and what the policies left.
-  - ``reward_within_noise``: true when async_s1's median ``reward_last20`` lies within
-    [min, max] of sync's per-seed ``reward_last20`` (inclusive). With one seed that range is a
-    single point, so the rule is only meaningful with several seeds. null if either is missing.
+  - ``ratio_time_to_acc_async_vs_sync``: at the highest threshold that every seed of both sync and
+    async reached (``time_to_acc_threshold``), per seed sync's RL seconds over async's (> 1: async
+    got there sooner); the median and range of those ratios; ``reached`` says how many seeds of
+    each setting reached each threshold.
+  - ``ceiling_steps_ratio``: the most async could gain in RL steps/s on this machine, from stage
+    costs measured alone: per seed, sync's seconds per step over the busiest rank group's
+    seconds per step in the same sync run (its stages run one after another there, so each
+    group's spans are its cost without overlap; perf/bench_e2e.py's bound); beside it async's
+    measured ``ratio_async_vs_sync_steps_per_s``. With equal learning per step, the time-to-
+    accuracy ratio cannot exceed that ceiling.
+  - ``accuracy_within_noise`` / ``reward_within_noise``: async's median at equal samples lies
+    within [min, max] of sync's per-seed values (inclusive; meaningful with several seeds).
 
 The 2-core VM is shared and noisy (seconds move by +-30% between runs); the learning curves are
 deterministic only up to the asynchrony's timing (which rows train on which policy version).
 
-    python perf/convergence.py [--quick] [--seeds 0,1,2] [--steps N] [--settings a,b] [key=value ...]
+    python perf/convergence.py [--quick] [--seeds 0,1,2] [--steps N] [--settings a,b]
+                               [--thresholds 0.5,0.6,0.7] [key=value ...]
 
 Extra ``key=value`` arguments go to every run (not ``trainer.seed``: use ``--seeds``). Writes into
 ``--out``: one directory per seed (``seed<k>/warmup``, ``seed<k>/<setting>`` and their logs),
@@ -73,20 +79,28 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import rotation  # noqa: E402  (the same rotating order as the e2e bench)
+from bench_e2e import group_costs, rank_groups, rotation  # noqa: E402  (the e2e bench's order and bound)
+from time_to_accuracy import (THRESHOLDS, Reach, VersionPoint, accuracy_at, collapsed,  # noqa: E402
+                              first_reach, highest_reached_by_all, parse_thresholds, reached_counts, reward_at,
+                              time_ratios, version_points)
 
 ROOT = Path(__file__).resolve().parent.parent
+# The async settings name the main job's own values explicitly, so a changed recipe default
+# cannot silently change what "async" measured.
 SETTINGS: dict[str, tuple[str, ...]] = {
     "sync": ("workflow.mode=sync",),
-    "async_s1": ("workflow.mode=async", "workflow.max_staleness=1", "rollout.partial_rollout=true"),
-    "async_s2": ("workflow.mode=async", "workflow.max_staleness=2", "rollout.partial_rollout=true"),
-    "async_s1_drain": ("workflow.mode=async", "workflow.max_staleness=1", "rollout.partial_rollout=false"),
+    "async": ("workflow.mode=async", "workflow.max_staleness=1", "rollout.partial_rollout=false"),
+    "async_partial": ("workflow.mode=async", "workflow.max_staleness=1", "rollout.partial_rollout=true"),
+    "async_s2": ("workflow.mode=async", "workflow.max_staleness=2", "rollout.partial_rollout=false"),
 }
-DEFAULT_SETTINGS = ("sync", "async_s1", "async_s2")
+DEFAULT_SETTINGS = ("sync", "async")
 REFERENCE = "sync"
-HEADLINE_RATIOS = {"ratio_async_vs_sync_samples_per_s": "async_s1",
+HEADLINE_RATIOS = {"ratio_async_vs_sync_samples_per_s": "async",
                    "ratio_async_s2_vs_sync_samples_per_s": "async_s2"}
-NOISE_CANDIDATE = "async_s1"
+NOISE_CANDIDATE = "async"
+# per-step metrics averaged over a run: why one setting learns differently per step
+DIAGNOSTICS = ("async/staleness_mean", "actor/is_weight", "actor/is_capfrac", "actor/pg_clipfrac",
+               "actor/entropy", "actor/grad_norm", "response_length/mean", "rollout_corr/logp_abs_diff_mean")
 TAIL_FRACTION = 0.2
 FIGURES = ("samples_per_s", "steps_per_s", "rows_per_step", "reward_last20", "final_accuracy", "best_accuracy",
            "accuracy_before", "staleness_mean", "samples", "rl_s")
@@ -218,6 +232,18 @@ class Curves:
     evals: list[EvalPoint]
     samples: int
     trained_steps: int  # RL steps that trained rows (dynamic sampling may drop a whole step's groups)
+    points: list[VersionPoint]  # evaluated versions with the RL seconds at which each was trained
+    diagnostics: dict[str, float]  # DIAGNOSTICS averaged over the steps that logged them
+
+
+def run_means(steps: Sequence[Mapping], keys: Iterable[str]) -> dict[str, float]:
+    """Each key's mean over the step rows that carry it (keys no row carries are left out)."""
+    out = {}
+    for k in keys:
+        vals = [float(m[k]) for m in steps if k in m and not math.isnan(float(m[k]))]
+        if vals:
+            out[k] = sum(vals) / len(vals)
+    return out
 
 
 def read_curves(run_dir: Path) -> Curves:
@@ -239,7 +265,9 @@ def read_curves(run_dir: Path) -> Curves:
         if "eval/accuracy" in m and m.get("phase") in ("before_rl", "rl", "after_rl"):
             v = int(m.get("eval/version", 0 if m["phase"] == "before_rl" else m["step"]))
             evals.append(EvalPoint(cum[min(max(v, 0), last)], float(m["eval/accuracy"]), m["phase"], v))
-    return Curves(reward, evals, cum[-1], len(steps))  # a step without rows has no reward/mean row
+    points = version_points(metrics, cum)
+    return Curves(reward, evals, cum[-1], len(steps), points,  # a step without rows has no reward/mean row
+                  run_means(steps, DIAGNOSTICS))
 
 
 @dataclass(frozen=True)
@@ -255,6 +283,9 @@ class RunResult:
     trained_steps: int
     rl_s: float
     wall_s: float
+    reaches: tuple[Reach, ...] = ()  # per threshold of the run's --thresholds
+    collapsed: bool = False
+    ceiling_steps_ratio: float = float("nan")  # sync runs: s/step over the busiest group's s/step
 
     @property
     def steps_per_s(self) -> float:
@@ -269,7 +300,25 @@ class RunResult:
         return self.samples / self.rl_steps if self.rl_steps else float("nan")
 
 
-def run_result(curves: Curves, summary: Mapping, wall_s: float, where: str = "run") -> RunResult:
+def standalone_ceiling(run_dir: Path, rl_steps: int, rl_s: float) -> float:
+    """For a sync run (stages one after another): its seconds per step over the busiest rank
+    group's seconds per step, each group's cost the union of its stages' spans (timeline.jsonl).
+    The most an overlapped mode on the same placement could gain in steps/s; NaN for other runs."""
+    cfg_path, tl_path = run_dir / "config.json", run_dir / "timeline.jsonl"
+    if not (cfg_path.is_file() and tl_path.is_file()) or rl_steps <= 0 or rl_s <= 0:
+        return float("nan")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg["workflow"]["mode"] != "sync":
+        return float("nan")
+    spans = [s for s in read_jsonl(tl_path) if s.get("step", -1) >= 0]
+    stages = {s["stage"] for s in spans}
+    groups = rank_groups(cfg["placement"], stages, {s["lane"].split()[0] for s in spans})
+    worst = max(group_costs(spans, groups, rl_steps).values(), default=0.0)
+    return (rl_s / rl_steps) / worst if worst > 0 else float("nan")
+
+
+def run_result(curves: Curves, summary: Mapping, wall_s: float, where: str = "run",
+               thresholds: Sequence[float] = THRESHOLDS, ceiling: float = float("nan")) -> RunResult:
     """One run's figures from its curves and its summary.json."""
     if "samples_per_s" not in summary:
         raise ValueError(f"{where}: summary.json has no samples_per_s (keys: {sorted(summary)})")
@@ -284,7 +333,9 @@ def run_result(curves: Curves, summary: Mapping, wall_s: float, where: str = "ru
         staleness_mean=float(summary.get("staleness_mean", float("nan"))),
         samples=curves.samples, rl_steps=int(summary.get("rl_steps", curves.trained_steps)),
         trained_steps=curves.trained_steps,
-        rl_s=float(summary.get("rl_s", float("nan"))), wall_s=wall_s)
+        rl_s=float(summary.get("rl_s", float("nan"))), wall_s=wall_s,
+        reaches=tuple(first_reach(curves.points, thresholds)), collapsed=collapsed(curves.points),
+        ceiling_steps_ratio=ceiling)
 
 
 def same_start(results: Mapping[str, Mapping[int, RunResult]]) -> dict[int, bool]:
@@ -309,9 +360,49 @@ def ratios_to_reference(results: Mapping[str, Mapping[int, RunResult]], figure: 
     return out
 
 
-def summarise(results: Mapping[str, Mapping[int, RunResult]]) -> dict:
+def time_to_accuracy(results: Mapping[str, Mapping[int, RunResult]], thresholds: Sequence[float]) -> dict:
+    """Per setting and threshold: RL seconds and samples to reach it (median and range over the
+    seeds that reached it) and how many seeds did."""
+    out: dict[str, dict] = {}
+    for name, runs in results.items():
+        per = {}
+        for i, thr in enumerate(thresholds):
+            got = {s: r.reaches[i] for s, r in runs.items() if len(r.reaches) > i and r.reaches[i].reached}
+            per[f"{thr:g}"] = {
+                "reached": len(got), "of": len(runs),
+                "rl_s": spread({s: x.rl_s for s, x in got.items()}).as_json(1) if got else None,
+                "samples": spread({s: x.samples for s, x in got.items()}).as_json(0) if got else None}
+        if runs:
+            out[name] = per
+    return out
+
+
+def equal_footing(results: Mapping[str, Mapping[int, RunResult]],
+                  curves: Mapping[str, Mapping[int, Curves]]) -> dict[str, dict[str, Spread]]:
+    """Per setting: held-out accuracy and reward at the samples every setting of the seed reached
+    (the fewest any trained), and accuracy at the RL seconds every setting of the seed ran."""
+    seeds = sorted({s for runs in results.values() for s in runs})
+    out: dict[str, dict[str, dict[int, float]]] = {n: {"accuracy_at_equal_samples": {}, "reward_at_equal_samples": {},
+                                                      "accuracy_at_equal_time": {}} for n in results}
+    for seed in seeds:
+        have = [n for n in results if seed in results[n] and seed in curves.get(n, {})]
+        if len(have) < 2:
+            continue
+        n_samples = min(results[n][seed].samples for n in have)
+        rl_s = min(results[n][seed].rl_s for n in have)
+        for n in have:
+            c = curves[n][seed]
+            out[n]["accuracy_at_equal_samples"][seed] = accuracy_at(c.points, samples=n_samples)
+            out[n]["reward_at_equal_samples"][seed] = reward_at([(p.samples, p.reward) for p in c.reward], n_samples)
+            out[n]["accuracy_at_equal_time"][seed] = accuracy_at(c.points, rl_s=rl_s)
+    return {n: {k: sp for k, v in figs.items() if (sp := maybe_spread(v)) is not None} for n, figs in out.items()}
+
+
+def summarise(results: Mapping[str, Mapping[int, RunResult]], curves: Mapping[str, Mapping[int, Curves]] | None = None,
+              thresholds: Sequence[float] = THRESHOLDS) -> dict:
     """Per setting, every figure's median and spread over the seeds; the ratios to sync per seed;
-    the within-noise verdict. ``results[setting][seed]`` holds the runs that finished."""
+    time to accuracy; accuracy and reward at equal samples; the within-noise verdicts.
+    ``results[setting][seed]`` holds the runs that finished, ``curves`` their curves."""
     settings = {}
     for name, runs in results.items():
         figs = {f: maybe_spread({s: getattr(r, f) for s, r in runs.items()}) for f in FIGURES}
@@ -334,14 +425,53 @@ def summarise(results: Mapping[str, Mapping[int, RunResult]]) -> dict:
     out["reward_within_noise_per_setting"] = noise
     out["reward_within_noise_rule"] = (f"{NOISE_CANDIDATE} median reward_last20 in [min, max] of "
                                        f"{REFERENCE}'s per-seed reward_last20")
+    out.update(learning_verdict(results, curves or {}, thresholds))
     return out
+
+
+def learning_verdict(results: Mapping[str, Mapping[int, RunResult]], curves: Mapping[str, Mapping[int, Curves]],
+                     thresholds: Sequence[float]) -> dict:
+    """Time to accuracy (the headline), learning at equal samples, collapses, the ceiling."""
+    ref, cand = results.get(REFERENCE, {}), results.get(NOISE_CANDIDATE, {})
+    tta = time_to_accuracy(results, thresholds)
+    reach = {n: {s: r.reaches for s, r in runs.items()} for n, runs in results.items()}
+    top = highest_reached_by_all(reach, thresholds, (REFERENCE, NOISE_CANDIDATE))
+    ratio = None
+    if top is not None:
+        r = time_ratios(reach[REFERENCE], reach[NOISE_CANDIDATE], list(thresholds).index(top))
+        ratio = spread(r).as_json(3) if r else None
+    equal = equal_footing(results, curves)
+    verdicts: dict[str, bool | None] = {}
+    for key, fig in (("accuracy_within_noise", "accuracy_at_equal_samples"),
+                     ("reward_at_equal_samples_within_noise", "reward_at_equal_samples")):
+        a, b = equal.get(NOISE_CANDIDATE, {}).get(fig), equal.get(REFERENCE, {}).get(fig)
+        verdicts[key] = within_noise(a.median, b) if a is not None and b is not None else None
+    ceiling = maybe_spread({s: r.ceiling_steps_ratio for s, r in ref.items()})
+    return {
+        "time_to_accuracy": tta,
+        "time_to_acc_threshold": top,
+        "ratio_time_to_acc_async_vs_sync": ratio,
+        "reached": {n: reached_counts(by_seed, thresholds) for n, by_seed in reach.items() if by_seed},
+        "equal_footing": {n: {k: sp.as_json() for k, sp in figs.items()} for n, figs in equal.items() if figs},
+        **verdicts,
+        "collapsed": {n: sorted(s for s, r in runs.items() if r.collapsed) for n, runs in results.items() if runs},
+        "ceiling_steps_ratio": ceiling.as_json(3) if ceiling is not None else None,
+        "diagnostics": {n: {k: spread({s: curves[n][s].diagnostics[k] for s in by_seed if k in by_seed[s].diagnostics})
+                            .as_json() for k in DIAGNOSTICS
+                            if any(k in c.diagnostics for c in by_seed.values())}
+                        for n, by_seed in curves.items() if by_seed},
+        "seeds_in_both": sorted(set(ref) & set(cand)),
+    }
 
 
 def headline(summary: Mapping) -> dict:
     """What of ``summarise``'s result the last printed line carries: every ratio and verdict and
     the per-setting figures."""
-    keys = (*HEADLINE_RATIOS, "ratio_async_vs_sync_steps_per_s", "reward_within_noise", "reward_within_noise_rule",
-            "settings", "ratios_vs_sync", "step_ratios_vs_sync", "reward_within_noise_per_setting")
+    keys = ("ratio_time_to_acc_async_vs_sync", "time_to_acc_threshold", "reached", "ceiling_steps_ratio",
+            "accuracy_within_noise", "reward_at_equal_samples_within_noise", "collapsed",
+            *HEADLINE_RATIOS, "ratio_async_vs_sync_steps_per_s", "reward_within_noise", "reward_within_noise_rule",
+            "settings", "ratios_vs_sync", "step_ratios_vs_sync", "reward_within_noise_per_setting",
+            "time_to_accuracy", "equal_footing")
     return {k: summary[k] for k in keys}
 
 
@@ -471,6 +601,22 @@ def print_table(summary: dict, names: Sequence[str]) -> None:
         print(f"RL steps/s {name} / {REFERENCE} (per seed, then median): {fmt_spread(r, '.3f')}")
     for name, ok in summary["reward_within_noise_per_setting"].items():
         print(f"reward_last20 of {name} within {REFERENCE}'s seed spread: {ok}")
+    print("\ntime to held-out accuracy: RL seconds, median [min, max] over the seeds that reached it (reached/seeds)")
+    for name in names:
+        per = summary["time_to_accuracy"].get(name, {})
+        print(f"{name:15} " + "  ".join(
+            f"{thr}: {fmt_spread(x['rl_s'], '.0f') if x['rl_s'] else 'never'} ({x['reached']}/{x['of']})"
+            for thr, x in per.items()))
+    for name in names:
+        eq = summary["equal_footing"].get(name, {})
+        print(f"{name:15} at equal samples: accuracy {fmt_spread(eq.get('accuracy_at_equal_samples'))}, reward "
+              f"{fmt_spread(eq.get('reward_at_equal_samples'))}; at equal RL time: accuracy "
+              f"{fmt_spread(eq.get('accuracy_at_equal_time'))}; collapsed seeds: "
+              f"{summary['collapsed'].get(name, [])}")
+    print(f"time to {summary['time_to_acc_threshold']} held-out accuracy, {REFERENCE} / {NOISE_CANDIDATE} per seed: "
+          f"{fmt_spread(summary['ratio_time_to_acc_async_vs_sync'])}; ceiling in steps/s from stage costs measured "
+          f"alone: {fmt_spread(summary['ceiling_steps_ratio'])}; async/sync steps/s measured: "
+          f"{fmt_spread(summary['ratio_async_vs_sync_steps_per_s'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -479,21 +625,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="smoke scale: 2 seeds, 30 steps of 16 prompts, warm-up of at most 100 steps")
     ap.add_argument("--out", default=str(ROOT / "perf" / "out" / "convergence"))
     ap.add_argument("--seeds", default="", help="comma-separated seeds (default 0,1,2; --quick 0,1)")
-    ap.add_argument("--steps", type=int, default=0, help="RL steps per run (default 400, --quick 30)")
+    ap.add_argument("--steps", type=int, default=0, help="RL steps per run (default 1500, --quick 30)")
     ap.add_argument("--eval-every", type=int, default=0, help="RL steps between evaluations (default 20, --quick 10)")
     ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                     help="comma-separated, run in this order for the first seed; known: " + ",".join(SETTINGS))
     ap.add_argument("--run-timeout", type=float, default=0,
                     help="seconds before a run is killed (default 3600, --quick 900; 0 here: the default)")
+    ap.add_argument("--thresholds", default=",".join(f"{t:g}" for t in THRESHOLDS),
+                    help="held-out accuracies to time (default %(default)s)")
     ap.add_argument("overrides", nargs="*", help="key=value, passed to every run")
     args = ap.parse_args(argv)
     try:
         seeds = parse_seeds(args.seeds or ("0,1" if args.quick else "0,1,2"))
         names = parse_settings(args.settings)
         check_overrides(args.overrides)
+        thresholds = parse_thresholds(args.thresholds)
     except ValueError as e:
         ap.error(str(e))
-    steps = args.steps or (30 if args.quick else 400)
+    steps = args.steps or (30 if args.quick else 1500)
     every = args.eval_every or (10 if args.quick else 20)
     timeout_s = args.run_timeout or (900.0 if args.quick else 3600.0)
     out = Path(args.out)
@@ -532,7 +681,9 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(f"exit {rc} after {wall:.0f} s")
                 c = read_curves(run_dir)
                 summ = json.loads((run_dir / "summary.json").read_text())
-                r = run_result(c, summ, wall, where=str(run_dir))
+                r = run_result(c, summ, wall, where=str(run_dir), thresholds=thresholds,
+                               ceiling=standalone_ceiling(run_dir, int(summ.get("rl_steps", 0)),
+                                                          float(summ.get("rl_s", 0.0))))
             except (ValueError, OSError) as e:
                 failed[f"seed{seed}/{name}"] = f"{e}; see {log}"
                 print(f"seed {seed} {name}: FAILED ({e}); last lines of {log}:\n{log_tail(log)}", flush=True)
@@ -541,10 +692,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seed {seed} {name}: {r.rl_steps} RL steps ({r.trained_steps} with rows), {r.samples} rows, "
                   f"{r.samples_per_s:.0f} samples/s, reward last20% {r.reward_last20:.3f}, "
                   f"accuracy {r.accuracy_before:.3f} -> {r.final_accuracy:.3f} (best {r.best_accuracy:.3f}), "
-                  f"staleness {r.staleness_mean:.2f}, "
+                  f"staleness {r.staleness_mean:.2f}, reached "
+                  + ", ".join(f"{x.threshold:g} in {x.rl_s:.0f} s" for x in r.reaches if x.reached)
+                  + f"{' COLLAPSED' if r.collapsed else ''}, "
                   f"{wall:.0f} s", flush=True)
 
-    summary = summarise(results)
+    summary = summarise(results, curves, thresholds)
     starts = same_start(results)
     if not all(starts.values()):
         print(f"WARNING: the settings of seeds {[s for s, ok in starts.items() if not ok]} did not start from "
@@ -559,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     head = {
         **headline(summary),
         "seeds": seeds, "orders": orders, "steps": steps, "eval_every": every, "quick": args.quick,
+        "thresholds": list(thresholds),
         "overrides": list(args.overrides), "same_start": bool(starts) and all(starts.values()),
         "warmups": {str(s): w for s, w in warmups.items()}, "failed": failed,
         "wall_s": round(time.monotonic() - t_all, 1),

@@ -32,12 +32,17 @@ def test_seeds_parse_and_refuse_repeats_and_junk():
         conv.parse_seeds(",")
 
 
-def test_default_settings_are_sync_and_async_with_in_flight_updates():
-    assert conv.DEFAULT_SETTINGS == ("sync", "async_s1", "async_s2")
-    assert "rollout.partial_rollout=true" in conv.SETTINGS["async_s1"]
+def test_default_settings_are_sync_and_the_main_jobs_async():
+    assert conv.DEFAULT_SETTINGS == ("sync", "async")
+    # "async" is the grpo recipe as shipped: every value it names is the recipe's own default
+    from asyncflow.config import load_config
+    cfg = load_config(Path(conv.ROOT) / "recipes" / "grpo" / "config.yaml")
+    assert (cfg.workflow.mode, cfg.workflow.max_staleness, cfg.rollout.partial_rollout) == ("async", 1, False)
+    assert set(conv.SETTINGS["async"]) == {"workflow.mode=async", "workflow.max_staleness=1",
+                                           "rollout.partial_rollout=false"}
+    assert "rollout.partial_rollout=true" in conv.SETTINGS["async_partial"]  # available, not default
     assert "workflow.max_staleness=2" in conv.SETTINGS["async_s2"]
-    assert "rollout.partial_rollout=false" in conv.SETTINGS["async_s1_drain"]  # available, not default
-    assert conv.parse_settings("sync,async_s1_drain") == ["sync", "async_s1_drain"]
+    assert conv.parse_settings("sync,async_partial") == ["sync", "async_partial"]
     with pytest.raises(ValueError, match="unknown"):
         conv.parse_settings("sync,async_s3")
 
@@ -121,8 +126,9 @@ def make_run(root: Path, rows_per_step: list[int], rewards: list[float], evals: 
              samples_per_s: float = 100.0, staleness: float = 0.5) -> Path:
     """A made-up finished run: metrics.jsonl, samples.jsonl and summary.json as the trainer writes them."""
     root.mkdir(parents=True)
-    metrics = [{"step": 0, "eval/accuracy": evals[0][2], "phase": "before_rl", "eval/version": 0}]
-    metrics += [{"step": t + 1, "reward/mean": r, "actor/loss": 0.0} for t, r in enumerate(rewards)]
+    metrics = [{"step": 0, "time_s": 1.0, "eval/accuracy": evals[0][2], "phase": "before_rl", "eval/version": 0}]
+    metrics += [{"step": t + 1, "time_s": 1.0 + t + 1, "step_time_s": 1.0, "reward/mean": r, "actor/loss": 0.0}
+                for t, r in enumerate(rewards)]
     metrics += [{"step": v, "eval/accuracy": a, "phase": ph, "eval/version": v} for ph, v, a in evals[1:]]
     (root / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     samples = [{"step": t, "uid": 0, "score": 1.0} for t, n in enumerate(rows_per_step) for _ in range(n)]
@@ -190,14 +196,14 @@ def _result(sps: float, reward: float, before: float = 0.2) -> "conv.RunResult":
 
 def test_summary_has_headline_ratios_and_the_noise_verdict():
     results = {"sync": {0: _result(400, 0.20), 1: _result(500, 0.30), 2: _result(450, 0.25)},
-               "async_s1": {0: _result(300, 0.26), 1: _result(450, 0.10), 2: _result(540, 0.28)},
+               "async": {0: _result(300, 0.26), 1: _result(450, 0.10), 2: _result(540, 0.28)},
                "async_s2": {0: _result(200, 0.50), 1: _result(250, 0.40)}}
     s = conv.summarise(results)
     r1 = s["ratio_async_vs_sync_samples_per_s"]
     assert (r1["median"], r1["min"], r1["max"]) == (0.9, 0.75, 1.2)
     assert r1["per_seed"] == {"0": 0.75, "1": 0.9, "2": 1.2}
     assert s["ratio_async_s2_vs_sync_samples_per_s"]["median"] == 0.5  # seeds 0 and 1 only: 0.5 and 0.5
-    assert s["settings"]["async_s1"]["reward_last20"]["median"] == 0.26
+    assert s["settings"]["async"]["reward_last20"]["median"] == 0.26
     assert s["reward_within_noise"] is True  # 0.26 in [0.20, 0.30]
     assert s["reward_within_noise_per_setting"]["async_s2"] is False  # 0.45 above 0.30
     assert s["settings"]["sync"]["samples_per_s"] == {"median": 450.0, "min": 400.0, "max": 500.0,
@@ -205,14 +211,14 @@ def test_summary_has_headline_ratios_and_the_noise_verdict():
 
 
 def test_summary_without_sync_has_no_ratio_and_no_verdict():
-    s = conv.summarise({"async_s1": {0: _result(300, 0.2)}, "sync": {}})
+    s = conv.summarise({"async": {0: _result(300, 0.2)}, "sync": {}})
     assert s["ratio_async_vs_sync_samples_per_s"] is None and s["reward_within_noise"] is None
     assert "sync" not in s["settings"]
 
 
 def test_same_start_is_checked_per_seed():
     results = {"sync": {0: _result(1, 0, before=0.2), 1: _result(1, 0, before=0.3)},
-               "async_s1": {0: _result(1, 0, before=0.2), 1: _result(1, 0, before=0.31)}}
+               "async": {0: _result(1, 0, before=0.2), 1: _result(1, 0, before=0.31)}}
     assert conv.same_start(results) == {0: True, 1: False}
 
 
@@ -229,14 +235,64 @@ def test_step_rate_ratio_splits_the_headline_from_the_rows_each_policy_left():
     def run(sps: float, rows: int, steps: int, secs: float) -> "conv.RunResult":
         return dataclasses.replace(_result(sps, 0.2), samples=rows, rl_steps=steps, rl_s=secs)
     # async: 200 steps in 25 s keeping 100 rows a step; sync: 200 steps in 40 s keeping 120
-    s = conv.summarise({"sync": {0: run(600.0, 24000, 200, 40.0)}, "async_s1": {0: run(800.0, 20000, 200, 25.0)}})
+    s = conv.summarise({"sync": {0: run(600.0, 24000, 200, 40.0)}, "async": {0: run(800.0, 20000, 200, 25.0)}})
     assert s["ratio_async_vs_sync_steps_per_s"]["median"] == 1.6
     assert s["ratio_async_vs_sync_samples_per_s"]["median"] == pytest.approx(800 / 600, abs=1e-3)
-    assert s["settings"]["async_s1"]["rows_per_step"]["median"] == 100.0
+    assert s["settings"]["async"]["rows_per_step"]["median"] == 100.0
     assert s["settings"]["sync"]["steps_per_s"]["median"] == 5.0
     assert math.isnan(dataclasses.replace(_result(1, 0), rl_s=0.0).steps_per_s)
     # the last printed line carries the split too
     head = json.loads(json.dumps(conv.headline(s)))
     assert head["ratio_async_vs_sync_steps_per_s"]["median"] == 1.6
-    assert head["step_ratios_vs_sync"]["async_s1"]["median"] == 1.6
+    assert head["step_ratios_vs_sync"]["async"]["median"] == 1.6
     assert head["settings"] == s["settings"]
+
+
+# ---- time to accuracy and the learning verdict ----------------------------------------------------
+
+def test_the_learning_verdict_times_each_setting_and_compares_at_equal_samples(tmp_path):
+    # sync: 4 steps of 10 rows, 1 s each; async: 4 steps of 10 rows, 0.5 s each (make_run writes 1 s
+    # per step, so async's times are halved here)
+    sync = make_run(tmp_path / "sync", [10] * 4, [0.1, 0.2, 0.3, 0.4],
+                    [("before_rl", 0, 0.2), ("rl", 2, 0.55), ("after_rl", 4, 0.72)])
+    asyn = make_run(tmp_path / "async", [10] * 3, [0.1, 0.3, 0.5],
+                    [("before_rl", 0, 0.2), ("rl", 2, 0.65), ("after_rl", 3, 0.71)])
+    rows = [json.loads(x) for x in (asyn / "metrics.jsonl").read_text().splitlines()]
+    for m in rows:
+        if "step_time_s" in m:
+            m["time_s"] = 1.0 + 0.5 * m["step"]
+    (asyn / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+    curves = {"sync": {0: conv.read_curves(sync)}, "async": {0: conv.read_curves(asyn)}}
+    results = {n: {0: conv.run_result(c[0], {"samples_per_s": 1.0, "rl_s": 4.0, "rl_steps": 4}, 1.0)}
+               for n, c in curves.items()}
+    s = conv.summarise(results, curves)
+    assert s["time_to_acc_threshold"] == 0.7
+    assert s["ratio_time_to_acc_async_vs_sync"]["per_seed"]["0"] == pytest.approx(4.0 / 1.5, abs=1e-3)  # 4 s vs 1.5 s
+    assert s["reached"]["sync"] == {"0.5": 1, "0.6": 1, "0.7": 1}
+    assert s["time_to_accuracy"]["async"]["0.6"]["rl_s"]["median"] == 1.0
+    # equal samples: 30 rows (async trained the fewer); sync's last version within 30 rows is v2
+    eq = s["equal_footing"]
+    assert eq["sync"]["accuracy_at_equal_samples"]["median"] == 0.55
+    assert eq["async"]["accuracy_at_equal_samples"]["median"] == 0.71
+    assert eq["sync"]["reward_at_equal_samples"]["median"] == 0.3  # the step at 30 rows, in (24, 30]
+    assert s["collapsed"] == {"sync": [], "async": []}
+    assert s["accuracy_within_noise"] is False  # 0.71 outside sync's single-seed [0.55, 0.55]
+    json.loads(json.dumps(conv.headline(s)))  # the last printed line is JSON
+
+
+def test_the_ceiling_is_a_sync_runs_step_time_over_its_busiest_groups_cost(tmp_path):
+    run = tmp_path / "sync"
+    run.mkdir()
+    placement = {"mode": "disaggregated", "actor_ranks": [0], "rollout_ranks": [1], "reward_with": "rollout"}
+    (run / "config.json").write_text(json.dumps({"workflow": {"mode": "sync"}, "placement": placement}))
+    spans = []
+    for step in range(2):  # per step: rollout 0.3 s + reward 0.1 s on rank 1, update 0.4 s + publish 0.1 on rank 0
+        t = step * 1.0
+        spans += [{"lane": "rank1 rollout0", "stage": "rollout", "start": t, "end": t + 0.3, "step": step},
+                  {"lane": "rank1 reward", "stage": "reward", "start": t + 0.3, "end": t + 0.4, "step": step},
+                  {"lane": "rank0 actor", "stage": "update", "start": t + 0.4, "end": t + 0.8, "step": step},
+                  {"lane": "rank0 actor", "stage": "weight_sync", "start": t + 0.8, "end": t + 0.9, "step": step}]
+    (run / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    assert conv.standalone_ceiling(run, rl_steps=2, rl_s=2.0) == pytest.approx(1.0 / 0.5)
+    (run / "config.json").write_text(json.dumps({"workflow": {"mode": "async"}, "placement": placement}))
+    assert math.isnan(conv.standalone_ceiling(run, rl_steps=2, rl_s=2.0))
