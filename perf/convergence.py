@@ -82,7 +82,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_e2e import group_costs, rank_groups, rotation  # noqa: E402  (the e2e bench's order and bound)
 from time_to_accuracy import (THRESHOLDS, Reach, VersionPoint, accuracy_at, collapsed,  # noqa: E402
                               first_reach, highest_reached_by_all, parse_thresholds, reached_counts, reward_at,
-                              time_ratios, version_points)
+                              rl_start_s, step_times, steps_to_reward, time_ratios, version_points,
+                              version_time)
 
 ROOT = Path(__file__).resolve().parent.parent
 # The async settings name the main job's own values explicitly, so a changed recipe default
@@ -98,6 +99,14 @@ REFERENCE = "sync"
 HEADLINE_RATIOS = {"ratio_async_vs_sync_samples_per_s": "async",
                    "ratio_async_s2_vs_sync_samples_per_s": "async_s2"}
 NOISE_CANDIDATE = "async"
+# training-reward levels (trailing mean over REWARD_WINDOW steps) whose step counts compare the
+# settings' learning per step; the main job's reward starts near 0.25 after its warm-up
+REWARD_LEVELS = (0.4, 0.5)
+REWARD_WINDOW = 100
+# Per seed, a short sync run at async's threads per rank (one) measures the stage costs alone
+# for the ceiling; it is not a learning setting.
+COSTS_RUN = "stage_costs"
+COSTS_OVERRIDES = ("workflow.mode=sync", "trainer.threads=1", "trainer.eval_every=0")
 # per-step metrics averaged over a run: why one setting learns differently per step
 DIAGNOSTICS = ("async/staleness_mean", "actor/is_weight", "actor/is_capfrac", "actor/pg_clipfrac",
                "actor/entropy", "actor/grad_norm", "response_length/mean", "rollout_corr/logp_abs_diff_mean")
@@ -285,7 +294,6 @@ class RunResult:
     wall_s: float
     reaches: tuple[Reach, ...] = ()  # per threshold of the run's --thresholds
     collapsed: bool = False
-    ceiling_steps_ratio: float = float("nan")  # sync runs: s/step over the busiest group's s/step
 
     @property
     def steps_per_s(self) -> float:
@@ -300,25 +308,75 @@ class RunResult:
         return self.samples / self.rl_steps if self.rl_steps else float("nan")
 
 
-def standalone_ceiling(run_dir: Path, rl_steps: int, rl_s: float) -> float:
-    """For a sync run (stages one after another): its seconds per step over the busiest rank
-    group's seconds per step, each group's cost the union of its stages' spans (timeline.jsonl).
-    The most an overlapped mode on the same placement could gain in steps/s; NaN for other runs."""
-    cfg_path, tl_path = run_dir / "config.json", run_dir / "timeline.jsonl"
-    if not (cfg_path.is_file() and tl_path.is_file()) or rl_steps <= 0 or rl_s <= 0:
-        return float("nan")
-    cfg = json.loads(cfg_path.read_text())
+def stage_group_costs(run_dir: Path) -> dict[str, float]:
+    """Each rank group's busy seconds per RL step in a sync run, where a step's stages run one
+    after another: the union of its stages' spans on its ranks (timeline.jsonl; the e2e bench's
+    rule), i.e. the stage costs measured alone."""
+    cfg = json.loads((run_dir / "config.json").read_text())
     if cfg["workflow"]["mode"] != "sync":
-        return float("nan")
-    spans = [s for s in read_jsonl(tl_path) if s.get("step", -1) >= 0]
-    stages = {s["stage"] for s in spans}
-    groups = rank_groups(cfg["placement"], stages, {s["lane"].split()[0] for s in spans})
-    worst = max(group_costs(spans, groups, rl_steps).values(), default=0.0)
-    return (rl_s / rl_steps) / worst if worst > 0 else float("nan")
+        raise ValueError(f"{run_dir}: stage costs are measured alone only in a sync run (mode "
+                         f"{cfg['workflow']['mode']!r})")
+    summ = json.loads((run_dir / "summary.json").read_text())
+    spans = [x for x in read_jsonl(run_dir / "timeline.jsonl") if x.get("step", -1) >= 0]
+    groups = rank_groups(cfg["placement"], {x["stage"] for x in spans}, {x["lane"].split()[0] for x in spans})
+    return group_costs(spans, groups, int(summ["rl_steps"]))
+
+
+def window_s_per_step(run_dir: Path, steps: int) -> float:
+    """Seconds per RL step over a run's first ``steps`` steps (from its step rows' times)."""
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    times = step_times(metrics, rl_start_s(metrics))
+    return version_time(times, steps) / steps
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The most async could gain in RL steps/s on this machine, over RL steps 1..steps of a seed:
+    the sync run's seconds per step over the busiest rank group's cost per step, measured alone
+    (a sync run at async's threads per rank), beside what async measured over the same steps."""
+
+    steps: int
+    group_s_per_step: dict[str, float]
+    sync_s_per_step: float
+    async_s_per_step: float
+
+    @property
+    def ratio(self) -> float:
+        worst = max(self.group_s_per_step.values(), default=0.0)
+        return self.sync_s_per_step / worst if worst > 0 else float("nan")
+
+    @property
+    def measured(self) -> float:
+        return self.sync_s_per_step / self.async_s_per_step
+
+    @property
+    def share(self) -> float:
+        """How much of the ceiling's gain async reached: (measured - 1) / (ratio - 1)."""
+        return (self.measured - 1) / (self.ratio - 1) if self.ratio > 1 else float("nan")
+
+
+def ceiling_summary(ceilings: Mapping[int, Ceiling], steps: int) -> dict | None:
+    """The ceilings of the seeds: median and range of the ratio, async's measured ratio over the
+    same steps, and the share of the ceiling's gain async reached."""
+    if not ceilings:
+        return None
+    return {"steps": steps,
+            "ratio": spread({s: c.ratio for s, c in ceilings.items()}).as_json(3),
+            "async_measured": spread({s: c.measured for s, c in ceilings.items()}).as_json(3),
+            "share_of_gain": maybe_spread({s: c.share for s, c in ceilings.items()}).as_json(3)
+            if maybe_spread({s: c.share for s, c in ceilings.items()}) else None,
+            "group_s_per_step": {str(s): {g: round(v, 4) for g, v in c.group_s_per_step.items()}
+                                 for s, c in ceilings.items()}}
+
+
+def seed_ceiling(seed_dir: Path, steps: int) -> Ceiling:
+    """The seed's ceiling from its stage-cost run and its sync and async runs."""
+    return Ceiling(steps, stage_group_costs(seed_dir / COSTS_RUN), window_s_per_step(seed_dir / REFERENCE, steps),
+                   window_s_per_step(seed_dir / NOISE_CANDIDATE, steps))
 
 
 def run_result(curves: Curves, summary: Mapping, wall_s: float, where: str = "run",
-               thresholds: Sequence[float] = THRESHOLDS, ceiling: float = float("nan")) -> RunResult:
+               thresholds: Sequence[float] = THRESHOLDS) -> RunResult:
     """One run's figures from its curves and its summary.json."""
     if "samples_per_s" not in summary:
         raise ValueError(f"{where}: summary.json has no samples_per_s (keys: {sorted(summary)})")
@@ -334,8 +392,7 @@ def run_result(curves: Curves, summary: Mapping, wall_s: float, where: str = "ru
         samples=curves.samples, rl_steps=int(summary.get("rl_steps", curves.trained_steps)),
         trained_steps=curves.trained_steps,
         rl_s=float(summary.get("rl_s", float("nan"))), wall_s=wall_s,
-        reaches=tuple(first_reach(curves.points, thresholds)), collapsed=collapsed(curves.points),
-        ceiling_steps_ratio=ceiling)
+        reaches=tuple(first_reach(curves.points, thresholds)), collapsed=collapsed(curves.points))
 
 
 def same_start(results: Mapping[str, Mapping[int, RunResult]]) -> dict[int, bool]:
@@ -446,7 +503,6 @@ def learning_verdict(results: Mapping[str, Mapping[int, RunResult]], curves: Map
                      ("reward_at_equal_samples_within_noise", "reward_at_equal_samples")):
         a, b = equal.get(NOISE_CANDIDATE, {}).get(fig), equal.get(REFERENCE, {}).get(fig)
         verdicts[key] = within_noise(a.median, b) if a is not None and b is not None else None
-    ceiling = maybe_spread({s: r.ceiling_steps_ratio for s, r in ref.items()})
     return {
         "time_to_accuracy": tta,
         "time_to_acc_threshold": top,
@@ -455,24 +511,47 @@ def learning_verdict(results: Mapping[str, Mapping[int, RunResult]], curves: Map
         "equal_footing": {n: {k: sp.as_json() for k, sp in figs.items()} for n, figs in equal.items() if figs},
         **verdicts,
         "collapsed": {n: sorted(s for s, r in runs.items() if r.collapsed) for n, runs in results.items() if runs},
-        "ceiling_steps_ratio": ceiling.as_json(3) if ceiling is not None else None,
         "diagnostics": {n: {k: spread({s: curves[n][s].diagnostics[k] for s in by_seed if k in by_seed[s].diagnostics})
                             .as_json() for k in DIAGNOSTICS
                             if any(k in c.diagnostics for c in by_seed.values())}
                         for n, by_seed in curves.items() if by_seed},
         "seeds_in_both": sorted(set(ref) & set(cand)),
+        "per_step_learning": per_step_learning(curves),
     }
+
+
+def per_step_learning(curves: Mapping[str, Mapping[int, Curves]]) -> dict:
+    """Per setting and reward level: the RL steps until the training reward's trailing mean
+    reached it, and per seed the reference's steps over this setting's (< 1: it needed more
+    steps than the reference to learn as much)."""
+    out: dict[str, dict] = {}
+    ref = curves.get(REFERENCE, {})
+    for name, by_seed in curves.items():
+        per = {}
+        for level in REWARD_LEVELS:
+            steps = {s: steps_to_reward([(p.step, p.reward) for p in c.reward], level, REWARD_WINDOW)
+                     for s, c in by_seed.items()}
+            got = {s: float(n) for s, n in steps.items() if n is not None}
+            ref_steps = {s: steps_to_reward([(p.step, p.reward) for p in c.reward], level, REWARD_WINDOW)
+                         for s, c in ref.items()}
+            ratio = per_seed_ratios({s: float(n) for s, n in ref_steps.items() if n is not None}, got)
+            per[f"{level:g}"] = {"steps": spread(got).as_json(0) if got else None, "reached": len(got),
+                                 "ratio_vs_reference": spread(ratio).as_json(3) if ratio and name != REFERENCE
+                                 else None}
+        if by_seed:
+            out[name] = per
+    return out
 
 
 def headline(summary: Mapping) -> dict:
     """What of ``summarise``'s result the last printed line carries: every ratio and verdict and
     the per-setting figures."""
-    keys = ("ratio_time_to_acc_async_vs_sync", "time_to_acc_threshold", "reached", "ceiling_steps_ratio",
+    keys = ("ratio_time_to_acc_async_vs_sync", "time_to_acc_threshold", "reached", "ceiling",
             "accuracy_within_noise", "reward_at_equal_samples_within_noise", "collapsed",
             *HEADLINE_RATIOS, "ratio_async_vs_sync_steps_per_s", "reward_within_noise", "reward_within_noise_rule",
             "settings", "ratios_vs_sync", "step_ratios_vs_sync", "reward_within_noise_per_setting",
-            "time_to_accuracy", "equal_footing")
-    return {k: summary[k] for k in keys}
+            "time_to_accuracy", "equal_footing", "per_step_learning")
+    return {k: summary.get(k) for k in keys}
 
 
 def moving_mean(ys: Sequence[float], window: int) -> list[float]:
@@ -536,6 +615,16 @@ def warm_up(seed_dir: Path, common: Sequence[str], timeout_s: float) -> tuple[li
     # the exported policy (eager attention, as the built-in model) is every setting's start
     start = [f"model.path={(wdir / 'hf_model').resolve()}", "model.attn_implementation=eager", "warmup.enabled=false"]
     return start, info
+
+
+def finished_warm_up(seed_dir: Path) -> tuple[list[str], dict]:
+    """The figures of a warm-up an earlier invocation ran (--reanalyse)."""
+    summ_path = seed_dir / "warmup" / "summary.json"
+    if not summ_path.is_file():
+        raise RuntimeError(f"--reanalyse: no finished warm-up in {seed_dir / 'warmup'}")
+    summ = json.loads(summ_path.read_text())
+    return [], {"warmup_steps": summ.get("warmup_steps"), "accuracy": summ.get("eval_accuracy_after_rl"),
+                "wall_s": float("nan")}
 
 
 def plot(curves: Mapping[str, Mapping[int, Curves]], path: Path, title: str) -> None:
@@ -613,10 +702,19 @@ def print_table(summary: dict, names: Sequence[str]) -> None:
               f"{fmt_spread(eq.get('reward_at_equal_samples'))}; at equal RL time: accuracy "
               f"{fmt_spread(eq.get('accuracy_at_equal_time'))}; collapsed seeds: "
               f"{summary['collapsed'].get(name, [])}")
+    for name in names:
+        per = summary["per_step_learning"].get(name, {})
+        print(f"{name:15} RL steps to a training reward (trailing mean of {REWARD_WINDOW}): " + "  ".join(
+            f"{lvl}: {fmt_spread(x['steps'], '.0f')} ({x['reached']} seeds)"
+            + (f", {REFERENCE}/{name} {fmt_spread(x['ratio_vs_reference'])}" if x["ratio_vs_reference"] else "")
+            for lvl, x in per.items()))
     print(f"time to {summary['time_to_acc_threshold']} held-out accuracy, {REFERENCE} / {NOISE_CANDIDATE} per seed: "
-          f"{fmt_spread(summary['ratio_time_to_acc_async_vs_sync'])}; ceiling in steps/s from stage costs measured "
-          f"alone: {fmt_spread(summary['ceiling_steps_ratio'])}; async/sync steps/s measured: "
+          f"{fmt_spread(summary['ratio_time_to_acc_async_vs_sync'])}; async/sync steps/s measured: "
           f"{fmt_spread(summary['ratio_async_vs_sync_steps_per_s'])}")
+    c = summary.get("ceiling")
+    if c:
+        print(f"ceiling (RL steps 1-{c['steps']}, stage costs alone at async's threads): {fmt_spread(c['ratio'])}x "
+              f"sync's steps/s; async measured {fmt_spread(c['async_measured'])}x over the same steps")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -633,6 +731,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds before a run is killed (default 3600, --quick 900; 0 here: the default)")
     ap.add_argument("--thresholds", default=",".join(f"{t:g}" for t in THRESHOLDS),
                     help="held-out accuracies to time (default %(default)s)")
+    ap.add_argument("--ceiling-steps", type=int, default=-1,
+                    help="RL steps of each seed's stage-cost run for the ceiling (default 300, --quick 20; 0: none)")
+    ap.add_argument("--reanalyse", action="store_true",
+                    help="run nothing: summarise the finished runs already in --out (same --seeds/--settings)")
     ap.add_argument("overrides", nargs="*", help="key=value, passed to every run")
     args = ap.parse_args(argv)
     try:
@@ -656,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.monotonic()
 
     orders = rotation(names, len(seeds))
+    ceiling_steps = args.ceiling_steps if args.ceiling_steps >= 0 else (20 if args.quick else 300)
+    ceilings: dict[int, Ceiling] = {}
     results: dict[str, dict[int, RunResult]] = {n: {} for n in names}
     curves: dict[str, dict[int, Curves]] = {n: {} for n in names}
     warmups: dict[int, dict] = {}
@@ -665,7 +769,8 @@ def main(argv: list[str] | None = None) -> int:
         common = [f"trainer.seed={seed}", *base]
         print(f"\n== seed {seed}: {' '.join(order)}", flush=True)
         try:
-            start, warmups[seed] = warm_up(seed_dir, common, timeout_s)
+            start, warmups[seed] = (finished_warm_up(seed_dir) if args.reanalyse
+                                    else warm_up(seed_dir, common, timeout_s))
         except RuntimeError as e:
             failed[f"seed{seed}/warmup"] = str(e).splitlines()[0]
             print(e, file=sys.stderr, flush=True)
@@ -675,15 +780,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{w['wall_s']:.0f} s", flush=True)
         for name in order:
             run_dir = seed_dir / name
-            rc, wall, log = train(run_dir, [*common, *start, *SETTINGS[name]], timeout_s)
+            if args.reanalyse:  # the runs of an earlier invocation with the same --out
+                rc, wall, log = 0, float("nan"), run_dir.parent / f"{run_dir.name}.train.log"
+            else:
+                rc, wall, log = train(run_dir, [*common, *start, *SETTINGS[name]], timeout_s)
             try:
                 if rc != 0:
                     raise ValueError(f"exit {rc} after {wall:.0f} s")
                 c = read_curves(run_dir)
                 summ = json.loads((run_dir / "summary.json").read_text())
-                r = run_result(c, summ, wall, where=str(run_dir), thresholds=thresholds,
-                               ceiling=standalone_ceiling(run_dir, int(summ.get("rl_steps", 0)),
-                                                          float(summ.get("rl_s", 0.0))))
+                r = run_result(c, summ, wall, where=str(run_dir), thresholds=thresholds)
             except (ValueError, OSError) as e:
                 failed[f"seed{seed}/{name}"] = f"{e}; see {log}"
                 print(f"seed {seed} {name}: FAILED ({e}); last lines of {log}:\n{log_tail(log)}", flush=True)
@@ -696,8 +802,21 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{x.threshold:g} in {x.rl_s:.0f} s" for x in r.reaches if x.reached)
                   + f"{' COLLAPSED' if r.collapsed else ''}, "
                   f"{wall:.0f} s", flush=True)
+        if ceiling_steps and REFERENCE in order and NOISE_CANDIDATE in order:
+            costs_dir = seed_dir / COSTS_RUN
+            if not (args.reanalyse and (costs_dir / "summary.json").is_file()):
+                train(costs_dir, [*common, *start, *COSTS_OVERRIDES, f"trainer.steps={ceiling_steps}"], timeout_s)
+            try:
+                ceilings[seed] = c = seed_ceiling(seed_dir, ceiling_steps)
+                print(f"seed {seed} ceiling over RL steps 1-{ceiling_steps}: {c.ratio:.2f}x sync's steps/s "
+                      f"(busiest group alone {max(c.group_s_per_step.values()) * 1e3:.0f} ms/step, sync "
+                      f"{c.sync_s_per_step * 1e3:.0f}); async measured {c.measured:.2f}x", flush=True)
+            except (ValueError, OSError, KeyError) as e:
+                failed[f"seed{seed}/{COSTS_RUN}"] = str(e)
+                print(f"seed {seed} {COSTS_RUN}: FAILED ({e})", flush=True)
 
     summary = summarise(results, curves, thresholds)
+    summary["ceiling"] = ceiling_summary(ceilings, ceiling_steps)
     starts = same_start(results)
     if not all(starts.values()):
         print(f"WARNING: the settings of seeds {[s for s, ok in starts.items() if not ok]} did not start from "

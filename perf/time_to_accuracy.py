@@ -176,3 +176,21 @@ def time_ratios(slow: Mapping[int, Sequence[Reach]], fast: Mapping[int, Sequence
             if a is not None and b is not None and b > 0 and not math.isnan(a):
                 out[seed] = a / b
     return out
+
+
+def steps_to_reward(steps_and_rewards: Sequence[tuple[int, float]], level: float, window: int = 100) -> int | None:
+    """The first RL step at which the trailing mean of the per-step training reward over ``window``
+    steps reached ``level`` (None: never). The training reward averages a whole step's rows, so
+    its trailing mean says how far the policy has learned per step with far less noise than a
+    held-out evaluation every few steps."""
+    if window < 1:
+        raise ValueError(f"steps_to_reward: window must be >= 1, got {window}")
+    total, part = 0.0, []
+    for step, reward in steps_and_rewards:
+        part.append(reward)
+        total += reward
+        if len(part) > window:
+            total -= part.pop(0)
+        if len(part) == window and total / window >= level:
+            return step
+    return None

@@ -280,19 +280,46 @@ def test_the_learning_verdict_times_each_setting_and_compares_at_equal_samples(t
     json.loads(json.dumps(conv.headline(s)))  # the last printed line is JSON
 
 
-def test_the_ceiling_is_a_sync_runs_step_time_over_its_busiest_groups_cost(tmp_path):
-    run = tmp_path / "sync"
+def test_the_ceiling_is_syncs_step_time_over_the_busiest_groups_cost_measured_alone(tmp_path):
+    run = tmp_path / "stage_costs"
     run.mkdir()
     placement = {"mode": "disaggregated", "actor_ranks": [0], "rollout_ranks": [1], "reward_with": "rollout"}
     (run / "config.json").write_text(json.dumps({"workflow": {"mode": "sync"}, "placement": placement}))
+    (run / "summary.json").write_text(json.dumps({"rl_steps": 2}))
     spans = []
     for step in range(2):  # per step: rollout 0.3 s + reward 0.1 s on rank 1, update 0.4 s + publish 0.1 on rank 0
         t = step * 1.0
         spans += [{"lane": "rank1 rollout0", "stage": "rollout", "start": t, "end": t + 0.3, "step": step},
                   {"lane": "rank1 reward", "stage": "reward", "start": t + 0.3, "end": t + 0.4, "step": step},
                   {"lane": "rank0 actor", "stage": "update", "start": t + 0.4, "end": t + 0.8, "step": step},
-                  {"lane": "rank0 actor", "stage": "weight_sync", "start": t + 0.8, "end": t + 0.9, "step": step}]
+                  {"lane": "rank0 actor", "stage": "weight_sync", "start": t + 0.8, "end": t + 0.9, "step": step},
+                  # the rollout side's receive is a background copy: not the actor group's cost
+                  {"lane": "rank1 rollout0", "stage": "weight_sync", "start": t + 0.8, "end": t + 0.95, "step": step}]
     (run / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
-    assert conv.standalone_ceiling(run, rl_steps=2, rl_s=2.0) == pytest.approx(1.0 / 0.5)
+    costs = conv.stage_group_costs(run)
+    assert costs == {"actor_ranks": pytest.approx(0.5), "rollout_ranks": pytest.approx(0.4)}
+    c = conv.Ceiling(2, costs, sync_s_per_step=1.1, async_s_per_step=0.8)
+    assert c.ratio == pytest.approx(2.2) and c.measured == pytest.approx(1.375)
+    assert c.share == pytest.approx(0.375 / 1.2)  # async gained 0.375 of the 1.2 it could have
     (run / "config.json").write_text(json.dumps({"workflow": {"mode": "async"}, "placement": placement}))
-    assert math.isnan(conv.standalone_ceiling(run, rl_steps=2, rl_s=2.0))
+    with pytest.raises(ValueError, match="only in a sync run"):
+        conv.stage_group_costs(run)
+
+
+def test_a_runs_seconds_per_step_over_a_window_are_from_its_step_rows(tmp_path):
+    run = make_run(tmp_path / "run", [4] * 6, [0.1] * 6, [("before_rl", 0, 0.2)])
+    assert conv.window_s_per_step(run, 4) == pytest.approx(1.0)  # make_run: a step a second from RL's start
+
+
+def test_per_step_learning_compares_the_steps_each_setting_needed_to_a_reward_level(monkeypatch):
+    monkeypatch.setattr(conv, "REWARD_WINDOW", 1)
+    monkeypatch.setattr(conv, "REWARD_LEVELS", (0.5,))
+
+    def curves(first_good_step: int) -> "conv.Curves":
+        pts = [conv.RewardPoint(samples=10 * s, reward=1.0 if s >= first_good_step else 0.0, step=s)
+               for s in range(1, 11)]
+        return conv.Curves(pts, [], 100, 10, [], {})
+    out = conv.per_step_learning({"sync": {0: curves(4)}, "async": {0: curves(5)}})
+    assert out["async"]["0.5"]["steps"]["median"] == 5 and out["sync"]["0.5"]["steps"]["median"] == 4
+    assert out["async"]["0.5"]["ratio_vs_reference"]["median"] == 0.8  # async needed 25% more steps
+    assert out["sync"]["0.5"]["ratio_vs_reference"] is None

@@ -96,3 +96,13 @@ def test_the_headline_threshold_is_the_highest_every_seed_of_both_reached():
     # per seed: sync's seconds over async's (> 1: async sooner); a seed missing either side is left out
     assert tta.time_ratios(sync, asyn, 1) == {0: 2.0, 1: 1.5}
     assert tta.time_ratios(sync, asyn, 2) == {0: 2.0}
+
+
+def test_steps_to_reward_waits_for_a_full_window_then_its_mean():
+    curve = [(s, 0.0 if s <= 4 else 1.0) for s in range(1, 11)]  # reward 1 from step 5 on
+    assert tta.steps_to_reward(curve, 0.5, window=4) == 6  # steps 3-6: 0, 0, 1, 1
+    assert tta.steps_to_reward(curve, 1.0, window=4) == 8
+    assert tta.steps_to_reward(curve[:3], 0.0, window=4) is None  # never a full window
+    assert tta.steps_to_reward(curve, 1.01, window=2) is None
+    with pytest.raises(ValueError, match="window"):
+        tta.steps_to_reward(curve, 0.5, window=0)
