@@ -12,6 +12,7 @@ from torch import nn
 
 TRAIN, RECV = [0, 1], [2, 3]
 BUCKET = 6000  # bytes: the small net below makes several buckets of it
+SEND_RETURN_WAIT_S = 60.0  # receivers wait this long for the senders' sends to return
 
 
 class Net(nn.Module):
@@ -219,12 +220,15 @@ def receiver_dies(rank: int, port: int, q) -> None:
         q.put(("failed", rank, f"outside the sync: {e}", time.monotonic() - start if start else -1.0))
 
 
-def send_returns_before_copies_arrive(rank: int, port: int, q, big: bool = False) -> None:
-    """The receivers start receiving 3 s late. A version of small tensors in one bucket (every
-    message a packed copy, within max_inflight) leaves ``send`` at once; with ``big`` (BigNet: its
-    large tensor sent from its own memory) so does a send with ``wait_direct=False``. ``settle``
-    returns once the receivers have it; the weights then change (as an optimizer step after the
-    actor's settle), and the receivers still hold exactly the version sent."""
+def send_returns_before_copies_arrive(rank: int, port: int, q, big: bool = False, marks: list = ()) -> None:
+    """The receivers start receiving only once both senders' ``send`` returned (``marks[rank]``,
+    one multiprocessing Event per rank, set by a sender when its send returned and by a receiver
+    when it starts). A version of small tensors in one bucket (every message a packed copy,
+    within max_inflight) leaves ``send`` without a receiver; with ``big`` (BigNet: its large
+    tensor sent from its own memory) so does a send with ``wait_direct=False``. ``settle``
+    returns once the receivers have it, so after both receivers started; the weights then
+    change (as an optimizer step after the actor's settle), and the receivers still hold
+    exactly the version sent."""
     try:
         from asyncflow.engines.train.gather import local_tensors
         from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
@@ -236,25 +240,27 @@ def send_returns_before_copies_arrive(rank: int, port: int, q, big: bool = False
             sender = _sender(rank, groups)
             named = local_tensors(net)
             header = make_header(named, 1, 1, 2**23, len(TRAIN), None)  # one bucket: within max_inflight
-            t0 = time.monotonic()
             sender.send(header, named, wait_direct=not big)
-            sent_s = time.monotonic() - t0
+            marks[rank].set()
             sender.settle()
-            settled_s = time.monotonic() - t0
+            receivers_started = [marks[r].is_set() for r in RECV]
             with torch.no_grad():
                 for p in net.parameters():
                     p.to_local().mul_(2)
-            q.put(("sent", rank, sent_s, settled_s))
+            q.put(("sent", rank, receivers_started))
         else:
             sink = StagingSink(lambda sd, v: None)
             recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
-            time.sleep(3.0)
+            # A send that waited for a receiver never returns here: the wait runs out instead.
+            senders_returned = [marks[r].wait(SEND_RETURN_WAIT_S) for r in TRAIN]
+            marks[rank].set()
             recv.start(1, _staged(sink), sink.bucket_buffer)
             recv.join()
             header, staged = sink.take()
             want = expected(1, None, net_class)
             q.put(("received", rank, header.version,
-                   list(staged) == list(want) and all(torch.equal(staged[k], want[k]) for k in want)))
+                   list(staged) == list(want) and all(torch.equal(staged[k], want[k]) for k in want),
+                   senders_returned))
         dist.barrier()
     except Exception:  # noqa: BLE001 - reported to the test
         q.put(("error", rank, traceback.format_exc()))

@@ -57,15 +57,17 @@ def test_two_fsdp_ranks_to_two_instances_bit_identical_fp32_and_bf16(gather_all)
 @pytest.mark.parametrize("big", [False, True])
 def test_send_leaves_copies_on_the_wire_and_settle_waits_for_the_receivers(big):
     """Small tensors only (all packed copies), or with big=True a tensor sent from its own
-    memory and ``wait_direct=False``: send returns while the receivers have not started (3 s
-    late), settle once they have the whole version, bit-identical though the weights change
-    right after settle."""
-    results = _run(P.send_returns_before_copies_arrive, 4, 120, big)
+    memory and ``wait_direct=False``: send returns before any receiver has started (they wait
+    for both sends to return), settle only after both receivers started and have the whole
+    version, bit-identical though the weights change right after settle."""
+    marks = [mp.get_context("spawn").Event() for _ in range(4)]  # one per rank, see the process body
+    results = _run(P.send_returns_before_copies_arrive, 4, 120, big, marks)
     assert not [r for r in results if r[0] == "error"], results
-    for _, rank, sent_s, settled_s in (r for r in results if r[0] == "sent"):
-        assert sent_s < 1.0 and settled_s > 1.5, (rank, sent_s, settled_s)
+    sent = [r for r in results if r[0] == "sent"]
+    assert len(sent) == 2 and all(r[2] == [True, True] for r in sent), sent  # settle waited for both
     got = [r for r in results if r[0] == "received"]
     assert len(got) == 2 and all(r[2] == 1 and r[3] is True for r in got), got
+    assert all(r[4] == [True, True] for r in got), got  # both sends returned before this receiver started
 
 
 def test_a_sender_dying_mid_version_stops_every_peer_within_seconds_and_names_the_bucket():
