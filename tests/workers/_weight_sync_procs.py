@@ -13,6 +13,10 @@ from torch import nn
 TRAIN, RECV = [0, 1], [2, 3]
 BUCKET = 6000  # bytes: the small net below makes several buckets of it
 SEND_RETURN_WAIT_S = 60.0  # receivers wait this long for the senders' sends to return
+# Every wait of the syncs (groups, senders, receivers). The deaths tested are seen as closed
+# connections, at once; the timeouts only end a broken test, so they leave a loaded machine's
+# slow start-up (FSDP set-up before the first version) ample room, below _run's 120 s per result.
+SYNC_TIMEOUT_S = 60.0
 
 
 class Net(nn.Module):
@@ -41,13 +45,14 @@ def _setup(rank: int, port: int) -> tuple:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     train = dist.new_group(TRAIN, backend="gloo")
-    opened = open_store(1 + len(RECV), "gloo", f"ws{rank}", 20, host="127.0.0.1") if rank in TRAIN else None
+    opened = (open_store(1 + len(RECV), "gloo", f"ws{rank}", SYNC_TIMEOUT_S, host="127.0.0.1")
+              if rank in TRAIN else None)
     addrs: list = [None] * 4
     dist.all_gather_object(addrs, opened[1] if opened else None)
     if rank in TRAIN:
-        groups = {TRAIN.index(rank): WireGroup(addrs[rank], 0, 20, store=opened[0])}
+        groups = {TRAIN.index(rank): WireGroup(addrs[rank], 0, SYNC_TIMEOUT_S, store=opened[0])}
     else:
-        groups = {k: WireGroup(addrs[a], 1 + RECV.index(rank), 20) for k, a in enumerate(TRAIN)}
+        groups = {k: WireGroup(addrs[a], 1 + RECV.index(rank), SYNC_TIMEOUT_S) for k, a in enumerate(TRAIN)}
     return train, groups
 
 
@@ -84,8 +89,8 @@ def _staged(sink):
 
 def _sender(rank: int, groups: dict, gather_all: bool = False):
     from asyncflow.workers.weight_send import BucketSender
-    return BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [], timeout_s=20,
-                        train_ranks=TRAIN, gather_all=gather_all)
+    return BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [],
+                        timeout_s=SYNC_TIMEOUT_S, train_ranks=TRAIN, gather_all=gather_all)
 
 
 def _send(net: nn.Module, sender, version: int, cast, die_after: int | None = None):
@@ -130,7 +135,7 @@ def sync_two_versions(rank: int, port: int, q, gather_all: bool = False) -> None
                    max(header.bucket_nbytes(b) for b in range(len(header.buckets))), header.nbytes))
         else:
             sink = StagingSink(lambda sd, v: None)
-            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=SYNC_TIMEOUT_S)
             got = {}
             for v, cast in ((1, None), (2, torch.bfloat16)):
                 recv.start(v, _staged(sink), sink.bucket_buffer)
@@ -164,7 +169,7 @@ def sender_dies(rank: int, port: int, q) -> None:
             q.put(("no-error", rank))
         else:
             sink = StagingSink(lambda sd, v: None)
-            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=SYNC_TIMEOUT_S)
             load = _staged(sink)
             recv.start(1, load)
             recv.join()
@@ -200,7 +205,7 @@ def receiver_dies(rank: int, port: int, q) -> None:
             os._exit(0)
         else:
             sink = StagingSink(lambda sd, v: None)
-            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=SYNC_TIMEOUT_S)
 
             def load(header, tensors):
                 sink.begin(header)
@@ -250,7 +255,7 @@ def send_returns_before_copies_arrive(rank: int, port: int, q, big: bool = False
             q.put(("sent", rank, receivers_started))
         else:
             sink = StagingSink(lambda sd, v: None)
-            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=SYNC_TIMEOUT_S)
             # A send that waited for a receiver never returns here: the wait runs out instead.
             senders_returned = [marks[r].wait(SEND_RETURN_WAIT_S) for r in TRAIN]
             marks[rank].set()
