@@ -19,8 +19,11 @@ What it reports:
   memory back can hide another's climb. Processes are named stably (launcher,
   resource_tracker, rank0, rank1, ...; roles from the run's ranks.json beside them); each
   is fitted over its own samples inside the window, and one present for under half of the
-  window or in fewer than 3 samples is listed as not judged. Each slope is also given over
-  the last half of the window alone (a one-off release early on can hide a steady climb).
+  window or in fewer than 3 samples is listed as not judged. Each process is also fitted
+  and judged over the last half of the window alone, and fails if either slope reaches
+  the target: a one-off release early on can hide a steady climb in the whole window's
+  slope, and a process flat at first that starts climbing halfway shows only half its
+  late slope there.
   The supervised warm-up, the first evaluation and model loading allocate on purpose, so
   the window starts at the RL start (the ``before_rl`` evaluation row of the run's
   metrics.jsonl, else its first RL step row) plus ``--settle`` (default 20%) of the RL
@@ -43,8 +46,8 @@ since launch, the newest metrics ``time_s`` seen, and per pid its label, VmRSS a
 in kB), ``rss.png`` (RSS over time per process and the total) and ``soak.json``; appends a
 section to perf/RESULTS.md unless ``--no-record``. The last line printed is one JSON
 object: ``verdict`` (pass, FAIL or not judged), ``target_mb_per_h``, ``failing``, and per
-process under ``processes`` its slope, window start and end (minutes since launch) and
-verdict; then ``steps``, ``errors`` and the TransferQueue figures. The exit code is 0 only
+process under ``processes`` its slope, window start and end (minutes since launch),
+verdict, and its slope and verdict over the window's last half; then ``steps``, ``errors`` and the TransferQueue figures. The exit code is 0 only
 when the run ended well and the memory verdict is pass.
 
 ``--quick`` is a check of the script, not a soak: 3 minutes of RL after at most 100
@@ -406,6 +409,20 @@ def fit_memory(samples: Sequence[dict], t_from: float, t_to: float, target: floa
     return out
 
 
+def judge_with_last_half(mem: Mapping[str, Any], late: Mapping[str, Any]) -> dict[str, Any]:
+    """``mem`` (a :func:`fit_memory` of the whole window) with each process failing also when
+    its fit over the last half of the window (``late``, same names) fails; the run's verdict
+    again from those. A process passes on the whole window's fit when its last half cannot be
+    judged (too few samples there)."""
+    fits: dict[str, ProcessFit] = {}
+    for name, fit in mem["processes"].items():
+        lf = late["processes"].get(name)
+        if fit.verdict != FAIL and lf is not None and lf.verdict == FAIL:
+            fit = replace(fit, verdict=FAIL, why=f"last half of the window: {lf.why}")
+        fits[name] = fit
+    return {**mem, "processes": fits, "verdict": overall_verdict(fits, mem["verdict"].target_mb_per_h)}
+
+
 def tq_figures(metrics: Sequence[dict], rows_per_step: int | None) -> dict[str, Any]:
     """What the per-step ``tq/rows_held`` / ``tq/bytes_held`` say about rows being freed."""
     rows = [(int(r["step"]), r["tq/rows_held"]) for r in metrics if is_rl_step(r) and "tq/rows_held" in r]
@@ -586,9 +603,10 @@ def analyse(res: dict, out: Path, run_dir: Path, settle: float, target: float = 
     rl_start, rl_end, steps = rl_window(metrics)
     a, b, notes = fit_window(samples, offset, rl_start, rl_end, settle)
     names = stable_names(samples)
-    mem = fit_memory(samples, a, b, target, names)
-    # the second half on its own: a one-off release early in the window can hide a steady climb
+    # the second half on its own: a one-off release early in the window can hide a steady
+    # climb, and a climb that starts halfway shows at half its slope over the whole window
     late = fit_memory(samples, (a + b) / 2, b, target, names)
+    mem = judge_with_last_half(fit_memory(samples, a, b, target, names), late)
     if mem["partial"]:
         notes.append(f"left out of the sum (not present through the whole window): {', '.join(mem['partial'])}")
     if mem["verdict"].not_judged:
@@ -644,7 +662,7 @@ def plot(samples: Sequence[dict], an: dict, path: Path) -> Path:
     axt.set_xlabel("minutes since launch")
     v = an["memory"]["verdict"]
     ax.set_title(f"asyncflow train soak: RSS per process; verdict {v.verdict} (every process under "
-                 f"{v.target_mb_per_h:g} MB/h over the fit window)")
+                 f"{v.target_mb_per_h:g} MB/h over the fit window and its last half)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -685,7 +703,8 @@ def record(an: dict, cmd_line: str, minutes: float | None, interval: float | Non
     lines.append(f"| sum (not judged) | | | {fmt(mem.get('total_mb_start'), '.0f')} | "
                  f"{fmt(mem.get('total_mb_end'), '.0f')} | {fmt(mem['total'])} | {fmt(late['total'])} "
                  f"| {fmt(mem['total_anon'])} | |")
-    lines += ["", f"Verdict (every process under {v.target_mb_per_h:g} MB/hour over the fit window): "
+    lines += ["", f"Verdict (every process under {v.target_mb_per_h:g} MB/hour over the fit window and over its "
+                  f"last half): "
                   f"{'**FAIL** (' + ', '.join(v.failing) + ')' if v.verdict == FAIL else v.verdict}. "
                   f"RL steps: {an['steps']}; errors: {an['errors']} (exit code {an['rc']}, tracebacks "
                   f"{sum(x['tracebacks'] for x in an['logs'].values())}, error lines "
@@ -723,7 +742,8 @@ def print_table(an: dict) -> None:
     print(f"{'sum (not judged)':18} {'':22} {'':>7} {'':>11} {fmt(mem.get('total_mb_start')):>9} "
           f"{fmt(mem.get('total_mb_end')):>9} {'':>9} {fmt(mem['total']):>9} {fmt(late['total']):>9} "
           f"{fmt(mem['total_anon']):>9}")
-    print(f"memory verdict: {v.verdict} (every process under {v.target_mb_per_h:g} MB/hour"
+    print(f"memory verdict: {v.verdict} (every process under {v.target_mb_per_h:g} MB/hour over the window "
+          f"and its last half"
           + (f"; failing: {', '.join(v.failing)}" if v.failing else "")
           + (f"; not judged: {', '.join(v.not_judged)}" if v.not_judged else "") + ")")
     if tq["logged"]:
@@ -755,7 +775,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=None, help="seconds between RSS samples (default 5; 2 quick)")
     p.add_argument("--settle", type=float, default=None, help="share of the RL time left out of the fit (default 0.2)")
     p.add_argument("--target", type=float, default=TARGET_MB_PER_H, metavar="MB_PER_H",
-                   help=f"the verdict fails if any process's RSS slope reaches this (default {TARGET_MB_PER_H:g})")
+                   help=f"the verdict fails if any process's RSS slope, over the fit window or its last half, "
+                        f"reaches this (default {TARGET_MB_PER_H:g})")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: a new temp dir)")
     p.add_argument("--no-record", action="store_true", help="do not append a section to perf/RESULTS.md")
     p.add_argument("--reanalyse", type=Path, default=None, metavar="DIR",
@@ -837,6 +858,7 @@ def process_results(mem: dict, late: dict) -> dict[str, dict[str, Any]]:
                      "window_min": [round(p.t_from / 60, 2), round(p.t_to / 60, 2)], "samples": p.samples,
                      "verdict": p.verdict, "why": p.why,
                      "slope_mb_per_h_last_half": _round(lp.slope_mb_per_h if lp else None),
+                     "verdict_last_half": lp.verdict if lp else NOT_JUDGED,
                      "anon_slope_mb_per_h": _round(p.anon_slope_mb_per_h), "rss_mb_end": round(p.rss_mb_end, 1)}
     return out
 

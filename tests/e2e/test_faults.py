@@ -70,12 +70,10 @@ def test_the_transfer_queue_process_killed_mid_run_stops_the_run_saying_so(tmp_p
         service = _descendant_running(p.pid, "asyncflow.transfer_queue.service_process")
         assert service is not None, "no TransferQueue service process under the run"
         os.kill(service, signal.SIGKILL)
-        t0 = time.monotonic()
-        code = p.wait(90)
-        took = time.monotonic() - t0
+        code = p.wait(90)  # far below the TransferQueue's 300 s timeout: the run stops on the death
     finally:
         p.kill()
         p.wait(30)
     text = err.read_text()
-    assert code != 0 and took < 60, (code, took)  # not at the next TransferQueue timeout (300 s)
+    assert code != 0, code
     assert f"the TransferQueue service process (pid {service}) was killed by SIGKILL" in text, text[-3000:]

@@ -31,14 +31,13 @@ def test_control_calls_are_answered_while_rows_generate(service):
             for i, p in enumerate(prompts(8, seed=2))]
     while service.engine.counters["tokens"] == 0:
         time.sleep(0.001)
-    start = time.monotonic()
     stats = service.stats()
-    answered = time.monotonic()
+    tokens_when_answered = service.engine.counters["tokens"]
     assert stats["running"] == 8 and not all(f.done() for f in futs)  # answered mid-generation
     assert service.abort("nobody") is False
     results = [f.result(60) for f in futs]
     assert all(len(r.response_ids) == 100 for r in results)
-    assert answered - start < 0.5 * (time.monotonic() - start)  # well before the generation ended
+    assert tokens_when_answered < service.engine.counters["tokens"]  # generation went on after the answer
 
 
 def test_a_newer_swap_replaces_one_not_yet_in(service):

@@ -145,6 +145,51 @@ def _two_ranks(n: int, rank0_mb_per_h: float, rank1_mb_per_h: float) -> list[dic
     return out
 
 
+def _flat_then_climbing(n: int, late_mb_per_h: float) -> list[dict]:
+    """rank0 flat for the first half of n samples (10 s apart), then climbing at
+    ``late_mb_per_h``: over the whole span its least-squares slope is half the late one."""
+    samples = _two_ranks(n, 0.0, 0.0)
+    half_t = 10.0 * (n - 1) / 2
+    for s in samples:
+        s["procs"]["101"]["rss_kb"] += late_mb_per_h * MB_PER_H * max(0.0, s["t_s"] - half_t)
+    return samples
+
+
+def test_a_process_flat_then_climbing_in_the_last_half_fails():
+    samples = _flat_then_climbing(41, 30.0)  # 0..400 s, climbing from 200 s
+    whole = soak.fit_memory(samples, 0.0, 400.0)
+    late = soak.fit_memory(samples, 200.0, 400.0, names=soak.stable_names(samples))
+    assert whole["processes"]["rank0"].slope_mb_per_h == pytest.approx(15.0, rel=0.05)
+    assert whole["processes"]["rank0"].verdict == "pass"  # the whole window alone would pass it
+    assert late["processes"]["rank0"].slope_mb_per_h == pytest.approx(30.0)
+    judged = soak.judge_with_last_half(whole, late)
+    rank0 = judged["processes"]["rank0"]
+    assert rank0.verdict == "FAIL" and rank0.why.startswith("last half of the window: 30.0 >= 20")
+    assert rank0.slope_mb_per_h == whole["processes"]["rank0"].slope_mb_per_h  # the whole window's slope stays
+    assert judged["processes"]["rank1"].verdict == judged["processes"]["launcher"].verdict == "pass"
+    v = judged["verdict"]
+    assert v.verdict == "FAIL" and not v.met and v.failing == ["rank0"]
+
+
+def test_the_last_half_rule_passes_what_both_windows_pass_and_keeps_a_whole_window_failure():
+    flat = _flat_then_climbing(41, 10.0)  # 5 MB/hour over the whole, 10 over the last half
+    names = soak.stable_names(flat)
+    judged = soak.judge_with_last_half(soak.fit_memory(flat, 0.0, 400.0),
+                                       soak.fit_memory(flat, 200.0, 400.0, names=names))
+    assert judged["verdict"].verdict == "pass" and judged["verdict"].failing == []
+    # a climb early in the window, flat later: the whole window's failure stands
+    early = _two_ranks(41, 0.0, 0.0)
+    for s in early:
+        s["procs"]["101"]["rss_kb"] += 60.0 * MB_PER_H * min(s["t_s"], 200.0)
+    judged = soak.judge_with_last_half(soak.fit_memory(early, 0.0, 400.0),
+                                       soak.fit_memory(early, 200.0, 400.0, names=names))
+    assert judged["processes"]["rank0"].verdict == "FAIL" and "last half" not in judged["processes"]["rank0"].why
+    # too few samples in the last half: judged on the whole window alone
+    late = soak.fit_memory(flat, 395.0, 400.0, names=names)
+    assert late["processes"]["rank0"].verdict == "not judged"
+    assert soak.judge_with_last_half(soak.fit_memory(flat, 0.0, 400.0), late)["verdict"].verdict == "pass"
+
+
 def test_fit_memory_per_process_and_total():
     fit = soak.fit_memory(_samples(20, 10 * MB_PER_H), 30.0, 150.0)
     assert fit["samples"] == 13
@@ -325,11 +370,12 @@ def test_record_appends_a_section(tmp_path):
     text = md.read_text()
     assert text.startswith("# Benchmark results\n\n## Other\n\ntext\n\n## Soak (`perf/soak.py`)")
     assert "| rank0 (pid 101) | - | 0.0-3.2 |" in text and "| pass |" in text
-    assert "| sum (not judged) |" in text and "every process under 20 MB/hour over the fit window): pass" in text
+    assert "| sum (not judged) |" in text
+    assert "every process under 20 MB/hour over the fit window and over its last half): pass" in text
     assert "bounded" in text and "`python perf/soak.py --quick`" in text
     fail = soak.fit_memory(_two_ranks(20, 30.0, -30.0), 0.0, 190.0)
     soak.record({**an, "memory": fail, "memory_last_half": fail}, "x", 3, 2, path=md)
-    assert "over the fit window): **FAIL** (rank0)" in md.read_text()
+    assert "over its last half): **FAIL** (rank0)" in md.read_text()
 
 
 def test_rank_labels_from_ranks_json():
@@ -399,9 +445,25 @@ def test_reanalyse_an_out_dir_ends_with_the_json_line(tmp_path, capsys):
     assert rank0["window_min"] == [pytest.approx(1.0), pytest.approx(3.0)]
     assert last["steps"] == 17 and last["errors"] == 0
     assert last["tq_rows_held_max"] == 256.0 and last["tq_rows_bounded"] is True
-    assert "memory verdict: pass (every process under 20 MB/hour)" in printed
+    assert "memory verdict: pass (every process under 20 MB/hour over the window and its last half)" in printed
     saved = json.loads((tmp_path / "soak.json").read_text())
     assert saved["analysis"]["memory"]["processes"]["rank0"]["verdict"] == "pass"
+
+
+def test_reanalyse_fails_a_climb_that_starts_halfway(tmp_path, capsys):
+    """rank0 flat, then climbing at 30 MB/hour from the middle of the fit window (52-180 s):
+    about 15 MB/hour over the window, 30 over its last half: the soak fails."""
+    out = _soak_dir(tmp_path, 0.0, 0.0)
+    samples = [json.loads(line) for line in (out / "rss.jsonl").read_text().splitlines()]
+    for s in samples:
+        s["procs"]["101"]["rss_kb"] += 30.0 * MB_PER_H * max(0.0, s["t_s"] - 116.0)
+    (out / "rss.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    assert soak.reanalyse(out, None, record_it=False) == 1
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rank0 = last["processes"]["rank0"]
+    assert rank0["slope_mb_per_h"] < 20.0 <= rank0["slope_mb_per_h_last_half"]
+    assert rank0["verdict"] == "FAIL" and rank0["verdict_last_half"] == "FAIL"
+    assert last["verdict"] == "FAIL" and last["failing"] == ["rank0"]
 
 
 def test_reanalyse_fails_a_climb_hidden_in_a_flat_sum(tmp_path, capsys):
@@ -412,6 +474,7 @@ def test_reanalyse_fails_a_climb_hidden_in_a_flat_sum(tmp_path, capsys):
     assert last["verdict"] == "FAIL" and last["target_met"] is False and last["failing"] == ["rank0"]
     assert last["processes"]["rank0"]["verdict"] == "FAIL"
     assert last["processes"]["rank1"]["verdict"] == "pass"
-    assert "memory verdict: FAIL (every process under 20 MB/hour; failing: rank0)" in printed
+    assert "memory verdict: FAIL (every process under 20 MB/hour over the window and its last half; " \
+           "failing: rank0)" in printed
     # a laxer target passes the same files
     assert soak.reanalyse(tmp_path, None, record_it=False, target=40.0) == 0

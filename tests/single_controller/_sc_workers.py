@@ -13,6 +13,20 @@ from asyncflow.single_controller import Dispatch, Worker, register
 EVENTS: list[str] = []  # per process: colocation hooks and calls, in order
 
 
+def _mark(folder: str, name: str) -> None:
+    open(os.path.join(folder, name), "w").close()
+
+
+def _wait_for_marks(folder: str, names: list[str], timeout_s: float) -> bool:
+    """True once every mark of ``names`` exists in ``folder``; False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(os.path.join(folder, n)) for n in names):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 class EchoWorker(Worker):
     def __init__(self, tag: str = ""):
         self.tag = tag
@@ -47,6 +61,24 @@ class EchoWorker(Worker):
     def sleep(self, seconds: float) -> list[float]:
         start = time.time()
         time.sleep(seconds)
+        return [start, time.time()]
+
+    @register(Dispatch.ONE_TO_ALL)
+    def meet(self, folder: str, ranks: list[int], timeout_s: float) -> bool:
+        """A barrier across groups: mark this rank's arrival in ``folder``, then wait until
+        every rank of ``ranks`` has arrived (True) or ``timeout_s`` has passed (False). Only
+        calls running at the same time can all meet."""
+        _mark(folder, f"arrived-{self.rank}")
+        return _wait_for_marks(folder, [f"arrived-{r}" for r in ranks], timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def hold(self, folder: str, timeout_s: float) -> list[float]:
+        """A call that runs until the test releases it: mark ``started-<rank>`` in ``folder``,
+        wait for a ``release`` mark; [start, end] of the call (wall clock of this host)."""
+        start = time.time()
+        _mark(folder, f"started-{self.rank}")
+        if not _wait_for_marks(folder, ["release"], timeout_s):
+            raise TimeoutError(f"rank {self.rank}: no release mark in {folder} within {timeout_s}s")
         return [start, time.time()]
 
     @register(Dispatch.ONE_TO_ALL)

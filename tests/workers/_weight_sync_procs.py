@@ -12,6 +12,11 @@ from torch import nn
 
 TRAIN, RECV = [0, 1], [2, 3]
 BUCKET = 6000  # bytes: the small net below makes several buckets of it
+SEND_RETURN_WAIT_S = 60.0  # receivers wait this long for the senders' sends to return
+# Every wait of the syncs (groups, senders, receivers). The deaths tested are seen as closed
+# connections, at once; the timeouts only end a broken test, so they leave a loaded machine's
+# slow start-up (FSDP set-up before the first version) ample room, below _run's 120 s per result.
+SYNC_TIMEOUT_S = 60.0
 
 
 class Net(nn.Module):
@@ -40,13 +45,14 @@ def _setup(rank: int, port: int) -> tuple:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     train = dist.new_group(TRAIN, backend="gloo")
-    opened = open_store(1 + len(RECV), "gloo", f"ws{rank}", 20, host="127.0.0.1") if rank in TRAIN else None
+    opened = (open_store(1 + len(RECV), "gloo", f"ws{rank}", SYNC_TIMEOUT_S, host="127.0.0.1")
+              if rank in TRAIN else None)
     addrs: list = [None] * 4
     dist.all_gather_object(addrs, opened[1] if opened else None)
     if rank in TRAIN:
-        groups = {TRAIN.index(rank): WireGroup(addrs[rank], 0, 20, store=opened[0])}
+        groups = {TRAIN.index(rank): WireGroup(addrs[rank], 0, SYNC_TIMEOUT_S, store=opened[0])}
     else:
-        groups = {k: WireGroup(addrs[a], 1 + RECV.index(rank), 20) for k, a in enumerate(TRAIN)}
+        groups = {k: WireGroup(addrs[a], 1 + RECV.index(rank), SYNC_TIMEOUT_S) for k, a in enumerate(TRAIN)}
     return train, groups
 
 
@@ -83,8 +89,8 @@ def _staged(sink):
 
 def _sender(rank: int, groups: dict, gather_all: bool = False):
     from asyncflow.workers.weight_send import BucketSender
-    return BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [], timeout_s=20,
-                        train_ranks=TRAIN, gather_all=gather_all)
+    return BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [],
+                        timeout_s=SYNC_TIMEOUT_S, train_ranks=TRAIN, gather_all=gather_all)
 
 
 def _send(net: nn.Module, sender, version: int, cast, die_after: int | None = None):
@@ -129,7 +135,7 @@ def sync_two_versions(rank: int, port: int, q, gather_all: bool = False) -> None
                    max(header.bucket_nbytes(b) for b in range(len(header.buckets))), header.nbytes))
         else:
             sink = StagingSink(lambda sd, v: None)
-            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=SYNC_TIMEOUT_S)
             got = {}
             for v, cast in ((1, None), (2, torch.bfloat16)):
                 recv.start(v, _staged(sink), sink.bucket_buffer)
@@ -163,7 +169,7 @@ def sender_dies(rank: int, port: int, q) -> None:
             q.put(("no-error", rank))
         else:
             sink = StagingSink(lambda sd, v: None)
-            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=SYNC_TIMEOUT_S)
             load = _staged(sink)
             recv.start(1, load)
             recv.join()
@@ -199,7 +205,7 @@ def receiver_dies(rank: int, port: int, q) -> None:
             os._exit(0)
         else:
             sink = StagingSink(lambda sd, v: None)
-            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=SYNC_TIMEOUT_S)
 
             def load(header, tensors):
                 sink.begin(header)
@@ -219,12 +225,15 @@ def receiver_dies(rank: int, port: int, q) -> None:
         q.put(("failed", rank, f"outside the sync: {e}", time.monotonic() - start if start else -1.0))
 
 
-def send_returns_before_copies_arrive(rank: int, port: int, q, big: bool = False) -> None:
-    """The receivers start receiving 3 s late. A version of small tensors in one bucket (every
-    message a packed copy, within max_inflight) leaves ``send`` at once; with ``big`` (BigNet: its
-    large tensor sent from its own memory) so does a send with ``wait_direct=False``. ``settle``
-    returns once the receivers have it; the weights then change (as an optimizer step after the
-    actor's settle), and the receivers still hold exactly the version sent."""
+def send_returns_before_copies_arrive(rank: int, port: int, q, big: bool = False, marks: list = ()) -> None:
+    """The receivers start receiving only once both senders' ``send`` returned (``marks[rank]``,
+    one multiprocessing Event per rank, set by a sender when its send returned and by a receiver
+    when it starts). A version of small tensors in one bucket (every message a packed copy,
+    within max_inflight) leaves ``send`` without a receiver; with ``big`` (BigNet: its large
+    tensor sent from its own memory) so does a send with ``wait_direct=False``. ``settle``
+    returns once the receivers have it, so after both receivers started; the weights then
+    change (as an optimizer step after the actor's settle), and the receivers still hold
+    exactly the version sent."""
     try:
         from asyncflow.engines.train.gather import local_tensors
         from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
@@ -236,25 +245,27 @@ def send_returns_before_copies_arrive(rank: int, port: int, q, big: bool = False
             sender = _sender(rank, groups)
             named = local_tensors(net)
             header = make_header(named, 1, 1, 2**23, len(TRAIN), None)  # one bucket: within max_inflight
-            t0 = time.monotonic()
             sender.send(header, named, wait_direct=not big)
-            sent_s = time.monotonic() - t0
+            marks[rank].set()
             sender.settle()
-            settled_s = time.monotonic() - t0
+            receivers_started = [marks[r].is_set() for r in RECV]
             with torch.no_grad():
                 for p in net.parameters():
                     p.to_local().mul_(2)
-            q.put(("sent", rank, sent_s, settled_s))
+            q.put(("sent", rank, receivers_started))
         else:
             sink = StagingSink(lambda sd, v: None)
-            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=20)
-            time.sleep(3.0)
+            recv = BucketReceiver(rank, f"rollout{rank - 2}", TRAIN, groups, timeout_s=SYNC_TIMEOUT_S)
+            # A send that waited for a receiver never returns here: the wait runs out instead.
+            senders_returned = [marks[r].wait(SEND_RETURN_WAIT_S) for r in TRAIN]
+            marks[rank].set()
             recv.start(1, _staged(sink), sink.bucket_buffer)
             recv.join()
             header, staged = sink.take()
             want = expected(1, None, net_class)
             q.put(("received", rank, header.version,
-                   list(staged) == list(want) and all(torch.equal(staged[k], want[k]) for k in want)))
+                   list(staged) == list(want) and all(torch.equal(staged[k], want[k]) for k in want),
+                   senders_returned))
         dist.barrier()
     except Exception:  # noqa: BLE001 - reported to the test
         q.put(("error", rank, traceback.format_exc()))

@@ -1,7 +1,8 @@
 """Weight sync over real gloo groups: 2 FSDP training ranks to 2 rollout ranks, every training
 rank sending its share of the buckets. Bit-identical weights for fp32 and for bf16 casts, a
-sender's extra memory about two buckets, and a sender dying mid-version stops everyone within
-seconds, naming rank, role and bucket, with the receivers keeping the version they had."""
+sender's extra memory about two buckets, and a sender dying mid-version stops everyone as its
+connections close (not at a timeout), naming rank, role and bucket, with the receivers keeping
+the version they had."""
 from __future__ import annotations
 
 import socket
@@ -18,6 +19,15 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+TIMED_OUT = ("Timed out", "TimeoutError", "did not arrive within", "was not received within",
+             "did not receive version")  # how a wait that ran out of time reads, at each layer
+
+
+def _stopped_by_the_death(msg: str) -> bool:
+    """The failure is the peer's death (its connection closed), not a wait running out."""
+    return not any(t in msg for t in TIMED_OUT)
 
 
 def _run(target, n_results: int = 4, timeout: float = 120, *extra) -> list:
@@ -57,15 +67,17 @@ def test_two_fsdp_ranks_to_two_instances_bit_identical_fp32_and_bf16(gather_all)
 @pytest.mark.parametrize("big", [False, True])
 def test_send_leaves_copies_on_the_wire_and_settle_waits_for_the_receivers(big):
     """Small tensors only (all packed copies), or with big=True a tensor sent from its own
-    memory and ``wait_direct=False``: send returns while the receivers have not started (3 s
-    late), settle once they have the whole version, bit-identical though the weights change
-    right after settle."""
-    results = _run(P.send_returns_before_copies_arrive, 4, 120, big)
+    memory and ``wait_direct=False``: send returns before any receiver has started (they wait
+    for both sends to return), settle only after both receivers started and have the whole
+    version, bit-identical though the weights change right after settle."""
+    marks = [mp.get_context("spawn").Event() for _ in range(4)]  # one per rank, see the process body
+    results = _run(P.send_returns_before_copies_arrive, 4, 120, big, marks)
     assert not [r for r in results if r[0] == "error"], results
-    for _, rank, sent_s, settled_s in (r for r in results if r[0] == "sent"):
-        assert sent_s < 1.0 and settled_s > 1.5, (rank, sent_s, settled_s)
+    sent = [r for r in results if r[0] == "sent"]
+    assert len(sent) == 2 and all(r[2] == [True, True] for r in sent), sent  # settle waited for both
     got = [r for r in results if r[0] == "received"]
     assert len(got) == 2 and all(r[2] == 1 and r[3] is True for r in got), got
+    assert all(r[4] == [True, True] for r in got), got  # both sends returned before this receiver started
 
 
 def test_a_sender_dying_mid_version_stops_every_peer_within_seconds_and_names_the_bucket():
@@ -75,7 +87,7 @@ def test_a_sender_dying_mid_version_stops_every_peer_within_seconds_and_names_th
     for rank in (0, 2, 3):
         kind, _, msg, seconds, *rest = by_rank[rank]
         assert kind == "failed", by_rank[rank]
-        assert seconds < 15, (rank, seconds, msg)
+        assert _stopped_by_the_death(msg), (rank, seconds, msg)
         if rank == 0 and "version 3" in msg:  # its own share of version 2 had all arrived before the
             assert "at its header" in msg or "at bucket" in msg, msg  # receivers gave up (seen on 3.12)
         else:
@@ -97,7 +109,8 @@ def test_a_receiver_dying_mid_version_stops_the_senders_within_seconds():
     failed = [r for rank, r in by_rank.items() if rank in (0, 1) and r[0] == "failed"]
     assert failed, results
     for _, rank, msg, seconds in failed:
-        assert seconds < 15 and f"actor rank {rank}" in msg and "version 1" in msg and "bucket" in msg, msg
+        assert _stopped_by_the_death(msg), (rank, seconds, msg)
+        assert f"actor rank {rank}" in msg and "version 1" in msg and "bucket" in msg, msg
 
 
 def test_a_receiver_that_never_reads_times_out_naming_the_sync():
@@ -118,10 +131,8 @@ def test_a_receiver_that_never_reads_times_out_naming_the_sync():
     sender = BucketSender(0, 0, group, lambda: [], timeout_s=2.0)
     sd = {"w": torch.zeros(4 << 20)}  # 16 MB: more than the socket buffers take without a reader
     header = make_header(sd.items(), 1, 1, 1 << 20, 1, None)
-    start = __import__("time").monotonic()
     with pytest.raises(RuntimeError, match=r"version 1 .*actor rank 0") as err:
         sender.send(header, list(sd.items()))
-    assert __import__("time").monotonic() - start < 15
     assert "timeout 2 s" in str(err.value) and ("bucket" in str(err.value) or "header" in str(err.value)), err.value
     # the group is out of step now: the sender refuses the next version instead of sending into it
     with pytest.raises(RuntimeError, match="failed before"):
