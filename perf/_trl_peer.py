@@ -197,8 +197,9 @@ def main() -> None:
     if targets and use_vllm:
         raise RuntimeError("row_targets: applied on the transformers generate path only, not with use_vllm")
     clock = Clock()
-    trainer = (TargetLengths if targets else GRPOTrainer)(model=model, reward_funcs=number, args=args, train_dataset=ds, processing_class=tok,
-                          callbacks=[clock])
+    trainer_class = TargetLengths if targets else GRPOTrainer
+    trainer = trainer_class(model=model, reward_funcs=number, args=args, train_dataset=ds, processing_class=tok,
+                            callbacks=[clock])
     if getattr(trainer.args, "gradient_checkpointing", False):
         raise RuntimeError("TRL's gradient checkpointing is still on")
     trainer.train()
