@@ -747,16 +747,22 @@ def warm_up(a: argparse.Namespace, out: Path) -> dict:
 def run_mode(mode: str, setting: Setting, a: argparse.Namespace, parent: Path, model: Path,
              name: str | None = None) -> dict:
     """Run one mode in one configuration as its own `asyncflow train` subprocess, into
-    parent/<name> (default: the mode's name); one retry on failure."""
+    parent/<name> (default: the mode's name); one retry on failure. A run that wrote its
+    summary.json (the last thing `asyncflow train` writes before its report, after the RL phase
+    and the final export) and then failed counts, its figures read as any run's, with the
+    failure named beside them (``exit_after_summary``)."""
     name = name or mode
     overrides = [*workload_overrides(a), *start_from(model), *MODES[mode], *setting_overrides(mode, setting, a)]
     err = ""
     for attempt in (1, 2):
         memory: dict = {}
         rc, wall, log = train(name, overrides, parent / name, entry_timeout(mode, a.run_timeout_s), memory)
-        if rc == 0 and (parent / name / "summary.json").is_file():
+        if (parent / name / "summary.json").is_file():
             res = analyse(parent / name, a)
             res.update({"wall_s": wall, "attempts": attempt, "setting": setting.as_json(), **memory})
+            if rc != 0:
+                res["exit_after_summary"] = f"exit {rc} after the RL phase (log: {log}): {tail(log)}"
+                print(f"    {name}: {res['exit_after_summary']}", flush=True)
             return res
         kept = log.with_name(f"{name}.attempt{attempt}.log")  # the retry writes a fresh log
         log.replace(kept)

@@ -683,3 +683,26 @@ def test_no_sweep_runs_the_first_configuration_and_still_bounds_from_apart(tmp_p
     assert s["carryover_balanced"] is True  # 6 = a whole Williams design of 3
     # stream and async share one stand-alone configuration: one run bounds both
     assert len([c for c in calls if c[0] == "standalone"]) == 1
+
+
+def test_a_run_that_failed_after_its_summary_counts_with_the_failure_named(tmp_path, monkeypatch):
+    # the report after the RL phase may fail (a lapsed heartbeat on a loaded machine): the RL
+    # figures are complete; a run that failed before its summary does not count
+    import shutil
+    src = _run_dir(tmp_path, "rollout")
+
+    def fake_train(name, overrides, run_dir, timeout_s, memory=None):
+        if name == "async":
+            shutil.copytree(src, run_dir)
+        else:
+            run_dir.mkdir(parents=True, exist_ok=True)  # the retry's directory (train() makes it afresh)
+        log = run_dir.parent / f"{name}.log"
+        log.write_text("worker rank 1 exits: the driver's heartbeat stopped 10.4s ago\n")
+        return 1, 5.0, log
+
+    monkeypatch.setattr(bench_e2e, "train", fake_train)
+    a = _args(ref_with="rollout", steps=2, seed=0, batch_prompts=16, num_eval=8, run_timeout_s=10.0)
+    r = bench_e2e.run_mode("async", bench_e2e.Setting(0, "rollout"), a, tmp_path / "rep0", tmp_path)
+    assert r["samples_per_s"] == 100.0 and "heartbeat" in r["exit_after_summary"] and r["attempts"] == 1
+    r = bench_e2e.run_mode("sync", bench_e2e.Setting(0, "rollout"), a, tmp_path / "rep1", tmp_path)
+    assert "error" in r and "exit 1" in r["error"]
