@@ -288,7 +288,9 @@ class Training:
             self.logger.close()
             self.timeline.close()
             await self.tq.close()
-        paths = build_report(self.out)
+        # off the event loop: drawing the charts takes seconds on a loaded machine, and the loop must
+        # keep answering the ranks' heartbeats meanwhile
+        paths = await asyncio.to_thread(build_report, self.out)
         log.info("run finished: accuracy %.3f -> %.3f in %.0f s; report: %s", self.summary.get(
             "eval_accuracy_before_rl", float("nan")), self.summary.get("eval_accuracy_after_rl", float("nan")),
             self.summary.get("wall_s", 0.0), ", ".join(str(p) for p in paths.values()))
