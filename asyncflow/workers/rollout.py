@@ -103,7 +103,7 @@ class RolloutWorker(EngineOffload, Worker):
         from ..config import offload_idle, rank_threads, rollout_devices, rollout_dtype
         from ..engines.rollout.vllm import VLLMRolloutEngine
         from ..engines.rollout.vllm_args import cpu_bind, kv_cache_bytes, usable_cores
-        from .weight_sync import torch_dtype
+        from ..weight_sync.protocol import torch_dtype
         r = c.rollout
         extra = dict(r.engine_kwargs)
         tp = extra.pop("tensor_parallel_size", None)
@@ -157,8 +157,8 @@ class RolloutWorker(EngineOffload, Worker):
         """Receive from the training ranks ``train_ranks``: in process when this rank is one of
         them (colocated), else by joining each one's group (``addrs``, from the actor's
         ``open_weight_sync``) as member ``index``; returns once every group is complete."""
-        from .weight_recv import BucketReceiver, InPlaceSink, StagingSink, register_local
-        from .wire_group import WireGroup
+        from ..weight_sync.receive import BucketReceiver, InPlaceSink, StagingSink, register_local
+        from ..weight_sync.wire_group import WireGroup
 
         w = self.sync_cfg
         self.load_mode = w.load

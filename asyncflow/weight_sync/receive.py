@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .weight_sync import TensorSpec, WeightHeader, aligned, torch_dtype, views
+from .protocol import TensorSpec, WeightHeader, aligned, torch_dtype, views
 
 LOAD_MODES = ("staged", "in_place")
 _AHEAD = 8  # buckets a receiver posts at once where each has its own place (as many as a sender may)
@@ -227,7 +227,7 @@ class BucketReceiver:
 class PostedBucket:
     """Bucket ``b``'s receives, posted: each training rank's piece on its own group at once."""
     b: int
-    full: torch.Tensor  # the bucket's byte buffer, as ``weight_sync.views`` reads it
+    full: torch.Tensor  # the bucket's byte buffer, as ``protocol.views`` reads it
     posted: list  # (training index, message, buffer, work)
 
 
