@@ -89,9 +89,10 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, infli
         import torch.distributed as dist
 
         from asyncflow.weight_sync.protocol import make_header
-        from asyncflow.weight_sync.receive import BucketReceiver, StagingSink
+        from asyncflow.weight_sync.receive import BucketReceiver
         from asyncflow.weight_sync.send import BucketSender
         from asyncflow.weight_sync.shards import local_tensors
+        from asyncflow.weight_sync.sinks import StagingSink
         from asyncflow.weight_sync.wire_group import WireGroup, open_store
 
         torch.set_num_threads(1)

@@ -12,7 +12,7 @@ its own rows, so nothing crosses between training ranks; any other tensor goes w
 rank ``b % n_sources``. Each rank broadcasts its piece on its own group, all at once, and
 the receivers put the rows where the whole tensor has them.
 
-Sending: ``send.py``; receiving and loading: ``receive.py``.
+Sending: ``send.py``; receiving: ``receive.py``; where the tensors go: ``sinks.py``.
 """
 from __future__ import annotations
 

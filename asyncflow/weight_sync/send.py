@@ -26,28 +26,20 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .protocol import Message, TensorSpec, WeightHeader, torch_dtype
 from .shards import DTensor, local_rows, row_shard_group, whole
+from .sinks import WeightSink
 
 
 # Messages sent from the tensors' own memory hold no extra memory on the wire, so only copies
 # count toward ``max_inflight`` (in bytes: that many buckets' worth); this many buckets at most
 # are posted at once in all.
 _MAX_POSTED = 8
-
-
-class WeightSink(Protocol):
-    """Where the tensors of a version go on the receiving side (receive.py)."""
-
-    def begin(self, header: WeightHeader) -> None: ...
-    def tensor(self, spec: TensorSpec, t: torch.Tensor) -> None: ...
-    def end(self, header: WeightHeader) -> None: ...
-    def fail(self, err: BaseException) -> None: ...
 
 
 @dataclass

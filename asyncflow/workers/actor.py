@@ -222,7 +222,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         some training rank has one, so every rank gathers every tensor whole."""
         from ..config import rollout_dtype
         from ..weight_sync.protocol import torch_dtype
-        from ..weight_sync.receive import local_sinks
+        from ..weight_sync.sinks import local_sinks
         from ..weight_sync.send import BucketSender
         from ..weight_sync.wire_group import WireGroup
 

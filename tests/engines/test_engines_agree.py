@@ -143,7 +143,7 @@ def trained(model_dir, tokenizer):
 
 def test_weight_sync_makes_rollout_match_actor(trained):
     from asyncflow.weight_sync.protocol import make_header
-    from asyncflow.weight_sync.receive import StagingSink
+    from asyncflow.weight_sync.sinks import StagingSink
     from asyncflow.weight_sync.send import BucketSender
     from asyncflow.weight_sync.shards import local_tensors
 

@@ -11,7 +11,7 @@ import torch
 from asyncflow.engines.rollout import SamplingParams
 from asyncflow.engines.rollout.base import GenerationRequest
 from asyncflow.weight_sync.protocol import TensorSpec, make_header
-from asyncflow.weight_sync.receive import InPlaceSink
+from asyncflow.weight_sync.sinks import InPlaceSink
 from asyncflow.weight_sync.send import BucketSender
 from tests.engines._rollout_helpers import prompts
 

@@ -115,7 +115,8 @@ def sync_two_versions(rank: int, port: int, q, gather_all: bool = False) -> None
     gather_all False: each training rank sends its own rows of every split tensor (nothing gathered);
     True: every training rank all-gathers every tensor (as when an instance shares its process)."""
     try:
-        from asyncflow.weight_sync.receive import BucketReceiver, StagingSink
+        from asyncflow.weight_sync.receive import BucketReceiver
+        from asyncflow.weight_sync.sinks import StagingSink
         train, groups = _setup(rank, port)
         if rank in TRAIN:
             net = _sharded(train, BigNet)
@@ -149,7 +150,8 @@ def sender_dies(rank: int, port: int, q) -> None:
     """Training rank 1 exits mid-version; everyone else must fail fast, naming where."""
     start = None
     try:
-        from asyncflow.weight_sync.receive import BucketReceiver, StagingSink
+        from asyncflow.weight_sync.receive import BucketReceiver
+        from asyncflow.weight_sync.sinks import StagingSink
         train, groups = _setup(rank, port)
         if rank in TRAIN:
             net = _sharded(train)
@@ -184,7 +186,8 @@ def receiver_dies(rank: int, port: int, q) -> None:
     (as a failed run's shutdown ends them), which the other receiver must see at once too."""
     start = None
     try:
-        from asyncflow.weight_sync.receive import BucketReceiver, StagingSink
+        from asyncflow.weight_sync.receive import BucketReceiver
+        from asyncflow.weight_sync.sinks import StagingSink
         train, groups = _setup(rank, port)
         if rank in TRAIN:
             net = _sharded(train, BigNet)
@@ -227,8 +230,9 @@ def send_returns_before_copies_arrive(rank: int, port: int, q, big: bool = False
     actor's settle), and the receivers still hold exactly the version sent."""
     try:
         from asyncflow.weight_sync.protocol import make_header
-        from asyncflow.weight_sync.receive import BucketReceiver, StagingSink
+        from asyncflow.weight_sync.receive import BucketReceiver
         from asyncflow.weight_sync.shards import local_tensors
+        from asyncflow.weight_sync.sinks import StagingSink
         net_class = BigNet if big else Net
         train, groups = _setup(rank, port)
         if rank in TRAIN:
