@@ -48,7 +48,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.algo = dataclasses.replace(c.algorithm, policy_loss=policy_loss_name(c))
         self.engine = train_engine_class(c.model.train_engine)(
             policy_model(c), engine_optim(c, optim), process_group=self.process_group, platform=self.platform)
-        self.sender: Any = None  # a weight_send.BucketSender once init_weight_sync ran
+        self.sender: Any = None  # a weight_sync.send.BucketSender once init_weight_sync ran
         self._ws_store = self._ws_addr = None  # this rank's weight-sync group store (open_weight_sync)
         self.published = 0
         self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
