@@ -4,7 +4,7 @@ Four processes: ranks 0 and 1 train (FSDP2 over both, a model of ``--mb`` megaby
 fp32), ranks 2 and 3 are rollout instances. Each training rank has its own group with both
 instances, as the trainer makes them.
 
-- ``sync``: the trainer's path (asyncflow/workers/weight_send.py, weight_recv.py) with
+- ``sync``: the trainer's path (asyncflow/weight_sync/send.py, receive.py) with
   buckets of ``--bucket-mb`` (default: ``weight_sync.bucket_mb``'s): every training rank
   broadcasts its own rows of each sharded tensor (large runs from the tensor's own memory,
   small ones packed), all ranks at once; the instances receive into their staging weights
@@ -88,11 +88,12 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, infli
         import torch
         import torch.distributed as dist
 
-        from asyncflow.engines.train.gather import local_tensors
-        from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
-        from asyncflow.workers.weight_send import BucketSender
-        from asyncflow.workers.weight_sync import make_header
-        from asyncflow.workers.wire_group import WireGroup, open_store
+        from asyncflow.weight_sync.protocol import make_header
+        from asyncflow.weight_sync.receive import BucketReceiver
+        from asyncflow.weight_sync.send import BucketSender
+        from asyncflow.weight_sync.shards import local_tensors
+        from asyncflow.weight_sync.sinks import StagingSink
+        from asyncflow.weight_sync.wire_group import WireGroup, open_store
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,

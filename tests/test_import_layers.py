@@ -4,6 +4,10 @@
   level, inside a function, under ``if TYPE_CHECKING:``.
 - ``asyncflow.rpc`` is below ``asyncflow.transfer_queue`` and ``asyncflow.single_controller``:
   nothing it imports, directly or through other modules, is in either.
+- The packages of asyncflow stand in layers (``LAYERS``, lowest first): a module imports only
+  from its own package and from packages of lower layers, never up nor sideways. Every
+  package has its layer: a new one must be placed. So the rollout engines build on
+  ``weight_sync`` and never reach up into the role workers.
 
 What an import statement depends on: ``import a.b.c`` on the deepest module of asyncflow
 it names; ``from X import n`` on ``X.n`` when that is a module (a submodule imported by
@@ -21,6 +25,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "asyncflow"
 RPC = "asyncflow.rpc"
 ABOVE_RPC = ("asyncflow.transfer_queue", "asyncflow.single_controller")
+
+# The packages (and top-level modules) of asyncflow, lowest layer first, as the code has them:
+# each imports only from layers before its own. "__init__" is the package itself (its version).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("__init__", "algorithm_config", "metrics", "models", "platform", "rewards", "rpc"),  # nothing of asyncflow
+    ("algorithms", "planning", "transfer_queue"),
+    ("config",),
+    ("data", "single_controller"),
+    ("weight_sync",),  # protocol, send, receive, wire groups, sinks, intake, publish_and_swap
+    ("engines",),  # training and rollout engines; vLLM's workers join the weight-sync groups
+    ("agents",),
+    ("workflow",),  # stages, recipes, the executor
+    ("training", "workers"),  # the driver's phases and roles; the role workers
+    ("simulation", "trainer"),
+    ("launcher",),
+    ("cli",),
+)
 
 Edge = tuple[str, int]  # (imported module, line of the import statement)
 
@@ -191,3 +212,55 @@ def test_rpc_is_below_transfer_queue_and_single_controller():
                 bad.append(_describe(graph, _path(graph, start, m)))
                 break
     assert not bad, "asyncflow.rpc must not import transfer_queue or single_controller:\n" + "\n".join(bad)
+
+
+def _package(module: str) -> str:
+    """The package (or top-level module) of asyncflow that ``module`` lies in."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _upward(graph: dict[str, dict[str, int]], layers: tuple[tuple[str, ...], ...]) -> list[tuple[str, str, int]]:
+    """The imports that go up or sideways across ``layers``: (module, imported module, line)."""
+    layer = {p: i for i, names in enumerate(layers) for p in names}
+    bad = []
+    for m in sorted(graph):
+        for dep, line in sorted(graph[m].items()):
+            a, b = _package(m), _package(dep)
+            if a != b and layer[b] >= layer[a]:
+                bad.append((m, dep, line))
+    return bad
+
+
+def test_the_layer_check_sees_an_upward_and_a_sideways_import():
+    graph = {"asyncflow.engines.x": {"asyncflow.workers.y": 3, "asyncflow.weight_sync.z": 4},
+             "asyncflow.workers.y": {"asyncflow.engines.x": 5}, "asyncflow.training.t": {"asyncflow.workers.y": 6},
+             "asyncflow.weight_sync.z": {}}
+    layers = (("weight_sync",), ("engines",), ("training", "workers"))
+    assert _upward(graph, layers) == [("asyncflow.engines.x", "asyncflow.workers.y", 3),
+                                      ("asyncflow.training.t", "asyncflow.workers.y", 6)]
+
+
+def test_every_package_has_its_layer_once():
+    listed = [p for names in LAYERS for p in names]
+    assert len(listed) == len(set(listed)), f"a package is in two layers: {sorted(listed)}"
+    missing = sorted({_package(m) for m in _modules()} - set(listed))
+    assert not missing, f"place these packages of asyncflow in LAYERS (tests/test_import_layers.py): {missing}"
+
+
+def test_the_layers_keep_the_architecture():
+    """The order the layers exist for, so that a failing import is not fixed by moving a layer."""
+    at = {p: i for i, names in enumerate(LAYERS) for p in names}
+    assert at["rpc"] < at["transfer_queue"] < at["single_controller"] < at["weight_sync"] < at["engines"]
+    assert at["engines"] < at["agents"] < at["workflow"] < at["workers"] < at["simulation"]
+    assert at["workflow"] < at["training"] < at["trainer"] < at["launcher"] < at["cli"]
+
+
+def test_no_import_goes_up_or_sideways_across_the_layers():
+    graph = _graph()
+    at = {p: i for i, names in enumerate(LAYERS) for p in names}
+    modules = _modules()
+    bad = [f"{m} ({modules[m][0].relative_to(ROOT)}:{line}) imports {dep}: {_package(m)} (layer {at[_package(m)]}) "
+           f"may not import {_package(dep)} (layer {at[_package(dep)]})" for m, dep, line in _upward(graph, LAYERS)]
+    assert not bad, "imports against the layers (move what both need down, or the code to where it belongs):\n" + \
+        "\n".join(bad)

@@ -15,6 +15,7 @@ import torch
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..rpc.transport import EventLoopThread
+from ..transfer_queue.row_lists import rows, values
 from .episode import EpisodeContext, EpisodeLimits, Trajectory
 
 EPISODE_OUTPUTS = [*ROLLOUT_OUTPUTS, "loss_mask", "scores", "episode"]
@@ -119,7 +120,6 @@ def _failed(error: str) -> Trajectory:
 
 def episode_rows(data: Any, n: int) -> list[dict[str, Any]]:
     """One dict per row from a stage's input data (prompt ids as a list of ints)."""
-    from ..workers.common import rows, values
     out: list[dict[str, Any]] = [{} for _ in range(n)]
     for key in data.keys():
         col = data[key]

@@ -2,23 +2,21 @@
 prompts, and the supervised warm-up of the built-in task."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 from typing import Any
 
 from ..config import RunConfig
+from ..weight_sync.publish import publish_and_swap
 from .roles import RunRoles
 
 log = logging.getLogger("asyncflow.trainer")
 
 
 async def sync_weights(roles: RunRoles, version: int) -> None:
-    """Publish the policy's weights as ``version`` and have every instance take them."""
-    await asyncio.gather(*(inst.receive_weights(version) for inst in roles.instances))  # receiving first
-    await roles.policy.publish_weights(version)
-    for inst in roles.instances:  # in turn: never all instances paused at once
-        await inst.swap_weights(version)
+    """Publish the policy's weights as ``version`` and have every instance take them, one
+    instance at a time: never all instances paused at once."""
+    await publish_and_swap(roles.policy, roles.instances, version, wave=1)
 
 
 async def reward_totals(roles: RunRoles) -> tuple[dict[str, float], dict[str, list[float]]]:

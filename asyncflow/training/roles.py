@@ -86,7 +86,7 @@ async def start_roles(driver: Any, cfg: RunConfig, spec: RecipeSpec, out: Path) 
 
 async def init_weight_sync(policy: Any, instances: list) -> None:
     """One weight-sync group per training rank, its members that rank and every receiving
-    endpoint of the instances outside the training ranks' processes (workers/wire_group.py);
+    endpoint of the instances outside the training ranks' processes (weight_sync/wire_group.py);
     all of them join together."""
     train = list(policy.ranks)
     counts = [sum(await inst.weight_endpoints(train)) for inst in instances]

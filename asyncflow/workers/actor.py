@@ -48,7 +48,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.algo = dataclasses.replace(c.algorithm, policy_loss=policy_loss_name(c))
         self.engine = train_engine_class(c.model.train_engine)(
             policy_model(c), engine_optim(c, optim), process_group=self.process_group, platform=self.platform)
-        self.sender: Any = None  # a weight_send.BucketSender once init_weight_sync ran
+        self.sender: Any = None  # a weight_sync.send.BucketSender once init_weight_sync ran
         self._ws_store = self._ws_addr = None  # this rank's weight-sync group store (open_weight_sync)
         self.published = 0
         self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
@@ -205,7 +205,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
     def open_weight_sync(self, members: int) -> Any:
         """Host the store of this rank's weight-sync group of ``members`` (this rank and every
         receiving endpoint); return its address as a dict (None: no receiver over the wire)."""
-        from .wire_group import open_store
+        from ..weight_sync.wire_group import open_store
 
         if members < 2:
             self._ws_store = self._ws_addr = None
@@ -221,10 +221,10 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         instance in this rank's process gets the tensors in process instead; ``gather_all``:
         some training rank has one, so every rank gathers every tensor whole."""
         from ..config import rollout_dtype
-        from .weight_recv import local_sinks
-        from .weight_send import BucketSender
-        from .weight_sync import torch_dtype
-        from .wire_group import WireGroup
+        from ..weight_sync.protocol import torch_dtype
+        from ..weight_sync.sinks import local_sinks
+        from ..weight_sync.send import BucketSender
+        from ..weight_sync.wire_group import WireGroup
 
         w = self.cfg.weight_sync
         group = None
@@ -248,8 +248,8 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         buckets are posted; the engine's next write of the parameters (optimizer step,
         offload, loading) first waits until the receivers have them, and so does the next
         publish."""
-        from ..engines.train.gather import local_tensors
-        from .weight_sync import make_header
+        from ..weight_sync.protocol import make_header
+        from ..weight_sync.shards import local_tensors
 
         if self.sender is None:
             raise RuntimeError(f"actor rank {self.rank}: publish_weights before init_weight_sync")

@@ -7,6 +7,8 @@ from typing import Any, Callable
 import torch
 
 from ..single_controller import Dispatch, register
+# rows: also the import path docs/recipes.md gives custom workers (with config_of, setup_rank)
+from ..transfer_queue.row_lists import rows
 
 
 def config_of(cfg: Any) -> Any:
@@ -44,21 +46,6 @@ def engine_optim(cfg: Any, section: str = "optim", phase: str = "rl") -> Any:
     if phase != "rl":
         raise ValueError(f"optimizer phase {phase!r}: expected rl or warmup")
     return dataclasses.replace(o, total_steps=o.total_steps or max(cfg.trainer.steps, o.warmup_steps))
-
-
-def rows(column: Any) -> list[torch.Tensor]:
-    """A jagged column (nested tensor) or a list as one 1-D tensor per row."""
-    if isinstance(column, (list, tuple)):
-        return [torch.as_tensor(x) for x in column]
-    if getattr(column, "is_nested", False):
-        return list(column.unbind())
-    return list(column)
-
-
-def values(column: Any) -> list:
-    """A non-tensor column (strings, dicts) as a Python list."""
-    tolist = getattr(column, "tolist", None)
-    return list(tolist()) if tolist is not None else list(column)
 
 
 def set_threads(threads: int) -> None:

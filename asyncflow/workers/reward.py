@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from ..single_controller import Dispatch, Worker, register
+from ..transfer_queue.row_lists import rows, values
 from ..workflow.stages import StageIO
-from .common import config_of, rows, setup_rank, values
+from .common import config_of, setup_rank
 
 
 def reward_kwargs(fn: Any, extra: list[dict]) -> list[dict]:

@@ -80,14 +80,10 @@ class RolloutWorker(EngineOffload, Worker):
         self.stream.scorer = self.scorer
         self._eval_runners: dict[tuple, Any] = {}  # (reward, timeout, on_error) -> RewardRunner: one thread each
         self._call_ids = itertools.count()  # ids of generate/evaluate calls (atomic next() across threads)
-        self.receiver: Any = None  # a weight_recv.BucketReceiver, when no training rank shares this process
-        self.sink: Any = None  # where the versions go: weight_recv.StagingSink or InPlaceSink
-        self.load_mode = "staged"
+        self.intake: Any = None  # how versions come in (weight_sync/intake.py), chosen by init_weight_sync
         self.sync_cfg = c.weight_sync
         # vLLM's workers join the weight-sync groups themselves (vllm_worker.py)
         self._engine_receives = r.engine == "vllm"
-        self._in_place: tuple = (None, None)  # (header, swap result) of the last in-place load
-        self.local = False  # this instance shares a process with a training rank
         self.sync_timeout_s = sync_timeout_s
         self.seq = 0  # publish counter of the weights held
         # colocated placement: free the device while other roles run (vLLM: only where it can sleep)
@@ -103,7 +99,7 @@ class RolloutWorker(EngineOffload, Worker):
         from ..config import offload_idle, rank_threads, rollout_devices, rollout_dtype
         from ..engines.rollout.vllm import VLLMRolloutEngine
         from ..engines.rollout.vllm_args import cpu_bind, kv_cache_bytes, usable_cores
-        from .weight_sync import torch_dtype
+        from ..weight_sync.protocol import torch_dtype
         r = c.rollout
         extra = dict(r.engine_kwargs)
         tp = extra.pop("tensor_parallel_size", None)
@@ -156,86 +152,37 @@ class RolloutWorker(EngineOffload, Worker):
     def init_weight_sync(self, train_ranks: list[int], addrs: list, index: int) -> None:
         """Receive from the training ranks ``train_ranks``: in process when this rank is one of
         them (colocated), else by joining each one's group (``addrs``, from the actor's
-        ``open_weight_sync``) as member ``index``; returns once every group is complete."""
-        from .weight_recv import BucketReceiver, InPlaceSink, StagingSink, register_local
-        from .wire_group import WireGroup
+        ``open_weight_sync``) as member ``index``; returns once every group is complete. The
+        way versions come in is chosen here, once (weight_sync/intake.py)."""
+        from ..weight_sync.intake import IntakeContext, choose_intake
 
         w = self.sync_cfg
-        self.load_mode = w.load
-        self.sink = (StagingSink(self.engine.check_weights, self.device) if w.load == "staged"
-                     else InPlaceSink(self.service, w.timeout_s))
-        if self.rank in train_ranks:
-            self.local = True
-            register_local(self.sink)
-            return
-        if self._engine_receives:  # vLLM: its own workers join, one member each
-            self.service.call(lambda e: e.join_weight_groups(addrs, index, w.timeout_s), w.timeout_s,
-                              "join_weight_groups")
-            return
-        groups = {k: WireGroup(a, index, w.timeout_s, device=self.device) for k, a in enumerate(addrs)}
-        self.receiver = BucketReceiver(self.rank, self.role, train_ranks, groups, w.timeout_s, self.device)
+        ctx = IntakeContext(self.service, self.engine, self.rank, self.role, self.device, w.timeout_s,
+                            self.sync_timeout_s)
+        # vLLM's workers receive on their own, unless a training rank shares this process (in process then)
+        self.intake = choose_intake(w.load, self._engine_receives and self.rank not in train_ranks, ctx)
+        self.intake.connect(train_ranks, addrs, index)
 
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def receive_weights(self, version: int) -> None:
         """Start receiving ``version`` in the background (before the actor publishes it; an
         instance in an actor's process gets it during the publish instead)."""
-        if self._engine_receives and not self.local:
-            if self.load_mode == "staged":  # vLLM's workers receive it on a thread while they generate
-                self.service.call(lambda e: e.stage_weights(), self.sync_timeout_s, "stage_weights")
-                self._in_place = (None, None)
-                return
-            fut = self.service.update_weights_with(lambda e: e.receive_weights(self.service.swap_mode), version)
-            self._in_place = (None, fut)
-            return
-        if self.receiver is None:
-            return
-        if self.load_mode == "staged":
-            def load(header, tensors) -> None:
-                self.sink.begin(header)
-                for spec, t in tensors:
-                    self.sink.tensor(spec, t)
-                self.sink.end(header)
-        else:
-            def load(header, tensors) -> None:
-                fut = self.service.update_weights_stream(header.specs, tensors, header.version)
-                self._in_place = (header, fut.result(self.sync_timeout_s))
-        self.receiver.start(version, load, self.sink.bucket_buffer if self.load_mode == "staged" else None)
+        self._intake("receive_weights").receive(version)
 
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def swap_weights(self, version: int) -> dict:
         """Wait for ``version`` to arrive; staged, have the service swap it in at the next step
         boundary. Returns when it is in, with the pause it cost generation."""
-        if self.sink is None:
-            raise RuntimeError(f"rollout rank {self.rank}: swap_weights before init_weight_sync")
-        if self.receiver is not None:
-            self.receiver.join()
-        if self._engine_receives and not self.local:  # vLLM's workers received it
-            if self.load_mode == "staged":  # loaded from their staged copies at a step boundary
-                timeout = self.sync_timeout_s
-                fut = self.service.update_weights_with(lambda e: e.swap_staged(self.service.swap_mode, timeout),
-                                                       version)
-                self._in_place = (None, fut)
-            out = self._in_place[1].result(self.sync_timeout_s) if self._in_place[1] is not None else None
-            self._in_place = (None, None)
-            head = self.engine.last_header
-            if out is None or head is None or head["seq"] <= self.seq:
-                return self._no_newer(version)
-            self.seq = int(head["seq"])
-            return out
-        if self.load_mode == "in_place":  # loaded while it arrived, generation paused
-            header, out = self._in_place if self.receiver is not None else (self.sink.loaded, self.sink.result)
-            self._in_place = (None, None)
-            if header is None or header.seq <= self.seq:
-                return self._no_newer(version)
-            self.seq = header.seq
-            return out
-        got = self.sink.take()
-        if got is None or got[0].seq <= self.seq:
+        got = self._intake("swap_weights").swap(version, self.seq)
+        if got is None:
             return self._no_newer(version)
-        header, staging = got
-        out = self.service.update_weights(staging, header.version).result(self.sync_timeout_s)
-        self.seq = header.seq
-        return out
+        self.seq = got.seq
+        return got.report
+
+    def _intake(self, what: str) -> Any:
+        if self.intake is None:
+            raise RuntimeError(f"rollout rank {self.rank}: {what} before init_weight_sync")
+        return self.intake
 
     def _no_newer(self, version: int) -> dict:
         if self.engine.version >= version:

@@ -37,7 +37,7 @@ SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "max_new_tokens")
 def row_inputs(data: Any, inputs: list[str] | None = None) -> tuple[list[torch.Tensor], list[int], list[int | None]]:
     """Prompts, seeds and per-row budgets (None: the sampling default) of the rollout stage's
     input columns: [prompt, seed, and optionally a ``max_new_tokens`` column of per-row budgets]."""
-    from .common import rows
+    from ..transfer_queue.row_lists import rows
     names = ROLLOUT_INPUTS if inputs is None else list(inputs)
     if len(names) < 2:
         raise ValueError(f"a rollout stage reads [prompt, seed] columns first; it declares {names}")
@@ -86,7 +86,7 @@ class ScoreContext:
 
     @staticmethod
     def of(data: Any, n: int, stage: str) -> "ScoreContext":
-        from .common import values
+        from ..transfer_queue.row_lists import values
         keys = set(data.keys())
         if "answer" not in keys:
             raise ValueError(f"{stage}: a rollout stage with score_into reads the 'answer' column (and "

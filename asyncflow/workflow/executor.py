@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from ..weight_sync.publish import publish_and_swap
 from .ledger import Ledger
 from .stages import DRIVER, DriverBatch, Stage
 
@@ -586,27 +587,24 @@ class Executor:
             while not self._sync_queue.empty():  # an instance far behind takes the newest only
                 v = self._sync_queue.get_nowait()
                 taken += 1
-            # Every instance starts receiving in the background (generating meanwhile), then the
-            # actor ranks send; then the instances swap the new weights in, in waves of
-            # cfg.swap_wave(n), so that at no moment are all of them paused (weight_sync.load=staged).
-            await asyncio.gather(*(inst.receive_weights(v) for inst in self.instances))
-            # Timed under step v: the step whose rollout the new weights serve (and whose metrics log it).
-            await self._timed(_SYNC, actor.role, actor.ranks, v, 0, actor.publish_weights(v))
-            self.published_version = v
-            await self.ledger.notify()
-            wave = self.cfg.swap_wave(len(self.instances))
-            for w in range(0, len(self.instances), wave):
-                members = list(range(w, min(w + wave, len(self.instances))))
-                # every swap of the wave ends (or fails) before a failure is raised: none left running unseen
-                outcomes = await asyncio.gather(*(self._timed(_SYNC, self.instances[k].role, self.instances[k].ranks,
-                                                              v, 0, self.instances[k].swap_weights(v))
-                                                  for k in members), return_exceptions=True)
-                failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
-                if failed is not None:
-                    raise failed
+
+            async def published() -> None:
+                self.published_version = v
+                await self.ledger.notify()
+
+            async def swapped(members: list[int]) -> None:
                 for k in members:
                     self.instance_version[k] = v
                 await self.ledger.notify()
+
+            # Every instance starts receiving in the background (generating meanwhile), then the
+            # actor ranks send; then the instances swap the new weights in, in waves of
+            # cfg.swap_wave(n), so that at no moment are all of them paused (weight_sync.load=staged).
+            # Each call is timed under step v: the step whose rollout the new weights serve (and
+            # whose metrics log it).
+            await publish_and_swap(actor, self.instances, v, wave=self.cfg.swap_wave(len(self.instances)),
+                                   timed=lambda g, call: self._timed(_SYNC, g.role, g.ranks, v, 0, call),
+                                   on_published=published, on_swapped=swapped)
             for _ in range(taken):
                 self._sync_queue.task_done()
 

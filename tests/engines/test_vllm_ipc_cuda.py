@@ -13,7 +13,7 @@ from torch import nn
 
 from asyncflow.engines.rollout.vllm import VLLMRolloutEngine
 from asyncflow.engines.rollout.vllm_worker import WeightLoaderExtension
-from asyncflow.workers.weight_sync import make_header
+from asyncflow.weight_sync.protocol import make_header
 from tests.engines.test_rollout_vllm import SPECS, TIED, FakeLLMEngine, fake_params
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

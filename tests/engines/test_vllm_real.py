@@ -123,7 +123,7 @@ def test_abort_and_budgets(setup):
 def test_every_load_path_gives_the_trainers_greedy_output(setup, tiny_path):
     """One call, chunks of a few tensors (a layer's tensors split over chunks): after each, the
     greedy output is the Hugging Face model's with the same weights; versions advance."""
-    from asyncflow.workers.weight_sync import TensorSpec
+    from asyncflow.weight_sync.protocol import TensorSpec
     engine, _ = setup
     model = _hf(tiny_path)
     prompts = _prompts(6, seed=2)
@@ -149,9 +149,9 @@ def test_the_training_ranks_groups_in_place_and_staged(setup, tiny_path):
     worker joins the group and loads them in place, then staged (received on the worker's
     thread while requests run, loaded at a step); a version with a wrong shape is drained
     and the engine keeps its weights."""
-    from asyncflow.workers.weight_send import BucketSender
-    from asyncflow.workers.weight_sync import make_header
-    from asyncflow.workers.wire_group import WireGroup, open_store
+    from asyncflow.weight_sync.protocol import make_header
+    from asyncflow.weight_sync.send import BucketSender
+    from asyncflow.weight_sync.wire_group import WireGroup, open_store
     engine, _ = setup
     model = _hf(tiny_path)
     prompts = _prompts(5, seed=3)

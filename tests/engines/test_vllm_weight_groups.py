@@ -14,9 +14,9 @@ from torch import nn
 
 from asyncflow.engines.rollout.vllm import VLLMRolloutEngine
 from asyncflow.engines.rollout.vllm_worker import WeightLoaderExtension, ipc_args_on
-from asyncflow.workers.weight_send import BucketSender
-from asyncflow.workers.weight_sync import make_header
-from asyncflow.workers.wire_group import WireGroup, open_store
+from asyncflow.weight_sync.protocol import make_header
+from asyncflow.weight_sync.send import BucketSender
+from asyncflow.weight_sync.wire_group import WireGroup, open_store
 from tests.engines.test_rollout_vllm import SPECS, TIED, FakeLLMEngine, fake_params
 
 

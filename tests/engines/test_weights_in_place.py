@@ -10,9 +10,9 @@ import torch
 
 from asyncflow.engines.rollout import SamplingParams
 from asyncflow.engines.rollout.base import GenerationRequest
-from asyncflow.workers.weight_recv import InPlaceSink
-from asyncflow.workers.weight_send import BucketSender
-from asyncflow.workers.weight_sync import TensorSpec, make_header
+from asyncflow.weight_sync.protocol import TensorSpec, make_header
+from asyncflow.weight_sync.sinks import InPlaceSink
+from asyncflow.weight_sync.send import BucketSender
 from tests.engines._rollout_helpers import prompts
 
 LONG = SamplingParams(max_new_tokens=60, temperature=1.0)

@@ -41,7 +41,7 @@ def expected(version: int, cast: torch.dtype | None, net_class: type = None) -> 
 def _setup(rank: int, port: int) -> tuple:
     """The world (for FSDP's group and to pass the addresses around), then the weight-sync
     groups: training rank a hosts the store of its group, receivers join as members 1, 2."""
-    from asyncflow.workers.wire_group import WireGroup, open_store
+    from asyncflow.weight_sync.wire_group import WireGroup, open_store
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     train = dist.new_group(TRAIN, backend="gloo")
@@ -88,7 +88,7 @@ def _staged(sink):
 
 
 def _sender(rank: int, groups: dict, gather_all: bool = False):
-    from asyncflow.workers.weight_send import BucketSender
+    from asyncflow.weight_sync.send import BucketSender
     return BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [],
                         timeout_s=SYNC_TIMEOUT_S, train_ranks=TRAIN, gather_all=gather_all)
 
@@ -96,9 +96,9 @@ def _sender(rank: int, groups: dict, gather_all: bool = False):
 def _send(net: nn.Module, sender, version: int, cast, die_after: int | None = None):
     """Send a version; ``die_after``: exit the process after that many buckets were packed
     (a sender dying mid-version, buckets already on the wire)."""
-    import asyncflow.workers.weight_send as WS
-    from asyncflow.engines.train.gather import local_tensors
-    from asyncflow.workers.weight_sync import make_header
+    import asyncflow.weight_sync.send as WS
+    from asyncflow.weight_sync.protocol import make_header
+    from asyncflow.weight_sync.shards import local_tensors
     named = local_tensors(net)
     header = make_header(named, version, version, BUCKET, len(TRAIN), cast)
     if die_after is not None:
@@ -121,7 +121,8 @@ def sync_two_versions(rank: int, port: int, q, gather_all: bool = False) -> None
     gather_all False: each training rank sends its own rows of every split tensor (nothing gathered);
     True: every training rank all-gathers every tensor (as when an instance shares its process)."""
     try:
-        from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
+        from asyncflow.weight_sync.receive import BucketReceiver
+        from asyncflow.weight_sync.sinks import StagingSink
         train, groups = _setup(rank, port)
         if rank in TRAIN:
             net = _sharded(train, BigNet)
@@ -155,7 +156,8 @@ def sender_dies(rank: int, port: int, q) -> None:
     """Training rank 1 exits mid-version; everyone else must fail fast, naming where."""
     start = None
     try:
-        from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
+        from asyncflow.weight_sync.receive import BucketReceiver
+        from asyncflow.weight_sync.sinks import StagingSink
         train, groups = _setup(rank, port)
         if rank in TRAIN:
             net = _sharded(train)
@@ -190,7 +192,8 @@ def receiver_dies(rank: int, port: int, q) -> None:
     (as a failed run's shutdown ends them), which the other receiver must see at once too."""
     start = None
     try:
-        from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
+        from asyncflow.weight_sync.receive import BucketReceiver
+        from asyncflow.weight_sync.sinks import StagingSink
         train, groups = _setup(rank, port)
         if rank in TRAIN:
             net = _sharded(train, BigNet)
@@ -235,9 +238,10 @@ def send_returns_before_copies_arrive(rank: int, port: int, q, big: bool = False
     change (as an optimizer step after the actor's settle), and the receivers still hold
     exactly the version sent."""
     try:
-        from asyncflow.engines.train.gather import local_tensors
-        from asyncflow.workers.weight_recv import BucketReceiver, StagingSink
-        from asyncflow.workers.weight_sync import make_header
+        from asyncflow.weight_sync.protocol import make_header
+        from asyncflow.weight_sync.receive import BucketReceiver
+        from asyncflow.weight_sync.shards import local_tensors
+        from asyncflow.weight_sync.sinks import StagingSink
         net_class = BigNet if big else Net
         train, groups = _setup(rank, port)
         if rank in TRAIN:

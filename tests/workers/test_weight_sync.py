@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncflow.workers import weight_sync as ws
+from asyncflow.weight_sync import protocol as ws
 
 
 def _specs(*sizes: int, dtype: str = "float32") -> list[ws.TensorSpec]:
@@ -106,7 +106,7 @@ def test_a_split_tensor_with_no_rows_sends_nothing_and_breaks_nothing():
 
 
 def test_staging_gives_every_bucket_an_aligned_start_whatever_the_sizes_before_it():
-    from asyncflow.workers.weight_recv import StagingSink
+    from asyncflow.weight_sync.sinks import StagingSink
     # bucket 0: 3 bf16 values (6 bytes); bucket 1: int64 values, whose views need 8-byte alignment
     t = {"a": torch.randn(3).to(torch.bfloat16), "ids": torch.arange(5)}
     header = ws.make_header(t.items(), 1, 1, bucket_bytes=8, n_sources=1, cast=None)

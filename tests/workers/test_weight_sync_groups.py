@@ -118,9 +118,9 @@ def test_a_receiver_that_never_reads_times_out_naming_the_sync():
 
     import torch
 
-    from asyncflow.workers.weight_send import BucketSender
-    from asyncflow.workers.weight_sync import make_header
-    from asyncflow.workers.wire_group import WireGroup, open_store
+    from asyncflow.weight_sync.protocol import make_header
+    from asyncflow.weight_sync.send import BucketSender
+    from asyncflow.weight_sync.wire_group import WireGroup, open_store
 
     store, addr = open_store(2, "gloo", "timeout-test", 30, host="127.0.0.1")
     joined: dict = {}

@@ -391,7 +391,7 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
                                f"(the weights held may now be partly updated): {exc}") from exc
         self._commit(version, mode)
 
-    # ---- weights from the training ranks' groups (workers/wire_group.py) ------------------
+    # ---- weights from the training ranks' groups (weight_sync/wire_group.py) --------------
 
     def weight_endpoints(self) -> int:
         """Members this instance adds to each weight-sync group: one per tensor-parallel worker."""
@@ -480,7 +480,7 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         """A version whose header the workers hold (``head``): check it, then ``finish(True)`` has
         the workers load it; a refused one is ``finish(False)``-ed (dropped) and the engine keeps
         its weights; a load failing midway leaves the engine refusing to run (``torn``)."""
-        from asyncflow.workers.weight_sync import TensorSpec
+        from asyncflow.weight_sync.protocol import TensorSpec
         specs = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in head["specs"]]
         try:
             self.check_weights({sp.name: sp.meta() for sp in specs}, head["version"])

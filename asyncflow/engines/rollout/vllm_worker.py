@@ -119,7 +119,7 @@ class WeightLoaderExtension:
     def asyncflow_join_weight_groups(self, addrs: list[dict], base: int, timeout_s: float) -> int:
         """Join each training rank's group as member ``base + this worker's rank`` (one member
         per tensor-parallel worker); returns that index."""
-        from asyncflow.workers.wire_group import WireGroup
+        from asyncflow.weight_sync.wire_group import WireGroup
         index = int(base) + int(getattr(self, "rank", 0))
         device = self._asyncflow_device()
         self._asyncflow_groups = {k: WireGroup(a, index, timeout_s, device=device) for k, a in enumerate(addrs)}
@@ -140,7 +140,7 @@ class WeightLoaderExtension:
         """Receive the header's buckets in order, each into a buffer of its own (``fresh``: the
         layer-wise reload keeps views of a layer's tensors until the layer is complete, which
         may be in a later bucket) or into one reused buffer (draining refused weights)."""
-        from asyncflow.workers.weight_recv import finish_bucket, post_bucket
+        from asyncflow.weight_sync.receive import finish_bucket, post_bucket
         groups, device = self._asyncflow_groups, self._asyncflow_device()
         n = len(header.buckets)
         shared = None if fresh else torch.empty(max(header.bucket_nbytes(b) for b in range(n)),
@@ -163,7 +163,7 @@ class WeightLoaderExtension:
     def asyncflow_receive_buckets(self, load: bool) -> int:
         """In place: receive every bucket of the header's version and (``load``) feed each to
         vLLM's reload as it arrives; with load False only drain (refused weights)."""
-        from asyncflow.workers.weight_sync import views
+        from asyncflow.weight_sync.protocol import views
         header = self._asyncflow_header
         if not load:
             return sum(1 for _ in self._asyncflow_buckets(header, fresh=False))
@@ -218,7 +218,7 @@ class WeightLoaderExtension:
     def asyncflow_load_staged(self, load: bool, timeout_s: float) -> int:
         """Staged: wait until the whole version is here, then (``load``) put it in through vLLM's
         reload path; either way the staged copy is freed. Returns the buckets received."""
-        from asyncflow.workers.weight_sync import views
+        from asyncflow.weight_sync.protocol import views
         st = self._asyncflow_wait_staged(timeout_s, "version")
         self._asyncflow_staged = None
         if load:

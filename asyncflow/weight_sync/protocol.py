@@ -12,7 +12,7 @@ its own rows, so nothing crosses between training ranks; any other tensor goes w
 rank ``b % n_sources``. Each rank broadcasts its piece on its own group, all at once, and
 the receivers put the rows where the whole tensor has them.
 
-Sending: ``weight_send.py``; receiving and loading: ``weight_recv.py``.
+Sending: ``send.py``; receiving: ``receive.py``; where the tensors go: ``sinks.py``.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..engines.train.gather import chunk_rows, row_shard_group
+from .shards import chunk_rows, row_shard_group
 
 _ALIGN = 8  # the widest element size: every tensor view into a bucket is aligned
 

@@ -2,7 +2,7 @@
 
 Training rank ``a`` broadcasts its piece of every bucket on its own group (itself and every
 remote rollout rank): its own rows of each tensor FSDP2 shards by rows, and the bucket's
-other tensors whole where ``a`` is the bucket's source (weight_sync.py). Split tensors are
+other tensors whole where ``a`` is the bucket's source (protocol.py). Split tensors are
 never gathered, so the training ranks send at once, each at its own pace. A rank fills its
 next piece while the previous ones are on the wire: copies (a cast, small tensors packed) of
 at most ``max_inflight`` buckets' worth in flight plus the piece being filled, so the extra
@@ -26,28 +26,20 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..engines.train.gather import DTensor, local_rows, row_shard_group, whole
-from .weight_sync import Message, TensorSpec, WeightHeader, torch_dtype
+from .protocol import Message, TensorSpec, WeightHeader, torch_dtype
+from .shards import DTensor, local_rows, row_shard_group, whole
+from .sinks import WeightSink
 
 
 # Messages sent from the tensors' own memory hold no extra memory on the wire, so only copies
 # count toward ``max_inflight`` (in bytes: that many buckets' worth); this many buckets at most
 # are posted at once in all.
 _MAX_POSTED = 8
-
-
-class WeightSink(Protocol):
-    """Where the tensors of a version go on the receiving side (weight_recv.py)."""
-
-    def begin(self, header: WeightHeader) -> None: ...
-    def tensor(self, spec: TensorSpec, t: torch.Tensor) -> None: ...
-    def end(self, header: WeightHeader) -> None: ...
-    def fail(self, err: BaseException) -> None: ...
 
 
 @dataclass
@@ -143,7 +135,7 @@ class BucketSender:
 
     def send(self, header: WeightHeader, named: list[tuple[str, torch.Tensor]], wait_direct: bool = True) -> SendStats:
         """Cast and send one version. ``named``: this rank's (name, tensor) in the header's
-        order, sharded or not (engines/train/gather.py). Collective over the training ranks
+        order, sharded or not (shards.py). Collective over the training ranks
         where a tensor must be gathered (a local instance, or a tensor not split by rows).
         Returns when every piece of this rank is on its way and, with ``wait_direct``, every
         message that reads the tensors' own memory has been received (see the module's doc)."""
