@@ -1,6 +1,6 @@
 """RPC over ZMQ: the layer below the TransferQueue and the single controller.
 
-- ``transport``: request/reply with asyncio or blocking sockets, timeouts, bounded spinning.
+- ``async_client``: request/reply with asyncio or blocking sockets, timeouts, bounded spinning.
 - ``auth``: the run key and the MAC that authenticates every message.
 - ``codec``: a JSON header plus raw tensor frames, never pickle.
 - ``errors``: this layer's errors, and the names by which errors travel back.

@@ -17,7 +17,7 @@ from typing import Any
 import zmq.asyncio
 
 from ..rpc.errors import RemoteError, RpcTimeout
-from ..rpc.transport import RpcClient
+from ..rpc.async_client import RpcClient
 from .errors import WorkerCallTimeout, WorkerDiedError, WorkerError
 from .runtime import calls_address, split_address
 from .wire import from_wire

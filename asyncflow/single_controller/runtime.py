@@ -31,9 +31,9 @@ import zmq
 import zmq.asyncio
 
 from ..platform import Platform
-from ..rpc.transport import EventLoopThread
-from ..rpc.transport import RpcServer
-from ..rpc.transport import BlockingRpcServer
+from ..rpc.async_client import EventLoopThread
+from ..rpc.async_client import RpcServer
+from ..rpc.async_client import BlockingRpcServer
 from .dispatch import get_dispatch_mode, method_spec
 from .layout import GroupLayout
 from .wire import from_wire, to_wire

@@ -12,7 +12,7 @@ import inspect
 import time
 from typing import Any, Protocol
 
-from ..rpc.transport import RpcClient, SpinPolicy
+from ..rpc.async_client import RpcClient, SpinPolicy
 from .dispatch import MethodSpec, get_dispatch_mode, method_spec
 from .layout import GroupLayout
 from .ranks import RankCall, RankEndpoint, spin_calls, wait_calls

@@ -121,7 +121,7 @@ class Controller:
         self.unit_addresses[index] = address
 
     async def rpc_register_unit(self, index: int, address: str) -> dict:
-        from ..rpc.transport import RpcClient  # a unit in another process: reach it over ZMQ
+        from ..rpc.async_client import RpcClient  # a unit in another process: reach it over ZMQ
 
         if index in self.units and self.unit_addresses.get(index) != address:
             raise ValueError(f"storage unit {index} is already registered at {self.unit_addresses[index]}")
@@ -489,7 +489,7 @@ class Controller:
         process or a read fails (the client's own read then reports it). Reads the units
         directly, without suspending (``rows_wire``: the meta's row ids as sent, reused as
         the read's ids when one read takes every row). ``pos`` None: all rows, in order."""
-        from ..rpc.transport import LocalEndpoint
+        from ..rpc.async_client import LocalEndpoint
 
         p = self.partitions.get(meta.partition)
         if p is None:

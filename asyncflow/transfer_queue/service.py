@@ -16,7 +16,7 @@ from typing import Any
 import zmq.asyncio
 
 from ..rpc.alloc import keep_freed_memory
-from ..rpc.transport import EventLoopThread, LocalEndpoint, RpcClient, RpcServer
+from ..rpc.async_client import EventLoopThread, LocalEndpoint, RpcClient, RpcServer
 from .controller import Controller
 from .errors import TransferQueueTimeout
 from .storage import StorageUnit

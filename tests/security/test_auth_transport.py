@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from asyncflow.rpc import auth, codec
 from asyncflow.rpc.errors import RpcTimeout
-from asyncflow.rpc.transport import BlockingRpcClient, BlockingRpcServer, EventLoopThread, RpcClient, RpcServer
+from asyncflow.rpc.async_client import BlockingRpcClient, BlockingRpcServer, EventLoopThread, RpcClient, RpcServer
 
 WAIT_S = 5.0
 

@@ -13,9 +13,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from asyncflow.rpc import auth, codec, transport
+from asyncflow.rpc import async_client as transport, auth, codec
 from asyncflow.rpc.errors import RemoteError
-from asyncflow.rpc.transport import EventLoopThread, RpcClient, RpcServer
+from asyncflow.rpc.async_client import EventLoopThread, RpcClient, RpcServer
 
 WAIT_S = 5.0
 
@@ -240,7 +240,7 @@ def _call_once(service, method: str, **args):
 
 def test_a_handler_may_call_a_local_endpoint_with_a_timeout_in_its_eager_step():
     """LocalEndpoint.call(_timeout=...) works outside a Task (the handler's first step)."""
-    from asyncflow.rpc.transport import LocalEndpoint
+    from asyncflow.rpc.async_client import LocalEndpoint
 
     class Inner:
         async def rpc_twice(self, x: int) -> int:

@@ -9,7 +9,7 @@ import time
 
 import zmq
 
-from asyncflow.rpc.transport import (BlockingRpcServer, RpcClient, SpinPolicy, poll_ready)
+from asyncflow.rpc.async_client import (BlockingRpcServer, RpcClient, SpinPolicy, poll_ready)
 
 SLACK_S = 0.05  # a descheduled thread on a loaded 2-core machine overshoots by a few ms at most
 
