@@ -14,7 +14,7 @@ import torch
 
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
-from ..rpc.async_client import EventLoopThread
+from ..rpc.loop_thread import EventLoopThread
 from .episode import EpisodeContext, EpisodeLimits, Trajectory
 
 EPISODE_OUTPUTS = [*ROLLOUT_OUTPUTS, "loss_mask", "scores", "episode"]

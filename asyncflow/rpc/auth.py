@@ -149,7 +149,7 @@ def key_source() -> str:
 
 
 def _generate_at_import() -> None:
-    """A process with no key makes one as soon as asyncflow's transport is imported and
+    """A process with no key makes one as soon as this module is imported and
     exports it, so children it starts later (spawn, forkserver, subprocess) share it even
     when the parent itself sends nothing first. Not counted as use: set_run_key (rank
     start-up) may still replace it."""

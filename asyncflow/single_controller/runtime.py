@@ -1,12 +1,12 @@
 """The worker side of the control plane: one per rank.
 
-Two servers with one protocol (transport's): calls (create a group, run a method,
+Two servers with one protocol (``asyncflow.rpc``'s): calls (create a group, run a method,
 shut down) arrive at a ``BlockingRpcServer`` served by ``serve()`` on the worker's own
 thread (the main thread on ranks > 0), one at a time and in arrival order. So torch
 compute is plain synchronous code, calls never overlap on a rank, and collectives run
 in the same order on every rank of a group (the driver sends a group call to all its
 ranks back to back). Control messages (heartbeat pings, the TransferQueue address,
-"exit now") go to a ``transport.RpcServer`` on a private event-loop thread, so they are
+"exit now") go to an ``RpcServer`` on a private event-loop thread, so they are
 answered while a method runs; so do the methods a worker registers ``concurrent=True``
 (a service's control calls), each run on a pool thread. A watchdog exits the process when the driver's pings stop
 (or, for LocalWorkers' ranks, when the process that started it is gone).
@@ -31,9 +31,9 @@ import zmq
 import zmq.asyncio
 
 from ..platform import Platform
-from ..rpc.async_client import EventLoopThread
-from ..rpc.async_client import RpcServer
-from ..rpc.async_client import BlockingRpcServer
+from ..rpc.async_server import RpcServer
+from ..rpc.blocking_server import BlockingRpcServer
+from ..rpc.loop_thread import EventLoopThread
 from .dispatch import get_dispatch_mode, method_spec
 from .layout import GroupLayout
 from .wire import from_wire, to_wire

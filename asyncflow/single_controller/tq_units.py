@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import UnitsConfig  # the config tree's transfer_queue section
+from ..rpc.loop_thread import EventLoopThread
 from ..rpc.store_wait import wait_for_value
-from ..rpc.async_client import EventLoopThread
 from ..transfer_queue import locality
 from .errors import LaunchError
 from .rendezvous import KEY_PREFIX

@@ -12,7 +12,8 @@ import inspect
 import time
 from typing import Any, Protocol
 
-from ..rpc.async_client import RpcClient, SpinPolicy
+from ..rpc.async_client import RpcClient
+from ..rpc.spin import SpinPolicy
 from .dispatch import MethodSpec, get_dispatch_mode, method_spec
 from .layout import GroupLayout
 from .ranks import RankCall, RankEndpoint, spin_calls, wait_calls

@@ -489,7 +489,7 @@ class Controller:
         process or a read fails (the client's own read then reports it). Reads the units
         directly, without suspending (``rows_wire``: the meta's row ids as sent, reused as
         the read's ids when one read takes every row). ``pos`` None: all rows, in order."""
-        from ..rpc.async_client import LocalEndpoint
+        from ..rpc.local_endpoint import LocalEndpoint
 
         p = self.partitions.get(meta.partition)
         if p is None:

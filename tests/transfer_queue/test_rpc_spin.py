@@ -9,7 +9,9 @@ import time
 
 import zmq
 
-from asyncflow.rpc.async_client import (BlockingRpcServer, RpcClient, SpinPolicy, poll_ready)
+from asyncflow.rpc.async_client import RpcClient
+from asyncflow.rpc.blocking_server import BlockingRpcServer
+from asyncflow.rpc.spin import SpinPolicy, poll_ready
 
 SLACK_S = 0.05  # a descheduled thread on a loaded 2-core machine overshoots by a few ms at most
 
