@@ -18,8 +18,8 @@ class BlockingRpcClient:
     """The blocking twin of :class:`RpcClient`, for synchronous worker code.
 
     A blocking socket wakes the caller straight from libzmq; an event loop on a helper
-    thread costs a thread hop and a loop wake-up per call (measured: a 5.6 MB put took
-    2.5 ms blocking vs 5 ms through zmq.asyncio). Each calling thread gets its own
+    thread adds a thread hop and a loop wake-up to every call, a large share of a put's
+    time. Each calling thread gets its own
     socket (ZMQ sockets are not thread-safe), so threads never wait for each other.
     ``send``/``recv`` split a call so one thread can have requests to several units in
     flight at once.

@@ -10,18 +10,20 @@ import zmq
 
 # ---- bounded busy-waiting ------------------------------------------------------------------
 # A ZMQ round trip wakes about six threads; where idle CPUs halt at once (e.g. a VM without
-# guest halt-polling), each wake-up from idle costs tens of microseconds. A waiter that
+# guest halt-polling), each wake-up from idle adds a delay comparable to a small call's own
+# round trip. A waiter that
 # expects its message within a few hundred microseconds can instead poll its socket for that
 # long and skip its own sleep and wake-up. Never longer than the budget, and only while
 # recent waits were that short, so a waiter of long calls (training) does not spin at all.
 # Only one side spins (the driver): with a spinner on each end, two busy threads on two
-# cores starved the I/O threads that carry the messages (measured: slower than neither).
+# cores starve the I/O threads that carry the messages, and a call gets slower than with no
+# spinning at all.
 
 def poll_ready(items: list, budget_s: float) -> list:
     """Busy-poll ZMQ sockets: ``zmq_poll`` with a zero timeout, again and again, until one of
     ``items`` (``(socket, zmq.POLLIN)`` pairs) is ready or ``budget_s`` has passed; the
-    ready ``(socket, events)`` pairs, or [] at the budget. Never sleeps; each try (~1.5 us)
-    releases the GIL and yields the CPU to any runnable thread, so other threads of this
+    ready ``(socket, events)`` pairs, or [] at the budget. Never sleeps; each try releases
+    the GIL and yields the CPU to any runnable thread, so other threads of this
     process and of the machine run meanwhile."""
     deadline = time.perf_counter() + budget_s
     while True:
@@ -29,8 +31,8 @@ def poll_ready(items: list, budget_s: float) -> list:
         if ready or time.perf_counter() >= deadline:
             return ready
         # Let a thread waiting for this CPU run first (e.g. an I/O thread carrying the reply,
-        # woken onto this CPU while the other is busy): without this it waited for preemption
-        # and 1-12% of spins ran out at ~360 us; with it 0-0.7% (1 worker, loaded machine).
+        # woken onto this CPU while the other is busy): without this it waits for preemption,
+        # and on a loaded machine many more spins run out their whole budget.
         os.sched_yield()
 
 

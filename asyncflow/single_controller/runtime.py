@@ -99,7 +99,8 @@ class RuntimeConfig:
     # process holds the driver, so its workers go with it even before the first ping.
     parent_pid: int | None = None
     # Also take calls on a Unix socket, which a driver on the same host uses instead of TCP
-    # loopback (measured ~5% off a small call's round trip); other nodes use TCP.
+    # loopback (it skips the TCP stack, so a small call's round trip is shorter); other nodes
+    # use TCP.
     local_ipc: bool = True
     # False: this rank makes no torch.distributed groups (its workers see None for every group
     # and run no collectives), so many ranks can share one process: the simulated ranks of

@@ -35,7 +35,7 @@ def ids_to_wire(ids: Sequence[int]) -> Any:
         return []
     import numpy as np
     import torch
-    return torch.from_numpy(np.array(ids, dtype=np.int64))  # 2-3x faster than torch.as_tensor(list)
+    return torch.from_numpy(np.array(ids, dtype=np.int64))  # numpy converts a list of ints faster than torch
 
 
 def ids_from_wire(x: Any, tensor: bool = False) -> Any:
