@@ -199,7 +199,7 @@ class _TransportStore:
 
 async def _serve_transport(conn) -> None:
     import zmq.asyncio
-    from asyncflow.rpc.transport import RpcServer
+    from asyncflow.rpc.async_server import RpcServer
     server = RpcServer(_TransportStore(), "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), "bench-transport")
     server.start()
     conn.send(server.address)
@@ -209,7 +209,7 @@ async def _serve_transport(conn) -> None:
 
 def _transport_client(address: str):
     import zmq
-    from asyncflow.rpc.transport import BlockingRpcClient
+    from asyncflow.rpc.blocking_client import BlockingRpcClient
     return BlockingRpcClient(address, zmq.Context.instance())
 
 

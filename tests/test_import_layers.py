@@ -179,8 +179,8 @@ def test_the_graph_sees_every_kind_of_import():
     """The parser finds what the checks rely on: module-level, function-level, relative
     and absolute imports, ``from pkg import submodule``, and a package's re-exports."""
     g = _graph()
-    assert "asyncflow.rpc.transport" in g["asyncflow.transfer_queue.client"]  # from ..rpc.transport import
-    assert "asyncflow.rpc.transport" in g["asyncflow.transfer_queue.controller"]  # only inside functions
+    assert "asyncflow.rpc.async_client" in g["asyncflow.transfer_queue.client"]  # from ..rpc.async_client import
+    assert "asyncflow.transfer_queue.service_process" in g["asyncflow.single_controller.tq_units"]  # in a function
     assert "asyncflow.single_controller.launch" in g["asyncflow.single_controller"]  # in __getattr__
     assert "asyncflow.rpc.auth" in g["asyncflow.single_controller.rendezvous"]  # from ..rpc import auth
     assert "asyncflow.rpc" not in g["asyncflow.single_controller.rendezvous"]  # (auth is a submodule)

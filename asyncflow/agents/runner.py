@@ -14,7 +14,7 @@ import torch
 
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
-from ..rpc.transport import EventLoopThread
+from ..rpc.loop_thread import EventLoopThread
 from ..transfer_queue.row_lists import rows, values
 from .episode import EpisodeContext, EpisodeLimits, Trajectory
 

@@ -5,10 +5,10 @@ Python's garbage collector.
 A storage unit holds every received ZMQ frame until its rows are cleared, then frees a
 whole partition at once. glibc then returns that memory to the OS (it trims a heap whose
 free top exceeds its trim threshold, and unmaps chunks above its mmap threshold), so the
-next messages libzmq's I/O thread receives fault in fresh pages, one kernel fault per 4 KiB:
-measured, ~3.5x the page faults of a store that frees each payload at once, and a third
-of the storage process's system time. Raising both thresholds keeps up to ``trim_bytes``
-of freed memory per heap for the next messages.
+next messages libzmq's I/O thread receives fault in fresh pages, one kernel fault per 4 KiB,
+far more faults than a store that frees each payload at once, paid in the storage process's
+system time. Raising both thresholds keeps up to ``trim_bytes`` of freed memory per heap for
+the next messages.
 
 Process-wide (``mallopt``), so it is for a process that mostly stores: a storage unit's
 own process (``unit_process``) and the TransferQueue service's (``service_process``) do it
@@ -60,8 +60,9 @@ def keep_freed_memory(trim_bytes: int = DEFAULT_TRIM_BYTES) -> bool:
 def freeze_gc_heap() -> None:
     """Move every object alive now (modules, classes, torch's operator tables: hundreds of
     thousands after ``import torch``) out of the cyclic collector's reach. A full collection
-    walks every tracked object; in a storage process one came every ~16 batches and took
-    ~7 ms, ~0.4 ms per 5.6 MB batch on average (perf/bench_transfer_queue.py). Call it once,
+    walks every tracked object, and a storage process, which makes many short-lived objects
+    per batch, runs one every few batches: without the freeze each walks that whole heap again
+    (perf/bench_transfer_queue.py shows it in the storage process's CPU per batch). Call it once,
     after the imports and before the serving loop: objects frozen are never collected, so
     garbage made before the call and freed only by the collector stays (a one-off)."""
     gc.collect()

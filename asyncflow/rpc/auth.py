@@ -13,13 +13,13 @@ What the MAC covers, and why not always every byte: the header carries the metho
 arguments, the schema of every tensor frame and every JSON value (the only things ever
 turned into Python objects), and all frames up to ``SMALL_FRAME`` bytes are covered too
 (row ids of a BatchMeta, scalars). Large raw tensor frames (sample data) are by default
-covered by count and length only: hashing them (~0.6 ms per MB, on each side of each
-hop) made a TransferQueue round trip 2.8x slower and its streaming throughput a third
-(perf/RESULTS.md), while the default costs ~90 us per 5.6 MB put. A sender
-without the key cannot make a valid tag at all, and ZMQ delivers a multipart message
-whole from one connection, so nobody can splice frames into another peer's message; only
-an attacker on the wire path could swap those bytes, and such an attacker already reads
-everything (there is no encryption). ``ASYNCFLOW_MAC_ALL_FRAMES=1`` (or
+covered by count and length only: hashing every data byte, on each side of each hop,
+costs time in proportion to the data and dominates a TransferQueue round trip, while the
+default coverage is a small part of a put's cost (see perf/RESULTS.md, section "Message
+authentication"). A sender without the key cannot make a valid tag at all, and ZMQ
+delivers a multipart message whole from one connection, so nobody can splice frames into
+another peer's message; only an attacker on the wire path could swap those bytes, and
+such an attacker already reads everything (there is no encryption). ``ASYNCFLOW_MAC_ALL_FRAMES=1`` (or
 ``set_cover_all(True)``) covers every byte and makes receivers insist on it.
 
 Replays: the nonce is (sender id, counter); sender ids are random per socket, so a
@@ -51,7 +51,7 @@ KEY_BYTES = 32
 ENV_VAR = "ASYNCFLOW_RUN_KEY"  # hex; fallback for processes started outside torchrun's store
 COVER_ALL_ENV = "ASYNCFLOW_MAC_ALL_FRAMES"
 STORE_KEY = "asyncflow/run_key"
-SMALL_FRAME = 64 * 1024  # data frames up to this size are always covered (cheap: < 40 us)
+SMALL_FRAME = 64 * 1024  # data frames up to this size are always covered: ids and scalars, cheap to hash
 
 VERSION = 1
 REQUEST, REPLY = b"Q", b"R"
@@ -149,7 +149,7 @@ def key_source() -> str:
 
 
 def _generate_at_import() -> None:
-    """A process with no key makes one as soon as asyncflow's transport is imported and
+    """A process with no key makes one as soon as this module is imported and
     exports it, so children it starts later (spawn, forkserver, subprocess) share it even
     when the parent itself sends nothing first. Not counted as use: set_run_key (rank
     start-up) may still replace it."""
@@ -171,14 +171,14 @@ def cover_all() -> bool:
 
 # ---- tags -----------------------------------------------------------------------------
 # The tag rides in front of the header frame, not in a frame of its own: one more frame
-# costs ~6 us per round trip here, more than the MAC itself.
+# costs more per round trip than the MAC itself.
 #
 # The MAC: the sender picks it by the bytes it covers, and says which in the flags (inside
 # the MAC, so it cannot be switched on the way). Keyed BLAKE2b for a message that covers
-# little (header and a few small frames: measured here 0.4 us per small message vs 1.2 us
-# for HMAC-SHA256); HMAC-SHA256 from SHA_FROM_BYTES covered, and always when every byte is
-# covered: with SHA-NI it hashes at 1.6-1.7 GB/s vs 0.9 GB/s for BLAKE2b (a TQ payload's
-# ~48 KB of small frames: 30 us vs 53 us, on each side of each hop).
+# little (header and a few small frames), where its lower cost per message counts;
+# HMAC-SHA256 from SHA_FROM_BYTES covered, and always when every byte is covered, where its
+# higher throughput on CPUs with SHA extensions counts (a TQ payload's small frames already
+# hash faster with it). Figures: perf/RESULTS.md, section "Message authentication".
 
 _FLAG_SHA = 2  # HMAC-SHA256 (implied by _FLAG_ALL); else keyed BLAKE2b
 SHA_FROM_BYTES = 4096

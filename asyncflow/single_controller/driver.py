@@ -39,7 +39,7 @@ class DriverConfig:
     heartbeat_misses: int = 2  # dead after this many missed pings in a row (~5 s by default)
     attach_timeout_s: float = 60.0  # every worker must answer a first ping within this
     # After sending a group call, poll for the replies up to this long before sleeping in the
-    # event loop, while that method's last call came back within it (transport.SpinPolicy).
+    # event loop, while that method's last call came back within it (rpc.spin.SpinPolicy).
     # Saves a wake-up per call on idle vCPUs; 0 turns it off.
     spin_us: float = 200.0
 

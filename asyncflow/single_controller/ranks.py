@@ -1,6 +1,6 @@
 """The driver's connection to one worker rank, and its calls in flight.
 
-Each rank is reached through a ``transport.RpcClient`` (calls multiplexed on one DEALER
+Each rank is reached through an ``RpcClient`` (calls multiplexed on one DEALER
 socket) plus a second client used only for heartbeats, so a ping never queues behind a
 large message. ``RankEndpoint.start`` sends one call and returns its ``RankCall``;
 ``spin_calls`` and ``wait_calls`` wait for a group of them (``worker_group``). The
@@ -16,8 +16,8 @@ from typing import Any
 
 import zmq.asyncio
 
+from ..rpc.async_client import RpcClient
 from ..rpc.errors import RemoteError, RpcTimeout
-from ..rpc.transport import RpcClient
 from .errors import WorkerCallTimeout, WorkerDiedError, WorkerError
 from .runtime import calls_address, split_address
 from .wire import from_wire

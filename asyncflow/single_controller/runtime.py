@@ -1,12 +1,12 @@
 """The worker side of the control plane: one per rank.
 
-Two servers with one protocol (transport's): calls (create a group, run a method,
+Two servers with one protocol (``asyncflow.rpc``'s): calls (create a group, run a method,
 shut down) arrive at a ``BlockingRpcServer`` served by ``serve()`` on the worker's own
 thread (the main thread on ranks > 0), one at a time and in arrival order. So torch
 compute is plain synchronous code, calls never overlap on a rank, and collectives run
 in the same order on every rank of a group (the driver sends a group call to all its
 ranks back to back). Control messages (heartbeat pings, the TransferQueue address,
-"exit now") go to a ``transport.RpcServer`` on a private event-loop thread, so they are
+"exit now") go to an ``RpcServer`` on a private event-loop thread, so they are
 answered while a method runs; so do the methods a worker registers ``concurrent=True``
 (a service's control calls), each run on a pool thread. A watchdog exits the process when the driver's pings stop
 (or, for LocalWorkers' ranks, when the process that started it is gone).
@@ -31,9 +31,9 @@ import zmq
 import zmq.asyncio
 
 from ..platform import Platform
-from ..rpc.transport import EventLoopThread
-from ..rpc.transport import RpcServer
-from ..rpc.transport import BlockingRpcServer
+from ..rpc.async_server import RpcServer
+from ..rpc.blocking_server import BlockingRpcServer
+from ..rpc.loop_thread import EventLoopThread
 from .dispatch import get_dispatch_mode, method_spec
 from .layout import GroupLayout
 from .wire import from_wire, to_wire
@@ -99,7 +99,8 @@ class RuntimeConfig:
     # process holds the driver, so its workers go with it even before the first ping.
     parent_pid: int | None = None
     # Also take calls on a Unix socket, which a driver on the same host uses instead of TCP
-    # loopback (measured ~5% off a small call's round trip); other nodes use TCP.
+    # loopback (it skips the TCP stack, so a small call's round trip is shorter); other nodes
+    # use TCP.
     local_ipc: bool = True
     # False: this rank makes no torch.distributed groups (its workers see None for every group
     # and run no collectives), so many ranks can share one process: the simulated ranks of

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import UnitsConfig  # the config tree's transfer_queue section
+from ..rpc.loop_thread import EventLoopThread
 from ..rpc.store_wait import wait_for_value
-from ..rpc.transport import EventLoopThread
 from ..transfer_queue import locality
 from .errors import LaunchError
 from .rendezvous import KEY_PREFIX
@@ -172,7 +172,7 @@ def nodes_of_ranks(store: Any, world_size: int) -> list[int]:
 
 async def wait_for_node_units(controller_address: str, nodes: list[int], timeout_s: float) -> None:
     """Until every node's unit is registered with the controller; names the missing ones."""
-    from ..rpc.transport import RpcClient
+    from ..rpc.async_client import RpcClient
     import zmq.asyncio
 
     want = sorted(set(nodes))

@@ -12,7 +12,8 @@ import inspect
 import time
 from typing import Any, Protocol
 
-from ..rpc.transport import RpcClient, SpinPolicy
+from ..rpc.async_client import RpcClient
+from ..rpc.spin import SpinPolicy
 from .dispatch import MethodSpec, get_dispatch_mode, method_spec
 from .layout import GroupLayout
 from .ranks import RankCall, RankEndpoint, spin_calls, wait_calls
@@ -37,8 +38,8 @@ class WorkerGroup:
         self.methods: dict[str, MethodSpec] = {}
         self._spin: dict[str, SpinPolicy] = {}  # per method: its calls are short or long
         # No spinning for a group with a rank served on a thread of this process: the spinner
-        # and that thread then pass the GIL back and forth, each pass a wake-up (measured:
-        # p99 of a rank-0 echo under the launcher 159 -> 350-426 us with spinning).
+        # and that thread then pass the GIL back and forth, each pass a wake-up, which makes
+        # that rank's calls slower, not faster.
         shares_gil = any(driver.ranks[r].in_process for r in layout.ranks)
         self._spin_s = 0.0 if shares_gil else driver.config.spin_us * 1e-6
         for name, fn in inspect.getmembers(cls, inspect.isfunction):

@@ -141,8 +141,8 @@ def karmarkar_karp(
             while that lowers the heaviest part.  Needed because equal-size KK
             gives each part exactly one row from each group of ``k`` rows of
             adjacent length, so it cannot pair one huge outlier with many short
-            rows; on long-tailed batches the refinement takes the worst case
-            from ~1.2-1.5x imbalance to ~1.0.  Set False for plain KK.
+            rows; on long-tailed batches the refinement brings the heaviest part
+            close to the mean.  Set False for plain KK.
 
     Returns:
         ``k`` lists of indexes into ``lengths``, each sorted ascending; every

@@ -25,7 +25,8 @@ from .errors import BadPutError, TransferQueueError, TransferQueueTimeout
 from .locality import local_node, local_unit
 from .meta import BatchMeta, ReadRequest as _Request, ids_from_wire, ids_to_wire, plan_reads as _plan_get
 from .meta import positions_by_unit as _positions_by_unit
-from ..rpc.transport import BlockingRpcClient, RpcClient
+from ..rpc.async_client import RpcClient
+from ..rpc.blocking_client import BlockingRpcClient
 
 # Added to a server-side wait so the reply (or its error) can arrive before the client gives up.
 _REPLY_MARGIN_S = 10.0

@@ -18,6 +18,10 @@ from itertools import repeat
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+import zmq.asyncio
+
+from ..rpc.async_client import RpcClient
+from ..rpc.local_endpoint import LocalEndpoint
 from .columns import FieldSchema
 from .errors import (BadPutError, RowsClearedError, SchemaMismatchError, TransferQueueTimeout,
                      UnknownPartitionError, UnknownTaskError)
@@ -121,16 +125,13 @@ class Controller:
         self.unit_addresses[index] = address
 
     async def rpc_register_unit(self, index: int, address: str) -> dict:
-        from ..rpc.transport import RpcClient  # a unit in another process: reach it over ZMQ
-
         if index in self.units and self.unit_addresses.get(index) != address:
             raise ValueError(f"storage unit {index} is already registered at {self.unit_addresses[index]}")
-        if index not in self.units:
+        if index not in self.units:  # a unit in another process: reach it over ZMQ
             self.attach_unit(index, RpcClient(address, self._zmq_ctx(), timeout_error=TransferQueueTimeout), address)
         return await self.rpc_info()
 
     def _zmq_ctx(self):
-        import zmq.asyncio
         return zmq.asyncio.Context.instance()
 
     async def _unit_call(self, index: int, method: str, **args: Any) -> Any:
@@ -489,8 +490,6 @@ class Controller:
         process or a read fails (the client's own read then reports it). Reads the units
         directly, without suspending (``rows_wire``: the meta's row ids as sent, reused as
         the read's ids when one read takes every row). ``pos`` None: all rows, in order."""
-        from ..rpc.transport import LocalEndpoint
-
         p = self.partitions.get(meta.partition)
         if p is None:
             return None

@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+import numpy as np
+import torch
+
 # A row's global index holds the storage unit that stores it in its high bits, so a
 # client routes a read without asking the controller.
 UNIT_SHIFT = 40
@@ -33,9 +36,7 @@ def ids_to_wire(ids: Sequence[int]) -> Any:
     """Lists of ints travel as one int64 tensor frame: far cheaper than JSON numbers."""
     if not len(ids):
         return []
-    import numpy as np
-    import torch
-    return torch.from_numpy(np.array(ids, dtype=np.int64))  # 2-3x faster than torch.as_tensor(list)
+    return torch.from_numpy(np.array(ids, dtype=np.int64))  # numpy converts a list of ints faster than torch
 
 
 def ids_from_wire(x: Any, tensor: bool = False) -> Any:

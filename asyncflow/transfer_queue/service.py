@@ -16,7 +16,10 @@ from typing import Any
 import zmq.asyncio
 
 from ..rpc.alloc import keep_freed_memory
-from ..rpc.transport import EventLoopThread, LocalEndpoint, RpcClient, RpcServer
+from ..rpc.async_client import RpcClient
+from ..rpc.async_server import RpcServer
+from ..rpc.local_endpoint import LocalEndpoint
+from ..rpc.loop_thread import EventLoopThread
 from .controller import Controller
 from .errors import TransferQueueTimeout
 from .storage import StorageUnit

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 from ..rpc import auth
 from .errors import TransferQueueError
 from .service import TransferQueueConfig, TransferQueueService
+from .unit_process import prepare_unit_process
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +166,6 @@ async def _serve(config: TransferQueueConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .unit_process import prepare_unit_process
-
     p = argparse.ArgumentParser(description="Run the TransferQueue controller and its local storage units "
                                             "until stdin closes (started by a launched job's driver rank).")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind")

@@ -18,6 +18,9 @@ import argparse
 import asyncio
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+
 from ..rpc import auth
 from ..rpc.alloc import freeze_gc_heap, keep_freed_memory
 from .service import serve_storage_unit
@@ -25,8 +28,6 @@ from .service import serve_storage_unit
 
 def key_from_store(address: str, timeout_s: float) -> bytes:
     """The run key under ``auth.STORE_KEY`` in the TCPStore at ``HOST:PORT``."""
-    import torch.distributed as dist
-
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise SystemExit(f"--store {address!r}: expected HOST:PORT of torchrun's store (MASTER_ADDR:MASTER_PORT)")
@@ -46,8 +47,6 @@ def prepare_unit_process() -> None:
     imports out of every garbage collection (alloc.py), and runs tensor ops on one thread: its
     ops are small copies and gathers, where intra-op threads only add wake-ups (and spin on the
     cores of the workers beside it)."""
-    import torch
-
     keep_freed_memory()
     freeze_gc_heap()
     torch.set_num_threads(1)

@@ -24,7 +24,7 @@ def stranger_main(workers: list[str], controller: str, unit: str, out) -> None:
     protocol). Reports how many replies came back (none should)."""
     from asyncflow.rpc import auth, codec
     from asyncflow.rpc.errors import RpcTimeout
-    from asyncflow.rpc.transport import RpcClient
+    from asyncflow.rpc.async_client import RpcClient
 
     os.environ.pop(auth.ENV_VAR, None)  # a stranger: it never saw the run's key
     auth.set_run_key(auth.generate_key(), export_env=False)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from asyncflow.rpc.transport import EventLoopThread
+from asyncflow.rpc.loop_thread import EventLoopThread
 from asyncflow.single_controller import Driver, DriverConfig, PlacementConfig, RunConfig, RuntimeConfig
 from asyncflow.transfer_queue import AsyncTransferQueueClient, TransferQueueService
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from asyncflow.rpc.transport import EventLoopThread
+from asyncflow.rpc.loop_thread import EventLoopThread
 from asyncflow.single_controller import Driver, RunConfig, RuntimeConfig, WorkerError
 from asyncflow.single_controller.local import LocalWorkers
 

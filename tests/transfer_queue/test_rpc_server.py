@@ -13,9 +13,11 @@ import torch
 import zmq
 import zmq.asyncio
 
-from asyncflow.rpc import auth, codec, transport
+from asyncflow.rpc import auth, codec, server_base
 from asyncflow.rpc.errors import RemoteError
-from asyncflow.rpc.transport import EventLoopThread, RpcClient, RpcServer
+from asyncflow.rpc.async_client import RpcClient
+from asyncflow.rpc.async_server import RpcServer
+from asyncflow.rpc.loop_thread import EventLoopThread
 
 WAIT_S = 5.0
 
@@ -55,7 +57,7 @@ class Service:
 def served(monkeypatch):
     loop = EventLoopThread("rpc-server-test")
     svc = Service()
-    bind = transport._bind
+    bind = server_base._bind
 
     def small_pipes(sock: zmq.Socket, address: str) -> str:
         # Before bind: a listener gives accepted connections the options it had when bound.
@@ -63,7 +65,7 @@ def served(monkeypatch):
         sock.setsockopt(zmq.SNDHWM, 1)
         sock.setsockopt(zmq.SNDBUF, 1 << 16)
         return bind(sock, address)
-    monkeypatch.setattr(transport, "_bind", small_pipes)
+    monkeypatch.setattr(server_base, "_bind", small_pipes)
 
     async def start() -> RpcServer:
         s = RpcServer(svc, "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), "rpc-test")
@@ -237,7 +239,7 @@ def _call_once(service, method: str, **args):
 
 def test_a_handler_may_call_a_local_endpoint_with_a_timeout_in_its_eager_step():
     """LocalEndpoint.call(_timeout=...) works outside a Task (the handler's first step)."""
-    from asyncflow.rpc.transport import LocalEndpoint
+    from asyncflow.rpc.local_endpoint import LocalEndpoint
 
     class Inner:
         async def rpc_twice(self, x: int) -> int:

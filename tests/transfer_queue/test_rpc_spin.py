@@ -1,4 +1,4 @@
-"""Bounded busy-waiting for replies (transport.poll_ready, SpinPolicy, RpcClient.spin):
+"""Bounded busy-waiting for replies (spin.poll_ready, SpinPolicy, RpcClient.spin):
 the spin never runs past its budget, returns as soon as a reply is there, and a reply that
 comes later still reaches its call through the event loop.
 
@@ -14,8 +14,11 @@ import types
 import pytest
 import zmq
 
-from asyncflow.rpc import transport
-from asyncflow.rpc.transport import (BlockingRpcServer, RpcClient, SpinPolicy, poll_ready)
+from asyncflow.rpc import spin
+from asyncflow.rpc.async_client import RpcClient
+from asyncflow.rpc.blocking_server import BlockingRpcServer
+from asyncflow.rpc.errors import RpcTimeout
+from asyncflow.rpc.spin import SpinPolicy, poll_ready
 
 HOLD_S = 10  # a held reply is released by the test; this only bounds a broken test's hang
 
@@ -90,7 +93,7 @@ def test_poll_ready_never_exceeds_its_budget(monkeypatch, budget_steps):
     """Nothing arrives: poll_ready returns [] at the first clock read at or past its
     deadline (one read sets the deadline, then one read per try)."""
     clock = StepClock(1e-3)
-    monkeypatch.setattr(transport, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(spin, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     try:
@@ -107,7 +110,7 @@ def test_poll_ready_never_exceeds_its_budget(monkeypatch, budget_steps):
 
 def test_poll_ready_returns_a_waiting_message_before_its_budget(monkeypatch):
     clock = StepClock(1e-3)
-    monkeypatch.setattr(transport, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(spin, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     try:
@@ -157,7 +160,7 @@ def test_spin_takes_the_reply_or_falls_back_to_the_loop():
             service.gate(3)
             rid, fut = client.start("held", RpcClient.encode_args({"x": 3}), 0.1)
             assert not RpcClient.spin([client], fut.done, 1e-3)
-            with pytest.raises(transport.RpcTimeout, match="held"):
+            with pytest.raises(RpcTimeout, match="held"):
                 await asyncio.wait_for(fut, 5)
             assert not service.released[3].is_set()  # it timed out before any reply existed
             service.released[3].set()  # the held call ends; its late reply is dropped

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from asyncflow.rpc.transport import LocalEndpoint
+from asyncflow.rpc.local_endpoint import LocalEndpoint
 from asyncflow.transfer_queue.columns import column_from_wire, column_to_wire, to_column
 from asyncflow.transfer_queue.controller import Controller
 from asyncflow.transfer_queue.errors import BadPutError, MissingColumnError, RowsClearedError

@@ -146,7 +146,7 @@ def _without_suspending(coro):
 
 def test_put_and_get_batch_with_rows_ready_never_suspend():
     from asyncflow.rpc.codec import decode, encode
-    from asyncflow.rpc.transport import LocalEndpoint
+    from asyncflow.rpc.local_endpoint import LocalEndpoint
     from asyncflow.transfer_queue.client import _batch_reply, _plan_put
     from asyncflow.transfer_queue.controller import Controller
     from asyncflow.transfer_queue.storage import StorageUnit
