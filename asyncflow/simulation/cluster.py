@@ -44,8 +44,13 @@ class ClusterConfig:
     scale: float = 0.5  # wall seconds per simulated second of device work
     prompts_per_step: int = 4
     group_size: int = 8
-    steps: int = 4
-    warm_steps: int = 1  # steps left out of the throughput window
+    # The throughput window: ``warm_steps`` first, then ``measured_steps``, then ``tail_steps``
+    # that keep the pipeline as full when the window closes as it was when it opened (async
+    # generates up to ``max_staleness`` steps ahead; without a tail its last steps would have
+    # nothing to generate, and the rows generated before the window opened would count in it).
+    warm_steps: int = 2
+    measured_steps: int = 3
+    tail_steps: int | None = None  # None: max_staleness in async mode, 0 otherwise
     rollout_share: float = 0.5  # disaggregated: the devices that generate
     max_staleness: int = 1
     prompt_tokens: tuple[int, int] = (128, 512)  # uniform per prompt
@@ -57,6 +62,7 @@ class ClusterConfig:
     rollout_call_groups: int = 1  # groups per rollout submit
     ranks_per_reward: int = 8  # one CPU reward worker per this many rollout ranks (a node's)
     hosts: int = 2  # processes hosting the simulated ranks (each with a storage unit)
+    fan_out_interval_s: float = 1.0  # how often the fan-out probe calls every training rank
     seed: int = 0
     timeout_s: float = 600.0
 
@@ -69,8 +75,23 @@ class ClusterConfig:
             raise ValueError("the centralized (driver) data path is the verl-style baseline: mode sync only")
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; known: {sorted(MODELS)}")
-        if self.steps <= self.warm_steps:
-            raise ValueError(f"steps ({self.steps}) must exceed warm_steps ({self.warm_steps})")
+        if self.warm_steps < 1 or self.measured_steps < 1 or (self.tail_steps or 0) < 0:
+            raise ValueError(f"the window needs warm_steps >= 1 and measured_steps >= 1 (and tail_steps >= 0), "
+                             f"got {self.warm_steps}, {self.measured_steps}, {self.tail_steps}")
+
+    @property
+    def tail(self) -> int:
+        if self.tail_steps is not None:
+            return self.tail_steps
+        return self.max_staleness if self.mode == "async" else 0
+
+    @property
+    def steps(self) -> int:
+        """Steps run in all: warm-up, window, tail."""
+        return self.warm_steps + self.measured_steps + self.tail
+
+    def in_window(self, step: int) -> bool:
+        return self.warm_steps <= step < self.warm_steps + self.measured_steps
 
     @property
     def colocated(self) -> bool:
@@ -125,7 +146,8 @@ class _Records:
 
 @dataclass
 class _Window:
-    """The measured part of a run: from the end of the warm-up steps to the end of the last."""
+    """The measured part of a run: from the end of the warm-up steps to the end of the last measured
+    step (the tail steps run after it, so the window closes on a pipeline in its steady state)."""
     wall: float = 0.0
     controller_cpu: float = 0.0
     driver_cpu: float = 0.0
@@ -148,7 +170,7 @@ class _Recorder(StepObserver):
         if report.step == cfg.warm_steps - 1:
             self.run.begin = await self.run.mark()
             self.run.measuring(True)
-        if report.step == cfg.steps - 1:
+        if report.step == cfg.warm_steps + cfg.measured_steps - 1:
             self.run.end = await self.run.mark()
             self.run.measuring(False)
 
@@ -205,8 +227,8 @@ def simulate(cfg: ClusterConfig) -> dict:
 
 
 async def _drive(cfg: ClusterConfig, lay: Layout, run: _Run, controller: str) -> dict:
-    spec = SimSpec(cfg.model, cfg.scale, lay.train_devices, cfg.max_running_rows, cfg.colocated,
-                   cfg.data_path == "driver").to_dict()
+    spec = SimSpec(cfg.model, cfg.scale, lay.train_devices, len(lay.instances), cfg.seed, cfg.max_running_rows,
+                   cfg.colocated, cfg.data_path == "driver").to_dict()
     g = cfg.group_size
     map_rows = max(g, -(-cfg.rows_per_device_call * lay.train_devices // g) * g)
     recipe = build(RecipeSizes(g, cfg.rollout_call_groups * g, map_rows))
@@ -251,7 +273,7 @@ async def _workflow(cfg: ClusterConfig, lay: Layout, run: _Run, driver: Driver, 
     recorder = _Recorder(run)
     executor = Executor(ecfg, recipe.stages, groups, instances, run.tq, source, observers=[recorder],
                         policy="actor")
-    run.fan_out = probes.FanOutProbe(actor)
+    run.fan_out = probes.FanOutProbe(actor, cfg.fan_out_interval_s)
     run.fan_out.start()
     t0 = time.monotonic()
     try:
@@ -286,9 +308,9 @@ def _result(cfg: ClusterConfig, lay: Layout, run: _Run, rec: _Recorder, wall: fl
     b, e = run.begin, run.end
     span = e.wall - b.wall
     sim_s = span / cfg.scale
-    measured = [r for r in rec.reports if cfg.warm_steps <= r.step < cfg.steps]
+    measured = [r for r in rec.reports if cfg.in_window(r.step)]
     rows = sum(r.rows for r in measured)
-    steps = cfg.steps - cfg.warm_steps
+    steps = cfg.measured_steps
     tokens_per_row = _mean_tokens(cfg)
     busy, total = e.machine[0] - b.machine[0], e.machine[1] - b.machine[1]
     return {
