@@ -87,7 +87,9 @@ class SimRequestEngine(RequestEngine):
         return False
 
     def has_work(self) -> bool:
-        return bool(self.running or self.joining) or (self._admit and any(r.min_version <= self.version for r in self.waiting))
+        if self.running or self.joining:
+            return True
+        return self._admit and any(r.min_version <= self.version for r in self.waiting)
 
     def admit(self, on: bool) -> None:
         self._admit = on
