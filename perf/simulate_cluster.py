@@ -13,8 +13,9 @@ Runs (1x = ``--base-devices``, weak scaling: rows per step grow with the devices
   device); ``stream`` and ``async``: disaggregated (half the devices generate), streaming,
   async with staleness 1;
 - the ablation at the top scale: sync with data through the driver (a centralized,
-  DataProto-like baseline, same simulated costs) -> sync through the TransferQueue ->
-  stream -> async;
+  DataProto-like baseline, same simulated costs; once with each call's input columns, once
+  with every column the rows have, as a DataProto trainer sends the whole batch) -> sync
+  through the TransferQueue -> stream -> async;
 - every run measures a steady-state window: ``--warm-steps`` (at least 2) left out, then
   ``--measured-steps`` (at least 3), then, in async, ``max_staleness`` tail steps so that the
   pipeline is as full when the window closes as when it opened (cluster.ClusterConfig);
@@ -150,6 +151,8 @@ def main() -> None:
         top_sync = weak(sync_cfg, [sizes[-1]], args.base_devices, args.rows_per_device)[0]
         top_stream = weak(stream_cfg, [sizes[-1]], args.base_devices, args.rows_per_device)[0]
         m["sync_driver"] = [_run(replace(top_sync, data_path="driver"), f"sync, data via driver {top}", log)]
+        m["sync_driver_all"] = [_run(replace(top_sync, data_path="driver", driver_carries="all"),
+                                     f"sync, driver carries all {top}", log)]
         m["stream"] = [_run(top_stream, f"stream {top}", log)]
         if not args.quick:
             fixed = top_sync.prompts_per_step
@@ -167,9 +170,11 @@ def main() -> None:
         def strong(series: str) -> float:
             s = m.get(series)
             return s[-1]["samples_per_s"] / (k * s[0]["samples_per_s"]) if s else float("nan")
-        a_top, s_top, d_top = m["async"][-1], m["sync"][-1], m["sync_driver"][0]
+        a_top, s_top, d_top, dall_top = m["async"][-1], m["sync"][-1], m["sync_driver"][0], m["sync_driver_all"][0]
         streamed = m.get("stream", [])
-        ablation = {"baseline_sync_driver": 1.0, "sync_transfer_queue": s_top["samples_per_s"] / d_top["samples_per_s"],
+        ablation = {"baseline_sync_driver": 1.0,
+                    "sync_driver_carries_all": dall_top["samples_per_s"] / d_top["samples_per_s"],
+                    "sync_transfer_queue": s_top["samples_per_s"] / d_top["samples_per_s"],
                     **({"stream_transfer_queue": streamed[0]["samples_per_s"] / d_top["samples_per_s"]}
                        if streamed else {}),
                     "async_transfer_queue": a_top["samples_per_s"] / d_top["samples_per_s"]}
@@ -179,6 +184,7 @@ def main() -> None:
             "ratio_async_vs_sync_at_max": a_top["samples_per_s"] / s_top["samples_per_s"],
             "ratio_tq_vs_driver_at_max": s_top["samples_per_s"] / d_top["samples_per_s"],
             "ratio_stream_vs_driver_at_max": streamed[0]["samples_per_s"] / d_top["samples_per_s"],
+            "ratio_tq_vs_driver_all_at_max": s_top["samples_per_s"] / dall_top["samples_per_s"],
             "ablation_at_max": ablation,
             "controller_busy_at_max": max(r["controller_busy"] for r in (a_top, s_top, *streamed)),
             "get_meta_p99_us_at_max": a_top["get_meta"]["p99_us"],
@@ -191,7 +197,7 @@ def main() -> None:
         }
         tables.append(f"## {model} (SIMULATED devices; scale {args.scale} wall s per simulated s)")
         tables.append(table(m["async"] + m["sync"], "weak scaling"))
-        tables.append(table([d_top, s_top, *streamed, a_top], f"ablation at {top} devices"))
+        tables.append(table([d_top, dall_top, s_top, *streamed, a_top], f"ablation at {top} devices"))
         tables.append("ablation, throughput relative to the baseline: " +
                       ", ".join(f"{k} {v:.2f}x" for k, v in ablation.items()))
         if not args.quick:
@@ -205,6 +211,7 @@ def main() -> None:
         "ratio_async_vs_sync_at_max": round(first["ratio_async_vs_sync_at_max"], 3),
         "ratio_tq_vs_driver_at_max": round(first["ratio_tq_vs_driver_at_max"], 3),
         "ratio_stream_vs_driver_at_max": round(first["ratio_stream_vs_driver_at_max"], 3),
+        "ratio_tq_vs_driver_all_at_max": round(first["ratio_tq_vs_driver_all_at_max"], 3),
         "controller_busy_at_max": round(first["controller_busy_at_max"], 4),
         "get_meta_p99_us_at_max": round(first["get_meta_p99_us_at_max"], 1),
         "simulated_devices_max": top, "model": models[0], "scale": args.scale, "simulated": True,

@@ -25,14 +25,15 @@ from ..workflow.executor import Executor, ExecutorConfig, StepObserver, StepRepo
 from ..workflow.source import PromptSource, longtail_budgets, row_seed
 from . import probes
 from .costs import MODELS
-from .driver_data import DriverDataGroup
+from .driver_data import DriverDataGroup, columns_before
 from .hosts import SimHosts
-from .recipe import RecipeSizes, build
+from .recipe import SOURCE_COLUMNS, RecipeSizes, build
 from .spec import SimSpec
 
 log = logging.getLogger(__name__)
 MODES = ("sync", "stream", "async")
 DATA_PATHS = ("tq", "driver")
+DRIVER_CARRIES = ("inputs", "all")
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ClusterConfig:
     devices: int = 16
     mode: str = "async"  # sync (colocated, verl-style) | stream | async (disaggregated)
     data_path: str = "tq"  # tq | driver (the centralized baseline)
+    driver_carries: str = "inputs"  # driver path: each call's inputs | every column the rows have (DataProto)
     model: str = "qwen2.5-7b"
     scale: float = 0.5  # wall seconds per simulated second of device work
     prompts_per_step: int = 4
@@ -71,6 +73,8 @@ class ClusterConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.data_path not in DATA_PATHS:
             raise ValueError(f"data_path must be one of {DATA_PATHS}, got {self.data_path!r}")
+        if self.driver_carries not in DRIVER_CARRIES:
+            raise ValueError(f"driver_carries must be one of {DRIVER_CARRIES}, got {self.driver_carries!r}")
         if self.data_path == "driver" and self.mode != "sync":
             raise ValueError("the centralized (driver) data path is the verl-style baseline: mode sync only")
         if self.model not in MODELS:
@@ -262,8 +266,9 @@ async def _workflow(cfg: ClusterConfig, lay: Layout, run: _Run, driver: Driver, 
                          *(i.init_weight_sync(actor.ranks[0]) for i in instances))
     start_s = time.monotonic() - started
     if cfg.data_path == "driver":
-        groups = {k: DriverDataGroup(v, run.tq) for k, v in groups.items()}
-        instances = [DriverDataGroup(i, run.tq) for i in instances]
+        carried = columns_before(recipe.stages, SOURCE_COLUMNS) if cfg.driver_carries == "all" else None
+        groups = {k: DriverDataGroup(v, run.tq, carried) for k, v in groups.items()}
+        instances = [DriverDataGroup(i, run.tq, carried) for i in instances]
     source = PromptSource(_Records(*cfg.prompt_tokens, cfg.seed), g := cfg.group_size, cfg.seed,
                           budget_fn=longtail_budgets(cfg.seed, cfg.max_response_tokens, cfg.response_median_frac,
                                                      cfg.response_sigma))

@@ -12,6 +12,8 @@ from asyncflow.engines.rollout.base import GenerationRequest
 from asyncflow.simulation.clock import SimClock
 from asyncflow.simulation.cluster import ClusterConfig, _Recorder
 from asyncflow.simulation.costs import CostModel
+from asyncflow.simulation.driver_data import columns_before
+from asyncflow.simulation.recipe import SOURCE_COLUMNS, RecipeSizes, build
 from asyncflow.simulation.engine import SimRequestEngine
 from asyncflow.simulation.stragglers import slowdowns, slowest
 from asyncflow.simulation.verdict import judge
@@ -146,3 +148,13 @@ def test_a_verdict_is_judged_on_the_printed_figure():
     assert judge("controller_busy_at_max", 0.06, 0.5, higher_is_better=False).met
     assert not judge("controller_busy_at_max", 0.5, 0.5, higher_is_better=False).met
     assert "NOT met" in missed.line() and "0.849" in missed.line()
+
+
+def test_a_dataproto_driver_carries_every_column_the_rows_have_by_each_stage():
+    before = columns_before(build(RecipeSizes()).stages, SOURCE_COLUMNS)
+    assert before[("response_ids", "behav_log_probs", "token_versions", "gen_version")] == SOURCE_COLUMNS
+    update = before[()]
+    for c in ("response_ids", "scores", "old_log_probs", "ref_log_probs", "advantages", *SOURCE_COLUMNS):
+        assert c in update
+    ref = before[("ref_log_probs",)]  # depends on the rollout only: the reward may not have run yet
+    assert "response_ids" in ref and "scores" not in ref and "old_log_probs" not in ref

@@ -37,8 +37,9 @@ def test_disaggregated_modes_through_the_transfer_queue(mode):
     assert r["tq_put_bytes_per_step"] > 0  # rows went through the hosts' storage units
 
 
-def test_sync_colocated_with_data_through_the_driver():
-    cfg = ClusterConfig(mode="sync", data_path="driver", **SMALL)
+@pytest.mark.parametrize("carries", ["inputs", "all"])
+def test_sync_colocated_with_data_through_the_driver(carries):
+    cfg = ClusterConfig(mode="sync", data_path="driver", driver_carries=carries, **SMALL)
     _check_every_row_once(cfg, simulate(cfg))
 
 
@@ -52,6 +53,8 @@ def test_layouts_and_cost_model():
     assert sync.actor == list(range(16)) and len(sync.instances) == 16
     with pytest.raises(ValueError, match="sync only"):
         ClusterConfig(mode="async", data_path="driver")
+    with pytest.raises(ValueError, match="driver_carries"):
+        ClusterConfig(mode="sync", data_path="driver", driver_carries="some")
     c = CostModel.named("qwen2.5-7b")
     assert c.decode_step_s(64, 1000) > c.decode_step_s(1, 1000) > 0  # more rows read more KV cache
     assert c.train_s(2000) > c.forward_s(2000) > 0
