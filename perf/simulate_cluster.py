@@ -27,7 +27,7 @@ is NOT scaled, so in simulated time it costs 1/scale times what it costs on a re
 machine's cores with the driver and the controller (on a cluster they would be other
 machines): their CPU and the machine's load are printed with the results.
 
-    python perf/simulate_cluster.py --quick        # 7B, 1x and 16x (16 and 256 devices), about 12 min
+    python perf/simulate_cluster.py --quick        # 7B, 1x and 16x (16 and 256 devices), the ablation
     python perf/simulate_cluster.py                # 1x..16x, strong scaling, 7B and 32B (longer)
 
 The last printed line is one JSON object; its ``targets`` are judged on the values as printed
