@@ -13,8 +13,12 @@ Runs (1x = ``--base-devices``, weak scaling: rows per step grow with the devices
   device); ``stream`` and ``async``: disaggregated (half the devices generate), streaming,
   async with staleness 1;
 - the ablation at the top scale: sync with data through the driver (a centralized,
-  DataProto-like baseline, same simulated costs) -> sync through the TransferQueue ->
-  stream -> async;
+  DataProto-like baseline, same simulated costs; once with each call's input columns, once
+  with every column the rows have, as a DataProto trainer sends the whole batch) -> sync
+  through the TransferQueue -> stream -> async;
+- every run measures a steady-state window: ``--warm-steps`` (at least 2) left out, then
+  ``--measured-steps`` (at least 3), then, in async, ``max_staleness`` tail steps so that the
+  pipeline is as full when the window closes as when it opened (cluster.ClusterConfig);
 - strong scaling (full run only): the top scale's global batch on every size.
 
 The clock: ``--scale`` wall seconds per simulated second of device work. The control plane
@@ -23,10 +27,11 @@ is NOT scaled, so in simulated time it costs 1/scale times what it costs on a re
 machine's cores with the driver and the controller (on a cluster they would be other
 machines): their CPU and the machine's load are printed with the results.
 
-    python perf/simulate_cluster.py --quick        # 7B, 1x and 16x (16 and 256 devices), no stream, about 5 min
+    python perf/simulate_cluster.py --quick        # 7B, 1x and 16x (16 and 256 devices), the ablation
     python perf/simulate_cluster.py                # 1x..16x, strong scaling, 7B and 32B (longer)
 
-The last printed line is one JSON object.
+The last printed line is one JSON object; its ``targets`` are judged on the values as printed
+(asyncflow/simulation/verdict.py).
 """
 from __future__ import annotations
 
@@ -43,6 +48,10 @@ sys.path.insert(0, str(ROOT))
 
 from asyncflow.simulation.cluster import ClusterConfig, simulate  # noqa: E402
 from asyncflow.simulation.costs import CostModel  # noqa: E402
+from asyncflow.simulation.verdict import judge  # noqa: E402
+
+MIN_WARM_STEPS, MIN_MEASURED_STEPS = 2, 3
+TARGETS = (("linearity_16x_async", 0.85, True), ("controller_busy_at_max", 0.5, False))
 
 
 def _run(cfg: ClusterConfig, label: str, log: list) -> dict:
@@ -105,7 +114,9 @@ def plot(series: dict[str, list[dict]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="7B, 1x and 16x only, fewer steps (< 5 min)")
+    ap.add_argument("--quick", action="store_true", help="7B, 1x and 16x only, no strong scaling")
+    ap.add_argument("--warm-steps", type=int, default=MIN_WARM_STEPS, help="steps before the window (>= 2)")
+    ap.add_argument("--measured-steps", type=int, default=MIN_MEASURED_STEPS, help="steps in the window (>= 3)")
     ap.add_argument("--scale", type=float, default=1.0, help="wall seconds per simulated second (1: real time)")
     ap.add_argument("--base-devices", type=int, default=16)
     ap.add_argument("--rows-per-device", type=int, default=4, help="rows per device per step (weak scaling)")
@@ -113,6 +124,9 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=2, help="processes hosting the simulated ranks")
     ap.add_argument("--out", default=str(ROOT / "perf" / "out" / "simulate_cluster"))
     args = ap.parse_args()
+    if args.warm_steps < MIN_WARM_STEPS or args.measured_steps < MIN_MEASURED_STEPS:
+        ap.error(f"a steady-state window needs --warm-steps >= {MIN_WARM_STEPS} and --measured-steps >= "
+                 f"{MIN_MEASURED_STEPS}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = [1, 16] if args.quick else [1, 2, 4, 8, 16]
@@ -124,9 +138,10 @@ def main() -> None:
     tables: list[str] = []
     for model in models:
         print(f"\n{model}: cost model {json.dumps(CostModel.named(model).describe()['derived'])}", flush=True)
-        base = ClusterConfig(model=model, scale=args.scale, hosts=args.hosts)
-        async_cfg = replace(base, mode="async", steps=3 if args.quick else 5, warm_steps=1 if args.quick else 2)
-        sync_cfg = replace(base, mode="sync", steps=2 if args.quick else 3, warm_steps=1)
+        base = ClusterConfig(model=model, scale=args.scale, hosts=args.hosts, warm_steps=args.warm_steps,
+                             measured_steps=args.measured_steps)
+        async_cfg = replace(base, mode="async")
+        sync_cfg = replace(base, mode="sync")
         stream_cfg = replace(async_cfg, mode="stream")
         m: dict = {}
         m["async"] = [_run(c, f"async {c.devices}", log) for c in weak(async_cfg, sizes, args.base_devices,
@@ -136,8 +151,10 @@ def main() -> None:
         top_sync = weak(sync_cfg, [sizes[-1]], args.base_devices, args.rows_per_device)[0]
         top_stream = weak(stream_cfg, [sizes[-1]], args.base_devices, args.rows_per_device)[0]
         m["sync_driver"] = [_run(replace(top_sync, data_path="driver"), f"sync, data via driver {top}", log)]
+        m["sync_driver_all"] = [_run(replace(top_sync, data_path="driver", driver_carries="all"),
+                                     f"sync, driver carries all {top}", log)]
+        m["stream"] = [_run(top_stream, f"stream {top}", log)]
         if not args.quick:
-            m["stream"] = [_run(top_stream, f"stream {top}", log)]
             fixed = top_sync.prompts_per_step
             m["async_strong"] = [_run(replace(async_cfg, devices=args.base_devices * k, prompts_per_step=fixed),
                                       f"async strong {args.base_devices * k}", log) for k in sizes]
@@ -153,9 +170,11 @@ def main() -> None:
         def strong(series: str) -> float:
             s = m.get(series)
             return s[-1]["samples_per_s"] / (k * s[0]["samples_per_s"]) if s else float("nan")
-        a_top, s_top, d_top = m["async"][-1], m["sync"][-1], m["sync_driver"][0]
+        a_top, s_top, d_top, dall_top = m["async"][-1], m["sync"][-1], m["sync_driver"][0], m["sync_driver_all"][0]
         streamed = m.get("stream", [])
-        ablation = {"baseline_sync_driver": 1.0, "sync_transfer_queue": s_top["samples_per_s"] / d_top["samples_per_s"],
+        ablation = {"baseline_sync_driver": 1.0,
+                    "sync_driver_carries_all": dall_top["samples_per_s"] / d_top["samples_per_s"],
+                    "sync_transfer_queue": s_top["samples_per_s"] / d_top["samples_per_s"],
                     **({"stream_transfer_queue": streamed[0]["samples_per_s"] / d_top["samples_per_s"]}
                        if streamed else {}),
                     "async_transfer_queue": a_top["samples_per_s"] / d_top["samples_per_s"]}
@@ -164,6 +183,8 @@ def main() -> None:
             "strong_linearity_16x_async": strong("async_strong"), "strong_linearity_16x_sync": strong("sync_strong"),
             "ratio_async_vs_sync_at_max": a_top["samples_per_s"] / s_top["samples_per_s"],
             "ratio_tq_vs_driver_at_max": s_top["samples_per_s"] / d_top["samples_per_s"],
+            "ratio_stream_vs_driver_at_max": streamed[0]["samples_per_s"] / d_top["samples_per_s"],
+            "ratio_tq_vs_driver_all_at_max": s_top["samples_per_s"] / dall_top["samples_per_s"],
             "ablation_at_max": ablation,
             "controller_busy_at_max": max(r["controller_busy"] for r in (a_top, s_top, *streamed)),
             "get_meta_p99_us_at_max": a_top["get_meta"]["p99_us"],
@@ -176,7 +197,7 @@ def main() -> None:
         }
         tables.append(f"## {model} (SIMULATED devices; scale {args.scale} wall s per simulated s)")
         tables.append(table(m["async"] + m["sync"], "weak scaling"))
-        tables.append(table([d_top, s_top, *streamed, a_top], f"ablation at {top} devices"))
+        tables.append(table([d_top, dall_top, s_top, *streamed, a_top], f"ablation at {top} devices"))
         tables.append("ablation, throughput relative to the baseline: " +
                       ", ".join(f"{k} {v:.2f}x" for k, v in ablation.items()))
         if not args.quick:
@@ -189,16 +210,22 @@ def main() -> None:
         "linearity_16x_sync": round(first["linearity_16x_sync"], 3),
         "ratio_async_vs_sync_at_max": round(first["ratio_async_vs_sync_at_max"], 3),
         "ratio_tq_vs_driver_at_max": round(first["ratio_tq_vs_driver_at_max"], 3),
+        "ratio_stream_vs_driver_at_max": round(first["ratio_stream_vs_driver_at_max"], 3),
+        "ratio_tq_vs_driver_all_at_max": round(first["ratio_tq_vs_driver_all_at_max"], 3),
         "controller_busy_at_max": round(first["controller_busy_at_max"], 4),
         "get_meta_p99_us_at_max": round(first["get_meta_p99_us_at_max"], 1),
         "simulated_devices_max": top, "model": models[0], "scale": args.scale, "simulated": True,
+        "warm_steps": args.warm_steps, "measured_steps": args.measured_steps,
         "wall_s": round(time.monotonic() - t0, 1),
     }
+    verdicts = [judge(name, first[name], threshold, higher) for name, threshold, higher in TARGETS]
+    headline["targets"] = {v.name: {"printed": v.printed, "threshold": v.threshold, "met": v.met} for v in verdicts}
     results["headline"] = headline
     (out / "results.json").write_text(json.dumps({"results": results, "runs": log}, indent=1, default=str))
     print("\n" + "\n\n".join(tables))
     print(f"\ncost model (all assumptions): {json.dumps(CostModel.named(models[0]).describe())}")
     print(f"plots: {', '.join(str(out / f'throughput_{m}.png') for m in models)}; all figures: {out / 'results.json'}")
+    print("\n".join(v.line() for v in verdicts))
     print(json.dumps(headline), flush=True)
 
 

@@ -25,14 +25,15 @@ from ..workflow.executor import Executor, ExecutorConfig, StepObserver, StepRepo
 from ..workflow.source import PromptSource, longtail_budgets, row_seed
 from . import probes
 from .costs import MODELS
-from .driver_data import DriverDataGroup
+from .driver_data import DriverDataGroup, columns_before
 from .hosts import SimHosts
-from .recipe import RecipeSizes, build
+from .recipe import SOURCE_COLUMNS, RecipeSizes, build
 from .spec import SimSpec
 
 log = logging.getLogger(__name__)
 MODES = ("sync", "stream", "async")
 DATA_PATHS = ("tq", "driver")
+DRIVER_CARRIES = ("inputs", "all")
 
 
 @dataclass
@@ -40,12 +41,18 @@ class ClusterConfig:
     devices: int = 16
     mode: str = "async"  # sync (colocated, verl-style) | stream | async (disaggregated)
     data_path: str = "tq"  # tq | driver (the centralized baseline)
+    driver_carries: str = "inputs"  # driver path: each call's inputs | every column the rows have (DataProto)
     model: str = "qwen2.5-7b"
     scale: float = 0.5  # wall seconds per simulated second of device work
     prompts_per_step: int = 4
     group_size: int = 8
-    steps: int = 4
-    warm_steps: int = 1  # steps left out of the throughput window
+    # The throughput window: ``warm_steps`` first, then ``measured_steps``, then ``tail_steps``
+    # that keep the pipeline as full when the window closes as it was when it opened (async
+    # generates up to ``max_staleness`` steps ahead; without a tail its last steps would have
+    # nothing to generate, and the rows generated before the window opened would count in it).
+    warm_steps: int = 2
+    measured_steps: int = 3
+    tail_steps: int | None = None  # None: max_staleness in async mode, 0 otherwise
     rollout_share: float = 0.5  # disaggregated: the devices that generate
     max_staleness: int = 1
     prompt_tokens: tuple[int, int] = (128, 512)  # uniform per prompt
@@ -57,6 +64,7 @@ class ClusterConfig:
     rollout_call_groups: int = 1  # groups per rollout submit
     ranks_per_reward: int = 8  # one CPU reward worker per this many rollout ranks (a node's)
     hosts: int = 2  # processes hosting the simulated ranks (each with a storage unit)
+    fan_out_interval_s: float = 1.0  # how often the fan-out probe calls every training rank
     seed: int = 0
     timeout_s: float = 600.0
 
@@ -65,12 +73,29 @@ class ClusterConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.data_path not in DATA_PATHS:
             raise ValueError(f"data_path must be one of {DATA_PATHS}, got {self.data_path!r}")
+        if self.driver_carries not in DRIVER_CARRIES:
+            raise ValueError(f"driver_carries must be one of {DRIVER_CARRIES}, got {self.driver_carries!r}")
         if self.data_path == "driver" and self.mode != "sync":
             raise ValueError("the centralized (driver) data path is the verl-style baseline: mode sync only")
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; known: {sorted(MODELS)}")
-        if self.steps <= self.warm_steps:
-            raise ValueError(f"steps ({self.steps}) must exceed warm_steps ({self.warm_steps})")
+        if self.warm_steps < 1 or self.measured_steps < 1 or (self.tail_steps or 0) < 0:
+            raise ValueError(f"the window needs warm_steps >= 1 and measured_steps >= 1 (and tail_steps >= 0), "
+                             f"got {self.warm_steps}, {self.measured_steps}, {self.tail_steps}")
+
+    @property
+    def tail(self) -> int:
+        if self.tail_steps is not None:
+            return self.tail_steps
+        return self.max_staleness if self.mode == "async" else 0
+
+    @property
+    def steps(self) -> int:
+        """Steps run in all: warm-up, window, tail."""
+        return self.warm_steps + self.measured_steps + self.tail
+
+    def in_window(self, step: int) -> bool:
+        return self.warm_steps <= step < self.warm_steps + self.measured_steps
 
     @property
     def colocated(self) -> bool:
@@ -125,7 +150,8 @@ class _Records:
 
 @dataclass
 class _Window:
-    """The measured part of a run: from the end of the warm-up steps to the end of the last."""
+    """The measured part of a run: from the end of the warm-up steps to the end of the last measured
+    step (the tail steps run after it, so the window closes on a pipeline in its steady state)."""
     wall: float = 0.0
     controller_cpu: float = 0.0
     driver_cpu: float = 0.0
@@ -148,7 +174,7 @@ class _Recorder(StepObserver):
         if report.step == cfg.warm_steps - 1:
             self.run.begin = await self.run.mark()
             self.run.measuring(True)
-        if report.step == cfg.steps - 1:
+        if report.step == cfg.warm_steps + cfg.measured_steps - 1:
             self.run.end = await self.run.mark()
             self.run.measuring(False)
 
@@ -205,8 +231,8 @@ def simulate(cfg: ClusterConfig) -> dict:
 
 
 async def _drive(cfg: ClusterConfig, lay: Layout, run: _Run, controller: str) -> dict:
-    spec = SimSpec(cfg.model, cfg.scale, lay.train_devices, cfg.max_running_rows, cfg.colocated,
-                   cfg.data_path == "driver").to_dict()
+    spec = SimSpec(cfg.model, cfg.scale, lay.train_devices, len(lay.instances), cfg.seed, cfg.max_running_rows,
+                   cfg.colocated, cfg.data_path == "driver").to_dict()
     g = cfg.group_size
     map_rows = max(g, -(-cfg.rows_per_device_call * lay.train_devices // g) * g)
     recipe = build(RecipeSizes(g, cfg.rollout_call_groups * g, map_rows))
@@ -240,8 +266,9 @@ async def _workflow(cfg: ClusterConfig, lay: Layout, run: _Run, driver: Driver, 
                          *(i.init_weight_sync(actor.ranks[0]) for i in instances))
     start_s = time.monotonic() - started
     if cfg.data_path == "driver":
-        groups = {k: DriverDataGroup(v, run.tq) for k, v in groups.items()}
-        instances = [DriverDataGroup(i, run.tq) for i in instances]
+        carried = columns_before(recipe.stages, SOURCE_COLUMNS) if cfg.driver_carries == "all" else None
+        groups = {k: DriverDataGroup(v, run.tq, carried) for k, v in groups.items()}
+        instances = [DriverDataGroup(i, run.tq, carried) for i in instances]
     source = PromptSource(_Records(*cfg.prompt_tokens, cfg.seed), g := cfg.group_size, cfg.seed,
                           budget_fn=longtail_budgets(cfg.seed, cfg.max_response_tokens, cfg.response_median_frac,
                                                      cfg.response_sigma))
@@ -251,7 +278,7 @@ async def _workflow(cfg: ClusterConfig, lay: Layout, run: _Run, driver: Driver, 
     recorder = _Recorder(run)
     executor = Executor(ecfg, recipe.stages, groups, instances, run.tq, source, observers=[recorder],
                         policy="actor")
-    run.fan_out = probes.FanOutProbe(actor)
+    run.fan_out = probes.FanOutProbe(actor, cfg.fan_out_interval_s)
     run.fan_out.start()
     t0 = time.monotonic()
     try:
@@ -286,9 +313,9 @@ def _result(cfg: ClusterConfig, lay: Layout, run: _Run, rec: _Recorder, wall: fl
     b, e = run.begin, run.end
     span = e.wall - b.wall
     sim_s = span / cfg.scale
-    measured = [r for r in rec.reports if cfg.warm_steps <= r.step < cfg.steps]
+    measured = [r for r in rec.reports if cfg.in_window(r.step)]
     rows = sum(r.rows for r in measured)
-    steps = cfg.steps - cfg.warm_steps
+    steps = cfg.measured_steps
     tokens_per_row = _mean_tokens(cfg)
     busy, total = e.machine[0] - b.machine[0], e.machine[1] - b.machine[1]
     return {

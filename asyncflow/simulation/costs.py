@@ -10,12 +10,21 @@ its source in ``SOURCES`` and printed with the results (``CostModel.describe``).
 - Training (compute-bound): ``6 * params * tokens / (peak * mfu_train)`` per device of the
   data-parallel group (forward + backward, Kaplan et al. 2020's 6N rule); a log-prob pass
   is the forward only, ``2 * params * tokens``.
-- Weight sync: the bf16 weights (``2 * params`` bytes) over one link of ``sync_gbps``.
+  The gradient all-reduce is a ring (``allreduce_s``): a bandwidth term and a latency term
+  per bucket that grows with the ranks, ``2 * (n - 1) * link_latency_s``.
+- Links are a node's: its ``node_gbps`` are shared by its devices (``devices_per_node``), so
+  a rank's share in a collective is ``node_gbps / devices_per_node`` and the rollout
+  instances on one node share its network for the weights they receive.
+- Weight sync: every instance receives the bf16 weights (``2 * params`` bytes); the
+  receivers on a node share its link and the training nodes' links carry every copy sent.
+- Stragglers: a device's work in a call is slowed by a seeded draw (``stragglers.py``,
+  lognormal of ``straggler_sigma``); a collective call lasts as long as its slowest rank's.
 - Colocated role switch (sync, verl's hybrid engine): weights and optimizer state move to
   host and back over PCIe (``offload_s``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 SOURCES = {
@@ -25,7 +34,13 @@ SOURCES = {
     "6N": "Kaplan et al. 2020, 'Scaling Laws for Neural Language Models': ~6N training FLOPs per token, 2N forward",
     "mfu": "Narayanan et al. 2021 (Megatron-LM, SC'21): 44-52% of peak in large-scale training; 40% assumed",
     "decode_eff": "vLLM/PagedAttention (Kwon et al. SOSP'23): decode is memory-bound; 60% of HBM bandwidth assumed",
-    "link": "NDR InfiniBand 400 Gb/s per port (NVIDIA ConnectX-7): 25 GB/s assumed per weight-sync link",
+    "link": "NDR InfiniBand 400 Gb/s per port (NVIDIA ConnectX-7), one port per GPU on an 8-GPU node "
+            "(DGX H100): 25 GB/s effective assumed per port, 200 GB/s per node, shared by the node's devices",
+    "ring": "Thakur, Rabenseifner and Gropp 2005 (Optimization of Collective Communication Operations in MPICH): "
+            "ring all-reduce 2(n-1) alpha + 2(n-1)/n bytes/bandwidth; 5 us per hop assumed (InfiniBand with NCCL)",
+    "bucket": "PyTorch DistributedDataParallel: gradients all-reduced in buckets of 25 MB (bucket_cap_mb default)",
+    "stragglers": "per-rank slowdowns of a step (thermal, kernel, host jitter): lognormal, sigma 0.05 assumed; "
+                  "a synchronous collective waits for the slowest rank (Dean and Barroso 2013, The Tail at Scale)",
     "pcie": "PCIe Gen5 x16: 64 GB/s per direction; 25 GB/s effective assumed for offload to host",
 }
 
@@ -69,7 +84,11 @@ MODELS = {
 class CostModel:
     model: Model
     device: Device = Device()
-    sync_gbps: float = 25.0  # one weight-sync link, GB/s
+    node_gbps: float = 200.0  # a node's network (its devices' ports together), GB/s
+    devices_per_node: int = 8
+    link_latency_s: float = 5e-6  # one hop of a ring collective (alpha)
+    grad_bucket_bytes: float = 25e6  # gradients are reduced bucket by bucket
+    straggler_sigma: float = 0.05  # lognormal sigma of a device's per-call slowdown (stragglers.py)
     offload_gbps: float = 25.0  # device <-> host, colocated role switches
     call_overhead_s: float = 0.002  # kernel launches, framework work per call (not the control plane)
 
@@ -101,15 +120,47 @@ class CostModel:
         m, d = self.model, self.device
         return self.call_overhead_s + 2 * m.params * tokens_per_device / (d.peak_flops * d.mfu_train)
 
+    # ---- collectives (a node's link shared by its devices) ------------------------------------
+    @property
+    def rank_gbps(self) -> float:
+        """A device's share of its node's network."""
+        return self.node_gbps / self.devices_per_node
+
+    def _buckets(self, nbytes: float) -> int:
+        return max(1, math.ceil(nbytes / self.grad_bucket_bytes))
+
+    def allreduce_s(self, ranks: int, nbytes: float) -> float:
+        """A ring all-reduce of ``nbytes`` over ``ranks``: bandwidth plus 2(n-1) hops of latency per bucket."""
+        if ranks <= 1:
+            return 0.0
+        bandwidth = 2 * (ranks - 1) / ranks * nbytes / (self.rank_gbps * 1e9)
+        return bandwidth + 2 * (ranks - 1) * self.link_latency_s * self._buckets(nbytes)
+
+    def allgather_s(self, ranks: int, nbytes: float) -> float:
+        """A ring all-gather of ``nbytes`` in all: (n-1)/n of them over each rank's link, n-1 hops per bucket."""
+        if ranks <= 1:
+            return 0.0
+        bandwidth = (ranks - 1) / ranks * nbytes / (self.rank_gbps * 1e9)
+        return bandwidth + (ranks - 1) * self.link_latency_s * self._buckets(nbytes)
+
+    def grad_sync_s(self, train_devices: int) -> float:
+        """The bf16 gradients all-reduced over the data-parallel group."""
+        return self.allreduce_s(train_devices, self.model.weight_bytes)
+
     # ---- weights ---------------------------------------------------------------------------
-    def weight_sync_s(self) -> float:
-        """One instance receives the new bf16 weights over its link."""
-        return self.model.weight_bytes / (self.sync_gbps * 1e9)
+    def weight_sync_s(self, instances: int = 1, train_devices: int = 1) -> float:
+        """One instance receives the new bf16 weights. The instances on a node share its link; the
+        training nodes' links carry a copy for every instance (both sides share, the slower decides)."""
+        m = self.model
+        per_node = max(1, min(instances, self.devices_per_node // m.rollout_tp))
+        receive = min(self.node_gbps / per_node, m.rollout_tp * self.rank_gbps)  # its share, at most its ports
+        train_nodes = max(1, math.ceil(train_devices / self.devices_per_node))
+        send = self.node_gbps * train_nodes / max(instances, 1)
+        return m.weight_bytes / (min(receive, send) * 1e9) + self.link_latency_s * self._buckets(m.weight_bytes)
 
     def gather_s(self, train_devices: int) -> float:
         """The training group gathers full weights for sending (an all-gather of the shards)."""
-        share = (train_devices - 1) / max(train_devices, 1)
-        return self.call_overhead_s + self.model.weight_bytes * share / (self.sync_gbps * 1e9)
+        return self.call_overhead_s + self.allgather_s(train_devices, self.model.weight_bytes)
 
     def offload_s(self, state_bytes_per_device: float) -> float:
         return state_bytes_per_device / (self.offload_gbps * 1e9)
@@ -117,12 +168,16 @@ class CostModel:
     def describe(self) -> dict:
         """Every assumption, for printing beside the results."""
         m = self.model
-        return {"model": asdict(m), "device": asdict(self.device), "sync_gbps": self.sync_gbps,
+        return {"model": asdict(m), "device": asdict(self.device), "node_gbps": self.node_gbps,
+                "devices_per_node": self.devices_per_node, "link_latency_s": self.link_latency_s,
+                "grad_bucket_bytes": self.grad_bucket_bytes, "straggler_sigma": self.straggler_sigma,
                 "offload_gbps": self.offload_gbps, "call_overhead_s": self.call_overhead_s,
                 "derived": {"decode_step_s_B16_ctx1k": self.decode_step_s(16, 1024),
                             "decode_step_s_B128_ctx1k": self.decode_step_s(128, 1024),
                             "prefill_s_256_tokens": self.prefill_s(256),
                             "train_tokens_per_s_per_device":
                                 self.device.peak_flops * self.device.mfu_train / (6 * m.params),
-                            "weight_sync_s": self.weight_sync_s()},
+                            "weight_sync_s_8_instances": self.weight_sync_s(8, 8),
+                            "grad_sync_s_8_ranks": self.grad_sync_s(8),
+                            "grad_sync_s_128_ranks": self.grad_sync_s(128)},
                 "sources": SOURCES}

@@ -7,20 +7,58 @@ new columns in the reply and writes them back. The executor, the ledger and the
 TransferQueue's bookkeeping stay as they are, with the bytes in a storage unit inside the
 driver's process: the driver's memory, as DataProto's is. Only the path of the bytes
 differs from the TransferQueue runs; the simulated costs are the same.
+
+What the driver carries: each call's input columns (``carried=None``), or, as a DataProto
+trainer does (the whole batch goes to every worker call and the replies are merged into
+it), every column the rows surely have by then (``carried``: the source's columns and
+those of every stage the call's stage depends on; ``columns_before``). Padding to dense tensors is not
+simulated: the columns stay jagged.
 """
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from ..transfer_queue.meta import BatchMeta
 from .workers import lengths, pack, unpack
 
 
+def columns_before(stages: Sequence[Any], source: Sequence[str]) -> dict[tuple[str, ...], list[str]]:
+    """The columns a row surely has when each stage runs: the source's and the outputs of every
+    stage it depends on, directly or not (the executor runs a stage when its inputs are ready,
+    so a stage it does not depend on may not have run yet). Keyed by the stage's outputs
+    (distinct for every stage of a recipe)."""
+    producer = {c: st for st in stages for c in st.outputs}
+    out: dict[tuple[str, ...], list[str]] = {}
+    for st in stages:
+        have, todo, seen = list(source), list(st.inputs), set()
+        while todo:
+            col = todo.pop()
+            up = producer.get(col)
+            if up is None or id(up) in seen:
+                continue
+            seen.add(id(up))
+            have += [c for c in up.outputs if c not in have]
+            todo += list(up.inputs)
+        out[tuple(st.outputs)] = have
+    return out
+
+
 class DriverDataGroup:
-    def __init__(self, group: Any, tq: Any):
+    def __init__(self, group: Any, tq: Any, carried: dict[tuple[str, ...], list[str]] | None = None):
         self.group = group
         self.tq = tq
+        self.carried = carried
+
+    def _names(self, io: dict) -> list[str]:
+        """The columns the driver sends for a call: its inputs, or every column the rows have."""
+        if self.carried is None:
+            return list(io["inputs"])
+        key = tuple(io["outputs"])
+        if key not in self.carried:
+            raise KeyError(f"no stage writes {list(key)}: cannot tell which columns its rows have")
+        return self.carried[key]
 
     def __getattr__(self, name: str) -> Any:  # weight sync, stats, probes: unchanged
         return getattr(self.group, name)
@@ -40,7 +78,7 @@ class DriverDataGroup:
 
     # ---- the rollout (one instance: one rank) ---------------------------------------------------
     async def generate(self, meta: BatchMeta, min_version: int, io: dict) -> BatchMeta:
-        cols = (await self._columns([meta], list(io["inputs"])))[0]
+        cols = (await self._columns([meta], self._names(io)))[0]
         out = await self.group.generate_data(pack(cols), min_version, io)
         await self._write([meta], [out])
         return meta
@@ -53,7 +91,7 @@ class DriverDataGroup:
     async def compute(self, meta: BatchMeta, io: dict) -> BatchMeta:
         parts = self._split(meta)
         n = len(parts)
-        cols = await self._columns(parts, list(io["inputs"]))
+        cols = await self._columns(parts, self._names(io))
         outs = await self.group.compute_data([pack(c) for c in cols], [io] * n)
         await self._write(parts, outs)
         return meta
@@ -61,7 +99,7 @@ class DriverDataGroup:
     async def compute_log_probs(self, meta: BatchMeta, io: dict) -> None:
         parts = self._split(meta)
         names = list(io["inputs"][:2])
-        cols = await self._columns(parts, names)
+        cols = await self._columns(parts, self._names(io))
         largest = float(max((self._tokens(c, tuple(names)) for c in cols), default=0))
         n = len(parts)
         outs = await self.group.compute_log_probs_data([pack(c) for c in cols], [largest] * n, [io] * n)
@@ -74,7 +112,7 @@ class DriverDataGroup:
                                       {"name": "token_balanced", "dp_size": layout.dp_size},
                                       timeout=float(batch["timeout_s"]))
         parts = self._split(meta)
-        cols = await self._columns(parts, list(io["inputs"]))
+        cols = await self._columns(parts, self._names(io))
         largest = float(max((self._tokens(c) for c in cols), default=0))
         n = len(parts)
         return await self.group.update_data([step] * n, [pack(c) for c in cols], [largest] * n, [io] * n)

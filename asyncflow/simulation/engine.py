@@ -4,16 +4,20 @@ steps that take the cost model's time instead of computing.
 
 One ``step()`` sleeps until the next row finishes (or until ``nudge()``: a command for the
 service loop arrived), then advances every running row by the decode steps that fit in the
-time that passed; the time left over is carried, so no simulated time is lost when a step
-is cut short. Finished rows get response ids and behaviour log-probs of their budgeted
-length (views of shared buffers: right sizes, no compute) and each token's policy version.
+time that passed. The time left over is the decode step in progress, and it belongs to the
+rows running while it passed: a row admitted meanwhile joins at the end of that step (as a
+continuous-batching engine adds rows between steps), so it never gets time from before its
+admission. An idle engine keeps no time. Finished rows get response ids and behaviour
+log-probs of their budgeted length (views of shared buffers: right sizes, no compute) and
+each token's policy version. ``slowdown(version)`` scales the decode step time under each
+weight version (a straggling instance, stragglers.py).
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,15 +53,19 @@ class _Row:
 class SimRequestEngine(RequestEngine):
     """``capacity`` rows run at once; a row's length is its request's budget."""
 
-    def __init__(self, costs: CostModel, clock: SimClock, capacity: int, swap_s: float = 0.0):
+    def __init__(self, costs: CostModel, clock: SimClock, capacity: int, swap_s: float = 0.0,
+                 slowdown: Callable[[int], float] | None = None):
         self.costs, self.clock = costs, clock
         self.capacity = capacity
         self.swap_s = swap_s  # simulated seconds a swap pauses generation (loading staged weights)
         self.version = 0
+        self._slowdown_of = slowdown or (lambda version: 1.0)
+        self.slowdown = self._slowdown_of(0)
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[_Row] = []
+        self.joining: list[_Row] = []  # admitted during a decode step: they join when it ends
         self._admit = True
-        self._credit = 0.0  # simulated seconds of device time not yet spent on decode steps
+        self._credit = 0.0  # simulated seconds into the decode step in progress (the running rows')
         self._debt = 0.0  # prefill (and swap) seconds owed before the next decode step
         self._mark = time.monotonic()
         self._nudge = threading.Event()
@@ -79,7 +87,9 @@ class SimRequestEngine(RequestEngine):
         return False
 
     def has_work(self) -> bool:
-        return bool(self.running) or (self._admit and any(r.min_version <= self.version for r in self.waiting))
+        if self.running or self.joining:
+            return True
+        return self._admit and any(r.min_version <= self.version for r in self.waiting)
 
     def admit(self, on: bool) -> None:
         self._admit = on
@@ -89,13 +99,14 @@ class SimRequestEngine(RequestEngine):
             raise ValueError(f"simulated engine: version {version} is older than the one held ({self.version})")
         self._spend(time.monotonic())
         self.version = int(version)
-        for row in self.running:  # tokens from here on come from the new weights
+        self.slowdown = self._slowdown_of(self.version)
+        for row in (*self.running, *self.joining):  # tokens from here on come from the new weights
             row.versions.append((row.done, self.version))
         self._debt += self.swap_s
         self.counters["swaps"] += 1
 
     def stats(self) -> dict:
-        return {**self.counters, "running": len(self.running), "waiting": len(self.waiting),
+        return {**self.counters, "running": len(self.running) + len(self.joining), "waiting": len(self.waiting),
                 "version": self.version}
 
     def step(self) -> list[RequestResult]:
@@ -120,12 +131,22 @@ class SimRequestEngine(RequestEngine):
     # ---- simulated time ----------------------------------------------------------------------
     def _step_s(self) -> float:
         ctx = sum(len(r.request.prompt_ids) + r.done for r in self.running) / len(self.running)
-        return self.costs.decode_step_s(len(self.running), ctx)
+        return self.costs.decode_step_s(len(self.running), ctx) * self.slowdown
+
+    def _join(self) -> None:
+        """The rows admitted during the last decode step start now: their prefill is owed first."""
+        for r in self.joining:
+            self._debt += self.costs.prefill_s(len(r.request.prompt_ids))
+        self.running.extend(self.joining)
+        self.joining = []
 
     def _spend(self, now: float) -> None:
         """Advance the running rows by the time passed since the last call."""
         self._credit += self.clock.sim(now - self._mark)
         self._mark = now
+        if not self.running:  # idle: the time passed is nobody's
+            self._credit = 0.0
+            self._join()
         while self.running and self._credit > 0:
             if self._debt > 0:
                 paid = min(self._debt, self._credit)
@@ -134,7 +155,8 @@ class SimRequestEngine(RequestEngine):
                 continue
             dt = self._step_s()
             left = min(r.length - r.done for r in self.running)
-            steps = min(left, int(self._credit / dt))
+            # With rows waiting to join, only the step in progress is the running rows' alone.
+            steps = min(1 if self.joining else left, int(self._credit / dt))
             if steps <= 0:
                 return
             self._credit -= steps * dt
@@ -145,6 +167,7 @@ class SimRequestEngine(RequestEngine):
             if steps == left:  # a row finished: the batch changes, so does the step time
                 self._finished_rows.extend(r for r in self.running if r.done >= r.length)
                 self.running = [r for r in self.running if r.done < r.length]
+            self._join()  # a step boundary
         if not self.running:
             self._credit = 0.0  # an idle device banks no time
 
@@ -155,16 +178,20 @@ class SimRequestEngine(RequestEngine):
         return out
 
     def _admit_waiting(self) -> None:
+        """Admit what fits. Into an idle engine a row starts at once; into a running batch it joins
+        when the decode step in progress ends (``_spend``), so the time already into that step stays
+        with the rows that spent it."""
         if not self._admit:
             return
         kept: deque[GenerationRequest] = deque()
         while self.waiting:
             req = self.waiting.popleft()
-            if len(self.running) >= self.capacity or req.min_version > self.version:
+            if len(self.running) + len(self.joining) >= self.capacity or req.min_version > self.version:
                 kept.append(req)
                 continue
             length = max(1, int(req.budget))
-            self.running.append(_Row(req, length, 0, [(0, self.version)]))
-            self._debt += self.costs.prefill_s(len(req.prompt_ids))
+            self.joining.append(_Row(req, length, 0, [(0, self.version)]))
             self.counters["admitted"] += 1
         self.waiting = kept
+        if not self.running or self._credit <= 0:  # idle, or at a step boundary
+            self._join()

@@ -9,8 +9,9 @@ share with the data-parallel representative rule and the token-balanced sampler.
 columns in the call's arguments and reply instead of the TransferQueue.
 
 A data-parallel group runs no collectives here (simulated ranks have no process group):
-each rank prices its call by the largest share of the batch, as a synchronous all-reduce
-would make every rank wait for it, so every rank holds for the same time.
+each rank prices its call by the largest share of the batch times the slowest rank's
+straggler draw (stragglers.py), as a synchronous all-reduce would make every rank wait for
+both, so every rank holds for the same time; an update adds the gradient all-reduce.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from ..workers.rollout_stream import ROLLOUT_INPUTS, RowStream
 from ..workflow.stages import StageIO
 from .engine import SimRequestEngine
 from .spec import SimSpec
+from .stragglers import slowdowns, slowest
 
 PER_TOKEN_DTYPE = torch.float32
 
@@ -69,6 +71,13 @@ class SimWorker(Worker):
         self.calls = 0
         self.rows: dict[str, int] = {}  # rows computed on, by kind of call (the exactly-once audit)
         self.seeds: list[torch.Tensor] = []  # the seeds of the rows trained (the update's audit)
+        self._collectives: dict[str, int] = {}  # calls of each kind so far: the same on every rank of a group
+
+    def _straggle(self, kind: str) -> float:
+        """The slowest rank's slowdown for this collective call (every rank of the group draws the same)."""
+        n = self._collectives[kind] = self._collectives.get(kind, 0) + 1
+        return slowest(self.spec.seed, f"{type(self).__name__}:{kind}:{n}", self.spec.train_devices,
+                       self.costs.straggler_sigma)
 
     def _count(self, kind: str, n: int) -> None:
         self.calls += 1
@@ -112,8 +121,10 @@ class SimRolloutWorker(SimWorker):
     def __init__(self, sim: dict):
         super().__init__(sim)
         cap = self.spec.max_running_rows
+        seed, sigma, me = self.spec.seed, self.costs.straggler_sigma, self.rank
         self.engine = SimRequestEngine(self.costs, self.clock, cap, swap_s=self.costs.offload_s(
-            self.costs.model.weight_bytes / self.costs.model.rollout_tp))
+            self.costs.model.weight_bytes / self.costs.model.rollout_tp),
+            slowdown=lambda version: slowdowns(seed, f"rollout{me}:{version}", 1, sigma)[0])
         # Idle, the service loop sleeps until a command wakes it (every command does): no 20 Hz poll
         # per instance, which with hundreds of instances in two processes would be most of their CPU.
         self.service = _Service(self.engine, name=f"sim-rollout-rank{self.rank}", in_flight=True, idle_wait_s=1.0)
@@ -135,7 +146,8 @@ class SimRolloutWorker(SimWorker):
     def receive_weights(self, version: int) -> None:
         """The bytes take the link's time to arrive; generation goes on meanwhile."""
         with self._lock:
-            self._arrivals[int(version)] = time.monotonic() + self.clock.wall(self.costs.weight_sync_s())
+            self._arrivals[int(version)] = time.monotonic() + self.clock.wall(
+                self.costs.weight_sync_s(self.spec.instances, self.spec.train_devices))
 
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def swap_weights(self, version: int) -> dict:
@@ -209,10 +221,13 @@ def _per_token_out(cols: dict[str, Column], response: str) -> list[torch.Tensor]
 class _LogProbs(SimWorker):
     """Log-probs of [prompt, response] under the weights held: a forward pass."""
 
+    def _forward_s(self, tokens: float) -> float:
+        return self.costs.forward_s(tokens) * self._straggle("forward")
+
     def _forward(self, cols: dict[str, Column], prompt: str, response: str, largest: float | None) -> list:
         mine = sum(lengths(cols[prompt])) + sum(lengths(cols[response]))
         self._count("log_probs", len(cols[response]))
-        self.clock.hold(self.costs.forward_s(largest if largest is not None else mine))
+        self.clock.hold(self._forward_s(largest if largest is not None else mine))
         return _per_token_out(cols, response)
 
     @register(Dispatch.ONE_TO_ALL)
@@ -221,7 +236,7 @@ class _LogProbs(SimWorker):
         prompt, response = io.inputs[:2]
         mine = meta.part(self.dp_size, self.dp_rank)
         if not len(mine):  # a rank with no rows still waits for the others (the forward is collective)
-            self.clock.hold(self.costs.forward_s(largest_share(meta, self.dp_size, mine, 0)))
+            self.clock.hold(self._forward_s(largest_share(meta, self.dp_size, mine, 0)))
             return None
         cols = self.tq.get_columns(mine, [prompt, response])
         tokens = sum(lengths(cols[prompt])) + sum(lengths(cols[response]))
@@ -235,7 +250,7 @@ class _LogProbs(SimWorker):
         prompt, response = io.inputs[:2]
         cols = unpack(columns)
         if not cols or not len(cols[response]):
-            self.clock.hold(self.costs.forward_s(largest))
+            self.clock.hold(self._forward_s(largest))
             return {}
         return pack({io.outputs[0]: self._forward(cols, prompt, response, largest)})
 
@@ -252,9 +267,8 @@ class SimActorWorker(_LogProbs):
         return 8 * self.costs.model.params / max(self.spec.train_devices, 1)
 
     def _train_s(self, tokens: float) -> float:
-        d = self.spec.train_devices
-        grads = 2 * (d - 1) / max(d, 1) * self.costs.model.weight_bytes / (self.costs.sync_gbps * 1e9)
-        return self.costs.train_s(tokens) + grads
+        """The slowest rank's forward and backward, then the gradient all-reduce."""
+        return self.costs.train_s(tokens) * self._straggle("train") + self.costs.grad_sync_s(self.spec.train_devices)
 
     def _train(self, cols: dict[str, Column], largest: float) -> dict:
         n = len(cols["response_ids"]) if "response_ids" in cols else 0
