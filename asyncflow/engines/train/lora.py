@@ -82,7 +82,8 @@ def target_layers(model: nn.Module, targets: tuple[str, ...] | list[str]) -> dic
 def lora_model_problems(model: nn.Module, opts: LoraOptions) -> list[str]:
     """What ``model.lora`` asks that this model cannot have, each naming the key to fix."""
     layers = target_layers(model, opts.target_modules)
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head})
     out = []
     for t in opts.target_modules:
         if t != ALL_LINEAR and not target_layers(model, (t,)):
@@ -215,3 +216,16 @@ def merge_state_dict(state: dict[str, Tensor], scale: float) -> dict[str, Tensor
                 v = (v.float() + scale * (b.float() @ a.float())).to(v.dtype)
         out[name] = v
     return out
+
+
+def model_dir_problems(path: str | Path, opts: LoraOptions) -> list[str]:
+    """lora_model_problems of the causal LM in ``path``, built on the meta device (no weights
+    read): what the launcher checks before any rank starts."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncflow.engines.train.meta_init import parameters_on_meta
+    from asyncflow.models.loading import read_causal_lm_config
+
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(read_causal_lm_config(path), dtype=torch.float32)
+    return lora_model_problems(model, opts)
