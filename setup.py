@@ -48,6 +48,8 @@ setup(
         "npu": ["torch_npu", "mindspeed", "vllm-ascend"],
         "dev": ["pytest>=8", "pytest-timeout>=2.1", "tensorboard>=2.14", "pyarrow>=14"],
         "wandb": ["wandb>=0.19"],
+        # LoRA (model.lora): PEFT's adapters, imported only when model.lora.rank is set. Tested: 0.21.2
+        "lora": ["peft>=0.21.2"],
     },
     entry_points={"console_scripts": ["asyncflow=asyncflow.cli:main"]},
 )

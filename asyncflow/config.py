@@ -57,6 +57,18 @@ class TinyModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on the policy (docs/lora.md): only the adapters train; the base is frozen,
+    the reference is the policy with its adapters off, and weight sync sends the adapters."""
+    rank: Optional[int] = None  # null: no LoRA (full fine-tuning); >= 1: the adapters' rank r
+    alpha: float = 16.0  # the update is (alpha / rank) * B A
+    dropout: float = 0.0  # dropout on the adapters' input, in training only
+    # module names (a name matches itself and every module whose dotted path ends in it, e.g.
+    # q_proj) or all-linear: every linear layer of the decoder (the LM head aside)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
 class ModelConfig:
     path: str = ""  # a local Hugging Face directory; "" builds (once) and caches the built-in tiny model
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -68,6 +80,7 @@ class ModelConfig:
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (less memory)
     cpu_offload: bool = False  # FSDP2's CPUOffloadPolicy: shards, gradients, AdamW state in host memory (steps there)
     padding_free: bool = False  # micro-batches of packed sequences (position ids restart per sequence), no padding
+    lora: LoraConfig = field(default_factory=LoraConfig)  # the policy's adapters (model.lora.rank=8 turns them on)
 
 
 @dataclass
@@ -494,9 +507,32 @@ def _check(cfg: RunConfig) -> RunConfig:
     if ws.bucket_mb <= 0 or ws.max_inflight < 1 or ws.timeout_s <= 0 or ws.swaps_at_once < 0:
         problems.append(f"weight_sync.bucket_mb and timeout_s must be > 0, max_inflight >= 1 and swaps_at_once "
                         f">= 0 (0: auto), got {ws.bucket_mb}, {ws.timeout_s}, {ws.max_inflight} and {ws.swaps_at_once}")
+    problems += _lora_problems(cfg)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return cfg
+
+
+def _lora_problems(cfg: RunConfig) -> list[str]:
+    """model.lora's own rules (what the model's layers allow is checked once model.path is
+    known: asyncflow.engines.train.lora.lora_model_problems)."""
+    lo = cfg.model.lora
+    if lo.rank is None:
+        return []
+    out = []
+    if lo.rank < 1:
+        out.append(f"model.lora.rank: must be >= 1 (null: no LoRA), got {lo.rank}")
+    if lo.alpha <= 0:
+        out.append(f"model.lora.alpha: must be > 0, got {lo.alpha}")
+    if not 0.0 <= lo.dropout < 1.0:
+        out.append(f"model.lora.dropout: must lie in [0, 1), got {lo.dropout}")
+    if not lo.target_modules or any(not str(t).strip() for t in lo.target_modules):
+        out.append(f"model.lora.target_modules: must name at least one module (or all-linear), got "
+                   f"{list(lo.target_modules)}")
+    if cfg.model.train_engine != "fsdp":
+        out.append(f"model.lora.rank: LoRA is built and tested on model.train_engine=fsdp only, not "
+                   f"{cfg.model.train_engine} (unset model.lora.rank, or train with fsdp)")
+    return out
 
 
 def _import_problems(cfg: RunConfig) -> list[str]:

@@ -84,7 +84,8 @@ def idle_ranks(cfg: RunConfig) -> list[int]:
 def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bool = True) -> None:
     """The run's local files, checked before any rank starts, so that a typo in a path fails in a
     second with the key to fix rather than from inside a worker. Every node loads ``model.path``;
-    the driver's node reads the prompt files; the reward model and a reward file (imported, its
+    the driver's node reads the prompt files; model.lora's targets and rank must fit the model's
+    layers; the reward model and a reward file (imported, its
     function looked up) are checked where every role runs on this node (a local launch), since
     under torchrun their node depends on the placement. A
     generation budget that fills the model's context is refused here too."""
@@ -110,6 +111,11 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
         prompt_room(cfg, cfg.model.path)
     except DataError as e:
         raise ConfigError(str(e)) from e
+    if cfg.model.lora.rank is not None:  # the targets and the rank against the model's layers
+        from .engines.train.lora import LoraOptions, model_dir_problems
+        found = model_dir_problems(cfg.model.path, LoraOptions.from_model_config(cfg.model))
+        if found:
+            raise ConfigError(f"model.lora (model.path={cfg.model.path}):\n  " + "\n  ".join(found))
     if cfg.data.task == "file" and driver_node:
         for key in ("data.path", "data.eval_path"):
             path = getattr(cfg.data, key.split(".")[1])

@@ -119,8 +119,8 @@ def test_dev_requirements_are_extras_with_ranges_the_lock_satisfies():
     pins = _pins("requirements-dev.txt")
     assert "tensorboard" in pins and "wandb" in pins, "their logger tests run in CI, not skip"
     for name, version in pins.items():
-        homes = [e for e in ("dev", "wandb") if name in extras[e]]
-        assert homes, f"{name} (requirements-dev.txt) is in neither the dev nor the wandb extra"
+        homes = [e for e in ("dev", "wandb", "lora") if name in extras[e]]
+        assert homes, f"{name} (requirements-dev.txt) is in none of the dev, wandb and lora extras"
         assert _satisfies(version, extras[homes[0]][name]), f"{name}=={version} not in {extras[homes[0]][name]!r}"
 
 
@@ -197,14 +197,14 @@ def _floor(spec: str) -> str | None:
 
 def test_lowest_pins_are_exactly_setup_pys_floors():
     """requirements-lowest.txt: what CI's second run installs, one pin per direct dependency that
-    setup.py declares (install_requires, and the dev and wandb extras the tests use), each the
+    setup.py declares (install_requires, and the dev, wandb and lora extras the tests use), each the
     floor of its range, so that every floor setup.py admits is a tested one."""
     reqs = _requirements("requirements-lowest.txt")
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][\w.+]*", r) for r in reqs), reqs
     assert reqs[0].startswith("torch=="), "torch first: installed on its own before the rest"
     kw = _setup_kwargs()
     ranges = _ranges(kw["install_requires"])
-    for extra in ("dev", "wandb"):
+    for extra in ("dev", "wandb", "lora"):
         ranges.update(_ranges(kw["extras_require"][extra]))
     pins = _pins("requirements-lowest.txt")
     assert set(pins) == set(ranges), (f"only in requirements-lowest.txt: {sorted(set(pins) - set(ranges))}; "

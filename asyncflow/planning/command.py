@@ -73,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--micro-batch-tokens", type=int, default=T.micro_batch_tokens,
                        help="tokens per forward/backward on one device")
     train.add_argument("--ppo-epochs", type=int, default=T.ppo_epochs, help="passes over a step's samples")
+    train.add_argument("--lora-rank", type=int, default=T.lora_rank,
+                       help="LoRA adapters of this rank on every linear layer (model.lora.rank); 0: full fine-tuning")
     roll = parser.add_argument_group("rollout")
     roll.add_argument("--rollout-dtype", choices=dtypes, default=R.dtype, help="weights and KV cache")
     roll.add_argument("--tensor-parallel", type=int, default=R.tensor_parallel,
@@ -120,7 +122,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
                             optimizer_dtype=args.optimizer_dtype, fsdp_size=args.fsdp_size,
                             optimizer_offload=args.optimizer_offload, cpu_offload=args.cpu_offload,
                             activation_checkpointing=args.activation_checkpointing,
-                            micro_batch_tokens=args.micro_batch_tokens, ppo_epochs=args.ppo_epochs),
+                            micro_batch_tokens=args.micro_batch_tokens, ppo_epochs=args.ppo_epochs,
+                            lora_rank=args.lora_rank),
         rollout=RolloutSettings(dtype=args.rollout_dtype, tensor_parallel=args.tensor_parallel,
                                 max_running_rows=args.max_running_rows, context_length=args.context_length,
                                 prefill_tokens=args.prefill_tokens),

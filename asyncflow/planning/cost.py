@@ -75,5 +75,6 @@ def rollout_seconds(shape: ModelShape, params: ParamCount, rollout: RolloutSetti
     return prefill_s + decode_steps * step.seconds
 
 
-def sync_seconds(params: ParamCount, rollout: RolloutSettings, cost: CostAssumptions) -> float:
-    return params.total * dtype_bytes(rollout.dtype, "rollout dtype") / (cost.sync_gbs * 1e9)
+def sync_seconds(params: ParamCount, rollout: RolloutSettings, cost: CostAssumptions, synced: int = 0) -> float:
+    """One version over the wire: ``synced`` parameters (LoRA's adapters), else the whole model."""
+    return (synced or params.total) * dtype_bytes(rollout.dtype, "rollout dtype") / (cost.sync_gbs * 1e9)

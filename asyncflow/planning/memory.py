@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from asyncflow.planning.params import ModelShape, ParamCount
+from asyncflow.planning.params import ModelShape, ParamCount, lora_params
 from asyncflow.planning.settings import RolloutSettings, TrainSettings, dtype_bytes
 
 __all__ = ["ACTIVATION_BYTES", "CATEGORIES", "LOGIT_BYTES", "RoleMemory", "actor_memory", "device_bytes",
@@ -61,7 +61,11 @@ def _gather_buffer(params: ParamCount, shard: int, from_host: bool = False) -> i
 def actor_memory(shape: ModelShape, params: ParamCount, train: TrainSettings, shard: int) -> RoleMemory:
     """The training actor on one of ``shard`` devices its state is sharded over (FSDP)."""
     b, n = train.bytes_per_param(), params.total
-    optimizer_state = math.ceil(n * (b["master"] + b["optimizer"]) / shard)
+    trained = n  # what has gradients and optimizer state
+    if train.lora_rank:  # the adapters train; the base is held as its parameters only
+        trained = lora_params(shape, train.lora_rank)
+        n += trained
+    optimizer_state = math.ceil(trained * (b["master"] + b["optimizer"]) / shard)
     tokens = train.micro_batch_tokens
     per_layer = layer_saved_elements(shape) * tokens * ACTIVATION_BYTES
     if train.activation_checkpointing:  # every layer's input, plus one layer recomputed in full
@@ -70,13 +74,13 @@ def actor_memory(shape: ModelShape, params: ParamCount, train: TrainSettings, sh
         layers = shape.num_layers * per_layer
     activations = layers + tokens * shape.vocab_size * LOGIT_BYTES
     if train.cpu_offload:  # FSDP2's CPUOffloadPolicy: shards, gradients and optimizer state in host memory
-        host = math.ceil(n * b["param"] / shard) + math.ceil(n * b["grad"] / shard) + optimizer_state
+        host = math.ceil(n * b["param"] / shard) + math.ceil(trained * b["grad"] / shard) + optimizer_state
         return RoleMemory(role="actor", weights=_gather_buffer(params, shard, from_host=True),
                           activations=activations, host=host)
     return RoleMemory(
         role="actor",
         weights=math.ceil(n * b["param"] / shard) + _gather_buffer(params, shard),
-        gradients=math.ceil(n * b["grad"] / shard),
+        gradients=math.ceil(trained * b["grad"] / shard),
         optimizer=0 if train.optimizer_offload else optimizer_state,
         activations=activations,
         host=optimizer_state if train.optimizer_offload else 0,

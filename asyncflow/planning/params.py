@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelShape", "ParamCount", "PlanInputError", "count_params", "load_config_json", "tiny_model_config"]
+__all__ = ["ModelShape", "ParamCount", "PlanInputError", "count_params", "lora_params", "load_config_json", "tiny_model_config"]
 
 
 class PlanInputError(ValueError):
@@ -135,6 +135,15 @@ class ParamCount:
     def largest_unit(self) -> int:
         """The biggest block FSDP gathers at once: a layer, or the embedding / lm_head."""
         return max(self.per_layer, self.embedding, self.lm_head)
+
+
+def lora_params(shape: ModelShape, rank: int) -> int:
+    """Parameters of rank-``rank`` LoRA adapters on every linear layer of the decoder (the
+    LM head aside: model.lora.target_modules=[all-linear]): rank * (in + out) per layer for
+    q, k, v, o, gate, up and down."""
+    h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+    return rank * per_layer * shape.num_layers
 
 
 def count_params(shape: ModelShape) -> ParamCount:

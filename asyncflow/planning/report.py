@@ -7,7 +7,9 @@ from typing import Any
 from asyncflow.planning.cost import train_flops_per_token
 from asyncflow.planning.hardware import GIB
 from asyncflow.planning.memory import CATEGORIES, kv_bytes_per_token
+from asyncflow.planning.params import lora_params
 from asyncflow.planning.planner import Plan
+from asyncflow.planning.settings import dtype_bytes
 from asyncflow.planning.split import Candidate
 
 __all__ = ["assumptions", "plan_dict", "plan_text"]
@@ -79,6 +81,12 @@ def plan_text(plan: Plan, top: int = 10) -> str:
              f"devices: {x.hardware.count} x {x.hardware.memory_gib:g} GiB; step: {w.samples} samples "
              f"({w.prompts_per_step} prompts x {w.responses_per_prompt}), {w.prompt_tokens} + {w.response_tokens} "
              f"tokens each", ""]
+    if x.train.lora_rank:
+        n = lora_params(s, x.train.lora_rank)
+        lines.insert(-1, f"LoRA rank {x.train.lora_rank} on every linear layer: {_billions(n)} trained parameters "
+                         f"({100 * n / p.total:.2f}%); weight sync {n * dtype_bytes(x.rollout.dtype, 'rollout dtype') / 2**20:.0f} "
+                         f"MiB per version (the whole model: {p.total * dtype_bytes(x.rollout.dtype, 'rollout dtype') / 2**30:.1f} GiB); "
+                         "no reference model")
     shown = plan.shown
     if plan.chosen:
         lines.append(f"fastest that fits: {_label(shown)}")

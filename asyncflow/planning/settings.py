@@ -46,9 +46,14 @@ class TrainSettings:
     activation_checkpointing: bool = True  # keep each layer's input, recompute the rest in backward
     micro_batch_tokens: int = 8192  # tokens per forward/backward on one device (optim.micro_batch_tokens)
     ppo_epochs: int = 1  # passes of the update over a step's samples
+    # model.lora.rank on every linear layer (0: full fine-tuning): the frozen base keeps only its
+    # parameters; gradients, master copy and AdamW moments are the adapters'; no reference model
+    # (the base with the adapters off); weight sync sends the adapters
+    lora_rank: int = 0
 
     def __post_init__(self) -> None:
         self.bytes_per_param()
+        _at_least("lora_rank", self.lora_rank, 0)
         _at_least("fsdp_size", self.fsdp_size, 0)
         _at_least("micro_batch_tokens", self.micro_batch_tokens, 1)
         _at_least("ppo_epochs", self.ppo_epochs, 1)

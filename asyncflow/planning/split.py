@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from asyncflow.planning import cost as costs
 from asyncflow.planning.hardware import Hardware
 from asyncflow.planning.memory import RoleMemory, actor_memory, device_bytes, reference_memory, rollout_memory
-from asyncflow.planning.params import ModelShape, ParamCount, PlanInputError
+from asyncflow.planning.params import ModelShape, ParamCount, PlanInputError, lora_params
 from asyncflow.planning.settings import CostAssumptions, PlacementRequest, RolloutSettings, TrainSettings, Workload
 
 __all__ = ["Candidate", "PlanInputs", "StepTimes", "candidates", "check_parallelism", "colocated", "disaggregated",
@@ -99,7 +99,15 @@ def with_tensor_parallel(x: PlanInputs, tp: int) -> PlanInputs:
 
 
 def _reference(x: PlanInputs, shard: int) -> list[RoleMemory]:
-    return [reference_memory(x.shape, x.params, x.train, shard)] if x.placement.reference != "none" else []
+    """A reference model's memory; none with LoRA, whose reference is the actor's base."""
+    if x.placement.reference == "none" or x.train.lora_rank:
+        return []
+    return [reference_memory(x.shape, x.params, x.train, shard)]
+
+
+def _reference_side(x: PlanInputs) -> str:
+    """Where the reference's forward pass runs: with LoRA, in the actor (adapters off)."""
+    return "actor" if x.train.lora_rank and x.placement.reference != "none" else x.placement.reference
 
 
 def disaggregated(x: PlanInputs, rollout_devices: int) -> Candidate | None:
@@ -108,7 +116,7 @@ def disaggregated(x: PlanInputs, rollout_devices: int) -> Candidate | None:
     fsdp = x.train.fsdp_size or train_devices
     if train_devices < 1 or train_devices % fsdp or rollout_devices % x.rollout.tp:
         return None
-    ref_side = x.placement.reference
+    ref_side = _reference_side(x)
     training = [actor_memory(x.shape, x.params, x.train, fsdp), *(_reference(x, fsdp) if ref_side == "actor" else [])]
     rollout = [rollout_memory(x.shape, x.params, x.rollout),
                *(_reference(x, rollout_devices) if ref_side == "rollout" else [])]
@@ -118,7 +126,7 @@ def disaggregated(x: PlanInputs, rollout_devices: int) -> Candidate | None:
     rollout_s += ref_s if ref_side == "rollout" else 0.0
     train_s = costs.train_seconds(x.params, x.train, x.work, x.hardware, x.cost, train_devices)
     train_s += ref_s if ref_side == "actor" else 0.0
-    sync_s = costs.sync_seconds(x.params, x.rollout, x.cost)
+    sync_s = costs.sync_seconds(x.params, x.rollout, x.cost, lora_params(x.shape, x.train.lora_rank))
     times = StepTimes(rollout_s, train_s, sync_s, 0.0, max(rollout_s, train_s) + sync_s)
     return Candidate("disaggregated", x.rollout.tensor_parallel, rollout_devices, train_devices, fsdp,
                      {"training": training, "rollout": rollout},
@@ -147,7 +155,7 @@ def colocated(x: PlanInputs) -> Candidate | None:
         switch_s = 2 * moved / (x.cost.host_gbs * 1e9)  # out and back in, once per step
     else:
         need, switch_s = device_bytes(roles), 0.0
-    ref_s = costs.forward_seconds(x.params, x.work, x.hardware, x.cost, n) if ref else 0.0
+    ref_s = costs.forward_seconds(x.params, x.work, x.hardware, x.cost, n) if _reference_side(x) != "none" else 0.0
     rollout_s = costs.rollout_seconds(x.shape, x.params, x.rollout, x.work, x.hardware, x.cost, n)
     train_s = costs.train_seconds(x.params, x.train, x.work, x.hardware, x.cost, n) + ref_s
     times = StepTimes(rollout_s, train_s, 0.0, switch_s, rollout_s + train_s + switch_s)

@@ -46,8 +46,15 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.optim_key = optim
         self.temperature = c.rollout.temperature
         self.algo = dataclasses.replace(c.algorithm, policy_loss=policy_loss_name(c))
+        from ..engines.train.lora import LoraOptions
+        lora = LoraOptions.from_model_config(c.model)  # None: every weight trains
         self.engine = train_engine_class(c.model.train_engine)(
-            policy_model(c), engine_optim(c, optim), process_group=self.process_group, platform=self.platform)
+            policy_model(c), engine_optim(c, optim), process_group=self.process_group, platform=self.platform,
+            **({"lora": lora} if lora is not None else {}))
+        self.lora = lora
+        # LoRA: the built-in engine takes the adapters; vLLM takes the merged weights
+        self.lora_sync = "merged" if c.rollout.engine == "vllm" else "adapters"
+        self._merged: Any = None  # the merged tensors of the last publish, alive while they are on the wire
         self.sender: Any = None  # a weight_sync.send.BucketSender once init_weight_sync ran
         self._ws_store = self._ws_addr = None  # this rank's weight-sync group store (open_weight_sync)
         self.published = 0
@@ -56,7 +63,11 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
     # ---- optimisation ----------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
     def reset_optimizer(self, phase: str = "rl") -> None:
-        """A fresh optimizer and schedule for ``phase``: "warmup" (supervised) or "rl"."""
+        """A fresh optimizer and schedule for ``phase``: "warmup" (supervised) or "rl". With LoRA,
+        RL after a warm-up that trained the adapters starts by folding them into the base, so
+        that the reference (the base, adapters off) is the policy RL starts from."""
+        if self.lora is not None and phase == "rl" and self.engine.step > 0:
+            self.engine.fold_adapters()
         self.engine.reset_optimizer(engine_optim(self.cfg, self.optim_key, phase))
 
     @register(Dispatch.ONE_TO_ALL)
@@ -82,6 +93,14 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         weights the next update starts from): [prompt, response] -> one per-token column."""
         per_token_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["old_log_probs"]),
                          lambda p, r: self.engine.compute_log_probs(p, r, temperature=self.temperature)[0])
+
+    @register(Dispatch.ONE_TO_ALL)
+    def compute_ref_log_probs(self, meta: Any, io: dict | None = None) -> None:
+        """LoRA: the reference's log-probs, from this model with its adapters off (no second
+        model): [prompt, response] -> one per-token column."""
+        per_token_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["ref_log_probs"]),
+                         lambda p, r: self.engine.compute_log_probs(p, r, temperature=self.temperature,
+                                                                    adapters=False)[0])
 
     @register(Dispatch.ONE_TO_ALL)
     def update(self, step: int, batch: dict, io: dict | None = None) -> dict:
@@ -255,11 +274,27 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
             raise RuntimeError(f"actor rank {self.rank}: publish_weights before init_weight_sync")
         start = time.monotonic()
         self.published += 1
-        named = local_tensors(self.engine.model)
+        named = self._sync_tensors(local_tensors(self.engine.model))
         header = make_header(named, version, self.published, self.bucket_bytes, self.group_size, self.sync_dtype)
         stats = self.sender.send(header, named, wait_direct=not self._defer_sync)
         return {"bytes": header.nbytes, "bytes_sent": stats.bytes_sent, "buckets": len(header.buckets),
-                "peak_extra_bytes": stats.peak_extra_bytes, "publish_s": time.monotonic() - start}
+                "peak_extra_bytes": stats.peak_extra_bytes, "publish_s": time.monotonic() - start,
+                "tensors": len(header.specs)}
+
+    def _sync_tensors(self, named: list) -> list:
+        """What a version sends. Full fine-tuning: every tensor. LoRA to the built-in engine:
+        the adapters under the HF names (``<layer>.lora_A.weight``), with the base weights too
+        when they changed since the last sync (the first sync, a fold, a loaded checkpoint); to
+        vLLM: the merged weights, built here (lora.merged_tensors)."""
+        if self.lora is None:
+            return named
+        from ..engines.train.lora import hf_name, is_adapter, merged_tensors
+        if self.lora_sync == "merged":
+            self._merged = merged_tensors(self.engine.model, named, self.lora.scale)
+            return self._merged
+        full = self.engine.base_changed
+        self.engine.base_changed = False
+        return [(hf_name(k), v) for k, v in named if full or is_adapter(k)]
 
     def teardown(self) -> None:
         """At shutdown: the last version's messages still on the wire arrive before the process

@@ -37,6 +37,11 @@ from .reward import reward_kwargs
 from .rollout_stream import ROLLOUT_INPUTS, RowStream, ScoreContext, row_inputs, scored_columns, stage_params
 
 
+def lora_scale(lora: Any) -> float | None:
+    """The scale of the policy's LoRA updates (alpha / rank), None without LoRA."""
+    return None if lora.rank is None else float(lora.alpha) / int(lora.rank)
+
+
 class RolloutWorker(EngineOffload, Worker):
     def __init__(self, cfg: dict, sync_timeout_s: float = 300.0):
         from ..config import offload_idle
@@ -60,7 +65,8 @@ class RolloutWorker(EngineOffload, Worker):
                                    device=str(self.device))
             self.engine = BuiltinRolloutEngine(model, eos_token_ids=eos, pad_token_id=self.tokenizer.pad_token_id,
                                                device=self.device, max_running_rows=r.max_running_rows,
-                                               max_kv_tokens=r.max_kv_tokens, prefill_chunk=r.prefill_chunk)
+                                               max_kv_tokens=r.max_kv_tokens, prefill_chunk=r.prefill_chunk,
+                                               lora_scale=lora_scale(c.model.lora))
         elif r.engine == "vllm":
             self.engine = self._vllm_engine(c)
         else:

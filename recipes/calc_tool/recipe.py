@@ -31,6 +31,7 @@ def build(cfg) -> RecipeSpec:
     stages += grpo.log_prob_stages(cfg, gate)
     stages.append(grpo.advantage(cfg, ["scores", "response_ids", "loss_mask", *gate]))
     stages.append(grpo.update(cfg, extra=["loss_mask"]))
-    if cfg.algorithm.kl_coef > 0:
-        roles["ref"] = Role("asyncflow.workers.reference:ReferenceWorker", on=cfg.placement.ref_with)
+    ref = grpo.reference_role(cfg)
+    if ref is not None:
+        roles["ref"] = ref
     return RecipeSpec(roles, stages)

@@ -33,9 +33,19 @@ def roles(cfg) -> dict[str, Role]:
     if not reward_inline(cfg):
         out["reward"] = Role("asyncflow.workers.reward_model:RewardModelWorker" if cfg.reward.model_path
                              else "asyncflow.workers.reward:RewardWorker", on=cfg.placement.reward_with)
-    if cfg.algorithm.kl_coef > 0:
-        out["ref"] = Role("asyncflow.workers.reference:ReferenceWorker", on=cfg.placement.ref_with)
+    ref = reference_role(cfg)
+    if ref is not None:
+        out["ref"] = ref
     return out
+
+
+def reference_role(cfg) -> Role | None:
+    """The frozen reference model's role, with a KL term (kl_coef > 0). None without one, and
+    with LoRA (model.lora.rank), whose reference is the policy with its adapters off: the
+    actor computes it, and no second model is built."""
+    if cfg.algorithm.kl_coef <= 0 or cfg.model.lora.rank is not None:
+        return None
+    return Role("asyncflow.workers.reference:ReferenceWorker", on=cfg.placement.ref_with)
 
 
 def reward_inline(cfg) -> bool:
@@ -83,7 +93,9 @@ def log_prob_stages(cfg, gate: list[str]) -> list[Stage]:
                          inputs=["prompt_ids", "response_ids", *gate], outputs=["old_log_probs"],
                          batch_rows=batch_rows(cfg), on_policy_weights=True))
     if cfg.algorithm.kl_coef > 0:
-        out.append(Stage("ref_log_prob", role="ref", method="compute_log_probs",
+        lora = cfg.model.lora.rank is not None  # the actor's model with its adapters off (reference_role)
+        out.append(Stage("ref_log_prob", role="actor" if lora else "ref",
+                         method="compute_ref_log_probs" if lora else "compute_log_probs",
                          inputs=["prompt_ids", "response_ids", *gate], outputs=["ref_log_probs"],
                          batch_rows=batch_rows(cfg)))
     return out

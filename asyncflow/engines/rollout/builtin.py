@@ -33,6 +33,7 @@ import torch
 from asyncflow.engines.rollout.base import (SWAP_MODES, GenerationOutput, GenerationRequest, RequestEngine,
                                             RequestResult, RolloutEngine, SamplingParams, check_generate_args)
 from asyncflow.engines.rollout.attention import GROUPED, use_grouped_attention
+from asyncflow.engines.rollout.lora_apply import AdapterMerge, is_adapter_name
 from asyncflow.engines.rollout.sampling import SeedKeys, _splitmix64, sample_step, vocab_hash
 from asyncflow.engines.rollout.slot_cache import PrefillCache, SlotKVCache
 from asyncflow.engines.row_packing import pack_rows
@@ -90,12 +91,14 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
     running rows may reserve (prompt + budget each; 0 = no limit besides the rows);
     prefill_chunk: prompt tokens prefilled per step (a longer prompt is split over steps);
     max_context: prompt + budget limit of one request (default: the model's
-    max_position_embeddings).
+    max_position_embeddings); lora_scale: the policy trains LoRA adapters (alpha / rank):
+    versions may carry adapters, merged into the weights (lora_apply.py).
     """
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: list[int], pad_token_id: int,
                  device: torch.device | str | None = None, max_running_rows: int = 256, max_kv_tokens: int = 0,
-                 prefill_chunk: int = 2048, max_context: int | None = None) -> None:
+                 prefill_chunk: int = 2048, max_context: int | None = None,
+                 lora_scale: float | None = None) -> None:
         cfg = model.config
         attn = getattr(cfg, "_attn_implementation", None)
         if attn not in ("eager", "sdpa", GROUPED):  # GROUPED: a model another engine took over before
@@ -115,6 +118,7 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         # with its own grouped-query attention (same math, no copy of the cache per step).
         use_grouped_attention(model)
         self.model = model
+        self._lora = AdapterMerge(model, lora_scale) if lora_scale is not None else None
         self.base = getattr(model, model.base_model_prefix)  # the decoder stack without the LM head
         self._cache_kw = cache_keyword(self.base)
         self.head = model.get_output_embeddings()
@@ -586,6 +590,15 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
             raise ValueError(f"load_weights: version {version} is older than the version held ({self.version}); "
                              "refused, the engine keeps its weights")
         target = self.model.state_dict()
+        adapters = {k: v for k, v in state_dict.items() if is_adapter_name(k)}
+        if adapters:
+            if self._lora is None:
+                raise KeyError(f"load_weights: LoRA adapters ({next(iter(adapters))!r}, ...) sent to an engine built "
+                               "without LoRA (lora_scale)")
+            self._lora.check(adapters, target)
+            state_dict = {k: v for k, v in state_dict.items() if k not in adapters}
+            if not state_dict:  # adapters only: the base weights held stay
+                return
         unknown = sorted(k for k in state_dict if k not in target)
         if unknown:
             raise KeyError(f"load_weights: unknown weight names {unknown[:5]}{' ...' if len(unknown) > 5 else ''} "
@@ -613,9 +626,14 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
             raise ValueError(f"load_weights: mode must be one of {SWAP_MODES}, got {mode!r}")
         self.check_weights(state_dict, version)
         target = self.model.state_dict()
+        if self._lora is not None:
+            self._lora.begin()
         with torch.no_grad():
             for k, v in state_dict.items():
-                target[k].copy_(v)  # in place: moves to the device as needed
+                if self._lora is None or not self._lora.take(k, v):
+                    target[k].copy_(v)  # in place: moves to the device as needed
+            if self._lora is not None:
+                self._lora.end(target)
         self._commit_version(version, mode)
 
     def load_weights_stream(self, specs: Sequence[Any], stream: Iterable[tuple[Any, torch.Tensor]], version: int,
@@ -628,11 +646,16 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         self.check_weights({s.name: s.meta() for s in specs}, version)
         target = self.model.state_dict()
         done = 0
+        if self._lora is not None:
+            self._lora.begin()
         try:
             with torch.no_grad():
                 for spec, t in stream:
-                    target[spec.name].copy_(t)
+                    if self._lora is None or not self._lora.take(spec.name, t):
+                        target[spec.name].copy_(t)
                     done += 1
+                if self._lora is not None and done == len(specs):
+                    self._lora.end(target)
         except BaseException as e:
             self.torn = f"version {version}: {done} of {len(specs)} tensors loaded when the stream failed: {e}"
             raise

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from asyncflow.engines.train import checkpoint as ckpt
 from asyncflow.engines.train.activation_checkpoint import checkpoint_layers
 from asyncflow.engines.train.critic_init import critic_model
+from asyncflow.engines.train.lora import LoraOptions
 from asyncflow.engines.train.base import (LossFn, LossNorm, NonFiniteUpdateError, OptimConfig, TrainEngine,
                                           check_batch, move_train_state, response_loss_masks)
 from asyncflow.engines.train.meta_init import fill, materialize, real_tensors
@@ -59,7 +60,7 @@ from asyncflow.engines.train.schedule import build_scheduler
 from asyncflow.models.loading import record_attn_implementation
 from asyncflow.platform import Platform, get_platform
 
-__all__ = ["FSDPEngine", "decoder_layers"]
+__all__ = ["FSDPEngine", "adapter_path", "decoder_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         if isinstance(module, nn.ModuleList) and name.split(".")[-1] == "layers":
             return list(module)
     raise ValueError(f"{type(model).__name__} has no ModuleList named '*layers' to shard per layer")
+
+
+def adapter_path(model_path: str | Path) -> Path:
+    """Where a LoRA engine's export_hf(model_path) writes the PEFT adapter directory."""
+    p = Path(model_path)
+    return p.with_name(p.name + "_adapter")
 
 
 class FSDPEngine(TrainEngine):
@@ -86,6 +93,9 @@ class FSDPEngine(TrainEngine):
         options.param_dtype ('auto': bf16 params / fp32 reduce on accelerators, fp32 on CPU).
     value_head: wrap the model in ValueModel and act as a critic: compute_values works,
         and loss_fn's first argument is the values tensor [b, T] instead of log-probs.
+    lora: train LoRA adapters (lora.py) instead of every weight: the base is frozen and
+        sharded like the adapters, only the adapters get gradients and optimizer state, and
+        ``compute_log_probs(..., adapters=False)`` is the base model (the reference).
     """
 
     guards_weight_writes = True  # _weights_change() before every write of the parameters
@@ -93,7 +103,11 @@ class FSDPEngine(TrainEngine):
     def __init__(self, model_factory: ModelSource | Callable[[], nn.Module], optim: OptimConfig, *,
                  process_group: dist.ProcessGroup | None = None, platform: Platform | None = None,
                  mixed_precision: bool | None = None, value_head: bool = False,
-                 options: EngineOptions | None = None) -> None:
+                 options: EngineOptions | None = None, lora: LoraOptions | None = None) -> None:
+        if lora is not None and value_head:
+            raise ValueError("LoRA is for the policy: a critic engine (value_head=True) trains every weight")
+        self.lora = lora
+        self.base_changed = True  # LoRA: the base weights changed since the last weight sync (a full one is due)
         self.optim_config = optim
         self.platform = platform if platform is not None else get_platform("auto")
         self.process_group = process_group
@@ -133,13 +147,17 @@ class FSDPEngine(TrainEngine):
         """AdamW with torch's fused kernel where it has one (CPU, CUDA): the default per-tensor
         loop dispatches every op through DTensor, a large share of a small model's step."""
         fused = True if self.device.type in ("cpu", "cuda") else None
-        return torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                  weight_decay=optim.weight_decay, fused=fused)
 
     def load_model_state(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the weights with a full (unsharded, HF-named) state dict, on every rank."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        if self.lora is not None:
+            raise TypeError("load_model_state on a LoRA engine: its names are PEFT's; load a checkpoint instead")
         self._weights_change()
+        self.base_changed = True
         set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True))
 
     def _weights_change(self) -> None:
@@ -157,6 +175,11 @@ class FSDPEngine(TrainEngine):
         initial: dict[str, Tensor] = {}
         if self.value_head:
             model, source_names, initial = critic_model(model)
+        if self.lora is not None:  # before sharding: FSDP2 shards the frozen base and the adapters alike
+            from asyncflow.engines.train.lora import hf_name, initial_adapters, wrap
+            model = wrap(model, self.lora)
+            source_names = {name: hf_name(name) for name, _ in model.named_parameters()}
+            initial = initial_adapters(model, seed=0) if self.rank == 0 else {}
         rank0_tensors = {**initial, **real_tensors(model)}  # the full tensors this rank holds, before sharding
         if self.options.activation_checkpointing:
             checkpoint_layers(decoder_layers(model))
@@ -274,12 +297,29 @@ class FSDPEngine(TrainEngine):
         return out, (ent if with_entropy else None)  # type: ignore[return-value]
 
     def compute_log_probs(self, prompts: list[Tensor], responses: list[Tensor], *,
-                          temperature: float = 1.0,
-                          with_entropy: bool = False) -> tuple[list[Tensor], list[Tensor] | None]:
-        """Collective with FSDP: every rank of the group calls it (possibly with no data)."""
+                          temperature: float = 1.0, with_entropy: bool = False,
+                          adapters: bool = True) -> tuple[list[Tensor], list[Tensor] | None]:
+        """Collective with FSDP: every rank of the group calls it (possibly with no data).
+        ``adapters=False`` (LoRA only): the base model's, the adapters off (the reference)."""
         if self.value_head:
             raise TypeError("compute_log_probs on a critic engine (value_head=True): use compute_values")
-        return self._infer(prompts, responses, temperature, with_entropy)
+        if adapters:
+            return self._infer(prompts, responses, temperature, with_entropy)
+        if self.lora is None:
+            raise TypeError("compute_log_probs(adapters=False) needs a LoRA engine (lora=LoraOptions(...))")
+        with self.model.disable_adapter():
+            return self._infer(prompts, responses, temperature, with_entropy)
+
+    def fold_adapters(self) -> int:
+        """LoRA: merge the adapters into the base and zero them (lora.fold_adapters): the policy
+        is unchanged, and the base, so the reference, is now it (RL after a supervised warm-up).
+        The next weight sync sends the base too. Collective with FSDP."""
+        from asyncflow.engines.train.lora import fold_adapters
+        if self.lora is None:
+            raise TypeError("fold_adapters needs a LoRA engine")
+        self._weights_change()
+        self.base_changed = True
+        return fold_adapters(self.model, self.lora.scale)
 
     def compute_values(self, prompts: list[Tensor], responses: list[Tensor]) -> list[Tensor]:
         """Value of the state before each response token (the position whose logits
@@ -452,6 +492,7 @@ class FSDPEngine(TrainEngine):
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         self._weights_change()
+        self.base_changed = True
         self.step, extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer,
                                                 scheduler=self.scheduler,
                                                 process_group=self.process_group, platform=self.platform)
@@ -459,7 +500,9 @@ class FSDPEngine(TrainEngine):
 
     def export_hf(self, path: str | Path, tokenizer: Any = None) -> None:
         """Collective; rank 0 writes config + model.safetensors (+ tokenizer) into a temp
-        dir and renames it to `path` (which must not exist yet)."""
+        dir and renames it to `path` (which must not exist yet). With LoRA the model written
+        is the merged one (base + adapters), and the adapters alone go to a PEFT adapter
+        directory beside it, ``<path>_adapter`` (``adapter_path``)."""
         if self.value_head:
             raise TypeError("export_hf writes a causal LM; this is a critic engine (value_head=True): "
                             "use full_state_dict() or save_checkpoint()")
@@ -475,6 +518,14 @@ class FSDPEngine(TrainEngine):
                     shutil.rmtree(tmp)
                 with torch.device("meta"):
                     model = self.hf_class(self.hf_config)
+                if self.lora is not None:
+                    from asyncflow.engines.train.lora import merge_state_dict, save_adapter
+                    adapter = adapter_path(target)
+                    if adapter.exists():
+                        raise FileExistsError(f"{adapter} exists")
+                    save_adapter(target.parent / f".{adapter.name}.tmp", state, self.lora,
+                                 getattr(self.hf_config, "_name_or_path", "") or "")
+                    state = merge_state_dict(state, self.lora.scale)
                 model.load_state_dict(state, strict=True, assign=True)
                 model.tie_weights()
                 model.save_pretrained(tmp, safe_serialization=True)
@@ -482,8 +533,11 @@ class FSDPEngine(TrainEngine):
                     tokenizer.save_pretrained(tmp)
                 record_attn_implementation(tmp, getattr(self.hf_config, "_attn_implementation", None))
                 os.rename(tmp, target)
+                if self.lora is not None:
+                    os.rename(target.parent / f".{adapter_path(target).name}.tmp", adapter_path(target))
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(target.parent / f".{adapter_path(target).name}.tmp", ignore_errors=True)
                 error = f"{type(exc).__name__}: {exc}"
         errors = ckpt.gather_errors(error, self.process_group)
         if errors:
