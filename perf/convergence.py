@@ -612,9 +612,7 @@ def warm_up(seed_dir: Path, common: Sequence[str], timeout_s: float) -> tuple[li
     summ = json.loads((wdir / "summary.json").read_text())
     info = {"warmup_steps": summ.get("warmup_steps"), "accuracy": summ.get("eval_accuracy_after_rl"),
             "wall_s": round(wall, 1)}
-    # the exported policy (eager attention, as the built-in model) is every setting's start
-    start = [f"model.path={(wdir / 'hf_model').resolve()}", "model.attn_implementation=eager", "warmup.enabled=false"]
-    return start, info
+    return start_overrides(wdir), info  # the exported policy is every setting's start
 
 
 def finished_warm_up(seed_dir: Path) -> tuple[list[str], dict]:
@@ -623,8 +621,15 @@ def finished_warm_up(seed_dir: Path) -> tuple[list[str], dict]:
     if not summ_path.is_file():
         raise RuntimeError(f"--reanalyse: no finished warm-up in {seed_dir / 'warmup'}")
     summ = json.loads(summ_path.read_text())
-    return [], {"warmup_steps": summ.get("warmup_steps"), "accuracy": summ.get("eval_accuracy_after_rl"),
-                "wall_s": float("nan")}
+    return start_overrides(seed_dir / "warmup"), {"warmup_steps": summ.get("warmup_steps"),
+                                                  "accuracy": summ.get("eval_accuracy_after_rl"),
+                                                  "wall_s": float("nan")}
+
+
+def start_overrides(warmup_dir: Path) -> list[str]:
+    """What starts a run from a warm-up's exported policy (eager attention, as the built-in model)."""
+    return [f"model.path={(warmup_dir / 'hf_model').resolve()}", "model.attn_implementation=eager",
+            "warmup.enabled=false"]
 
 
 def plot(curves: Mapping[str, Mapping[int, Curves]], path: Path, title: str) -> None:
