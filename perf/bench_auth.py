@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from asyncflow.rpc import auth, codec  # noqa: E402
+from asyncflow.rpc import auth, codec
 
 
 def _per_call_us(fn, min_s: float = 0.5) -> float:

@@ -640,7 +640,7 @@ def summarise(reps: list[dict[str, dict]], rows_per_step: int) -> dict:
                  for n in names if any(v is not None for v in col(n, key))}
            for key in ("gen_tokens_per_row", "useful_tokens_per_row")},
         "sync_baseline": baseline, "trl_baseline": trl_base,
-        **{k: None for k in HEADLINE_RATIOS},  # present even when not measured
+        **dict.fromkeys(HEADLINE_RATIOS),  # present even when not measured
         **{k: round(s.median, 3) for k, s in ratios.items()},
         "ratio_range": {k: [round(s.lo, 3), round(s.hi, 3)] for k, s in ratios.items()},
         "bound_samples_per_s": {m: round(s.median, 2) for m, s in bounds.items()},

@@ -199,6 +199,7 @@ class _TransportStore:
 
 async def _serve_transport(conn) -> None:
     import zmq.asyncio
+
     from asyncflow.rpc.async_server import RpcServer
     server = RpcServer(_TransportStore(), "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), "bench-transport")
     server.start()
@@ -209,6 +210,7 @@ async def _serve_transport(conn) -> None:
 
 def _transport_client(address: str):
     import zmq
+
     from asyncflow.rpc.blocking_client import BlockingRpcClient
     return BlockingRpcClient(address, zmq.Context.instance())
 
@@ -474,6 +476,7 @@ def _recv(conn, timeout: float, what: str):
 
 def latency_main(address: str, rows: int, clients: int, calls: int, conn) -> None:
     import torch
+
     from asyncflow.transfer_queue import AsyncTransferQueueClient
 
     async def run():

@@ -183,11 +183,11 @@ def _scale_checks(a: argparse.Namespace, plat, group) -> int:
     import torch
     from safetensors.torch import load_file
 
+    from asyncflow.config import AlgorithmConfig
     from asyncflow.engines.rollout.base import SamplingParams
     from asyncflow.engines.rollout.builtin import BuiltinRolloutEngine
     from asyncflow.engines.train import FSDPEngine, OptimConfig
     from asyncflow.engines.train.model_source import PretrainedModel
-    from asyncflow.config import AlgorithmConfig
     from asyncflow.engines.train.options import EngineOptions
     from asyncflow.workers.actor_loss import policy_loss_fn
 

@@ -7,8 +7,9 @@ import asyncio
 import importlib
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ class EpisodeRunner:
         self._loop: EventLoopThread | None = None  # started with the first episode
         self._fns: dict[str, Callable[..., Any]] = {}
         self._lock = threading.Lock()  # episodes start from the stream's and the call queue's threads
-        self.stats = {k: 0 for k in STAT_KEYS}  # training episodes only (evaluations are not counted)
+        self.stats = dict.fromkeys(STAT_KEYS, 0)  # training episodes only (evaluations are not counted)
         self.finish_reasons: dict[str, int] = {}
 
     def function(self, path: str) -> Callable[..., Any]:

@@ -5,7 +5,7 @@ silently or fail with an anonymous torch message deep in a training step.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor

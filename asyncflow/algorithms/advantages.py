@@ -27,8 +27,7 @@ import torch
 from torch import Tensor
 
 from ..algorithm_config import AlgorithmConfig
-from ._checks import (ADVANTAGE_KEYS, as_bool_mask, check_2d, check_algorithm_config, check_same_shape,
-                      check_seq_vector)
+from ._checks import ADVANTAGE_KEYS, as_bool_mask, check_2d, check_algorithm_config, check_same_shape, check_seq_vector
 from .aggregate import masked_sum, masked_whiten
 from .registry import ADVANTAGES
 

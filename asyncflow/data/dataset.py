@@ -12,7 +12,6 @@ import json
 import logging
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +136,7 @@ class PromptDataset:
     @classmethod
     def from_records(
         cls, records: Iterable[dict[str, Any]], tokenizer: Any, config: DataConfig, source: str = "records"
-    ) -> "PromptDataset":
+    ) -> PromptDataset:
         """A dataset over in-memory records (same fields and checks as a file)."""
         self = cls.__new__(cls)
         rows = (
@@ -228,7 +227,7 @@ class PromptDataset:
             self._order, self._order_epoch = order, epoch
         return self._order
 
-    def __iter__(self) -> "PromptDataset":
+    def __iter__(self) -> PromptDataset:
         return self
 
     def __next__(self) -> dict[str, Any]:

@@ -106,7 +106,7 @@ def _backend_tokenizer():
     return tok
 
 
-def build_char_tokenizer() -> "PreTrainedTokenizerFast":
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """The character tokenizer as a transformers tokenizer, pad and eos set, with a chat template."""
     from transformers import PreTrainedTokenizerFast
 

@@ -8,7 +8,8 @@ import functools
 import itertools
 import json
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -115,7 +116,7 @@ class RpcClient:
         return rid, fut
 
     @staticmethod
-    def spin(clients: list["RpcClient"], done: Callable[[], bool], budget_s: float) -> bool:
+    def spin(clients: list[RpcClient], done: Callable[[], bool], budget_s: float) -> bool:
         """Busy-poll the sockets of ``clients`` (:func:`poll_ready`) and take in their replies
         at once, until ``done()`` or ``budget_s`` has passed; True when done. Blocks the event
         loop meanwhile: keep the budget to a few hundred microseconds."""

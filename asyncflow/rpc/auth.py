@@ -41,7 +41,8 @@ import secrets
 import struct
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .store_wait import wait_for_value
 

@@ -7,7 +7,6 @@ import time
 
 import zmq
 
-
 # ---- bounded busy-waiting ------------------------------------------------------------------
 # A ZMQ round trip wakes about six threads; where idle CPUs halt at once (e.g. a VM without
 # guest halt-polling), each wake-up from idle adds a delay comparable to a small call's own

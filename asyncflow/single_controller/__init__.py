@@ -13,7 +13,6 @@ from .worker import Worker
 from .worker_group import WorkerGroup
 
 
-
 def __getattr__(name: str):  # launch is imported lazily: `python -m ...launch` must not find it loaded
     if name in ("RunConfig", "launch_local", "run_rank"):
         from . import launch

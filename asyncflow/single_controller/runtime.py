@@ -129,7 +129,7 @@ def class_path(cls: type) -> str:
 class _CallService:
     """Served by ``serve()`` on the worker thread: the work, in order."""
 
-    def __init__(self, rt: "WorkerRuntime"):
+    def __init__(self, rt: WorkerRuntime):
         self.rt = rt
 
     def rpc_create_groups(self, groups: list) -> dict:
@@ -153,7 +153,7 @@ class _CallService:
 class _ControlService:
     """Served on the event-loop thread: answered even while a method runs."""
 
-    def __init__(self, rt: "WorkerRuntime"):
+    def __init__(self, rt: WorkerRuntime):
         self.rt = rt
 
     async def rpc_ping(self) -> dict:
@@ -389,7 +389,7 @@ class WorkerRuntime:
             try:
                 if callable(teardown):
                     teardown()
-            except Exception:  # noqa: BLE001 - shutting down: reported, the rest still closes
+            except Exception:  # shutting down: reported, the rest still closes
                 log.exception("rank %d: the teardown of worker %r failed", self.rank, role)
         self._calls.close()
 

@@ -13,20 +13,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import zmq
 import zmq.asyncio
 
+from ..rpc.async_client import RpcClient
+from ..rpc.blocking_client import BlockingRpcClient
 from .columns import Column, column_from_wire, column_to_wire, concat, to_columns, to_tensordict
 from .errors import BadPutError, TransferQueueError, TransferQueueTimeout
 from .locality import local_node, local_unit
-from .meta import BatchMeta, ReadRequest as _Request, ids_from_wire, ids_to_wire, plan_reads as _plan_get
+from .meta import BatchMeta, ids_from_wire, ids_to_wire
+from .meta import ReadRequest as _Request
+from .meta import plan_reads as _plan_get
 from .meta import positions_by_unit as _positions_by_unit
-from ..rpc.async_client import RpcClient
-from ..rpc.blocking_client import BlockingRpcClient
 
 # Added to a server-side wait so the reply (or its error) can arrive before the client gives up.
 _REPLY_MARGIN_S = 10.0
@@ -496,7 +499,7 @@ class TransferQueueClient:
             u.close()
         self._endpoints.clear()
 
-    def __enter__(self) -> "TransferQueueClient":
+    def __enter__(self) -> TransferQueueClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:

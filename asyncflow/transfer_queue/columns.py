@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ class FieldSchema:
         return [self.kind, self.dtype, list(self.shape)]
 
     @staticmethod
-    def from_wire(w: Sequence) -> "FieldSchema":
+    def from_wire(w: Sequence) -> FieldSchema:
         return FieldSchema(w[0], w[1], tuple(w[2]))
 
 
@@ -49,7 +50,7 @@ class Column:
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def take(self, idx: Sequence[int]) -> "Column":
+    def take(self, idx: Sequence[int]) -> Column:
         """Rows ``idx`` in that order."""
         raise NotImplementedError
 
@@ -74,7 +75,7 @@ class FixedColumn(Column):
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def take(self, idx: Sequence[int]) -> "FixedColumn":
+    def take(self, idx: Sequence[int]) -> FixedColumn:
         run = _as_run(idx)
         if run == (0, len(self)):
             return self  # the same tensors: a read of a whole put can resend its frames
@@ -106,7 +107,7 @@ class JaggedColumn(Column):
     def row(self, i: int) -> torch.Tensor:
         return self.values[int(self.offsets[i]):int(self.offsets[i + 1])]
 
-    def take(self, idx: Sequence[int]) -> "JaggedColumn":
+    def take(self, idx: Sequence[int]) -> JaggedColumn:
         run = _as_run(idx)
         if run == (0, len(self)):
             return self  # the same tensors: a read of a whole put can resend its frames
@@ -144,7 +145,7 @@ class ObjectColumn(Column):
         A loop over the items: the storage unit computes it once per put."""
         return _object_nbytes(self.items)
 
-    def take(self, idx: Sequence[int]) -> "ObjectColumn":
+    def take(self, idx: Sequence[int]) -> ObjectColumn:
         items = self.items
         return ObjectColumn([items[i] for i in idx])
 

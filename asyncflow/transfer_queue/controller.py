@@ -14,17 +14,24 @@ import asyncio
 import json
 import time
 from collections import Counter
-from itertools import repeat
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from itertools import repeat
+from typing import Any
 
 import zmq.asyncio
 
 from ..rpc.async_client import RpcClient
 from ..rpc.local_endpoint import LocalEndpoint
 from .columns import FieldSchema
-from .errors import (BadPutError, RowsClearedError, SchemaMismatchError, TransferQueueTimeout,
-                     UnknownPartitionError, UnknownTaskError)
+from .errors import (
+    BadPutError,
+    RowsClearedError,
+    SchemaMismatchError,
+    TransferQueueTimeout,
+    UnknownPartitionError,
+    UnknownTaskError,
+)
 from .meta import BatchMeta, ids_from_wire, ids_to_wire, plan_reads, unit_of
 from .recent import RecentSet
 from .samplers import ReadyRows, Sampler, build_sampler
@@ -401,7 +408,7 @@ class Controller:
 
     def _missing_report(self, p: _Partition, task: str, columns: tuple[str, ...]) -> str:
         consumed = p.consumed.get(task, ())
-        lacking: dict[str, int] = {c: 0 for c in columns}
+        lacking: dict[str, int] = dict.fromkeys(columns, 0)
         for r, m in p.rows.items():
             if r in consumed:
                 continue
@@ -555,5 +562,5 @@ class Controller:
                     f"{'' if p.closed else '; the partition is still open (close_partition ends the stream)'}")
             try:
                 await asyncio.wait_for(p.changed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass

@@ -12,9 +12,10 @@ Samplers are named in requests (``"sequential"`` or ``{"name": "grpo_group",
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from .balance import karmarkar_karp
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..rpc import auth
 from .errors import TransferQueueError

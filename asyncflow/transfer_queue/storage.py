@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -164,7 +165,7 @@ class StorageUnit:
             freed = self._freed
             try:
                 await asyncio.wait_for(freed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _signal_freed(self) -> None:

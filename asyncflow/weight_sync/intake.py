@@ -18,8 +18,9 @@ service's report), or None when no version newer than the one held (``held``) ar
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 

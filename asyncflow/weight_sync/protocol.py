@@ -16,8 +16,8 @@ Sending: ``send.py``; receiving: ``receive.py``; where the tensors go: ``sinks.p
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist

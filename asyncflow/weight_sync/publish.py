@@ -11,7 +11,8 @@ so that none is left running unseen; later waves do not start.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 Timed = Callable[[Any, Awaitable], Awaitable]  # (the group called, its call) -> the call, awaited
 

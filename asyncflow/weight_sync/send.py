@@ -31,10 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .protocol import Message, TensorSpec, WeightHeader, torch_dtype
+from .protocol import Message, WeightHeader, torch_dtype
 from .shards import DTensor, local_rows, row_shard_group, whole
 from .sinks import WeightSink
-
 
 # Messages sent from the tensors' own memory hold no extra memory on the wire, so only copies
 # count toward ``max_inflight`` (in bytes: that many buckets' worth); this many buckets at most
@@ -244,7 +243,7 @@ class BucketSender:
         for work in works:
             try:
                 done = work.wait(timedelta(seconds=timeout_s))
-            except Exception as e:  # noqa: BLE001 - re-raised naming the bucket on the wire
+            except Exception as e:  # re-raised naming the bucket on the wire
                 raise RuntimeError(f"broadcast of {what} failed (timeout {timeout_s:.0f} s): {e}") from e
             if done is False:
                 raise TimeoutError(f"{what} was not received within {timeout_s:.0f} s "

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 

@@ -8,9 +8,9 @@ CUDA, hccl on Ascend (torch_npu).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
-import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -31,7 +31,7 @@ class WireAddress:
         return dataclasses.asdict(self)
 
     @classmethod
-    def of(cls, d: "WireAddress | dict") -> "WireAddress":
+    def of(cls, d: WireAddress | dict) -> WireAddress:
         return d if isinstance(d, WireAddress) else cls(**d)
 
 
@@ -116,7 +116,7 @@ class WireGroup:
         """Wait for a posted broadcast; a failure or timeout names the group and ``what``."""
         try:
             done = work.wait(timedelta(seconds=self.timeout_s))
-        except Exception as e:  # noqa: BLE001 - re-raised with what was awaited
+        except Exception as e:  # re-raised with what was awaited
             raise RuntimeError(f"weight-sync group {self.addr.name!r} (member {self.index}): {what} failed "
                                f"(timeout {self.timeout_s:.0f} s): {e}") from e
         if done is False:

@@ -47,7 +47,7 @@ class RunState:
     format: int = FORMAT
 
     @staticmethod
-    def from_dict(d: dict[str, Any], where: Path) -> "RunState":
+    def from_dict(d: dict[str, Any], where: Path) -> RunState:
         if d.get("format") != FORMAT:
             raise CheckpointError(f"{where}: checkpoint format {d.get('format')!r}, this version reads {FORMAT}")
         known = RunState.__dataclass_fields__

@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from ..weight_sync.publish import publish_and_swap
 from .ledger import Ledger
@@ -236,7 +237,7 @@ class Executor:
         return n
 
     async def _next_work(self, stage: Stage, index: int, allowed: Callable[[int], bool],
-                         st: "_StageState | None" = None, cap: int = 0) -> tuple[int, int] | None:
+                         st: _StageState | None = None, cap: int = 0) -> tuple[int, int] | None:
         """(step, rows) to take next: the oldest open step with rows for this stage that
         ``allowed`` lets it work on; None once every step is done. A stage moves on to the
         next step while the last rows of the previous one are still being judged or refilled."""

@@ -8,14 +8,25 @@ import os
 import threading
 import time
 
+import _sandbox_tools
 import pytest
 
-import _sandbox_tools
 from asyncflow.agents import tools as T
 from asyncflow.agents.sandbox import run_python
-from asyncflow.agents.tools import (TOOL_STATS, TOOLS, TRUNCATION_MARKER, ToolError, UnknownToolError, calculate,
-                                    call_tool, get_tool, num_hung_threads, register_tool, tool_names,
-                                    unregister_tool)
+from asyncflow.agents.tools import (
+    TOOL_STATS,
+    TOOLS,
+    TRUNCATION_MARKER,
+    ToolError,
+    UnknownToolError,
+    calculate,
+    call_tool,
+    get_tool,
+    num_hung_threads,
+    register_tool,
+    tool_names,
+    unregister_tool,
+)
 
 
 @pytest.fixture

@@ -8,8 +8,15 @@ import sys
 import pytest
 import torch
 
-from asyncflow.data import (BUILTIN_ADDITION, AdditionTask, DataConfig, DataError, PromptDataset,
-                            addition_dataset, load_prompt_dataset)
+from asyncflow.data import (
+    BUILTIN_ADDITION,
+    AdditionTask,
+    DataConfig,
+    DataError,
+    PromptDataset,
+    addition_dataset,
+    load_prompt_dataset,
+)
 
 
 def _jsonl(path, rows):

@@ -11,8 +11,8 @@ import torch
 from asyncflow.engines.rollout import SamplingParams
 from asyncflow.engines.rollout.base import GenerationRequest
 from asyncflow.weight_sync.protocol import TensorSpec, make_header
-from asyncflow.weight_sync.sinks import InPlaceSink
 from asyncflow.weight_sync.send import BucketSender
+from asyncflow.weight_sync.sinks import InPlaceSink
 from tests.engines._rollout_helpers import prompts
 
 LONG = SamplingParams(max_new_tokens=60, temperature=1.0)

@@ -8,12 +8,11 @@ import collections
 import random
 import time
 
+import _sc_workers as W
 import pytest
 import torch
 
 from asyncflow.single_controller import WorkerCallTimeout, WorkerError
-
-import _sc_workers as W
 
 pytestmark = pytest.mark.slow
 

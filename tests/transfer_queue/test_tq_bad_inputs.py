@@ -7,12 +7,16 @@ import re
 
 import pytest
 import torch
-
-from asyncflow.transfer_queue import (BadPutError, RowsClearedError, SchemaMismatchError, UnknownPartitionError,
-                                      UnknownTaskError)
-from asyncflow.transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn, column_to_wire
-
 from _tq_helpers import plain_column
+
+from asyncflow.transfer_queue import (
+    BadPutError,
+    RowsClearedError,
+    SchemaMismatchError,
+    UnknownPartitionError,
+    UnknownTaskError,
+)
+from asyncflow.transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn, column_to_wire
 
 
 def _data(n, start=0):

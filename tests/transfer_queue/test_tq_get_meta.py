@@ -6,10 +6,10 @@ import asyncio
 import threading
 import time
 
+import _tq_helpers as H
 import pytest
 import torch
 
-import _tq_helpers as H
 from asyncflow.transfer_queue import RowsClearedError, TransferQueueTimeout
 from asyncflow.transfer_queue.samplers import ReadyRows
 

@@ -30,9 +30,17 @@ from typing import Any
 
 import torch
 
-from asyncflow.engines.rollout.base import (SWAP_MODES, GenerationOutput, GenerationRequest, RequestEngine,
-                                            RequestResult, RolloutEngine, SamplingParams, check_generate_args)
 from asyncflow.engines.rollout.attention import GROUPED, use_grouped_attention
+from asyncflow.engines.rollout.base import (
+    SWAP_MODES,
+    GenerationOutput,
+    GenerationRequest,
+    RequestEngine,
+    RequestResult,
+    RolloutEngine,
+    SamplingParams,
+    check_generate_args,
+)
 from asyncflow.engines.rollout.lora_apply import AdapterMerge, is_adapter_name
 from asyncflow.engines.rollout.sampling import SeedKeys, _splitmix64, sample_step, vocab_hash
 from asyncflow.engines.rollout.slot_cache import PrefillCache, SlotKVCache

@@ -16,9 +16,10 @@ PEFT is imported only here, and only when ``model.lora`` is set.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +49,7 @@ class LoraOptions:
         return self.alpha / self.rank
 
     @classmethod
-    def from_model_config(cls, model: Any) -> "LoraOptions | None":
+    def from_model_config(cls, model: Any) -> LoraOptions | None:
         """From the run config's ``model`` section (its ``lora``); None when LoRA is off."""
         lo = model.lora
         if lo.rank is None:

@@ -111,7 +111,7 @@ class MicroBatch:
     def padded_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def to(self, device: torch.device) -> "MicroBatch":
+    def to(self, device: torch.device) -> MicroBatch:
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, Tensor) else v)
                  for k, v in self.__dict__.items()}
         return MicroBatch(**moved)

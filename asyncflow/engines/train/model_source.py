@@ -14,8 +14,9 @@ and the weights to fill its shards with (meta_init.py does both).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
+from typing import Any, ContextManager, Protocol, runtime_checkable
 
 import torch
 from torch import nn
