@@ -72,7 +72,8 @@ class LoraConfig:
 class ModelConfig:
     path: str = ""  # a local Hugging Face directory; "" builds (once) and caches the built-in tiny model
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    attn_implementation: str = ""  # "": eager for the built-in tiny model (faster at its size), else transformers' default
+    # "": eager for the built-in tiny model (faster at its size), else transformers' default
+    attn_implementation: str = ""
     train_engine: str = one_of("fsdp", "mindspeed", default="fsdp")  # fsdp (CPU / CUDA / NPU) | mindspeed (Ascend)
     # Training engines (actor, critic, reference): the dtype parameters are gathered in for compute.
     # auto: bfloat16 on accelerators, float32 on CPU. Master weights, gradient reduction and AdamW stay float32.

@@ -109,7 +109,8 @@ def _group_deviations(scores: Tensor, group_ids: Tensor | None, name: str) -> tu
 
 
 def _broadcast(per_seq: Tensor, m: Tensor) -> Tensor:
-    return torch.where(m, per_seq.unsqueeze(1).expand(m.shape), torch.zeros((), dtype=per_seq.dtype, device=per_seq.device))
+    zero = torch.zeros((), dtype=per_seq.dtype, device=per_seq.device)
+    return torch.where(m, per_seq.unsqueeze(1).expand(m.shape), zero)
 
 
 @ADVANTAGES.register("grpo")

@@ -121,7 +121,8 @@ class PromptDataset:
     the prompt that would have come next.
 
     A yielded record: {"prompt_ids": LongTensor[T], "prompt": str (the text tokenized, after
-    any chat template), "answer": str, "index": int, "metadata": dict}; `index` is the record's 0-based position in the source.
+    any chat template), "answer": str, "index": int, "metadata": dict}; `index` is the record's
+    0-based position in the source.
     """
 
     def __init__(self, config: DataConfig, tokenizer: Any) -> None:
@@ -152,7 +153,8 @@ class PromptDataset:
         wheres, texts, answers, metas, templated = [], [], [], [], []
         for where, (prompt, answer, meta) in rows:
             use_template = config.chat_template or isinstance(prompt, list)  # messages need a template
-            texts.append(apply_chat_template(tokenizer, prompt, config.system_prompt or None) if use_template else prompt)
+            texts.append(apply_chat_template(tokenizer, prompt, config.system_prompt or None)
+                         if use_template else prompt)
             templated.append(use_template)
             wheres.append(where)
             answers.append(answer)

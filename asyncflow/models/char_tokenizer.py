@@ -77,7 +77,7 @@ def _byte_level_spelling() -> dict[str, str]:
 def char_vocab() -> dict[str, int]:
     """Token string -> id, in byte-level spelling (space is 'Ġ')."""
     vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1}
-    for ch, spelled in _byte_level_spelling().items():
+    for spelled in _byte_level_spelling().values():
         vocab[spelled] = len(vocab)
     return vocab
 

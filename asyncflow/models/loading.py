@@ -282,7 +282,8 @@ def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     try:
         return AutoModelForSequenceClassification.from_pretrained(str(p), **kwargs)
     except Exception as exc:  # re-raised with the directory named
-        raise ModelLoadError(f"load_reward_model: transformers could not load {p}: {type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(f"load_reward_model: transformers could not load {p}: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
 def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, vocab_size: int, where: str = "") -> None:

@@ -143,7 +143,7 @@ class RpcServer(ServerBase):
         except StopIteration as done:  # finished without suspending: answer at once
             self._reply(ident, nonce, {"id": rid, "r": done.value})
             return
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the method's error goes back to the caller
             self._reply(ident, nonce, error_reply(rid, e))
             return
         t = self._loop.create_task(self._finish(ident, nonce, rid, coro, yielded), name=f"{self.name}-{method}")
@@ -154,7 +154,7 @@ class RpcServer(ServerBase):
         """A handler (or its rest) awaited in a Task; then its reply."""
         try:
             reply = {"id": rid, "r": await coro}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the method's error goes back to the caller
             reply = error_reply(rid, e)
         self._reply(ident, nonce, reply)
 

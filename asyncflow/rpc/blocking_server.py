@@ -44,7 +44,7 @@ class BlockingRpcServer(ServerBase):
                 if fn is None:
                     raise no_method(self, method)
                 reply = {"id": rid, "r": fn(**args)}
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the method's error goes back to the caller
                 reply = error_reply(rid, e)
             self._sock.send_multipart([frames[0].bytes, *auth.seal(auth.REPLY, nonce, encode_reply(reply), self._key)],
                                       copy=False)

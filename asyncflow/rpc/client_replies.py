@@ -47,6 +47,6 @@ def decode_reply(client: Any, rid: int, frames: list) -> dict | None:
         if msg["id"] != rid:  # the tag's nonce and the header must name the same request
             raise codec.CodecError(f"reply id {msg['id']!r} under the nonce of request {rid}")
         return msg
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any decoding failure: the reply is logged and dropped
         log.warning("%s: dropped a malformed reply: %s", client.auth.name, e)
         return None

@@ -229,7 +229,7 @@ class WorkerRuntime:
         self._busy = what
         try:
             return {"ok": fn(*args)}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the worker method's error goes back to the driver
             return {"err": {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}}
         finally:
             self._busy = ""
@@ -241,7 +241,7 @@ class WorkerRuntime:
             if not method_spec(fn).concurrent:
                 raise PermissionError(f"{what} is not registered concurrent=True; it runs in the call queue")
             return {"ok": to_wire(execute(worker, fn, tuple(args), kwargs))}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the worker method's error goes back to the driver
             return {"err": {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}}
 
     def _target(self, role: str, method: str) -> tuple:
@@ -288,7 +288,7 @@ class WorkerRuntime:
                 msg = f"rank {self.rank}: creating group {layout.role!r} ({g['cls']}): {e}"
                 try:  # keep the type the driver reports; one whose constructor differs gets RuntimeError
                     wrapped = type(e)(msg)
-                except Exception:
+                except Exception:  # noqa: BLE001 - any constructor that does not take one message
                     wrapped = RuntimeError(msg)
                 raise wrapped from e
         return out

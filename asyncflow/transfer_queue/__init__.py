@@ -7,16 +7,16 @@ docs/architecture.md, section "TransferQueue", describes it as built.
 from .client import AsyncTransferQueueClient, TransferQueueClient
 from .columns import FieldSchema, FixedColumn, JaggedColumn, ObjectColumn
 from .errors import (
-                     BadPutError,
-                     CapacityError,
-                     MissingColumnError,
-                     RemoteError,
-                     RowsClearedError,
-                     SchemaMismatchError,
-                     TransferQueueError,
-                     TransferQueueTimeout,
-                     UnknownPartitionError,
-                     UnknownTaskError,
+    BadPutError,
+    CapacityError,
+    MissingColumnError,
+    RemoteError,
+    RowsClearedError,
+    SchemaMismatchError,
+    TransferQueueError,
+    TransferQueueTimeout,
+    UnknownPartitionError,
+    UnknownTaskError,
 )
 from .meta import BatchMeta
 from .samplers import register_sampler

@@ -141,7 +141,8 @@ class WeightHeader:
         return sum(s.nbytes for s in self.specs)
 
     def describe(self) -> str:
-        return f"version {self.version} ({len(self.specs)} tensors, {len(self.buckets)} buckets, {self.nbytes / 2**20:.1f} MiB)"
+        return (f"version {self.version} ({len(self.specs)} tensors, {len(self.buckets)} buckets, "
+                f"{self.nbytes / 2**20:.1f} MiB)")
 
 
 def torch_dtype(name: str) -> torch.dtype:

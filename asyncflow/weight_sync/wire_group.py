@@ -42,7 +42,8 @@ def _host() -> str:
     return rendezvous_host(os.environ.get("MASTER_ADDR", "127.0.0.1"))
 
 
-def open_store(size: int, backend: str, name: str, timeout_s: float, host: str | None = None) -> tuple[Any, WireAddress]:
+def open_store(size: int, backend: str, name: str, timeout_s: float,
+               host: str | None = None) -> tuple[Any, WireAddress]:
     """On the first member: start the group's store on a free port; give its address to the others."""
     if size < 2:
         raise ValueError(f"weight-sync group {name!r}: needs at least 2 members, got {size}")

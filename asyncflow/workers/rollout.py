@@ -80,7 +80,8 @@ class RolloutWorker(EngineOffload, Worker):
                                 capacity=r.max_running_rows + max(1, r.max_running_rows // 4),
                                 version=lambda: int(self.engine.version), name=f"rollout-rank{self.rank}")
         # multi-turn episodes (a stage option "episode"): run on their own loop, turns through the service
-        self.episodes = EpisodeRunner(self.service, self.tokenizer, EpisodeLimits(c.agent.max_turns, c.agent.max_tokens),
+        self.episodes = EpisodeRunner(self.service, self.tokenizer,
+                                      EpisodeLimits(c.agent.max_turns, c.agent.max_tokens),
                                       name=f"rollout-rank{self.rank}")
         self.stream.episodes = self.episodes
         self.stream.scorer = self.scorer

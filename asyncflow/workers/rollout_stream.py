@@ -98,7 +98,9 @@ class ScoreContext:
         return ctx
 
     def select(self, index: list[int]) -> ScoreContext:
-        pick = (lambda xs: None if xs is None else [xs[i] for i in index])
+        def pick(xs: list | None) -> list | None:
+            return None if xs is None else [xs[i] for i in index]
+
         return ScoreContext(pick(self.answers), pick(self.prompts), pick(self.metadata))
 
     def score(self, scorer: Any, responses: list[torch.Tensor]) -> torch.Tensor:

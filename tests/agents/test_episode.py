@@ -25,8 +25,9 @@ class CharTok:
         return "".join("" if i == 1 else chr(i + 30) for i in ids)
 
 
-def _ctx(replies, limits=EpisodeLimits(4, 64), version=3):
+def _ctx(replies, limits=None, version=3):
     """A context whose model answers each turn with the next text of ``replies``."""
+    limits = EpisodeLimits(4, 64) if limits is None else limits
     tok, calls = CharTok(), []
 
     async def generate(req):

@@ -130,7 +130,7 @@ def test_call_timeout(cluster3, groups):
 
 def test_unknown_method_and_bad_argument(cluster3, groups):
     with pytest.raises(AttributeError, match="no method 'nope'"):
-        groups[0].nope
+        _ = groups[0].nope
     with pytest.raises(TypeError, match="cannot be sent"):
         cluster3.run(groups[0].whoami(x=object()))
 
