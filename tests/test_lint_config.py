@@ -1,0 +1,49 @@
+"""The lint configuration CI runs: ruff.toml's rule set and Python version, the pinned tools, and
+.ci/run's lint stage in the first run's venv."""
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from tests.test_packaging import _ci_blocks, _setup_kwargs
+
+ROOT = Path(__file__).resolve().parents[1]
+_CI_LINT = "# --- Lint"
+
+
+def _ruff() -> dict:
+    return tomllib.loads((ROOT / "ruff.toml").read_text())
+
+
+def test_ruff_targets_setup_pys_oldest_python_and_selects_the_rule_set():
+    cfg = _ruff()
+    floor = re.fullmatch(r">=\s*3\.(\d+)", _setup_kwargs()["python_requires"])
+    assert floor, "python_requires is a floor"
+    assert cfg["target-version"] == f"py3{floor.group(1)}", "pyupgrade must not use syntax newer than the floor"
+    rules = set(cfg["lint"]["select"])
+    # pycodestyle, pyflakes, import order, bugbear, pyupgrade, and unused noqa comments.
+    assert {"E", "W", "F", "I", "B", "UP", "RUF100"} <= rules, rules
+    assert not {"E", "W", "F", "I"} & set(cfg["lint"].get("ignore", [])), "whole families are never ignored"
+
+
+def test_ruff_per_file_ignores_are_narrow():
+    ignores = _ruff()["lint"].get("per-file-ignores", {})
+    for pattern, codes in ignores.items():
+        assert all(re.fullmatch(r"[A-Z]+[0-9]+", c) for c in codes), (pattern, codes)
+
+
+def test_lint_tools_are_pinned():
+    lines = [ln.split("#", 1)[0].strip() for ln in (ROOT / "requirements-lint.txt").read_text().splitlines()]
+    pins = dict(ln.split("==") for ln in lines if ln)
+    assert "ruff" in pins and all(re.fullmatch(r"[0-9][\w.]*", v) for v in pins.values()), pins
+
+
+def test_ci_lints_in_the_first_runs_venv_right_after_its_tests():
+    blocks = list(_ci_blocks().items())
+    assert blocks[0][1][-1] == "python -m pytest -q tests"
+    title, lint = blocks[1]
+    assert title.startswith(_CI_LINT), f"the block after the first run is the lint stage, got {title!r}"
+    assert lint[0] == "pip install -r requirements-lint.txt"
+    assert "ruff check ." in lint
+    assert not any(c.startswith(("deactivate", "python3 -m venv", ". ")) for c in lint), "no venv switch before lint"
