@@ -1,7 +1,8 @@
-"""The lint configuration CI runs: ruff.toml's rule set and Python version, the pinned tools, and
-.ci/run's lint stage in the first run's venv."""
+"""The lint configuration CI runs: ruff.toml's rule set and Python version, mypy.ini's checked
+packages, the pinned tools, and .ci/run's lint stage in the first run's venv."""
 from __future__ import annotations
 
+import configparser
 import re
 import tomllib
 from pathlib import Path
@@ -36,7 +37,7 @@ def test_ruff_per_file_ignores_are_narrow():
 def test_lint_tools_are_pinned():
     lines = [ln.split("#", 1)[0].strip() for ln in (ROOT / "requirements-lint.txt").read_text().splitlines()]
     pins = dict(ln.split("==") for ln in lines if ln)
-    assert "ruff" in pins and all(re.fullmatch(r"[0-9][\w.]*", v) for v in pins.values()), pins
+    assert {"ruff", "mypy"} <= set(pins) and all(re.fullmatch(r"[0-9][\w.]*", v) for v in pins.values()), pins
 
 
 def test_ci_lints_in_the_first_runs_venv_right_after_its_tests():
@@ -45,5 +46,21 @@ def test_ci_lints_in_the_first_runs_venv_right_after_its_tests():
     title, lint = blocks[1]
     assert title.startswith(_CI_LINT), f"the block after the first run is the lint stage, got {title!r}"
     assert lint[0] == "pip install -r requirements-lint.txt"
-    assert "ruff check ." in lint
+    assert "ruff check ." in lint and "mypy" in lint
     assert not any(c.startswith(("deactivate", "python3 -m venv", ". ")) for c in lint), "no venv switch before lint"
+
+
+def test_mypy_checks_only_strict_packages_and_ignores_no_errors():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "mypy.ini")
+    files = [f.strip() for f in cfg["mypy"]["files"].split(",") if f.strip()]
+    assert files, "mypy checks something"
+    strict = {m.strip() for s in cfg.sections() if cfg[s].getboolean("strict", False)
+              for m in s.removeprefix("mypy-").split(",")}
+    for f in files:
+        assert f.replace("/", ".") + ".*" in strict, f"{f}: a checked package is strict"
+    assert not any(cfg[s].getboolean("ignore_errors", False) for s in cfg.sections()), "no ignore_errors"
+    assert "ignore_missing_imports" not in cfg["mypy"], "missing imports are ignored per module only"
+    for s in cfg.sections():
+        if cfg[s].getboolean("ignore_missing_imports", False):
+            assert not any(m.strip().startswith("asyncflow") for m in s.removeprefix("mypy-").split(",")), s

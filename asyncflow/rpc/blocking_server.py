@@ -23,7 +23,7 @@ class BlockingRpcServer(ServerBase):
     than through RpcServer on a loop thread. Same protocol, so RpcClient talks to either.
     """
 
-    def __init__(self, service: Any, address: str, ctx: zmq.Context, name: str, *, key: bytes | None = None):
+    def __init__(self, service: Any, address: str, ctx: zmq.Context[Any], name: str, *, key: bytes | None = None):
         super().__init__(service, address, ctx, name, key)
         self.stopping = False  # a handler sets it; the loop ends after that reply is sent
 
