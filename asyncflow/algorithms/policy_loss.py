@@ -192,7 +192,8 @@ def gspo(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Ten
     With ``behav_log_probs`` (the rollout engine's log-probs: staleness and engine mismatch) the
     loss of sequence i is weighted by min(exp(mean over its tokens of (old - behav)), is_cap),
     detached: decoupled_ppo's correction taken per sequence, as GSPO takes its ratio. So
-    algorithm.rollout_is is refused beside it (the same ratio twice).
+    algorithm.rollout_is is refused beside it (the same ratio twice); verl instead multiplies its
+    gspo loss by whatever rollout-correction weights its rollout_is setting computes.
     """
     m, old, adv = _prepare(log_probs, old_log_probs, advantages, mask, behav_log_probs, cfg)
     z = _zero(log_probs)
