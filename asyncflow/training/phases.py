@@ -2,6 +2,7 @@
 prompts, and the supervised warm-up of the built-in task."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from typing import Any
