@@ -31,6 +31,16 @@ class AlgorithmConfig:
     is_cap: float = 2.0  # cap on decoupled_ppo's behaviour importance weight
     tis_cap: float = 2.0  # cap on tis's truncated importance weight
     max_log_ratio: float = 20.0  # log-ratios are clamped to +-this before exp (verl: 20)
+    # gspo: the clip range [1 - gspo_clip_low, 1 + gspo_clip_high] of the sequence-level ratio (a
+    # length-normalised ratio moves far less than a token's: the GSPO paper's 3e-4 / 4e-4). Keys of
+    # their own so that switching policy_loss to gspo never keeps ppo's 0.2; verl reuses clip_ratio_*.
+    gspo_clip_low: float = 3e-4  # in [0, 1)
+    gspo_clip_high: float = 4e-4  # >= 0
+    # cispo: its stop-gradient importance weight is clipped to [1 - cispo_clip_low, 1 + cispo_clip_high].
+    # MiniMax-M1 sets no lower bound (cispo_clip_low 1: a floor of 0) and tunes only the upper one,
+    # whose value the paper does not give; 3 puts the weight's ceiling at 4.
+    cispo_clip_low: float = 1.0  # in [0, 1]
+    cispo_clip_high: float = 3.0  # >= 0
     # Rollout correction (asyncflow/algorithms/rollout_corr.py): the engine that sampled the
     # tokens (behaviour log-probs) and the trainer (proximal log-probs) disagree even on the
     # same weights. rho = exp(proximal - behaviour) per token; every policy loss composes with it.

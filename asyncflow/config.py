@@ -263,6 +263,13 @@ class TrainerConfig:
     time_budget_s: float = 420.0  # stop RL after this much time (0: no limit)
     prompts_per_step: int = 32
     eval_every: int = 25
+    # Sampled evaluation beside the greedy one: eval_samples responses per held-out prompt at
+    # eval_temperature (0: off), giving eval/pass@k for each k of eval_k (empty: 1 and
+    # eval_samples) and eval/mean@<eval_samples>. Greedy and sampled prompts are split over every
+    # rollout instance.
+    eval_samples: int = 0
+    eval_temperature: float = 1.0
+    eval_k: list[int] = field(default_factory=list)
     out_dir: str = "outputs/run"
     progress: bool = True
     log_samples: bool = True  # samples.jsonl: prompt index, seed, policy version, score, response ids per trained row
@@ -428,6 +435,13 @@ def _check(cfg: RunConfig) -> RunConfig:
             ("warmup.target_accuracy", wu.target_accuracy, 0.0 <= wu.target_accuracy <= 1.0, "in [0, 1]")]:
         if not ok:
             problems.append(f"{key}: must be {rule}, got {value}")
+    if t.eval_samples < 0 or (t.eval_samples and t.eval_temperature <= 0):
+        problems.append(f"trainer.eval_samples must be >= 0 (0: off) and trainer.eval_temperature > 0 (a sampled "
+                        f"evaluation; the greedy one always runs), got {t.eval_samples} and {t.eval_temperature}")
+    bad_k = [k for k in t.eval_k if not 1 <= k <= t.eval_samples]
+    if bad_k:
+        problems.append(f"trainer.eval_k: {list(t.eval_k)} must lie within 1..trainer.eval_samples "
+                        f"({t.eval_samples}): pass@k needs k of the samples")
     # The engines' SamplingParams refuse the same values, but only once a rank has started.
     if r.max_new_tokens < 1:
         problems.append(f"rollout.max_new_tokens: must be >= 1 (a response of no token trains nothing), "

@@ -278,7 +278,7 @@ class Training:
             await self._export(self.out / "hf_model")
             self.summary.update({
                 "eval_accuracy_before_rl": self.before, "eval_accuracy_after_rl": after,
-                "accuracy_gain": after - self.before, "warmup_steps": self.warm_steps,
+                "accuracy_gain": after - self.before, **self.evaluate.summary(), "warmup_steps": self.warm_steps,
                 "wall_s": time.monotonic() - self.t0, "mode": cfg.workflow.mode, "recipe": recipe.name,
                 "placement": cfg.placement.mode, "nproc": cfg.trainer.nproc, "model_path": self.model_path,
                 "filtered_prompts": getattr(self.data, "filtered", 0), **await phases.reward_failures(self.roles),

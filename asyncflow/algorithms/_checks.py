@@ -62,6 +62,10 @@ _RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "is_cap": (lambda v: v > 0.0, "must be > 0"),
     "tis_cap": (lambda v: v > 0.0, "must be > 0"),
     "max_log_ratio": (lambda v: v > 0.0, "must be > 0"),
+    "gspo_clip_low": (lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+    "gspo_clip_high": (lambda v: v >= 0.0, "must be >= 0"),
+    "cispo_clip_low": (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1] (1: no lower bound)"),
+    "cispo_clip_high": (lambda v: v >= 0.0, "must be >= 0"),
     "kl_coef": (lambda v: v >= 0.0, "must be >= 0 (0: no reference stage)"),
     "rollout_is_cap": (lambda v: v > 0.0, "must be > 0"),
     "rollout_mask_low": (lambda v: 0.0 < v < 1.0, "must be in (0, 1) (the band [low, high] holds ratio 1)"),
@@ -73,11 +77,12 @@ _RULES: dict[str, tuple[Callable[[float], bool], str]] = {
 ROLLOUT_IS_LEVELS = ("", "token", "sequence", "geometric")
 ROLLOUT_MASK_LEVELS = ("", "token", "sequence", "geometric", "any_token")
 _CHOICES: dict[str, tuple[str, ...]] = {"rollout_is": ROLLOUT_IS_LEVELS, "rollout_mask": ROLLOUT_MASK_LEVELS}
-# Policy losses that already multiply by their own min(exp(old - behav), cap): algorithm.rollout_is
-# on top would weight every token twice by the same ratio.
-SELF_WEIGHTED_LOSSES = ("decoupled_ppo", "tis")
+# Policy losses that already weight by the behaviour ratio exp(old - behav) (capped) themselves:
+# algorithm.rollout_is on top would weight every token twice by the same ratio.
+SELF_WEIGHTED_LOSSES = ("decoupled_ppo", "tis", "gspo", "cispo")
 ADVANTAGE_KEYS = ("gamma", "lam", "eps")
-POLICY_LOSS_KEYS = ("clip_low", "clip_high", "dual_clip_c", "is_cap", "tis_cap", "max_log_ratio")
+POLICY_LOSS_KEYS = ("clip_low", "clip_high", "dual_clip_c", "is_cap", "tis_cap", "max_log_ratio",
+                    "gspo_clip_low", "gspo_clip_high", "cispo_clip_low", "cispo_clip_high")
 ROLLOUT_CORR_KEYS = ("rollout_is", "rollout_is_cap", "rollout_mask", "rollout_mask_low", "rollout_mask_high",
                      "max_log_ratio")
 

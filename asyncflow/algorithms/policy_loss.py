@@ -6,8 +6,8 @@ Uniform signature, so a recipe can name one (``POLICY_LOSSES``)::
         -> (loss [B, T], {"pg_clipfrac", "ppo_kl", "ratio", ...: [B, T]})
 
 ``cfg`` is the run's ``asyncflow.config.AlgorithmConfig``; the losses read clip_low, clip_high,
-dual_clip_c, is_cap, tis_cap and max_log_ratio, and raise a ValueError naming the key when one
-of them is out of range.
+dual_clip_c, is_cap, tis_cap, max_log_ratio, gspo_clip_low / gspo_clip_high and cispo_clip_low /
+cispo_clip_high, and raise a ValueError naming the key when one of them is out of range.
 
 Gradients flow into ``log_probs`` only (everything else is detached). Loss and diagnostics are
 0 where ``mask`` is 0, whatever the padding holds; aggregate both with ``aggregate(..., mask)``.
@@ -23,6 +23,18 @@ AsyncFlow's own: ``pg_clipfrac_ratio_high`` / ``pg_clipfrac_ratio_low`` split pg
 the bound that clipped (r > 1 + clip_high with A > 0, r < 1 - clip_low with A < 0); ``ppo_kl_k3``
 is the k3 estimate (r - 1) - log r >= 0; ``ratio`` is r; ``is_weight`` and ``is_capfrac`` are the
 importance weight of decoupled_ppo / tis and the fraction of tokens where it hit its cap.
+
+The same keys, where a loss defines them otherwise:
+
+* ``gspo``: ``ratio`` is the sequence ratio s_i at each token of sequence i; ``pg_clipfrac``
+  (and its high / low split) marks the tokens of sequences whose clipped branch wins; ``ppo_kl``
+  and ``ppo_kl_k3`` stay per token; ``is_weight`` / ``is_capfrac`` (with behav_log_probs) are the
+  sequence's behaviour weight and whether it hit is_cap, at each of its tokens.
+* ``cispo``: ``ratio`` is the importance ratio against the sampling policy (behav_log_probs when
+  given, else old_log_probs); ``pg_clipfrac`` marks the tokens whose weight sits at a bound
+  (``..._ratio_high``: above 1 + cispo_clip_high, ``..._ratio_low``: below 1 - cispo_clip_low),
+  whatever the advantage's sign, for no gradient is cut; ``is_weight`` / ``is_capfrac`` (with
+  behav_log_probs) are the clipped weight and ``pg_clipfrac_ratio_high``.
 """
 from __future__ import annotations
 
@@ -31,6 +43,7 @@ from torch import Tensor
 
 from ..algorithm_config import AlgorithmConfig
 from ._checks import POLICY_LOSS_KEYS, as_bool_mask, check_algorithm_config, check_same_shape
+from .aggregate import masked_mean
 from .registry import POLICY_LOSSES
 
 
@@ -151,3 +164,104 @@ def tis(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tens
     not staleness)."""
     return _importance_weighted("tis", cfg.tis_cap, log_probs, old_log_probs, advantages,
                                 mask, cfg, behav_log_probs)
+
+
+def _sequence_mean(values: Tensor, m: Tensor) -> Tensor:
+    """[B, 1]: each row's mean over its real tokens (0 for a row of padding only)."""
+    return masked_mean(values, m, dim=-1).unsqueeze(-1)
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
+         cfg: AlgorithmConfig, *, behav_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Group Sequence Policy Optimization): the PPO surrogate on a sequence-level ratio.
+
+    s_i = exp(mean over sequence i's real tokens of (log_prob - old)), the length-normalised
+    likelihood ratio, clipped to [1 - gspo_clip_low, 1 + gspo_clip_high] per sequence. In the
+    paper's GSPO-token form every token t carries s_i,t = sg[s_i] * exp(log_prob_t - sg[log_prob_t]):
+    its value is s_i and its gradient s_i times the token's own, so aggregated with
+    ``seq-mean-token-mean`` the gradient is the paper's sequence-level one. Every ``loss_agg``
+    mode applies as to any per-token loss.
+
+    Against verl's ``compute_policy_loss_gspo`` (the same ratio and clip): verl reads the PPO keys
+    clip_ratio_low / clip_ratio_high, here gspo_clip_low / gspo_clip_high (defaults 3e-4 / 4e-4);
+    verl aggregates with seq-mean-token-mean whatever its loss_agg_mode, here algorithm.loss_agg
+    decides (set it to seq-mean-token-mean for the paper's weighting); verl clamps the log-ratio
+    above at 10, here at +-max_log_ratio (a clamped sequence passes no gradient, as there).
+
+    With ``behav_log_probs`` (the rollout engine's log-probs: staleness and engine mismatch) the
+    loss of sequence i is weighted by min(exp(mean over its tokens of (old - behav)), is_cap),
+    detached: decoupled_ppo's correction taken per sequence, as GSPO takes its ratio. So
+    algorithm.rollout_is is refused beside it (the same ratio twice); verl instead multiplies its
+    gspo loss by whatever rollout-correction weights its rollout_is setting computes.
+    """
+    m, old, adv = _prepare(log_probs, old_log_probs, advantages, mask, behav_log_probs, cfg)
+    z = _zero(log_probs)
+    lp = torch.where(m, log_probs, z)
+    mlr = cfg.max_log_ratio
+    seq_log_ratio = _sequence_mean(lp.detach() - old, m)  # [B, 1]
+    log_ratio = (lp - lp.detach() + seq_log_ratio).clamp(-mlr, mlr)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - cfg.gspo_clip_low, 1.0 + cfg.gspo_clip_high)
+    loss = torch.where(m, torch.maximum(unclipped, clipped), z)
+    with torch.no_grad():
+        active = (clipped > unclipped) & m
+        token_lr = (lp - old).clamp(-mlr, mlr)
+        metrics = {
+            "pg_clipfrac": active.to(log_probs.dtype),
+            "pg_clipfrac_ratio_high": (active & (adv > 0)).to(log_probs.dtype),
+            "pg_clipfrac_ratio_low": (active & (adv < 0)).to(log_probs.dtype),
+            "ratio": torch.where(m, ratio.detach(), z),  # s_i at each token of sequence i
+            "ppo_kl": torch.where(m, -token_lr, z),  # per token, as verl's gspo logs it
+            "ppo_kl_k3": torch.where(m, (torch.exp(token_lr) - 1.0) - token_lr, z),
+        }
+        if behav_log_probs is None:
+            return loss, metrics
+        behav = torch.where(m, behav_log_probs.detach().to(log_probs.dtype), z)
+        raw = torch.exp(_sequence_mean(old - behav, m).clamp(-mlr, mlr))  # [B, 1]
+        weight = torch.where(m, raw.clamp(max=cfg.is_cap), z)
+        metrics["is_weight"] = weight
+        metrics["is_capfrac"] = ((raw > cfg.is_cap) & m).to(log_probs.dtype)
+    return loss * weight, metrics
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
+          cfg: AlgorithmConfig, *, behav_log_probs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1): REINFORCE weighted by a clipped, stop-gradient importance weight.
+
+    loss_t = -sg[clip(r_t, 1 - cispo_clip_low, 1 + cispo_clip_high)] * A_t * log_prob_t. Unlike
+    the PPO surrogate no token's gradient is ever cut: a clipped weight only bounds how much the
+    token counts. The paper normalises by the group's token count: ``loss_agg=token-mean``.
+
+    r_t is the importance ratio against the policy that sampled the tokens: exp(log_prob -
+    behav) with ``behav_log_probs`` (the rollout engine's: in async mode the stale policy), else
+    exp(log_prob - old). CISPO has no trust region around a proximal policy, so the whole
+    off-policy correction is its one clipped weight; algorithm.rollout_is is refused beside it.
+    verl's ``cispo`` clips with the PPO keys clip_ratio_low / clip_ratio_high against its
+    old_log_prob; here cispo_clip_low / cispo_clip_high (defaults 1 / 3: no floor, a ceiling of 4).
+    """
+    m, old, adv = _prepare(log_probs, old_log_probs, advantages, mask, behav_log_probs, cfg)
+    z = _zero(log_probs)
+    lp = torch.where(m, log_probs, z)
+    mlr = cfg.max_log_ratio
+    low, high = 1.0 - cfg.cispo_clip_low, 1.0 + cfg.cispo_clip_high
+    with torch.no_grad():
+        sampler = old if behav_log_probs is None else torch.where(m, behav_log_probs.detach().to(lp.dtype), z)
+        ratio = torch.exp((lp - sampler).clamp(-mlr, mlr))
+        weight = torch.where(m, ratio.clamp(low, high), z)
+        above, below = (ratio > high) & m, (ratio < low) & m
+        token_lr = (lp - old).clamp(-mlr, mlr)
+        metrics = {
+            "pg_clipfrac": (above | below).to(log_probs.dtype),  # the weight sits at a bound
+            "pg_clipfrac_ratio_high": above.to(log_probs.dtype),
+            "pg_clipfrac_ratio_low": below.to(log_probs.dtype),
+            "ratio": torch.where(m, ratio, z),
+            "ppo_kl": torch.where(m, -token_lr, z),
+            "ppo_kl_k3": torch.where(m, (torch.exp(token_lr) - 1.0) - token_lr, z),
+        }
+        if behav_log_probs is not None:
+            metrics["is_weight"] = weight
+            metrics["is_capfrac"] = above.to(log_probs.dtype)
+    return torch.where(m, -weight * adv * lp, z), metrics

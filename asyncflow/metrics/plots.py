@@ -108,7 +108,8 @@ def _curve_panel(ax: Any, rows: Sequence[Mapping[str, Any]], key: str, color: st
 
 
 def plot_training_curves(metrics_rows: Sequence[Mapping[str, Any]], out_png: str | Path) -> Path:
-    """reward/mean (top) and eval/accuracy (bottom, warm-up evals marked apart) over steps."""
+    """reward/mean (top) and eval/accuracy (bottom, warm-up evals marked apart; with a sampled
+    evaluation its eval/pass@k and eval/mean@n too) over steps."""
     fig = _new_figure(10, 7)
     ax_reward, ax_acc = fig.subplots(2, 1, sharex=True)
     _curve_panel(ax_reward, metrics_rows, "reward/mean", "#1f77b4")
@@ -126,6 +127,12 @@ def plot_training_curves(metrics_rows: Sequence[Mapping[str, Any]], out_png: str
                         label="eval/accuracy")
             ax_acc.annotate(f"{rl_acc[-1]:.3f}", (rl_steps[-1], rl_acc[-1]), ha="right",
                             textcoords="offset points", xytext=(-4, 6), fontsize="small")
+        # the sampled evaluation (trainer.eval_samples): eval/pass@k and eval/mean@n beside greedy
+        sampled = sorted({k for row in metrics_rows for k in row
+                          if k.startswith(("eval/pass@", "eval/mean@")) and not is_warmup(row)})
+        for key in sampled:
+            steps, values = _series(metrics_rows, key, lambda row: not is_warmup(row))
+            ax_acc.plot(steps, values, marker=".", markersize=4, linestyle=":", label=key)
         ax_acc.set_ylabel("eval/accuracy")
         ax_acc.grid(alpha=0.3)
         ax_acc.legend(loc="best", fontsize="small")

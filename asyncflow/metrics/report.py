@@ -4,7 +4,7 @@ Reads `<out_dir>/metrics.jsonl` (required) and `<out_dir>/timeline.jsonl` (optio
 writes into `<out_dir>/report/`, a folder of its own so the run's logs and checkpoints stay
 apart from what can be redrawn at any time:
 
-    training_curves.png   reward/mean and eval/accuracy over steps
+    training_curves.png   reward/mean and eval/accuracy (with eval/pass@k, eval/mean@n) over steps
     throughput.png        samples/s and tokens/s over steps
     timeline.png          which worker ran which stage when
     trace.json            the same timeline for ui.perfetto.dev / chrome://tracing

@@ -2,6 +2,7 @@
 prompts, and the supervised warm-up of the built-in task."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from typing import Any
@@ -41,7 +42,9 @@ async def reward_failures(roles: RunRoles) -> dict[str, float]:
 
 
 class Evaluator:
-    """Greedy accuracy on the held-out prompts, on the first rollout instance."""
+    """Greedy accuracy on the held-out prompts and, with ``trainer.eval_samples``, pass@k and
+    mean@n of sampled responses; the prompts are split over every rollout instance (each
+    evaluates its share concurrently) and the replies merged (asyncflow.training.eval_merge)."""
 
     def __init__(self, cfg: RunConfig, roles: RunRoles, logger: Any, records: list[dict], episode: str = ""):
         self.cfg, self.roles, self.logger = cfg, roles, logger
@@ -51,16 +54,29 @@ class Evaluator:
         # what a reward function gets besides response and answer, as in training
         self.extra = [{**dict(r.get("metadata") or {}), "prompt": str(r.get("prompt", ""))} for r in records]
         self._extra_seen: dict[str, list[float]] = {}  # the training extras' sums at the previous evaluation
+        self.sampled: dict[str, dict[str, float]] = {}  # phase -> its latest eval/pass@k, eval/mean@n
+
+    def _seeds(self, ids: list[int]) -> list[int]:
+        """The first sample seed of each prompt (its j-th sample: + j): fixed by the prompt's index,
+        so a prompt draws the same samples whichever instance evaluates it."""
+        n = max(self.cfg.trainer.eval_samples, 1)
+        return [(self.cfg.trainer.seed * len(self.prompts) + i) * n for i in ids]
 
     async def __call__(self, step: int, phase: str) -> float:
         from ..rewards.custom import reward_ref
         from ..rewards.runner import extra_means
+        from .eval_merge import merge_evaluations, split_prompts
 
-        rc = self.cfg.reward
-        r = await self.roles.instances[0].evaluate(self.prompts, self.answers, reward=reward_ref(rc),
-                                                   max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                                   timeout_s=rc.timeout_s, on_error=rc.on_error,
-                                                   extra=self.extra, episode=self.episode)
+        rc, t = self.cfg.reward, self.cfg.trainer
+        parts = split_prompts(len(self.prompts), len(self.roles.instances))
+        busy = [(inst, part) for inst, part in zip(self.roles.instances, parts) if part]
+        replies = await asyncio.gather(*(
+            inst.evaluate([self.prompts[i] for i in part], [self.answers[i] for i in part], reward=reward_ref(rc),
+                          max_new_tokens=self.cfg.rollout.max_new_tokens, timeout_s=rc.timeout_s,
+                          on_error=rc.on_error, extra=[self.extra[i] for i in part], episode=self.episode,
+                          n_samples=t.eval_samples, temperature=t.eval_temperature, seeds=self._seeds(part))
+            for inst, part in busy))
+        r = merge_evaluations([part for _, part in busy], replies, t.eval_samples, t.eval_k)
         failures, extra = await reward_totals(self.roles)
         # a dict-returning reward's other keys: over the training rows scored since the last evaluation,
         # and over this evaluation's rows
@@ -68,12 +84,22 @@ class Evaluator:
                   **{f"eval/extra/{k}": v for k, v in dict(r.get("reward_extra") or {}).items()}}
         self._extra_seen = extra
         episodes = {f"eval/{k}": r[k] for k in ("turns_mean", "tool_calls_per_episode") if k in r}
+        sampled = {f"eval/{k}": v for k, v in r.items() if k.startswith(("pass@", "mean@"))}
+        self.sampled[phase] = sampled
         self.logger.log(step, {"eval/accuracy": r["accuracy"], "phase": phase, "eval/version": r["version"],
                                "eval/reward_errors": r["reward_errors"],
-                               "eval/reward_timeouts": r["reward_timeouts"], **episodes, **failures, **extras})
-        log.info("eval (%s, step %d): accuracy %.3f  e.g. %s", phase, step, r["accuracy"],
+                               "eval/reward_timeouts": r["reward_timeouts"], **sampled, **episodes, **failures,
+                               **extras})
+        log.info("eval (%s, step %d): accuracy %.3f%s  e.g. %s", phase, step, r["accuracy"],
+                 "".join(f", {k[5:]} {v:.3f}" for k, v in sampled.items()),
                  "; ".join(f"{e['prompt']}{e['response']!r} (want {e['answer']})" for e in r["examples"][:3]))
         return float(r["accuracy"])
+
+    def summary(self) -> dict[str, float]:
+        """The sampled figures of the evaluations before and after RL, for summary.json
+        (``eval_pass@1_before_rl``, ``eval_mean@4_after_rl``, ...)."""
+        return {f"eval_{k[5:]}_{phase}": v for phase in ("before_rl", "after_rl")
+                for k, v in self.sampled.get(phase, {}).items()}
 
 
 async def warmup(cfg: RunConfig, roles: RunRoles, data: Any, logger: Any, evaluate: Evaluator) -> int:

@@ -280,9 +280,11 @@ class RolloutWorker(EngineOffload, Worker):
 
     def _run_requests(self, prompts: list[torch.Tensor], seeds: list[int], budgets: list, params: Any,
                       min_version: int, tag: str) -> list:
+        """Generate every prompt (``params``: one SamplingParams for all, or a list, one each)."""
         call = next(self._call_ids)
-        futs = [self.service.submit(GenerationRequest((tag, call, i), p, params, s, b, int(min_version)))
-                for i, (p, s, b) in enumerate(zip(prompts, seeds, budgets))]
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        futs = [self.service.submit(GenerationRequest((tag, call, i), p, q, s, b, int(min_version)))
+                for i, (p, q, s, b) in enumerate(zip(prompts, each, seeds, budgets))]
         return [f.result(self.sync_timeout_s) for f in futs]
 
     @register(Dispatch.RANK_ZERO, concurrent=True)
@@ -295,36 +297,67 @@ class RolloutWorker(EngineOffload, Worker):
     @register(Dispatch.RANK_ZERO)
     def evaluate(self, prompts: list[list[int]], answers: list[str], reward: str = "number",
                  max_new_tokens: int = 8, samples: int = 4, timeout_s: float = 10.0,
-                 on_error: str = "zero", extra: list[dict] | None = None, episode: str = "") -> dict:
+                 on_error: str = "zero", extra: list[dict] | None = None, episode: str = "",
+                 n_samples: int = 0, temperature: float = 1.0, seeds: list[int] | None = None) -> dict:
         """Greedy accuracy on held-out prompts with the weights held now (its rows join the
         running batch). The reward runs under the same per-call timeout and error policy as in
         training, with each prompt's ``extra`` keywords (its text and record metadata). With
-        ``episode``, each prompt is a greedy episode scored by its own reward."""
+        ``episode``, each prompt is a greedy episode scored by its own reward.
+
+        With ``n_samples`` > 0, also that many responses (or episodes) per prompt sampled at
+        ``temperature``, generated beside the greedy ones; the j-th of prompt i is seeded
+        ``seeds[i] + j`` (the caller's: a prompt draws the same samples on any instance).
+        ``correct`` counts each prompt's samples scoring >= 1 (a rule reward's full mark),
+        ``sample_score_sums`` adds up their scores; ``samples`` is the number of greedy examples shown."""
         from ..rewards.runner import RewardRunner, extra_means
 
         start = time.monotonic()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+        sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature) if n_samples else None
+        firsts = list(seeds) if seeds is not None else [i * max(n_samples, 1) for i in range(len(prompts))]
+        draws = [(i, firsts[i] + j) for i in range(len(prompts)) for j in range(n_samples)]  # (prompt, seed)
         version = int(self.engine.version)
         if episode:
-            return self._evaluate_episodes(prompts, answers, extra, params, episode, samples, start)
-        results = self._run_requests([torch.tensor(p, dtype=torch.long) for p in prompts], list(range(len(prompts))),
-                                     [None] * len(prompts), params, version, "eval")
+            return self._evaluate_episodes(prompts, answers, extra, params, episode, samples, start, sampled, draws)
+        tensors = [torch.tensor(p, dtype=torch.long) for p in prompts]
+        results = self._run_requests(tensors + [tensors[i] for i, _ in draws],
+                                     list(range(len(prompts))) + [s for _, s in draws],
+                                     [None] * (len(prompts) + len(draws)),
+                                     [params] * len(prompts) + [sampled] * len(draws), version, "eval")
         texts = self.tokenizer.batch_decode([r.response_ids.tolist() for r in results], skip_special_tokens=True)
         key = (reward, timeout_s, on_error)
         if key not in self._eval_runners:
             self._eval_runners[key] = RewardRunner(reward, timeout_s=timeout_s, on_error=on_error)
         runner = self._eval_runners[key]
-        kwargs = reward_kwargs(runner.fn, list(extra) if extra is not None else [{} for _ in texts])
-        scores, stats = runner.score(texts, answers, kwargs)
-        shown = [{"prompt": self.tokenizer.decode(prompts[i]), "response": texts[i], "answer": answers[i]}
-                 for i in range(min(samples, len(prompts)))]
-        return {"accuracy": sum(scores) / max(len(scores), 1), "version": version,
-                "eval_s": time.monotonic() - start, "examples": shown,
-                "reward_errors": stats["errors"], "reward_timeouts": stats["timeouts"],
-                "reward_extra": extra_means(stats["extra"])}
+        extra = list(extra) if extra is not None else [{} for _ in prompts]
+        n = len(prompts)
+        scores, stats = runner.score(texts[:n], answers, reward_kwargs(runner.fn, extra))
+        out = {"accuracy": sum(scores) / max(len(scores), 1), "version": version, "scores": list(scores),
+               "reward_errors": stats["errors"], "reward_timeouts": stats["timeouts"],
+               "reward_extra": extra_means(stats["extra"])}
+        if draws:
+            drawn, more = runner.score(texts[n:], [answers[i] for i, _ in draws],
+                                       reward_kwargs(runner.fn, [extra[i] for i, _ in draws]))
+            out.update(self._sample_figures(n, draws, drawn))
+            out["reward_errors"] += more["errors"]
+            out["reward_timeouts"] += more["timeouts"]
+        out["examples"] = [{"prompt": self.tokenizer.decode(prompts[i]), "response": texts[i], "answer": answers[i]}
+                           for i in range(min(samples, n))]
+        out["eval_s"] = time.monotonic() - start
+        return out
+
+    @staticmethod
+    def _sample_figures(prompts: int, draws: list[tuple[int, int]], scores: list[float]) -> dict[str, list]:
+        """Per prompt: its correct samples (score >= 1) and the sum of its samples' scores."""
+        correct, sums = [0] * prompts, [0.0] * prompts
+        for (i, _), score in zip(draws, scores):
+            correct[i] += int(float(score) >= 1.0)
+            sums[i] += float(score)
+        return {"correct": correct, "sample_score_sums": sums}
 
     def _evaluate_episodes(self, prompts: list[list[int]], answers: list[str], extra: list[dict] | None,
-                           params: Any, episode: str, samples: int, start: float) -> dict:
+                           params: Any, episode: str, samples: int, start: float, sampled: Any = None,
+                           draws: list[tuple[int, int]] = ()) -> dict:
         version = int(self.engine.version)
         extra = list(extra) if extra is not None else [{} for _ in prompts]
         # the same shape as a training row: prompt text, answer, seed and the record's metadata
@@ -334,17 +367,24 @@ class RolloutWorker(EngineOffload, Worker):
         call = next(self._call_ids)
         futs = [self.episodes.start(episode, row, params, version, ("eval-episode", call, i), count=False)
                 for i, row in enumerate(rows)]
-        trajs = [f.result(self.sync_timeout_s) for f in futs]
-        for t in trajs:
+        futs += [self.episodes.start(episode, {**rows[i], "seed": seed}, sampled, version,
+                                     ("eval-episode-sample", call, k), count=False)
+                 for k, (i, seed) in enumerate(draws)]
+        every = [f.result(self.sync_timeout_s) for f in futs]
+        for t in every:
             if t.finish_reason == "error":
                 raise RuntimeError(f"rollout rank {self.rank}: evaluation {t.error}")
+        trajs = every[:len(rows)]
         shown = [{"prompt": self.tokenizer.decode(prompts[i]), "answer": answers[i],
                   "response": show_episode(self.tokenizer, trajs[i])} for i in range(min(samples, len(prompts)))]
         n = max(len(trajs), 1)
-        return {"accuracy": sum(t.reward for t in trajs) / n, "version": version,
-                "eval_s": time.monotonic() - start, "examples": shown, "reward_errors": 0, "reward_timeouts": 0,
-                "turns_mean": sum(t.metrics.get("turns", 0) for t in trajs) / n,
-                "tool_calls_per_episode": sum(t.metrics.get("tool_calls", 0) for t in trajs) / n}
+        out = {"accuracy": sum(t.reward for t in trajs) / n, "version": version, "scores": [t.reward for t in trajs],
+               "eval_s": time.monotonic() - start, "examples": shown, "reward_errors": 0, "reward_timeouts": 0,
+               "turns_mean": sum(t.metrics.get("turns", 0) for t in trajs) / n,
+               "tool_calls_per_episode": sum(t.metrics.get("tool_calls", 0) for t in trajs) / n}
+        if draws:
+            out.update(self._sample_figures(len(rows), list(draws), [t.reward for t in every[len(rows):]]))
+        return out
 
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def stats(self) -> dict:

@@ -187,7 +187,7 @@ def test_errors_name_the_problem() -> None:
         ppo_clip(d["log_probs"], d["old_log_probs"], d["advantages"][:, :4], d["mask"], CFG)
     with pytest.raises(ValueError, match=r"behav_log_probs has shape \(1, 5\)"):
         tis(d["log_probs"], d["old_log_probs"], d["advantages"], d["mask"], CFG, behav_log_probs=torch.zeros(1, 5))
-    with pytest.raises(ValueError, match="unknown policy loss 'grpo'; registered: clip_higher, decoupled_ppo"):
+    with pytest.raises(ValueError, match="unknown policy loss 'grpo'; registered: cispo, clip_higher, decoupled_ppo"):
         POLICY_LOSSES.get("grpo")
 
 

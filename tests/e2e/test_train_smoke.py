@@ -47,6 +47,26 @@ def test_default_pipeline_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+def test_sampled_evaluation_on_two_rollout_instances(tmp_path):
+    """trainer.eval_samples: pass@k and mean@n beside greedy accuracy, the held-out prompts split
+    over the two rollout instances of a colocated run; in metrics.jsonl and summary.json."""
+    out = tmp_path / "run"
+    ok(train(out, "grpo", "trainer.steps=1", "trainer.eval_every=0", "workflow.mode=sync", "placement.mode=colocated",
+             "trainer.eval_samples=4", "trainer.eval_k=[1,2,4]", "reward.name=digits", timeout=400))
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = {m["phase"]: m for m in metrics if m.get("phase") in ("before_rl", "after_rl")}
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["rollout_instances"]) == 2
+    for phase, row in evals.items():
+        figures = [row[f"eval/pass@{k}"] for k in (1, 2, 4)]
+        assert all(0.0 <= f <= 1.0 for f in figures) and figures == sorted(figures), row
+        assert row["eval/pass@1"] <= row["eval/mean@4"] <= 1.0  # digits gives partial credit below 1
+        for key in ("pass@1", "pass@2", "pass@4", "mean@4"):
+            assert summary[f"eval_{key}_{phase}"] == row[f"eval/{key}"]
+    assert set(evals) == {"before_rl", "after_rl"}
+
+
+@pytest.mark.slow
 def test_the_time_budget_ends_rl(tmp_path):
     """The default job ends on trainer.time_budget_s, not on trainer.steps."""
     out = tmp_path / "run"

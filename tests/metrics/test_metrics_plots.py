@@ -65,3 +65,16 @@ def test_timeline_of_many_spans_on_many_lanes(tmp_path):
             t += d * rng.uniform(0.5, 1.5)  # some overlap within a lane
     width, height = png_size(plot_timeline(spans, tmp_path / "t.png"))
     assert width > 1000 and height > 1000
+
+
+def test_the_evaluation_panel_draws_the_sampled_figures(tmp_path, monkeypatch):
+    import asyncflow.metrics.plots as plots
+    figures = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, out: (figures.append(fig), save(fig, out))[1])
+    rows = [{"step": s, "phase": p, "eval/accuracy": 0.1 * s, "eval/pass@1": 0.05 * s, "eval/pass@4": 0.2 * s,
+             "eval/mean@4": 0.06 * s} for s, p in [(0, "before_rl"), (2, "rl"), (4, "after_rl")]]
+    rows.append({"step": 1, "phase": "sft", "eval/accuracy": 0.01})
+    png_size(plot_training_curves(rows, tmp_path / "c.png"))
+    labels = [t.get_text() for t in figures[0].axes[1].get_legend().get_texts()]
+    assert labels == ["eval/accuracy, warm-up (sft)", "eval/accuracy", "eval/mean@4", "eval/pass@1", "eval/pass@4"]
