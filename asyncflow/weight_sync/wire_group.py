@@ -27,11 +27,11 @@ class WireAddress:
     backend: str  # gloo | nccl | hccl
     name: str  # unique per group (a prefix in the store)
 
-    def to_dict(self) -> dict:  # what crosses a worker call (JSON values only)
+    def to_dict(self) -> dict[str, Any]:  # what crosses a worker call (JSON values only)
         return dataclasses.asdict(self)
 
     @classmethod
-    def of(cls, d: WireAddress | dict) -> WireAddress:
+    def of(cls, d: WireAddress | dict[str, Any]) -> WireAddress:
         return d if isinstance(d, WireAddress) else cls(**d)
 
 
@@ -72,7 +72,7 @@ def _process_group(backend: str, store: Any, index: int, size: int, timeout_s: f
 class WireGroup:
     """One member of a weight-sync group. Joining blocks until every member has joined."""
 
-    def __init__(self, addr: WireAddress | dict, index: int, timeout_s: float = 300.0,
+    def __init__(self, addr: WireAddress | dict[str, Any], index: int, timeout_s: float = 300.0,
                  device: torch.device | str = "cpu", store: Any = None):
         addr = WireAddress.of(addr)
         if not 0 <= index < addr.size:
@@ -93,7 +93,7 @@ class WireGroup:
         opts.timeout = timedelta(seconds=self.timeout_s)
         return self.pg.broadcast([t], opts)
 
-    def post_object(self, obj: Any) -> tuple[list, list[torch.Tensor]]:
+    def post_object(self, obj: Any) -> tuple[list[Any], list[torch.Tensor]]:
         """The source's side of ``broadcast_object`` (this member the source) without waiting:
         the posted works and the buffers they read (keep both until the works are done)."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
