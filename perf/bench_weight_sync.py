@@ -416,7 +416,8 @@ def _lora_child(rank: int, port: int, mode: str, cfg: dict, lora_rank: int, buck
                 select[var].append(sel)
                 nbytes[var].add(b_)
         if rank in TRAIN:
-            out.update(seconds=seconds, select_seconds=select, bytes={k: sorted(b) for k, b in nbytes.items()}, first_bytes=first)
+            out.update(seconds=seconds, select_seconds=select, first_bytes=first,
+                       bytes={k: sorted(b) for k, b in nbytes.items()})
             q.put(out)
         dist.barrier()
         dist.destroy_process_group()
@@ -448,7 +449,8 @@ def _measure_mode(mode: str, cfg: dict, lora_rank: int, bucket_mb: float, rounds
         p.join(timeout=60)
     errors = [g for g in got if "error" in g]
     if errors:
-        raise RuntimeError(f"bench_weight_sync --lora ({mode}): rank {errors[0]['error']} failed:\n{errors[0]['trace']}")
+        raise RuntimeError(f"bench_weight_sync --lora ({mode}): rank {errors[0]['error']} failed:\n"
+                           f"{errors[0]['trace']}")
     return summarize_mode(sorted(got, key=lambda g: g["rank"]))
 
 
@@ -495,8 +497,9 @@ def lora_projection_rows(lora_rank: int, devices: int = 8) -> list[dict]:
 
 
 def lora_projection_lines(lora_rank: int, devices: int = 8) -> list[str]:
-    lines = [f"PROJECTED (not measured, asyncflow.planning): one bf16 version over one link (bytes / link speed), "
-             f"and the actor's weights (with FSDP's gather buffers) + gradients + AdamW state per device over {devices} devices",
+    lines = [(f"PROJECTED (not measured, asyncflow.planning): one bf16 version over one link (bytes / link speed), "
+              f"and the actor's weights (with FSDP's gather buffers) + gradients + AdamW state per device over "
+              f"{devices} devices"),
              f"{'model':<13}{'training':<11}{'version':>11}" + "".join(f"{f'{g} GB/s':>11}" for g in LINKS_GBPS)
              + f"{'actor GiB/dev':>15}"]
     for row in lora_projection_rows(lora_rank, devices):
@@ -511,8 +514,8 @@ def lora_projection_lines(lora_rank: int, devices: int = 8) -> list[str]:
 def lora_lines(out: dict) -> list[str]:
     """The measured table of --lora."""
     f, lo = out["full"], out["lora"]
-    lines = [f"MEASURED: Qwen2 of {out['model_mb']} MB fp32 ({out['model_layers']} layers), 2 training ranks (FSDP2), "
-             f"2 rollout receivers, gloo; LoRA rank {out['lora_rank']}",
+    lines = [(f"MEASURED: Qwen2 of {out['model_mb']} MB fp32 ({out['model_layers']} layers), 2 training ranks "
+              f"(FSDP2), 2 rollout receivers, gloo; LoRA rank {out['lora_rank']}"),
              f"{'sync':<22}{'bytes/version':>15}{'s/version':>11}{'of which build':>16}{'trainer peak MB':>17}"]
     rows = [("full", f["full"], f), ("lora adapters", lo["adapters"], lo), ("lora merged (vLLM)", lo["merged"], lo)]
     for name, entry, mode in rows:
@@ -534,7 +537,8 @@ def measure_lora(mb: float = 64.0, lora_rank: int = 8, bucket_mb: float = 64.0, 
 def lora_summary(full: dict, lora: dict, cfg: dict, lora_rank: int, bucket_mb: float, rounds: int,
                  steps: int) -> dict:
     """The --lora last line: both modes and the ratios full / LoRA."""
-    peak = lambda m: max(m["trainer_peak_mb_by_rank"])  # noqa: E731
+    def peak(mode: dict) -> float:
+        return max(mode["trainer_peak_mb_by_rank"])
     f, a = full["full"], lora["adapters"]
     return {"lora_rank": lora_rank, "model_layers": cfg["num_hidden_layers"],
             "model_mb": round(f["bytes_per_version"] / 2**20, 1), "bucket_mb": bucket_mb, "rounds": rounds,

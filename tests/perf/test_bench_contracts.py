@@ -65,7 +65,8 @@ def test_weight_sync_bench_lora_sends_the_adapters_alone():
     out = _last_json(["perf/bench_weight_sync.py", "--lora", "8", "--mb", "16", "--rounds", "2",
                       "--train-steps", "1"], timeout=600)
     full, lora = out["full"], out["lora"]
-    assert out["adapters_equal_adapter_bytes"] is True and lora["adapters"]["bytes_per_version"] == lora["adapter_bytes"]
+    assert out["adapters_equal_adapter_bytes"] is True
+    assert lora["adapters"]["bytes_per_version"] == lora["adapter_bytes"]
     assert lora["merged"]["bytes_per_version"] == full["full"]["bytes_per_version"]
     assert lora["adapters"]["first_version_bytes"] == full["full"]["bytes_per_version"] + lora["adapter_bytes"]
     assert out["ratio_bytes_full_vs_lora"] > 10
