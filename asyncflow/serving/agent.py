@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import numbers
+import threading
 from typing import Any, Callable
 
 from ..agents.episode import EpisodeLimits, Trajectory
@@ -30,7 +31,7 @@ async def run_agent(fn: Callable[..., Any], row: dict[str, Any], *, server: Endp
         if asyncio.iscoroutinefunction(fn):
             call = fn(row, server.base_url, key)
         else:
-            call = asyncio.to_thread(fn, row, server.base_url, key)
+            call = _on_own_thread(fn, row, server.base_url, key)
         try:
             reward = await asyncio.wait_for(call, limits.max_time_s)
         except TimeoutError:
@@ -41,3 +42,27 @@ async def run_agent(fn: Callable[..., Any], row: dict[str, Any], *, server: Endp
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
         raise TypeError(f"an agent returns its reward as a number, got {type(reward).__name__}")
     return build_trajectory(session.record, float(reward), limits, finish)
+
+
+def _on_own_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """``fn(*args)`` on a thread of its own: many agents block in their HTTP calls at once, more
+    than a shared executor has threads (an agent queued there would spend its time limit waiting)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if fut.done():  # the episode ended without it (time limit)
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+
+    def target() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the episode
+            value, error = None, e
+        loop.call_soon_threadsafe(settle, value, error)
+    threading.Thread(target=target, name=f"agent-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return fut

@@ -84,7 +84,6 @@ def _admit(session: AgentSession, prompt_ids: list[int], asked: int | None) -> i
     try:
         return session.budget(prompt_ids, asked)
     except LimitExceeded as e:
-        session.record.refused += 1
         raise ApiError(400, str(e), code=e.code) from None
 
 

@@ -7,7 +7,9 @@ conversation each time, so a turn's prompt normally extends the previous turn's 
 completion; the trajectory is the chain of turns that extend one another, ending at the last
 turn: the text between two model turns (tool results, user text, the template's markers) is
 not trained (loss mask 0), the model's tokens are (1). Turns off that chain (an agent that
-rewrote its history, or side requests) are counted, not trained.
+rewrote its history, or side requests) are counted, not trained. A request refused because
+the conversation ran past the token budget leaves its text (tool output, cut to the budget)
+at the end, untrained, as ``Conversation.env`` cuts it.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class EpisodeRecord:
     prompt_ids: list[int]  # the row's prompt: the trajectory is what follows it
     turns: list[Turn] = field(default_factory=list)
     refused: int = 0  # requests answered with an error (limits, bad input), not recorded
+    tail_ids: list[int] | None = None  # the prompt of a request refused for the token budget
 
 
 def chain(turns: list[Turn]) -> list[Turn]:
@@ -62,7 +65,8 @@ def build_trajectory(record: EpisodeRecord, reward: float, limits: EpisodeLimits
     turns = chain(record.turns)
     base = len(record.prompt_ids)
     if not turns:
-        raise RuntimeError("the agent made no request with its episode key (nothing to train)")
+        late = " before its time limit (agent.max_time_s)" if finish_reason == "time_limit" else ""
+        raise RuntimeError(f"the agent had no request answered with its episode key{late}: nothing to train")
     if turns[0].prompt_ids[:base] != record.prompt_ids:
         raise RuntimeError("the agent's first request does not start with the row's prompt: its messages must "
                            "render to the row's prompt (check rollout.openai_endpoint.chat_format and "
@@ -86,6 +90,13 @@ def build_trajectory(record: EpisodeRecord, reward: float, limits: EpisodeLimits
         versions += [int(v) for v in t.versions]
         if t.versions:
             last_version = int(t.versions[-1])
+    tail = record.tail_ids
+    if tail is not None and tail[:base + len(ids)] == record.prompt_ids + ids:
+        extra = tail[base + len(ids):][:max(0, limits.max_tokens - len(ids))]
+        ids += extra
+        mask += [0] * len(extra)
+        log_probs += [0.0] * len(extra)
+        versions += [last_version] * len(extra)
     if finish_reason is None:
         if turns[-1].finish_reason == "abort":
             finish_reason = "abort"

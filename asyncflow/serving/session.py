@@ -14,7 +14,7 @@ from typing import Any
 from ..agents.episode import EpisodeContext, EpisodeLimits
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from .chat_format import ChatFormat
-from .limits import completion_budget
+from .limits import LimitExceeded, completion_budget
 from .recorder import EpisodeRecord, Turn
 
 __all__ = ["AgentSession"]
@@ -47,8 +47,14 @@ class AgentSession:
 
     def budget(self, prompt_ids: list[int], asked: int | None) -> int:
         """Admit one more request (raises LimitExceeded); its completion budget."""
-        n = completion_budget(self.limits, self.admitted, len(prompt_ids), len(self.record.prompt_ids), asked,
-                              self.ctx.params.max_new_tokens)
+        try:
+            n = completion_budget(self.limits, self.admitted, len(prompt_ids), len(self.record.prompt_ids), asked,
+                                  self.ctx.params.max_new_tokens)
+        except LimitExceeded as e:
+            self.record.refused += 1
+            if e.code == "episode_token_limit":  # the conversation as it ran out of tokens: its last text
+                self.record.tail_ids = list(prompt_ids)
+            raise
         self.admitted += 1
         return n
 

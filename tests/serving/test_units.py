@@ -159,7 +159,7 @@ def test_the_trajectory_is_the_chain_of_turns_with_the_model_tokens_trained():
     assert t.metrics["requests_refused"] == 1
     assert build_trajectory(record, 0.0, EpisodeLimits(max_turns=2)).finish_reason == "max_turns"
     assert build_trajectory(record, 0.0, EpisodeLimits(), "time_limit").finish_reason == "time_limit"
-    with pytest.raises(RuntimeError, match="no request"):
+    with pytest.raises(RuntimeError, match="no request answered"):
         build_trajectory(EpisodeRecord(row), 0.0, EpisodeLimits())
     with pytest.raises(RuntimeError, match="row's prompt"):
         build_trajectory(EpisodeRecord(row, [_turn([1, 2, 3], [4])]), 0.0, EpisodeLimits())
@@ -180,3 +180,13 @@ def test_agents_are_recognised_by_their_signature_and_the_endpoint_by_its_config
     spec = endpoint_spec(cfg, rank=2)
     assert spec.port == 8102 and spec.host == "127.0.0.1" and spec.chat_format == "plain"
     assert endpoint_spec(load_config(None, []), 0) is None
+
+
+def test_a_request_refused_for_the_token_budget_leaves_its_text_cut_to_the_budget():
+    row = [5, 6]
+    record = EpisodeRecord(row, [_turn(row, [10, 11])], tail_ids=row + [10, 11, 20, 21, 22, 23])
+    t = build_trajectory(record, 0.0, EpisodeLimits(max_turns=4, max_tokens=5))
+    assert t.response_ids.tolist() == [10, 11, 20, 21, 22] and t.loss_mask.tolist() == [1, 1, 0, 0, 0]
+    assert t.finish_reason == "max_tokens"
+    record.tail_ids = [9, 9, 9]  # not this conversation: nothing appended
+    assert build_trajectory(record, 0.0, EpisodeLimits(max_turns=4, max_tokens=5)).response_ids.tolist() == [10, 11]
