@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import threading
 import traceback
 from concurrent.futures import Future
@@ -23,6 +24,7 @@ from ..rpc.transport import EventLoopThread
 from ..serving.spec import is_agent
 from .episode import EpisodeContext, EpisodeLimits, Trajectory
 
+log = logging.getLogger(__name__)
 EPISODE_OUTPUTS = [*ROLLOUT_OUTPUTS, "loss_mask", "scores", "episode"]
 STAT_KEYS = ("episodes", "turns", "tool_calls", "tool_errors")
 
@@ -149,7 +151,10 @@ class EpisodeRunner:
     def close(self) -> None:
         if self._loop is not None:
             if self.server is not None:
-                self._loop.run(self.server.stop(), timeout=30)
+                try:
+                    self._loop.run(self.server.stop(), timeout=10)
+                except Exception as e:  # noqa: BLE001 - closing: the loop stops anyway
+                    log.warning("%s: the OpenAI endpoint did not stop cleanly: %s", self.name, e)
                 self.server = None
             self._loop.stop()
 

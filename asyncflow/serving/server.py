@@ -19,8 +19,9 @@ class EndpointServer:
 
     async def start(self) -> None:
         # handler_cancellation: a client that disconnects cancels its handler (its request is aborted)
+        # shutdown_timeout: closing does not wait for idle keep-alive connections of agents' clients
         runner = web.AppRunner(make_app(self.keys, self.spec.model_name), handler_cancellation=True,
-                               access_log=None)
+                               access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         try:
             await web.TCPSite(runner, self.spec.host, self.spec.port).start()
