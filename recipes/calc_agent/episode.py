@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 
-import openai
-
 from asyncflow.agents.tools import call_tool
 
 CALCULATOR = {"type": "function", "function": {
@@ -17,6 +15,7 @@ CALCULATOR = {"type": "function", "function": {
 
 
 async def calc_agent(row: dict, base_url: str, api_key: str) -> float:
+    import openai  # here, not at the top: the driver loads this module to check the recipe, and needs no client
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
     messages: list[dict] = [{"role": "user", "content": row["prompt"]}]
     try:
