@@ -39,8 +39,13 @@ async def by_conversation(row, ctx):
     return conv.finish(0.0)
 
 
+CLIENTS: dict = {}
+
+
 async def by_agent(row, base_url, api_key):
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+    if base_url not in CLIENTS:  # one connection pool, each episode with its own key (as recipes/calc_agent)
+        CLIENTS[base_url] = openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=60)
+    client = CLIENTS[base_url].with_options(api_key=api_key)
     messages = [{"role": "user", "content": row["prompt"]}]
     first = await client.chat.completions.create(model="policy", messages=messages, stop=[">"], max_tokens=8)
     text = first.choices[0].message.content or ""
@@ -48,7 +53,6 @@ async def by_agent(row, base_url, api_key):
     # the model's text as it wrote it, then the tool's output, as by_conversation appends them
     messages += [{"role": "assistant", "content": text}, {"role": "tool", "tool_call_id": "c", "content": result}]
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
-    await client.close()
     return 0.0
 
 

@@ -14,26 +14,28 @@ CALCULATOR = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
+_CLIENTS: dict[str, object] = {}  # one client per endpoint: its connection pool, shared by the episodes
+
+
 async def calc_agent(row: dict, base_url: str, api_key: str) -> float:
     import openai  # here, not at the top: the driver loads this module to check the recipe, and needs no client
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+    if base_url not in _CLIENTS:  # a client costs an HTTP pool and an SSL context: made once, not per episode
+        _CLIENTS[base_url] = openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=60)
+    client = _CLIENTS[base_url].with_options(api_key=api_key)  # this episode's key, the pool shared
     messages: list[dict] = [{"role": "user", "content": row["prompt"]}]
-    try:
-        while True:
-            try:
-                reply = await client.chat.completions.create(model="policy", messages=messages,
-                                                             tools=[CALCULATOR])
-            except openai.BadRequestError as e:  # the episode's turn or token budget is spent
-                if e.code in ("episode_request_limit", "episode_token_limit"):
-                    return 0.0
-                raise
-            message = reply.choices[0].message
-            if not message.tool_calls:
-                return float((message.content or "").strip() == str(row["answer"]))
-            messages.append(message.model_dump(exclude_none=True))
-            for call in message.tool_calls:
-                expression = json.loads(call.function.arguments).get("expression", "")
-                result = await call_tool("calculator", expression)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": result.text})
-    finally:
-        await client.close()
+    while True:
+        try:
+            reply = await client.chat.completions.create(model="policy", messages=messages,
+                                                         tools=[CALCULATOR])
+        except openai.BadRequestError as e:  # the episode's turn or token budget is spent
+            if e.code in ("episode_request_limit", "episode_token_limit"):
+                return 0.0
+            raise
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            return float((message.content or "").strip() == str(row["answer"]))
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            expression = json.loads(call.function.arguments).get("expression", "")
+            result = await call_tool("calculator", expression)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result.text})
