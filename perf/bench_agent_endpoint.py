@@ -10,11 +10,9 @@ The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
-import tempfile
 import time
 import types
 

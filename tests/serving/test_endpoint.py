@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import types
 from pathlib import Path
