@@ -24,7 +24,7 @@ from asyncflow.agents.episode import EpisodeLimits  # noqa: E402
 from asyncflow.agents.runner import EpisodeRunner  # noqa: E402
 from asyncflow.agents.tools import call_tool  # noqa: E402
 from asyncflow.engines.rollout.base import SamplingParams  # noqa: E402
-from asyncflow.serving.spec import EndpointSpec  # noqa: E402
+from asyncflow.agents.serving.spec import EndpointSpec  # noqa: E402
 
 TURNS = 2  # each episode: a tool call, then an answer
 

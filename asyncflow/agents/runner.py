@@ -5,7 +5,7 @@ they share its running batch with each other (and with plain rows).
 An episode function is either ``async def episode(row, ctx) -> Trajectory`` (the
 ``Conversation`` API) or an agent, ``agent(row, base_url, api_key) -> reward`` (async, or
 sync: run on a thread), that talks to the instance's OpenAI-compatible endpoint
-(``asyncflow.serving``, started with the first agent episode)."""
+(``asyncflow.agents.serving``, started with the first agent episode)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +21,7 @@ import torch
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..rpc.loop_thread import EventLoopThread
-from ..serving.spec import is_agent
+from .serving.spec import is_agent
 from ..transfer_queue.row_lists import rows, values
 from .episode import EpisodeContext, EpisodeLimits, Trajectory
 
@@ -113,8 +113,8 @@ class EpisodeRunner:
 
     async def _run_agent(self, fn: Callable[..., Any], row: dict[str, Any], params: SamplingParams,
                          min_version: int, request_id: Any) -> Trajectory:
-        from ..serving.agent import run_agent
-        from ..serving.chat_format import make_format
+        from .serving.agent import run_agent
+        from .serving.chat_format import make_format
         server = await self.start_endpoint()
         return await run_agent(fn, row, server=server, service=self.service, tokenizer=self.tokenizer,
                                chat_format=make_format(self.endpoint.chat_format, self.tokenizer), params=params,
@@ -129,7 +129,7 @@ class EpisodeRunner:
             self._server_lock = asyncio.Lock()
         async with self._server_lock:
             if self.server is None:
-                from ..serving.server import EndpointServer
+                from .serving.server import EndpointServer
                 server = EndpointServer(self.endpoint)
                 await server.start()
                 self.server = server

@@ -80,7 +80,7 @@ class RolloutWorker(EngineOffload, Worker):
                                 capacity=r.max_running_rows + max(1, r.max_running_rows // 4),
                                 version=lambda: int(self.engine.version), name=f"rollout-rank{self.rank}")
         # multi-turn episodes (a stage option "episode"): run on their own loop, turns through the service
-        from ..serving.spec import endpoint_spec  # agent episodes: an OpenAI endpoint (rollout.openai_endpoint)
+        from ..agents.serving.spec import endpoint_spec  # agent episodes: an OpenAI endpoint (rollout.openai_endpoint)
         self.episodes = EpisodeRunner(self.service, self.tokenizer,
                                       EpisodeLimits(c.agent.max_turns, c.agent.max_tokens, c.agent.max_time_s),
                                       name=f"rollout-rank{self.rank}", endpoint=endpoint_spec(c, self.rank))

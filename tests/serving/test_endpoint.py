@@ -23,7 +23,7 @@ from asyncflow.agents.runner import EpisodeRunner
 from asyncflow.agents.tools import call_tool
 from asyncflow.engines.rollout.base import SamplingParams
 from asyncflow.engines.rollout.service import RolloutService
-from asyncflow.serving.spec import EndpointSpec
+from asyncflow.agents.serving.spec import EndpointSpec
 
 from _scripted import ScriptedEngine
 

@@ -8,13 +8,13 @@ import json
 import pytest
 
 from asyncflow.agents.episode import EpisodeLimits
-from asyncflow.serving.bodies import parse_chat, parse_completion
-from asyncflow.serving.chat_format import FormatError, PlainFormat, TemplateFormat
-from asyncflow.serving.errors import ApiError
-from asyncflow.serving.keys import EpisodeKeys
-from asyncflow.serving.limits import LimitExceeded, completion_budget
-from asyncflow.serving.recorder import EpisodeRecord, Turn, build_trajectory, chain
-from asyncflow.serving.spec import endpoint_spec, is_agent
+from asyncflow.agents.serving.bodies import parse_chat, parse_completion
+from asyncflow.agents.serving.chat_format import FormatError, PlainFormat, TemplateFormat
+from asyncflow.agents.serving.errors import ApiError
+from asyncflow.agents.serving.keys import EpisodeKeys
+from asyncflow.agents.serving.limits import LimitExceeded, completion_budget
+from asyncflow.agents.serving.recorder import EpisodeRecord, Turn, build_trajectory, chain
+from asyncflow.agents.serving.spec import endpoint_spec, is_agent
 
 CALC = [{"type": "function", "function": {"name": "calculator", "parameters": {
     "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]

@@ -10,8 +10,8 @@ import numbers
 import threading
 from typing import Any, Callable
 
-from ..agents.episode import EpisodeLimits, Trajectory
-from ..engines.rollout.base import SamplingParams
+from ..episode import EpisodeLimits, Trajectory
+from ...engines.rollout.base import SamplingParams
 from .chat_format import ChatFormat
 from .recorder import build_trajectory
 from .server import EndpointServer

@@ -4,7 +4,7 @@ left), and ``max_time_s`` of wall time (the episode's key expires then). A reque
 is refused with the OpenAI error format and is not recorded."""
 from __future__ import annotations
 
-from ..agents.episode import EpisodeLimits
+from ..episode import EpisodeLimits
 
 __all__ = ["LimitExceeded", "MAX_BODY_BYTES", "completion_budget"]
 

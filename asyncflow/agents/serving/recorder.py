@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..agents.episode import EpisodeLimits, Trajectory
+from ..episode import EpisodeLimits, Trajectory
 
 __all__ = ["EpisodeRecord", "Turn", "build_trajectory", "chain"]
 

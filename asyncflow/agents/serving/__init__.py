@@ -8,6 +8,6 @@ the episode's trajectory is rebuilt from the recorded turns (docs/agents_openai.
 This package's import is light: the HTTP server (aiohttp, the ``serve`` extra) is imported only
 when an instance starts its endpoint.
 """
-from asyncflow.serving.spec import EndpointSpec, endpoint_spec, is_agent
+from asyncflow.agents.serving.spec import EndpointSpec, endpoint_spec, is_agent
 
 __all__ = ["EndpointSpec", "endpoint_spec", "is_agent"]
