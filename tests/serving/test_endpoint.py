@@ -13,10 +13,14 @@ import time
 import types
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 import torch
+
+# The serve extra (aiohttp) and the official client (openai): CI's first stage installs both
+# (requirements-dev.txt) and runs this file; the stage beside verl installs neither extra.
+pytest.importorskip("aiohttp")
+openai = pytest.importorskip("openai")
+import httpx  # noqa: E402  (openai's own dependency: present once openai is)
 
 from asyncflow.agents.episode import EpisodeLimits
 from asyncflow.agents.runner import EpisodeRunner
