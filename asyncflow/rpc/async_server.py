@@ -11,7 +11,7 @@ from typing import Any
 import zmq
 
 from . import auth
-from .server_base import ServerBase, check_request, encode_reply, error_reply, no_method, parse_request
+from .server_base import ServerBase, encode_reply, error_reply, no_method, open_request
 from .sockets import EVENTS, POLLIN, drain, send_nowait, unwatch
 
 log = logging.getLogger(__name__)
@@ -120,13 +120,10 @@ class RpcServer(ServerBase):
 
     def _on_request(self, frames: list[Any]) -> None:
         # Checked here, in arrival order on the loop's thread: the replay window is not shared.
-        opened = check_request(self, frames[1:])
+        opened = open_request(self, frames)
         if opened is None:
             return
-        nonce, body = opened
-        req = parse_request(self, body)
-        if req is None:
-            return
+        nonce, req = opened
         ident = frames[0].bytes
         rid, method, fn, args = req
         try:

@@ -8,7 +8,7 @@ from typing import Any
 import zmq
 
 from . import auth
-from .server_base import ServerBase, check_request, encode_reply, error_reply, no_method, parse_request
+from .server_base import ServerBase, encode_reply, error_reply, no_method, open_request
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +32,10 @@ class BlockingRpcServer(ServerBase):
         purpose: an idle worker waits for work; its liveness is watched elsewhere."""
         while not self.stopping:
             frames = self._sock.recv_multipart(copy=False)
-            opened = check_request(self, frames[1:])
+            opened = open_request(self, frames)
             if opened is None:
                 continue
-            nonce, body = opened
-            req = parse_request(self, body)
-            if req is None:
-                continue
+            nonce, req = opened
             rid, method, fn, args = req
             try:
                 if fn is None:

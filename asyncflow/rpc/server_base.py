@@ -52,6 +52,17 @@ def parse_request(server: Any, frames: list[Any]) -> tuple[Any, str, Any, dict[s
     return rid, method, fn, args
 
 
+def open_request(server: Any, frames: list) -> tuple[bytes, tuple[Any, str, Any, dict]] | None:
+    """A received message (identity frame first) checked and parsed: (nonce, (id, method, handler,
+    args)), or None when it was refused (each refusal is handled where check or parse found it)."""
+    opened = check_request(server, frames[1:])
+    if opened is None:
+        return None
+    nonce, body = opened
+    req = parse_request(server, body)
+    return None if req is None else (nonce, req)
+
+
 def no_method(server: Any, method: Any) -> ValueError:
     return ValueError(f"{server.name} has no method {method!r}")
 

@@ -80,9 +80,10 @@ class RolloutWorker(EngineOffload, Worker):
                                 capacity=r.max_running_rows + max(1, r.max_running_rows // 4),
                                 version=lambda: int(self.engine.version), name=f"rollout-rank{self.rank}")
         # multi-turn episodes (a stage option "episode"): run on their own loop, turns through the service
+        from ..agents.serving.spec import endpoint_spec  # agent episodes: an OpenAI endpoint (rollout.openai_endpoint)
         self.episodes = EpisodeRunner(self.service, self.tokenizer,
-                                      EpisodeLimits(c.agent.max_turns, c.agent.max_tokens),
-                                      name=f"rollout-rank{self.rank}")
+                                      EpisodeLimits(c.agent.max_turns, c.agent.max_tokens, c.agent.max_time_s),
+                                      name=f"rollout-rank{self.rank}", endpoint=endpoint_spec(c, self.rank))
         self.stream.episodes = self.episodes
         self.stream.scorer = self.scorer
         self._eval_runners: dict[tuple, Any] = {}  # (reward, timeout, on_error) -> RewardRunner: one thread each
@@ -131,7 +132,8 @@ class RolloutWorker(EngineOffload, Worker):
                                  enable_sleep_mode=None if offload_idle(c) else False, cpu_bind=bind, **extra)
 
     def teardown(self) -> None:
-        """Stop the service thread, then the engine's own processes (vLLM's workers)."""
+        """Stop the episodes' loop (and endpoint), the service thread, then the engine's own processes."""
+        self.episodes.close()
         self.service.close()
         shutdown = getattr(self.engine, "shutdown", None)
         if callable(shutdown):

@@ -16,12 +16,12 @@ from recipes.grpo import recipe as grpo
 EPISODE = "recipes.calc_tool.episode:calc_episode"
 
 
-def build(cfg) -> RecipeSpec:
+def build(cfg, episode: str = EPISODE) -> RecipeSpec:
     roles = {"actor": Role("asyncflow.workers.actor:ActorWorker", on="actor"),
              "rollout": Role("asyncflow.workers.rollout:RolloutWorker", on="rollout", per_rank=True)}
     stages = [Stage("rollout", role="rollout", method="generate", inputs=["prompt_ids", "seed", "answer", "prompt"],
                     outputs=list(EPISODE_OUTPUTS), batch_rows=grpo.batch_rows(cfg), sampler=grpo.groups(cfg),
-                    kind="rollout", options={"episode": EPISODE})]
+                    kind="rollout", options={"episode": episode})]
     gate = []
     if cfg.algorithm.dynamic_sampling:
         stages.append(Stage("filter", role=DRIVER, method="", inputs=["scores"], outputs=["accepted"],

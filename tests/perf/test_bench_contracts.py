@@ -55,3 +55,19 @@ def test_rpc_bench_prints_ours_against_torch_rpc():
                     "torch_rpc_4w_p50_us"])
     assert out["calls"] == 40 and out["interleaved"] is True
     assert out["ratio_torch_rpc_vs_ours"] == pytest.approx(out["torch_rpc_p50_us"] / out["rpc_p50_us"], rel=0.02)
+
+
+@pytest.mark.slow
+def test_weight_sync_bench_lora_sends_the_adapters_alone():
+    """The run-level check of LoRA's sync: with the trainer's engine on 2 FSDP ranks and the
+    actor's choice of tensors, a version after the first is exactly the adapters' bytes; the
+    merged version (vLLM) is as large as full fine-tuning's."""
+    out = _last_json(["perf/bench_weight_sync.py", "--lora", "8", "--mb", "16", "--rounds", "2",
+                      "--train-steps", "1"], timeout=600)
+    full, lora = out["full"], out["lora"]
+    assert out["adapters_equal_adapter_bytes"] is True
+    assert lora["adapters"]["bytes_per_version"] == lora["adapter_bytes"]
+    assert lora["merged"]["bytes_per_version"] == full["full"]["bytes_per_version"]
+    assert lora["adapters"]["first_version_bytes"] == full["full"]["bytes_per_version"] + lora["adapter_bytes"]
+    assert out["ratio_bytes_full_vs_lora"] > 10
+    _positive(out, ["trainer_peak_mb_full", "trainer_peak_mb_lora", "ratio_sync_s_full_vs_lora"])

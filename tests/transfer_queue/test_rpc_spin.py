@@ -88,43 +88,40 @@ def test_policy_spins_only_after_a_short_wait():
     assert off.budget() == 0.0
 
 
+@pytest.fixture
+def stepped_pair(monkeypatch):
+    """A connected inproc PAIR (a, b) and the StepClock poll_ready reads instead of perf_counter."""
+    clock = StepClock(1e-3)
+    monkeypatch.setattr(spin, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://spin-pair")
+        b.connect("inproc://spin-pair")
+        yield clock, a, b
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+
+
 @pytest.mark.parametrize("budget_steps", [0, 1, 5])
-def test_poll_ready_never_exceeds_its_budget(monkeypatch, budget_steps):
+def test_poll_ready_never_exceeds_its_budget(stepped_pair, budget_steps):
     """Nothing arrives: poll_ready returns [] at the first clock read at or past its
     deadline (one read sets the deadline, then one read per try)."""
-    clock = StepClock(1e-3)
-    monkeypatch.setattr(spin, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    try:
-        a.bind("inproc://spin-budget")
-        b.connect("inproc://spin-budget")
-        assert poll_ready([(b, zmq.POLLIN)], budget_steps * clock.step_s) == []
-        tries = max(budget_steps, 1)
-        assert clock.now == pytest.approx((1 + tries) * clock.step_s)
-    finally:
-        a.close(linger=0)
-        b.close(linger=0)
-        ctx.term()
+    clock, _, b = stepped_pair
+    assert poll_ready([(b, zmq.POLLIN)], budget_steps * clock.step_s) == []
+    tries = max(budget_steps, 1)
+    assert clock.now == pytest.approx((1 + tries) * clock.step_s)
 
 
-def test_poll_ready_returns_a_waiting_message_before_its_budget(monkeypatch):
-    clock = StepClock(1e-3)
-    monkeypatch.setattr(spin, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    try:
-        a.bind("inproc://spin-ready")
-        b.connect("inproc://spin-ready")
-        a.send(b"x")
-        ready = poll_ready([(b, zmq.POLLIN)], 5.0)  # a message waits: back at once, not at 5 s
-        assert [s for s, _ in ready] == [b]
-        assert clock.now < 5.0  # returned on the message, not on the budget
-        assert b.recv() == b"x"
-    finally:
-        a.close(linger=0)
-        b.close(linger=0)
-        ctx.term()
+def test_poll_ready_returns_a_waiting_message_before_its_budget(stepped_pair):
+    clock, a, b = stepped_pair
+    a.send(b"x")
+    ready = poll_ready([(b, zmq.POLLIN)], 5.0)  # a message waits: back at once, not at 5 s
+    assert [s for s, _ in ready] == [b]
+    assert clock.now < 5.0  # returned on the message, not on the budget
+    assert b.recv() == b"x"
 
 
 def _serve(ctx: zmq.Context, service: Service):

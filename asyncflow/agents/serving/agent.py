@@ -1,0 +1,68 @@
+"""Running one agent episode: a key of its own, the agent (async, or sync on a thread), then
+the trajectory from what its requests recorded. The key is revoked when the agent returns,
+raises or passes ``max_time_s`` (then the episode ends with finish reason "time_limit" and
+reward 0: a sync agent's thread cannot be stopped, but nothing it sends is accepted any more);
+requests it left running are aborted."""
+from __future__ import annotations
+
+import asyncio
+import numbers
+import threading
+from typing import Any, Callable
+
+from ..episode import EpisodeLimits, Trajectory
+from ...engines.rollout.base import SamplingParams
+from .chat_format import ChatFormat
+from .recorder import build_trajectory
+from .server import EndpointServer
+from .session import AgentSession
+
+__all__ = ["run_agent"]
+
+
+async def run_agent(fn: Callable[..., Any], row: dict[str, Any], *, server: EndpointServer, service: Any,
+                    tokenizer: Any, chat_format: ChatFormat, params: SamplingParams, limits: EpisodeLimits,
+                    min_version: int, request_id: Any) -> Trajectory:
+    session = AgentSession(row, service=service, tokenizer=tokenizer, chat_format=chat_format, params=params,
+                           limits=limits, min_version=min_version, request_id=request_id)
+    key = server.keys.issue(session, limits.max_time_s)
+    finish = None
+    try:
+        if asyncio.iscoroutinefunction(fn):
+            call = fn(row, server.base_url, key)
+        else:
+            call = _on_own_thread(fn, row, server.base_url, key)
+        try:
+            reward = await asyncio.wait_for(call, limits.max_time_s)
+        except TimeoutError:
+            reward, finish = 0.0, "time_limit"
+    finally:
+        server.keys.revoke(key)
+        await session.close()
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        raise TypeError(f"an agent returns its reward as a number, got {type(reward).__name__}")
+    return build_trajectory(session.record, float(reward), limits, finish)
+
+
+def _on_own_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """``fn(*args)`` on a thread of its own: many agents block in their HTTP calls at once, more
+    than a shared executor has threads (an agent queued there would spend its time limit waiting)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if fut.done():  # the episode ended without it (time limit)
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+
+    def target() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the episode
+            value, error = None, e
+        loop.call_soon_threadsafe(settle, value, error)
+    threading.Thread(target=target, name=f"agent-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return fut

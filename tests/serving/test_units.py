@@ -1,0 +1,192 @@
+"""The endpoint's parts without a server: per-episode keys and their expiry, the chat formats
+(messages -> prompt text, model text -> tool calls, and back), request checks, and the
+trajectory rebuilt from recorded turns."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncflow.agents.episode import EpisodeLimits
+from asyncflow.agents.serving.bodies import parse_chat, parse_completion
+from asyncflow.agents.serving.chat_format import FormatError, PlainFormat, TemplateFormat
+from asyncflow.agents.serving.errors import ApiError
+from asyncflow.agents.serving.keys import EpisodeKeys
+from asyncflow.agents.serving.limits import LimitExceeded, completion_budget
+from asyncflow.agents.serving.recorder import EpisodeRecord, Turn, build_trajectory, chain
+from asyncflow.agents.serving.spec import endpoint_spec, is_agent
+
+CALC = [{"type": "function", "function": {"name": "calculator", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_keys_are_per_episode_and_expire_or_are_revoked():
+    clock = Clock()
+    keys = EpisodeKeys(clock)
+    a, b = keys.issue("episode-a", ttl_s=10), keys.issue("episode-b", ttl_s=30)
+    assert a != b and keys.lookup(a) == "episode-a" and keys.lookup(b) == "episode-b"
+    assert keys.lookup("af-ep-unknown") is None and keys.lookup("") is None and keys.lookup(None) is None
+    clock.now = 110.0  # a's ttl has passed, b's not
+    assert keys.lookup(a) is None and keys.lookup(b) == "episode-b"
+    keys.revoke(b)
+    assert keys.lookup(b) is None and len(keys) == 0
+    with pytest.raises(ValueError, match="ttl_s"):
+        keys.issue("x", 0)
+
+
+def test_plain_format_writes_the_calc_episode_text_and_parses_its_calls():
+    fmt = PlainFormat()
+    reply = fmt.parse("<347+58+906>", CALC)
+    assert reply.content is None and len(reply.tool_calls) == 1
+    call = reply.tool_calls[0]
+    assert call.name == "calculator" and json.loads(call.arguments) == {"expression": "347+58+906"}
+    messages = [{"role": "user", "content": "347+58+906="},
+                {"role": "assistant", "content": None, "tool_calls": [call.to_openai()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "1311"}]
+    text, starts = fmt.render(messages, CALC)
+    assert text == "347+58+906=<347+58+906>1311#" and starts == [0, 11, 23]
+    assert fmt.stop(CALC) == [">"] and fmt.stop(None) == []
+    # no tools offered, or no call written: the text is the content
+    assert fmt.parse("<1+2>", None).tool_calls == [] and fmt.parse("1311", CALC).content == "1311"
+    # text before a call is the content; it renders back in front of the call
+    reply = fmt.parse("ok<1+2>", CALC)
+    assert reply.content == "ok" and json.loads(reply.tool_calls[0].arguments) == {"expression": "1+2"}
+    again, _ = fmt.render([{"role": "assistant", "content": "ok", "tool_calls": [reply.tool_calls[0].to_openai()]}],
+                          CALC)
+    assert again == "ok<1+2>"
+
+
+def test_plain_format_names_the_tool_when_several_are_offered():
+    two = CALC + [{"type": "function", "function": {"name": "echo", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}}}}]
+    fmt = PlainFormat()
+    reply = fmt.parse("<echo:hi>", two)
+    assert reply.tool_calls[0].name == "echo" and json.loads(reply.tool_calls[0].arguments) == {"text": "hi"}
+    assert fmt.parse("<nosuch:hi>", two).tool_calls == []  # an unknown name is text
+    text, _ = fmt.render([{"role": "assistant", "tool_calls": [reply.tool_calls[0].to_openai()]}], two)
+    assert text == "<echo:hi>"
+    with pytest.raises(FormatError, match="role"):
+        fmt.render([{"role": "wizard", "content": "x"}], None)
+    with pytest.raises(FormatError, match="do not offer"):
+        fmt.render([{"role": "assistant", "tool_calls": [reply.tool_calls[0].to_openai()]}], CALC)
+
+
+class TemplateTok:
+    """A tokenizer whose chat template writes `<|role|>content<|end|>`, tool calls as JSON."""
+    chat_template = "x"
+
+    def apply_chat_template(self, messages, tools=None, tokenize=False, add_generation_prompt=False):
+        out = ""
+        for m in messages:
+            calls = "".join(f"<tool_call>{json.dumps(c['function'])}</tool_call>" for c in m.get("tool_calls") or [])
+            out += f"<|{m['role']}|>{m['content']}{calls}<|end|>"
+        return out + ("<|assistant|>" if add_generation_prompt else "")
+
+
+def test_template_format_parses_json_tool_calls_and_gives_message_boundaries():
+    fmt = TemplateFormat(TemplateTok())
+    reply = fmt.parse('let me see <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>',
+                      CALC)
+    assert reply.content == "let me see" and reply.tool_calls[0].name == "calculator"
+    assert json.loads(reply.tool_calls[0].arguments) == {"expression": "1+2"}
+    assert fmt.parse("<tool_call>not json</tool_call>", CALC).tool_calls == []
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [reply.tool_calls[0].to_openai()]}]
+    text, starts = fmt.render(messages, CALC)
+    # the arguments reach the template as a mapping, as chat templates expect
+    assert '"arguments": {"expression": "1+2"}' in text and text.endswith("<|assistant|>")
+    assert starts == [0, len("<|user|>hi<|end|>")]
+
+
+def test_request_bodies_are_checked_with_the_failing_parameter():
+    req = parse_chat({"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 4, "stop": ">",
+                      "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.3})
+    assert req.max_tokens == 4 and req.stop == [">"] and req.stream and req.include_usage
+    for body, param in [({"messages": []}, "messages"), ({"messages": [{"role": "user"}], "n": 2}, "n"),
+                        ({"messages": [{"role": "user"}], "max_tokens": 0}, "max_tokens"),
+                        ({"messages": [{"role": "user"}], "stop": [1]}, "stop"),
+                        ({"messages": [{"role": "user"}], "tool_choice": "required"}, "tool_choice")]:
+        with pytest.raises(ApiError) as e:
+            parse_chat(body)
+        assert e.value.status == 400 and e.value.param == param
+        assert e.value.body()["error"]["type"] == "invalid_request_error"
+    assert parse_completion({"prompt": ["1+1="]}).prompt == "1+1=" and parse_completion({"prompt": [3, 4]}).prompt
+    with pytest.raises(ApiError, match="prompt"):
+        parse_completion({"prompt": ""})
+    with pytest.raises(ApiError, match="JSON object"):
+        parse_chat([1, 2])
+
+
+def test_limits_refuse_requests_past_the_episode_budgets():
+    limits = EpisodeLimits(max_turns=2, max_tokens=10)
+    assert completion_budget(limits, 0, prompt_len=4, row_prompt_len=4, asked=None, default=16) == 10
+    assert completion_budget(limits, 1, prompt_len=11, row_prompt_len=4, asked=2, default=16) == 2
+    assert completion_budget(limits, 1, prompt_len=11, row_prompt_len=4, asked=None, default=16) == 3
+    with pytest.raises(LimitExceeded) as e:
+        completion_budget(limits, 2, 4, 4, None, 16)
+    assert e.value.code == "episode_request_limit"
+    with pytest.raises(LimitExceeded) as e:
+        completion_budget(limits, 1, 14, 4, None, 16)
+    assert e.value.code == "episode_token_limit"
+
+
+def _turn(prompt, completion, version=1, calls=0):
+    return Turn(list(prompt), list(completion), [-0.5] * len(completion), [version] * len(completion), "stop",
+                tool_calls=calls)
+
+
+def test_the_trajectory_is_the_chain_of_turns_with_the_model_tokens_trained():
+    row = [5, 6, 7]
+    t1 = _turn(row, [10, 11], version=2, calls=1)
+    side = _turn(row + [99], [42])  # a side request: not on the chain
+    t2 = _turn(row + [10, 11, 20, 21], [12, 1], version=3)
+    record = EpisodeRecord(row, [t1, side, t2], refused=1)
+    assert chain(record.turns) == [t1, t2]
+    t = build_trajectory(record, 1.0, EpisodeLimits(max_turns=4, max_tokens=64))
+    assert t.response_ids.tolist() == [10, 11, 20, 21, 12, 1]
+    assert t.loss_mask.tolist() == [1, 1, 0, 0, 1, 1]
+    assert t.log_probs.tolist() == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5]
+    assert t.token_versions.tolist() == [2, 2, 2, 2, 3, 3]  # text between turns: the turn before's version
+    assert t.turn_starts == [0, 4] and t.reward == 1.0 and t.finish_reason == "stop"
+    assert t.metrics["turns"] == 2 and t.metrics["tool_calls"] == 1 and t.metrics["turns_off_chain"] == 1
+    assert t.metrics["requests_refused"] == 1
+    assert build_trajectory(record, 0.0, EpisodeLimits(max_turns=2)).finish_reason == "max_turns"
+    assert build_trajectory(record, 0.0, EpisodeLimits(), "time_limit").finish_reason == "time_limit"
+    with pytest.raises(RuntimeError, match="no request answered"):
+        build_trajectory(EpisodeRecord(row), 0.0, EpisodeLimits())
+    with pytest.raises(RuntimeError, match="row's prompt"):
+        build_trajectory(EpisodeRecord(row, [_turn([1, 2, 3], [4])]), 0.0, EpisodeLimits())
+
+
+def test_agents_are_recognised_by_their_signature_and_the_endpoint_by_its_config():
+    async def agent(row, base_url, api_key):
+        return 1.0
+
+    def sync_agent(row, base_url, api_key):
+        return 1.0
+
+    async def episode(row, ctx):
+        return None
+    assert is_agent(agent) and is_agent(sync_agent) and not is_agent(episode)
+    from asyncflow.config import load_config
+    cfg = load_config(None, ["rollout.openai_endpoint.enabled=true", "rollout.openai_endpoint.port=8100"])
+    spec = endpoint_spec(cfg, rank=2)
+    assert spec.port == 8102 and spec.host == "127.0.0.1" and spec.chat_format == "plain"
+    assert endpoint_spec(load_config(None, []), 0) is None
+
+
+def test_a_request_refused_for_the_token_budget_leaves_its_text_cut_to_the_budget():
+    row = [5, 6]
+    record = EpisodeRecord(row, [_turn(row, [10, 11])], tail_ids=row + [10, 11, 20, 21, 22, 23])
+    t = build_trajectory(record, 0.0, EpisodeLimits(max_turns=4, max_tokens=5))
+    assert t.response_ids.tolist() == [10, 11, 20, 21, 22] and t.loss_mask.tolist() == [1, 1, 0, 0, 0]
+    assert t.finish_reason == "max_tokens"
+    record.tail_ids = [9, 9, 9]  # not this conversation: nothing appended
+    assert build_trajectory(record, 0.0, EpisodeLimits(max_turns=4, max_tokens=5)).response_ids.tolist() == [10, 11]
