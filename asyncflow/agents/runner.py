@@ -22,9 +22,9 @@ import torch
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..rpc.loop_thread import EventLoopThread
-from .serving.spec import is_agent
 from ..transfer_queue.row_lists import rows, values
 from .episode import EpisodeContext, EpisodeLimits, Trajectory
+from .serving.spec import is_agent
 
 log = logging.getLogger(__name__)
 EPISODE_OUTPUTS = [*ROLLOUT_OUTPUTS, "loss_mask", "scores", "episode"]
