@@ -52,7 +52,7 @@ def parse_request(server: Any, frames: list[Any]) -> tuple[Any, str, Any, dict[s
     return rid, method, fn, args
 
 
-def open_request(server: Any, frames: list) -> tuple[bytes, tuple[Any, str, Any, dict]] | None:
+def open_request(server: Any, frames: list[Any]) -> tuple[bytes, tuple[Any, str, Any, dict[str, Any]]] | None:
     """A received message (identity frame first) checked and parsed: (nonce, (id, method, handler,
     args)), or None when it was refused (each refusal is handled where check or parse found it)."""
     opened = check_request(server, frames[1:])
