@@ -173,7 +173,7 @@ class BatchMeta:
                        for c in sorted({c for m in metas for c in m.locations})},
         )
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {
             "partition": self.partition, "rows": ids_to_wire(self.rows), "columns": self.columns,
             "groups": ids_to_wire(self.groups), "tokens": ids_to_wire(self.tokens),
@@ -182,7 +182,7 @@ class BatchMeta:
         }
 
     @staticmethod
-    def from_wire(w: dict) -> BatchMeta:
+    def from_wire(w: dict[str, Any]) -> BatchMeta:
         return BatchMeta(
             partition=w["partition"], rows=ids_from_wire(w["rows"]), columns=list(w["columns"]),
             groups=ids_from_wire(w.get("groups")), tokens=ids_from_wire(w.get("tokens")),
