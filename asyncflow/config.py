@@ -6,14 +6,14 @@ was expected (``ConfigError``), before any process starts.
 from __future__ import annotations
 
 import os
-
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 # The algorithm section lives below both this module and asyncflow.algorithms, whose functions
 # take it as their cfg: config imports the algorithms (to check a run's names), never the reverse.
-from .algorithm_config import AlgorithmConfig  # noqa: F401  (re-exported: asyncflow.config.AlgorithmConfig)
+from .algorithm_config import AlgorithmConfig  # re-exported: asyncflow.config.AlgorithmConfig
 
 
 class ConfigError(ValueError):
@@ -60,7 +60,7 @@ class TinyModelConfig:
 class LoraConfig:
     """Low-rank adapters on the policy (docs/lora.md): only the adapters train; the base is frozen,
     the reference is the policy with its adapters off, and weight sync sends the adapters."""
-    rank: Optional[int] = None  # null: no LoRA (full fine-tuning); >= 1: the adapters' rank r
+    rank: int | None = None  # null: no LoRA (full fine-tuning); >= 1: the adapters' rank r
     alpha: float = 16.0  # the update is (alpha / rank) * B A
     dropout: float = 0.0  # dropout on the adapters' input, in training only
     # module names (a name matches itself and every module whose dotted path ends in it, e.g.
@@ -72,7 +72,8 @@ class LoraConfig:
 class ModelConfig:
     path: str = ""  # a local Hugging Face directory; "" builds (once) and caches the built-in tiny model
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    attn_implementation: str = ""  # "": eager for the built-in tiny model (faster at its size), else transformers' default
+    # "": eager for the built-in tiny model (faster at its size), else transformers' default
+    attn_implementation: str = ""
     train_engine: str = one_of("fsdp", "mindspeed", default="fsdp")  # fsdp (CPU / CUDA / NPU) | mindspeed (Ascend)
     # Training engines (actor, critic, reference): the dtype parameters are gathered in for compute.
     # auto: bfloat16 on accelerators, float32 on CPU. Master weights, gradient reduction and AdamW stay float32.
@@ -297,7 +298,7 @@ class TrainerConfig:
     resume: str = ""
     # Metric backends besides metrics.jsonl (always written): tensorboard, wandb (offline under
     # out_dir/wandb unless trainer.wandb says otherwise). None: TensorBoard when it is installed.
-    loggers: Optional[list[str]] = None
+    loggers: list[str] | None = None
     wandb: dict[str, Any] = field(default_factory=dict)  # wandb.init arguments: project, name, mode, tags...
 
 

@@ -22,7 +22,7 @@ __all__ = ["BACKENDS", "Platform", "get_platform"]
 BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _import_torch_npu() -> tuple[ModuleType | None, str]:
     """Import torch_npu once; returns (module or None, why it failed).
 
@@ -176,7 +176,7 @@ def _unavailable_reason(name: str) -> str | None:
             f"the CANN toolkit and the torch_npu release matching torch {torch.__version__} "
             "(pip install -e '.[npu]'), or use platform 'cpu'"
         )
-    if not getattr(torch, "npu").is_available():  # torch.npu exists once torch_npu is imported
+    if not torch.npu.is_available():  # torch.npu exists once torch_npu is imported
         return (
             "platform 'npu' requested but torch_npu sees no NPU device: check the Ascend "
             "driver (npu-smi info) and ASCEND_RT_VISIBLE_DEVICES, or use platform 'cpu'"

@@ -18,13 +18,13 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import openai  # noqa: E402
+import openai
 
-from asyncflow.agents.episode import EpisodeLimits  # noqa: E402
-from asyncflow.agents.runner import EpisodeRunner  # noqa: E402
-from asyncflow.agents.tools import call_tool  # noqa: E402
-from asyncflow.engines.rollout.base import SamplingParams  # noqa: E402
-from asyncflow.agents.serving.spec import EndpointSpec  # noqa: E402
+from asyncflow.agents.episode import EpisodeLimits
+from asyncflow.agents.runner import EpisodeRunner
+from asyncflow.agents.serving.spec import EndpointSpec
+from asyncflow.agents.tools import call_tool
+from asyncflow.engines.rollout.base import SamplingParams
 
 TURNS = 2  # each episode: a tool call, then an answer
 

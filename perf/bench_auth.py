@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from asyncflow.rpc import auth, codec  # noqa: E402
+from asyncflow.rpc import auth, codec
 
 
 def _per_call_us(fn, min_s: float = 0.5) -> float:
@@ -45,7 +45,7 @@ def main() -> None:
         for all_frames in (False, True):
             auth.set_cover_all(all_frames)
             assert auth.unseal(auth.REQUEST, auth.seal(auth.REQUEST, nonce, frames))[0] == nonce
-            us = _per_call_us(lambda: auth.unseal(auth.REQUEST, auth.seal(auth.REQUEST, nonce, frames)))
+            us = _per_call_us(lambda frames=frames: auth.unseal(auth.REQUEST, auth.seal(auth.REQUEST, nonce, frames)))
             rows.append((name, "every byte" if all_frames else "default", us))
             out[f"{name.split(' (')[0].replace(' ', '_')}_{'all' if all_frames else 'default'}_us"] = round(us, 1)
     auth.set_cover_all(False)

@@ -589,7 +589,7 @@ def summarise(reps: list[dict[str, dict]], rows_per_step: int) -> dict:
     def col(name: str, key: str) -> list[float | None]:
         return [r.get(name, {}).get(key) for r in reps]
 
-    names = [n for n in dict.fromkeys(k for r in reps for k in r)]
+    names = list(dict.fromkeys(k for r in reps for k in r))
     sps = {n: spread([v for v in col(n, "samples_per_s") if v is not None]) for n in names
            if any(v is not None for v in col(n, "samples_per_s"))}
     def spreads(key: str) -> dict[str, Spread]:
@@ -640,7 +640,7 @@ def summarise(reps: list[dict[str, dict]], rows_per_step: int) -> dict:
                  for n in names if any(v is not None for v in col(n, key))}
            for key in ("gen_tokens_per_row", "useful_tokens_per_row")},
         "sync_baseline": baseline, "trl_baseline": trl_base,
-        **{k: None for k in HEADLINE_RATIOS},  # present even when not measured
+        **dict.fromkeys(HEADLINE_RATIOS),  # present even when not measured
         **{k: round(s.median, 3) for k, s in ratios.items()},
         "ratio_range": {k: [round(s.lo, 3), round(s.hi, 3)] for k, s in ratios.items()},
         "bound_samples_per_s": {m: round(s.median, 2) for m, s in bounds.items()},
@@ -819,7 +819,8 @@ def analyse(run_dir: Path, a: argparse.Namespace) -> dict:
                                  for r in sorted(lanes)},
         "idle_ratio": summary.get("idle_ratio", {}), "staleness_mean": summary["staleness_mean"],
         "staleness_max": summary["staleness_max"],
-        "accuracy_before": summary.get("eval_accuracy_before_rl"), "accuracy_after": summary.get("eval_accuracy_after_rl"),
+        "accuracy_before": summary.get("eval_accuracy_before_rl"),
+        "accuracy_after": summary.get("eval_accuracy_after_rl"),
         "response_len": length_stats(lengths, a.max_new_tokens),
         # t: seconds since the RL phase began (the first step's end less its duration)
         "reward_curve": [{"samples": (i + 1) * rows_per_step, "reward": m.get("reward/mean"),
@@ -1384,9 +1385,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "trl": ({"version": TRL, "gradient_checkpointing": False} if spec else None),
         "vllm": ({"engine_kwargs": VLLM_ENGINE_KWARGS, "modes": [m for m in a.modes_list if m in VLLM_MODES]}
                  if any(m in VLLM_MODES for m in a.modes_list) else None),
-        "code": code, "errors": errors, "reward_png": str(png) if png else None, "wall_s": round(time.monotonic() - t0, 1),
+        "code": code, "errors": errors, "reward_png": str(png) if png else None,
+        "wall_s": round(time.monotonic() - t0, 1),
     })
-    args = {k: v for k, v in vars(a).items()}
+    args = dict(vars(a))
     (out / "results.json").write_text(json.dumps({"summary": summary, "spreads": spreads, "reps": reps,
                                                   "sweep_runs": swept, "args": args}, indent=2))
     print(json.dumps(summary))

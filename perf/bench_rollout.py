@@ -59,8 +59,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_e2e import (descendants, per_rep_ratios, positions_balanced, process_table, rss_kb,  # noqa: E402
-                       spread, williams_design)
+from bench_e2e import descendants, per_rep_ratios, positions_balanced, process_table, rss_kb, spread, williams_design
 
 VOCAB = 64
 EOS, PAD = 1, 0

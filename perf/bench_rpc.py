@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from asyncflow.single_controller import Dispatch, Worker, register  # noqa: E402
+from asyncflow.single_controller import Dispatch, Worker, register
 
 
 class BenchWorker(Worker):

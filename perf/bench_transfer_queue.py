@@ -199,6 +199,7 @@ class _TransportStore:
 
 async def _serve_transport(conn) -> None:
     import zmq.asyncio
+
     from asyncflow.rpc.async_server import RpcServer
     server = RpcServer(_TransportStore(), "tcp://127.0.0.1:0", zmq.asyncio.Context.instance(), "bench-transport")
     server.start()
@@ -209,6 +210,7 @@ async def _serve_transport(conn) -> None:
 
 def _transport_client(address: str):
     import zmq
+
     from asyncflow.rpc.blocking_client import BlockingRpcClient
     return BlockingRpcClient(address, zmq.Context.instance())
 
@@ -315,9 +317,9 @@ def consumer_main(mode: str, address: str, conn) -> None:
             sock.send_multipart([b"get"])
             frames = sock.recv_multipart(copy=False)[1:]
             if mode == "raw":
-                return {k: t for k, t in zip(
+                return dict(zip(
                     ["prompts", "p_off", "responses", "r_off", "reward", "version", "seq_len"],
-                    [torch.frombuffer(f.buffer, dtype=dt).view(sh) for f, (dt, sh) in zip(frames, shapes)])}
+                    [torch.frombuffer(f.buffer, dtype=dt).view(sh) for f, (dt, sh) in zip(frames, shapes)]))
             return pickle.loads(frames[0].buffer)
 
     freeze_gc_heap()
@@ -414,14 +416,14 @@ def transfer(modes: list[str], seq_rounds: int, stream_rounds: int, k: int) -> d
     try:
         for m in modes:
             rigs[m] = Rig(m)
-        for m, rig in rigs.items():
+        for rig in rigs.values():
             rig.run("seq", "warmup", 1, False)
         # Untimed streaming rounds first, for every method alike: the first rounds that hold k
         # payloads at once fault in that memory in every process (measured: raw 0.31, pickle
         # 0.17, TQ 0.20 GB/s in the first one or two such rounds vs ~1.4 / 0.35 / 1.0 after),
         # and a median of three rounds would otherwise report that warm-up.
         for i in range(WARM_STREAM_ROUNDS):
-            for m, rig in rigs.items():
+            for rig in rigs.values():
                 rig.run("stream", f"warm_{i}", k, True)
         seq: dict = {m: ([], [], []) for m in modes}
         streams: dict = {m: [] for m in modes}
@@ -474,6 +476,7 @@ def _recv(conn, timeout: float, what: str):
 
 def latency_main(address: str, rows: int, clients: int, calls: int, conn) -> None:
     import torch
+
     from asyncflow.transfer_queue import AsyncTransferQueueClient
 
     async def run():
@@ -504,7 +507,7 @@ def latency_main(address: str, rows: int, clients: int, calls: int, conn) -> Non
 
     try:
         lat = sorted(asyncio.run(run()))
-    except Exception:  # the parent raises it: a dead child must not leave the parent waiting
+    except Exception:  # noqa: BLE001 - the parent raises it: a dead child must not leave the parent waiting
         import traceback
         conn.send({"error": traceback.format_exc()})
         return

@@ -153,7 +153,7 @@ def _child(rank: int, port: int, mb: float, bucket_mb: float, rounds: int, infli
                 fully_shard(layer, mesh=mesh)
             fully_shard(net, mesh=mesh)
             index = TRAIN.index(rank)
-            sender = BucketSender(rank, index, groups[index], lambda: [], timeout_s=300, train_ranks=TRAIN,
+            sender = BucketSender(rank, index, groups[index], list, timeout_s=300, train_ranks=TRAIN,
                                   gather_all=False, max_inflight=inflight)
         else:
             sink = StagingSink(lambda sd, v: None)
@@ -367,7 +367,7 @@ def _lora_child(rank: int, port: int, mode: str, cfg: dict, lora_rank: int, buck
             out["adapter_bytes"] = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters()
                                        if is_adapter(n))  # global shapes: every rank's share together
             index = TRAIN.index(rank)
-            sender = BucketSender(rank, index, groups[index], lambda: [], timeout_s=300, train_ranks=TRAIN,
+            sender = BucketSender(rank, index, groups[index], list, timeout_s=300, train_ranks=TRAIN,
                                   gather_all=False)
             actor = {v: types.SimpleNamespace(lora=lora, engine=engine, lora_sync=v, _merged=None) for v in variants}
         else:
@@ -567,7 +567,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="64 MB model, 5 rounds")
     ap.add_argument("--mb", type=float, default=128.0)
-    ap.add_argument("--bucket-mb", type=float, default=64.0, help="the sync's buckets (weight_sync.bucket_mb's default)")
+    ap.add_argument("--bucket-mb", type=float, default=64.0,
+                    help="the sync's buckets (weight_sync.bucket_mb's default)")
     ap.add_argument("--raw-bucket-mb", default=",".join(str(x) for x in RAW_BUCKET_MB),
                     help="bucket sizes raw is measured at (besides --bucket-mb); the fastest is the headline's")
     ap.add_argument("--rounds", type=int, default=5)

@@ -79,11 +79,25 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import group_costs, rank_groups, rotation  # noqa: E402  (the e2e bench's order and bound)
-from time_to_accuracy import (THRESHOLDS, Reach, VersionPoint, accuracy_at, collapsed,  # noqa: E402
-                              first_reach, highest_reached_by_all, parse_thresholds, reached_counts, reward_at,
-                              rl_start_s, step_times, steps_to_reward, time_ratios, version_points,
-                              version_time)
+from bench_e2e import group_costs, rank_groups, rotation  # the e2e bench's order and bound
+from time_to_accuracy import (
+    THRESHOLDS,
+    Reach,
+    VersionPoint,
+    accuracy_at,
+    collapsed,
+    first_reach,
+    highest_reached_by_all,
+    parse_thresholds,
+    reached_counts,
+    reward_at,
+    rl_start_s,
+    step_times,
+    steps_to_reward,
+    time_ratios,
+    version_points,
+    version_time,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 # The async settings name the main job's own values explicitly, so a changed recipe default

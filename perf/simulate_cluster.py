@@ -76,8 +76,8 @@ def weak(base: ClusterConfig, sizes: list[int], base_devices: int, rows_per_devi
 
 
 def table(rows: list[dict], title: str) -> str:
-    out = [f"### {title}", "", "| run | devices | samples/s | tokens/s | per device | step s | controller busy | "
-           "driver busy | get_meta p50/p99 ms | fan-out p50/p99 ms (ranks) | TQ MB put/step | hosts cores | load |",
+    out = [f"### {title}", "", ("| run | devices | samples/s | tokens/s | per device | step s | controller busy | "
+            "driver busy | get_meta p50/p99 ms | fan-out p50/p99 ms (ranks) | TQ MB put/step | hosts cores | load |"),
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g, f = r["get_meta"], r["fan_out"]
@@ -163,11 +163,12 @@ def main() -> None:
         results["models"][model] = m
         k = sizes[-1]
 
-        def lin(series: str) -> float:
+        # Both bind this model's results and top size (they are called within this iteration).
+        def lin(series: str, m: dict = m, k: int = k) -> float:
             s = m[series]
             return s[-1]["samples_per_s"] / (k * s[0]["samples_per_s"])
 
-        def strong(series: str) -> float:
+        def strong(series: str, m: dict = m, k: int = k) -> float:
             s = m.get(series)
             return s[-1]["samples_per_s"] / (k * s[0]["samples_per_s"]) if s else float("nan")
         a_top, s_top, d_top, dall_top = m["async"][-1], m["sync"][-1], m["sync_driver"][0], m["sync_driver_all"][0]

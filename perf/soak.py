@@ -47,8 +47,9 @@ in kB), ``rss.png`` (RSS over time per process and the total) and ``soak.json``;
 section to perf/RESULTS.md unless ``--no-record``. The last line printed is one JSON
 object: ``verdict`` (pass, FAIL or not judged), ``target_mb_per_h``, ``failing``, and per
 process under ``processes`` its slope, window start and end (minutes since launch),
-verdict, and its slope and verdict over the window's last half; then ``steps``, ``errors`` and the TransferQueue figures. The exit code is 0 only
-when the run ended well and the memory verdict is pass.
+verdict, and its slope and verdict over the window's last half; then ``steps``, ``errors``
+and the TransferQueue figures. The exit code is 0 only when the run ended well and the memory
+verdict is pass.
 
 ``--quick`` is a check of the script, not a soak: 3 minutes of RL after at most 100
 warm-up steps (about 4 minutes in all on a quiet 2-core machine). Its slopes come from a
@@ -468,8 +469,7 @@ def scan_log(text: str) -> dict[str, Any]:
             examples.append(line.strip())
             continue
         if in_tb:
-            if line.startswith((" ", "\t")) or not line.strip() or line.startswith(
-                    ("During handling", "The above exception")):
+            if line.startswith((" ", "\t", "During handling", "The above exception")) or not line.strip():
                 continue
             in_tb = False  # the exception line closes the block
             examples[-1] = line.strip()[:200]
@@ -685,14 +685,14 @@ def record(an: dict, cmd_line: str, minutes: float | None, interval: float | Non
     mem, tq, late = an["memory"], an["tq"], an["memory_last_half"]
     v: MemoryVerdict = mem["verdict"]
     lines = ["", f"## Soak (`perf/soak.py`), {dt.date.today().isoformat()}", "",
-             f"{machine_line()}; load average at the end of the run {fmt(load_end)} (other work may share the "
-             f"machine). Command: `{cmd_line}` ({fmt(minutes, 'g')} min of RL, RSS sampled every "
-             f"{fmt(interval, 'g')} s; the fit "
-             f"window is RL after its first {an['settle'] * 100:.0f}% up to the last sample before the last RL "
-             f"step, {an['window'][0] / 60:.1f}-{an['window'][1] / 60:.1f} min after launch, "
-             f"{mem['samples']} samples).", "",
-             "| process | roles | fitted from-to (min) | RSS at start MB | at end MB | slope MB/hour "
-             "| slope, last half of the window | anonymous memory slope MB/hour | verdict |",
+             (f"{machine_line()}; load average at the end of the run {fmt(load_end)} (other work may share the "
+              f"machine). Command: `{cmd_line}` ({fmt(minutes, 'g')} min of RL, RSS sampled every "
+              f"{fmt(interval, 'g')} s; the fit "
+              f"window is RL after its first {an['settle'] * 100:.0f}% up to the last sample before the last RL "
+              f"step, {an['window'][0] / 60:.1f}-{an['window'][1] / 60:.1f} min after launch, "
+              f"{mem['samples']} samples)."), "",
+             ("| process | roles | fitted from-to (min) | RSS at start MB | at end MB | slope MB/hour "
+              "| slope, last half of the window | anonymous memory slope MB/hour | verdict |"),
              "|---|---|---|---|---|---|---|---|---|"]
     for name, p in mem["processes"].items():
         lp = late["processes"].get(name)
@@ -703,14 +703,14 @@ def record(an: dict, cmd_line: str, minutes: float | None, interval: float | Non
     lines.append(f"| sum (not judged) | | | {fmt(mem.get('total_mb_start'), '.0f')} | "
                  f"{fmt(mem.get('total_mb_end'), '.0f')} | {fmt(mem['total'])} | {fmt(late['total'])} "
                  f"| {fmt(mem['total_anon'])} | |")
-    lines += ["", f"Verdict (every process under {v.target_mb_per_h:g} MB/hour over the fit window and over its "
-                  f"last half): "
-                  f"{'**FAIL** (' + ', '.join(v.failing) + ')' if v.verdict == FAIL else v.verdict}. "
-                  f"RL steps: {an['steps']}; errors: {an['errors']} (exit code {an['rc']}, tracebacks "
-                  f"{sum(x['tracebacks'] for x in an['logs'].values())}, error lines "
-                  f"{sum(x['error_lines'] for x in an['logs'].values())}, reward errors "
-                  f"{fmt(an['reward_errors'], 'g')}, "
-                  f"timeouts {fmt(an['reward_timeouts'], 'g')})."]
+    lines += ["", (f"Verdict (every process under {v.target_mb_per_h:g} MB/hour over the fit window and over its "
+                   f"last half): "
+                   f"{'**FAIL** (' + ', '.join(v.failing) + ')' if v.verdict == FAIL else v.verdict}. "
+                   f"RL steps: {an['steps']}; errors: {an['errors']} (exit code {an['rc']}, tracebacks "
+                   f"{sum(x['tracebacks'] for x in an['logs'].values())}, error lines "
+                   f"{sum(x['error_lines'] for x in an['logs'].values())}, reward errors "
+                   f"{fmt(an['reward_errors'], 'g')}, "
+                   f"timeouts {fmt(an['reward_timeouts'], 'g')}).")]
     if tq["logged"]:
         lines.append(f"TransferQueue rows held after each step's clear: max {tq['rows_held_max']}, final "
                      f"{tq['rows_held_final']}, max in the first half of RL {tq['rows_held_max_first_half']} vs "

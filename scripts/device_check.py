@@ -183,11 +183,11 @@ def _scale_checks(a: argparse.Namespace, plat, group) -> int:
     import torch
     from safetensors.torch import load_file
 
+    from asyncflow.config import AlgorithmConfig
     from asyncflow.engines.rollout.base import SamplingParams
     from asyncflow.engines.rollout.builtin import BuiltinRolloutEngine
     from asyncflow.engines.train import FSDPEngine, OptimConfig
     from asyncflow.engines.train.model_source import PretrainedModel
-    from asyncflow.config import AlgorithmConfig
     from asyncflow.engines.train.options import EngineOptions
     from asyncflow.workers.actor_loss import policy_loss_fn
 
@@ -203,7 +203,8 @@ def _scale_checks(a: argparse.Namespace, plat, group) -> int:
                 "fp32_packed": EngineOptions(param_dtype="float32", padding_free=True),
                 "bf16_padded": EngineOptions(param_dtype="bfloat16"),
                 "bf16_packed": EngineOptions(param_dtype="bfloat16", padding_free=True),
-                "bf16_packed_ac": EngineOptions(param_dtype="bfloat16", padding_free=True, activation_checkpointing=True)}
+                "bf16_packed_ac": EngineOptions(param_dtype="bfloat16", padding_free=True,
+                                                activation_checkpointing=True)}
     ref_lp = None
     files = sorted(Path(a.model_dir).glob("*.safetensors"))
     on_disk = {k: v for f in files for k, v in load_file(str(f)).items()}
@@ -218,7 +219,8 @@ def _scale_checks(a: argparse.Namespace, plat, group) -> int:
         build_s = time.perf_counter() - t0
         if name == "fp32_padded":  # loaded exactly what the checkpoint holds
             state = engine.full_state_dict()
-            worst = max((state[k].float().cpu() - v.float()).abs().max().item() for k, v in on_disk.items() if k in state)
+            worst = max((state[k].float().cpu() - v.float()).abs().max().item()
+                        for k, v in on_disk.items() if k in state)
             missing = sorted(set(on_disk) - set(state))
             report["loaded_vs_safetensors_max_diff"] = worst
             if worst != 0.0 or missing:

@@ -19,8 +19,8 @@ GRPO = REPO / "recipes" / "grpo" / "config.yaml"
     (["model.lora.rank=8", "model.lora.alpha=0"], "model.lora.alpha"),
     (["model.lora.rank=8", "model.lora.dropout=1.0"], "model.lora.dropout"),
     (["model.lora.rank=8", "model.lora.target_modules=[]"], "model.lora.target_modules"),
-    (["model.lora.rank=8", "model.train_engine=mindspeed"], "model.lora.rank: LoRA is built and tested on "
-                                                             "model.train_engine=fsdp only"),
+    (["model.lora.rank=8", "model.train_engine=mindspeed"], ("model.lora.rank: LoRA is built and tested on "
+                                                              "model.train_engine=fsdp only")),
 ])
 def test_bad_lora_settings_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

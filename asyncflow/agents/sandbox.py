@@ -32,7 +32,8 @@ import os
 import pickle
 import signal
 import sys
-from typing import Any, Callable, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
 
 __all__ = ["DEFAULT_MEMORY_MB", "SandboxOutcome", "check_sandboxable", "run_in_sandbox", "run_python"]
 
@@ -118,7 +119,7 @@ async def run_in_sandbox(
     }
     try:
         payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:  # noqa: BLE001 - any pickling failure
+    except Exception as e:  # any pickling failure
         raise TypeError(f"sandbox: cannot send the arguments of {fn.__qualname__} to the sandbox: "
                         f"{type(e).__name__}: {e}") from e
     # Our own functions (run_python) need no site-packages, so they start without them (-S), faster.
@@ -132,7 +133,7 @@ async def run_in_sandbox(
         data = b""
         try:
             data = await asyncio.wait_for(_exchange(proc, payload), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
         except _TooLarge:
             too_large = True

@@ -36,10 +36,11 @@ import inspect
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from fractions import Fraction
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from .sandbox import DEFAULT_MEMORY_MB, check_sandboxable, run_in_sandbox, run_python
 
@@ -281,7 +282,7 @@ async def _call_in_thread(spec: ToolSpec, args: tuple, kwargs: dict) -> _Outcome
     thread.start()
     try:
         return await asyncio.wait_for(done, spec.timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         with _hung_lock:
             _hung.append(thread)
         return ("timeout", f"TimeoutError: tool {spec.name!r} did not return within {spec.timeout_s:g} s", None)

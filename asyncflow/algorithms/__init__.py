@@ -10,17 +10,23 @@ values by key (config loading reports them at start-up); the functions raise the
 """
 from __future__ import annotations
 
-from .registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES, Registry
-from .aggregate import (aggregate, count_seqs, count_tokens, masked_mean, masked_sum, masked_var,
-                        masked_whiten)
-from .advantages import GROUP_RELATIVE_ADVANTAGES, discounted_returns, outcome_to_token_rewards
-from . import policy_loss as _policy_loss  # registers the policy losses
+from . import policy_loss  # noqa: F401 - imported for its effect: it registers the policy losses
 from ._checks import algorithm_config_problems, check_algorithm_config
-from .value_loss import clipped_value_loss, mse_value_loss
-from .kl import K3_MAX, kl_penalty_to_reward
+from .advantages import GROUP_RELATIVE_ADVANTAGES, discounted_returns, outcome_to_token_rewards
+from .aggregate import aggregate, count_seqs, count_tokens, masked_mean, masked_sum, masked_var, masked_whiten
 from .entropy import entropy_from_logits
-from .rollout_corr import (RolloutCorrection, mismatch_terms, rollout_correction, rollout_is_weights,
-                           rollout_keep_mask, rollout_log_ratio, sequence_log_ratio)
+from .kl import K3_MAX, kl_penalty_to_reward
+from .registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES, Registry
+from .rollout_corr import (
+    RolloutCorrection,
+    mismatch_terms,
+    rollout_correction,
+    rollout_is_weights,
+    rollout_keep_mask,
+    rollout_log_ratio,
+    sequence_log_ratio,
+)
+from .value_loss import clipped_value_loss, mse_value_loss
 
 __all__ = [
     "Registry", "ADVANTAGES", "POLICY_LOSSES", "VALUE_LOSSES", "KL_ESTIMATORS", "AGGREGATIONS",

@@ -5,7 +5,7 @@ silently or fail with an anonymous torch message deep in a training step.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -103,9 +103,11 @@ def algorithm_config_problems(cfg: object, keys: Iterable[str] = (*_RULES, *_CHO
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and test(float(v))  # NaN fails every test
         if not ok:
             out.append(f"algorithm.{key}: {need}, got {v!r}")
-    if "rollout_is" in keys and getattr(cfg, "rollout_is", "") and getattr(cfg, "policy_loss", "") in SELF_WEIGHTED_LOSSES:
-        out.append(f"algorithm.rollout_is: {cfg.rollout_is!r} with algorithm.policy_loss={cfg.policy_loss} would weight "
-                   f"each token twice by exp(old - behav) ({cfg.policy_loss} applies its own capped weight); use "
+    if ("rollout_is" in keys and getattr(cfg, "rollout_is", "")
+            and getattr(cfg, "policy_loss", "") in SELF_WEIGHTED_LOSSES):
+        out.append(f"algorithm.rollout_is: {cfg.rollout_is!r} with algorithm.policy_loss={cfg.policy_loss} "
+                   f"would weight each token twice by exp(old - behav) ({cfg.policy_loss} applies its own capped "
+                   "weight); use "
                    f"policy_loss=ppo_clip (or auto) with rollout_is, or rollout_is='' with {cfg.policy_loss}")
     return out
 

@@ -27,8 +27,7 @@ import torch
 from torch import Tensor
 
 from ..algorithm_config import AlgorithmConfig
-from ._checks import (ADVANTAGE_KEYS, as_bool_mask, check_2d, check_algorithm_config, check_same_shape,
-                      check_seq_vector)
+from ._checks import ADVANTAGE_KEYS, as_bool_mask, check_2d, check_algorithm_config, check_same_shape, check_seq_vector
 from .aggregate import masked_sum, masked_whiten
 from .registry import ADVANTAGES
 
@@ -110,7 +109,8 @@ def _group_deviations(scores: Tensor, group_ids: Tensor | None, name: str) -> tu
 
 
 def _broadcast(per_seq: Tensor, m: Tensor) -> Tensor:
-    return torch.where(m, per_seq.unsqueeze(1).expand(m.shape), torch.zeros((), dtype=per_seq.dtype, device=per_seq.device))
+    zero = torch.zeros((), dtype=per_seq.dtype, device=per_seq.device)
+    return torch.where(m, per_seq.unsqueeze(1).expand(m.shape), zero)
 
 
 @ADVANTAGES.register("grpo")

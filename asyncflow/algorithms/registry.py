@@ -7,7 +7,8 @@ lists what is registered.
 """
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 F = TypeVar("F", bound=Callable[..., object])
 

@@ -43,8 +43,8 @@ How they compose with the policy losses (``algorithm.policy_loss``):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor

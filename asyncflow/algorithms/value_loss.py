@@ -18,7 +18,8 @@ from ._checks import as_bool_mask, check_same_shape
 from .registry import VALUE_LOSSES
 
 
-def _prepare(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _prepare(values: Tensor, old_values: Tensor, returns: Tensor,
+             mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     m = as_bool_mask(mask, values, like_name="values")
     z = torch.zeros((), dtype=values.dtype, device=values.device)

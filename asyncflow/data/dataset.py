@@ -12,7 +12,6 @@ import json
 import logging
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +121,8 @@ class PromptDataset:
     the prompt that would have come next.
 
     A yielded record: {"prompt_ids": LongTensor[T], "prompt": str (the text tokenized, after
-    any chat template), "answer": str, "index": int, "metadata": dict}; `index` is the record's 0-based position in the source.
+    any chat template), "answer": str, "index": int, "metadata": dict}; `index` is the record's
+    0-based position in the source.
     """
 
     def __init__(self, config: DataConfig, tokenizer: Any) -> None:
@@ -137,7 +137,7 @@ class PromptDataset:
     @classmethod
     def from_records(
         cls, records: Iterable[dict[str, Any]], tokenizer: Any, config: DataConfig, source: str = "records"
-    ) -> "PromptDataset":
+    ) -> PromptDataset:
         """A dataset over in-memory records (same fields and checks as a file)."""
         self = cls.__new__(cls)
         rows = (
@@ -153,7 +153,8 @@ class PromptDataset:
         wheres, texts, answers, metas, templated = [], [], [], [], []
         for where, (prompt, answer, meta) in rows:
             use_template = config.chat_template or isinstance(prompt, list)  # messages need a template
-            texts.append(apply_chat_template(tokenizer, prompt, config.system_prompt or None) if use_template else prompt)
+            texts.append(apply_chat_template(tokenizer, prompt, config.system_prompt or None)
+                         if use_template else prompt)
             templated.append(use_template)
             wheres.append(where)
             answers.append(answer)
@@ -228,7 +229,7 @@ class PromptDataset:
             self._order, self._order_epoch = order, epoch
         return self._order
 
-    def __iter__(self) -> "PromptDataset":
+    def __iter__(self) -> PromptDataset:
         return self
 
     def __next__(self) -> dict[str, Any]:

@@ -5,9 +5,10 @@ import dataclasses
 import json
 import logging
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .addition import AdditionTask
 from .dataset import BUILTIN_ADDITION, DataError, PromptDataset, addition_dataset

@@ -148,9 +148,9 @@ def write_episodes(samples: Path, path: Path, per_step: int = 3, steps: int = 3)
         lines.append(f"## Step {step}")
         for row in by_step[step][:per_step]:
             ep = row.get("episode") or {}
-            lines += ["", f"- prompt {row.get('prompt', row.get('prompt_index'))!r}, reward {row.get('score')}, "
-                          f"turns {ep.get('turns', '?')}, tool calls {ep.get('tool_calls', '?')}, "
-                          f"ended by {ep.get('finish_reason', '?')}", "", "  " + repr(row["text"])]
+            lines += ["", (f"- prompt {row.get('prompt', row.get('prompt_index'))!r}, reward {row.get('score')}, "
+                           f"turns {ep.get('turns', '?')}, tool calls {ep.get('tool_calls', '?')}, "
+                           f"ended by {ep.get('finish_reason', '?')}"), "", "  " + repr(row["text"])]
         lines.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

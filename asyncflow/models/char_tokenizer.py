@@ -77,7 +77,7 @@ def _byte_level_spelling() -> dict[str, str]:
 def char_vocab() -> dict[str, int]:
     """Token string -> id, in byte-level spelling (space is 'Ġ')."""
     vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1}
-    for ch, spelled in _byte_level_spelling().items():
+    for spelled in _byte_level_spelling().values():
         vocab[spelled] = len(vocab)
     return vocab
 
@@ -106,7 +106,7 @@ def _backend_tokenizer():
     return tok
 
 
-def build_char_tokenizer() -> "PreTrainedTokenizerFast":
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """The character tokenizer as a transformers tokenizer, pad and eos set, with a chat template."""
     from transformers import PreTrainedTokenizerFast
 

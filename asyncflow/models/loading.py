@@ -134,7 +134,7 @@ def load_causal_lm(
     dtype: torch.dtype | str = torch.float32,
     attn_implementation: str | None = None,
     device: str | torch.device = "cpu",
-) -> "PreTrainedModel":
+) -> PreTrainedModel:
     """A causal LM from a local directory, on `device`.
 
     attn_implementation None means: what the directory's asyncflow_spec.json says
@@ -158,7 +158,7 @@ def load_causal_lm(
         kwargs["attn_implementation"] = attn
     try:
         model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
+    except Exception as exc:  # re-raised with the directory named
         raise ModelLoadError(f"load_causal_lm: transformers could not load {p}: {type(exc).__name__}: {exc}") from exc
     return model.to(device)
 
@@ -174,7 +174,7 @@ def read_causal_lm_config(path: str | Path, *, attn_implementation: str | None =
 
     try:
         config = AutoConfig.from_pretrained(str(p), local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
+    except Exception as exc:  # re-raised with the directory named
         raise ModelLoadError(f"read_causal_lm_config: transformers could not read {p / 'config.json'}: "
                              f"{type(exc).__name__}: {exc}") from exc
     attn = attn_implementation or _default_attn_implementation(p)
@@ -207,10 +207,10 @@ class SafetensorsWeights:
             from safetensors import safe_open
             for file in found:
                 with safe_open(str(file), framework="pt") as handle:
-                    self.files.update({name: file for name in handle.keys()})
+                    self.files.update(dict.fromkeys(handle.keys(), file))
         self._open: dict[Path, Any] = {}
 
-    def __enter__(self) -> "SafetensorsWeights":
+    def __enter__(self) -> SafetensorsWeights:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -267,7 +267,7 @@ def check_model_dir(path: str | Path, *, reward_model: bool = False) -> None:
 
 
 def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
-                      attn_implementation: str | None = None) -> "PreTrainedModel":
+                      attn_implementation: str | None = None) -> PreTrainedModel:
     """A reward model from a local directory: a sequence-classification checkpoint with one
     label (e.g. ``Qwen2ForSequenceClassification``) whose base architecture is supported."""
     p = _model_dir(path, "load_reward_model")
@@ -281,11 +281,12 @@ def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         kwargs["attn_implementation"] = attn
     try:
         return AutoModelForSequenceClassification.from_pretrained(str(p), **kwargs)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
-        raise ModelLoadError(f"load_reward_model: transformers could not load {p}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # re-raised with the directory named
+        raise ModelLoadError(f"load_reward_model: transformers could not load {p}: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
-def check_tokenizer_fits(tokenizer: "PreTrainedTokenizerBase", vocab_size: int, where: str = "") -> None:
+def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, vocab_size: int, where: str = "") -> None:
     """Raise if the tokenizer can produce ids past the model's embedding table."""
     if len(tokenizer) > vocab_size:
         raise ModelLoadError(
@@ -295,7 +296,7 @@ def check_tokenizer_fits(tokenizer: "PreTrainedTokenizerBase", vocab_size: int, 
         )
 
 
-def eos_token_ids(path: str | Path, tokenizer: "PreTrainedTokenizerBase") -> list[int]:
+def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids that end a response: the tokenizer's EOS and those of the directory's
     generation_config.json (an instruct model may end a turn with either), without repeats."""
     ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
@@ -314,7 +315,7 @@ def eos_token_ids(path: str | Path, tokenizer: "PreTrainedTokenizerBase") -> lis
     return ids
 
 
-def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved in a local directory, with a pad token set.
 
     When the directory also holds config.json, the tokenizer is checked against the
@@ -330,7 +331,7 @@ def load_tokenizer(path: str | Path) -> "PreTrainedTokenizerBase":
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
+    except Exception as exc:  # re-raised with the directory named
         raise ModelLoadError(f"load_tokenizer: transformers could not load the tokenizer in {p}: {exc}") from exc
 
     if (p / "config.json").is_file():

@@ -2,8 +2,8 @@
 of that side with one setting changed at a time."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 from asyncflow.planning.hardware import GIB
 from asyncflow.planning.memory import actor_memory, device_bytes, reference_memory, rollout_memory

@@ -12,8 +12,16 @@ from asyncflow.planning.hardware import PRESETS, Hardware
 from asyncflow.planning.params import ModelShape, PlanInputError, count_params, load_config_json, tiny_model_config
 from asyncflow.planning.planner import Plan, make_plan
 from asyncflow.planning.report import plan_dict, plan_text
-from asyncflow.planning.settings import (DTYPE_BYTES, PLACEMENTS, REFERENCE_SIDES, CostAssumptions, PlacementRequest,
-                                         RolloutSettings, TrainSettings, Workload)
+from asyncflow.planning.settings import (
+    DTYPE_BYTES,
+    PLACEMENTS,
+    REFERENCE_SIDES,
+    CostAssumptions,
+    PlacementRequest,
+    RolloutSettings,
+    TrainSettings,
+    Workload,
+)
 from asyncflow.planning.split import PlanInputs
 
 __all__ = ["add_arguments", "build_plan", "run"]

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelShape", "ParamCount", "PlanInputError", "count_params", "lora_params", "load_config_json", "tiny_model_config"]
+__all__ = ["ModelShape", "ParamCount", "PlanInputError", "count_params", "lora_params", "load_config_json",
+           "tiny_model_config"]
 
 
 class PlanInputError(ValueError):

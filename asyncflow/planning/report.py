@@ -28,8 +28,8 @@ def _billions(n: int) -> str:
 def assumptions(plan: Plan) -> list[str]:
     x = plan.inputs
     c, hw = x.cost, x.hardware
-    lines = [f"device: {hw.name}, {hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s dense bf16, "
-             f"{hw.bandwidth_tbs:g} TB/s; {hw.reserved_gib:g} GiB reserved per device for the runtime"]
+    lines = [(f"device: {hw.name}, {hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s dense bf16, "
+              f"{hw.bandwidth_tbs:g} TB/s; {hw.reserved_gib:g} GiB reserved per device for the runtime")]
     if c.train_tokens_per_s is None:
         lines.append(f"training: {train_flops_per_token(x.params, x.train) / x.params.matmul:g} x "
                      f"{_billions(x.params.matmul)} FLOPs per trained token at {c.train_mfu:g} MFU")
@@ -73,19 +73,20 @@ def _times(c: Candidate) -> str:
 def plan_text(plan: Plan, top: int = 10) -> str:
     x = plan.inputs
     p, s, w = x.params, x.shape, x.work
-    lines = [f"model: {plan.source} ({s.model_type}): {_billions(p.total)} parameters "
-             f"(embedding {_billions(p.embedding)}, lm_head {_billions(p.lm_head) if p.lm_head else 'tied'}, "
-             f"{p.num_layers} layers x {_billions(p.per_layer)})",
-             f"  KV cache {kv_bytes_per_token(s, x.rollout.dtype) / 1024:.1f} KiB per token "
-             f"({s.num_layers} layers x {s.num_kv_heads} KV heads x {s.head_dim} x 2 x {x.rollout.dtype})",
-             f"devices: {x.hardware.count} x {x.hardware.memory_gib:g} GiB; step: {w.samples} samples "
-             f"({w.prompts_per_step} prompts x {w.responses_per_prompt}), {w.prompt_tokens} + {w.response_tokens} "
-             f"tokens each", ""]
+    lines = [(f"model: {plan.source} ({s.model_type}): {_billions(p.total)} parameters "
+              f"(embedding {_billions(p.embedding)}, lm_head {_billions(p.lm_head) if p.lm_head else 'tied'}, "
+              f"{p.num_layers} layers x {_billions(p.per_layer)})"),
+             (f"  KV cache {kv_bytes_per_token(s, x.rollout.dtype) / 1024:.1f} KiB per token "
+              f"({s.num_layers} layers x {s.num_kv_heads} KV heads x {s.head_dim} x 2 x {x.rollout.dtype})"),
+             (f"devices: {x.hardware.count} x {x.hardware.memory_gib:g} GiB; step: {w.samples} samples "
+              f"({w.prompts_per_step} prompts x {w.responses_per_prompt}), {w.prompt_tokens} + {w.response_tokens} "
+              f"tokens each"), ""]
     if x.train.lora_rank:
         n = lora_params(s, x.train.lora_rank)
+        elem = dtype_bytes(x.rollout.dtype, 'rollout dtype')
         lines.insert(-1, f"LoRA rank {x.train.lora_rank} on every linear layer: {_billions(n)} trained parameters "
-                         f"({100 * n / p.total:.2f}%); weight sync {n * dtype_bytes(x.rollout.dtype, 'rollout dtype') / 2**20:.0f} "
-                         f"MiB per version (the whole model: {p.total * dtype_bytes(x.rollout.dtype, 'rollout dtype') / 2**30:.1f} GiB); "
+                         f"({100 * n / p.total:.2f}%); weight sync {n * elem / 2**20:.0f} "
+                         f"MiB per version (the whole model: {p.total * elem / 2**30:.1f} GiB); "
                          "no reference model")
     shown = plan.shown
     if plan.chosen:
@@ -101,8 +102,8 @@ def plan_text(plan: Plan, top: int = 10) -> str:
     fitting = sum(c.fits for c in plan.candidates)
     lines += ["", f"candidates ({len(plan.candidates)}, {fitting} fit; fastest first"
                   + (f", first {top} shown" if len(plan.candidates) > top else "") + "):",
-              f"  {'placement':<44}{'rollout s':>10}{'train s':>9}{'sync/offl s':>12}{'step s':>8}"
-              f"{'max GiB':>9}  fits"]
+              (f"  {'placement':<44}{'rollout s':>10}{'train s':>9}{'sync/offl s':>12}{'step s':>8}"
+               f"{'max GiB':>9}  fits")]
     for c in plan.candidates[:top]:
         t = c.times
         lines.append(f"  {_label(c):<44}{t.rollout_s:>10.1f}{t.train_s:>9.1f}{t.sync_s + t.switch_s:>12.1f}"

@@ -3,7 +3,6 @@ and the cost assumptions. Each checks its own values and names the bad one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from asyncflow.planning.params import PlanInputError
 
@@ -122,7 +121,7 @@ REFERENCE_SIDES = ("none", "actor", "rollout")
 @dataclass(frozen=True)
 class PlacementRequest:
     mode: str = "disaggregated"  # colocated | disaggregated | both (compare them)
-    rollout_devices: Optional[int] = None  # disaggregated: a fixed split; None: search every split
+    rollout_devices: int | None = None  # disaggregated: a fixed split; None: search every split
     reference: str = "none"  # none | actor | rollout: where a reference model (KL) sits
     offload_idle: bool = True  # colocated: the idle role's state moves to host memory
 
@@ -142,8 +141,8 @@ class CostAssumptions:
     bandwidth_efficiency: float = 0.7  # achieved / peak memory bandwidth in decode (assumed)
     sync_gbs: float = 25.0  # weight sync, training -> rollout devices, GB/s (assumed)
     host_gbs: float = 25.0  # device <-> host copies for colocated offload, GB/s per device (assumed)
-    rollout_tokens_per_s: Optional[float] = None  # measured generated tokens/s per rollout device
-    train_tokens_per_s: Optional[float] = None  # measured trained tokens/s per training device, whole update
+    rollout_tokens_per_s: float | None = None  # measured generated tokens/s per rollout device
+    train_tokens_per_s: float | None = None  # measured trained tokens/s per training device, whole update
 
     def __post_init__(self) -> None:
         for name in ("train_mfu", "bandwidth_efficiency"):

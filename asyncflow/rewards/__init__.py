@@ -11,8 +11,14 @@ from asyncflow.rewards import data_source as _data_source  # noqa: F401 - regist
 from asyncflow.rewards.builtin import addition_reward, exact_match, number_reward, until_eos
 from asyncflow.rewards.custom import CustomRewardError, load_file_reward, resolve_reward, reward_ref
 from asyncflow.rewards.math_verify import extract_answer, extract_boxed, math_equal, math_reward, normalize
-from asyncflow.rewards.registry import (REWARDS, RewardContractError, RewardFn, UnknownRewardError, get_reward,
-                                        register_reward)
+from asyncflow.rewards.registry import (
+    REWARDS,
+    RewardContractError,
+    RewardFn,
+    UnknownRewardError,
+    get_reward,
+    register_reward,
+)
 from asyncflow.rewards.runner import RewardError, RewardRunner
 
 __all__ = [

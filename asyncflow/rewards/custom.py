@@ -23,9 +23,10 @@ import inspect
 import numbers
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from asyncflow.rewards.registry import RewardContractError, RewardFn, get_reward
 
@@ -127,7 +128,7 @@ def _import(p: Path) -> Any:
     sys.modules[module_name] = module  # registered first: its dataclasses and pickling look it up
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - the user's file: any error is reported with the file named
+    except Exception as exc:  # the user's file: any error is reported with the file named
         del sys.modules[module_name]
         raise CustomRewardError(f"reward file {p}: importing it raised {type(exc).__name__}: {exc}") from exc
     return module
@@ -148,7 +149,7 @@ def _function(module: Any, p: Path, name: str) -> Callable[..., Any]:
     except (TypeError, ValueError):
         return fn  # no signature to read (a builtin): the first call will tell
     try:
-        sig.bind(**{a: None for a in VERL_ARGUMENTS})
+        sig.bind(**dict.fromkeys(VERL_ARGUMENTS))
     except TypeError as exc:
         raise CustomRewardError(f"reward file {p}: {name}{sig} cannot be called as verl calls it, with "
                                 f"keywords {', '.join(VERL_ARGUMENTS)} ({exc})") from None

@@ -215,7 +215,7 @@ class RewardRunner:
             self._worker.inbox.put(_STOP)
             self._worker = None
 
-    def __enter__(self) -> "RewardRunner":
+    def __enter__(self) -> RewardRunner:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -49,7 +49,7 @@ def keep_freed_memory(trim_bytes: int = DEFAULT_TRIM_BYTES) -> bool:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         # Setting either threshold also stops glibc from moving them itself (its dynamic mmap
         # threshold), so both are set.
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
+        ok: bool = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(min(trim_bytes, 2**31 - 1))) == 1 and ok
     except (OSError, AttributeError) as e:  # not glibc after all
         log.debug("mallopt unavailable: %s", e)

@@ -8,7 +8,8 @@ import functools
 import itertools
 import json
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -44,7 +45,7 @@ class RpcClient:
     futures without a task per call (the driver's fan-out to a worker group).
     """
 
-    def __init__(self, address: str, ctx: zmq.Context, timeout: float = 60.0, *,
+    def __init__(self, address: str, ctx: zmq.Context[Any], timeout: float = 60.0, *,
                  key: bytes | None = None, timeout_error: type[RpcTimeout] = RpcTimeout):
         self.address = address
         self.timeout = timeout
@@ -58,8 +59,10 @@ class RpcClient:
         # The request id is also the MAC nonce's counter; the sender id is this socket's.
         self._sender = auth.new_sender_id()
         self._ids = itertools.count()
-        self._pending: dict[int, tuple[asyncio.Future, str, float, float]] = {}  # id -> fut, method, timeout, deadline
-        self._backlog: collections.deque = collections.deque()  # (request id, frames) not yet taken
+        # request id -> its future, method, timeout, deadline
+        self._pending: dict[int, tuple[asyncio.Future[Any], str, float, float]] = {}
+        # (request id, frames) not yet taken by the socket
+        self._backlog: collections.deque[tuple[int, list[Any]]] = collections.deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
@@ -70,7 +73,7 @@ class RpcClient:
         return self.auth.count
 
     @staticmethod
-    def encode_args(args: dict) -> list:
+    def encode_args(args: dict[str, Any]) -> list[Any]:
         """The arguments of a call as codec frames, for :meth:`start`; the same frames may
         be given to several calls (to several clients), encoded once."""
         return codec.encode(args)
@@ -86,7 +89,7 @@ class RpcClient:
             self._loop, self._timer = loop, None
         return loop
 
-    def start(self, method: str, args: list, timeout: float | None = None) -> tuple[int, asyncio.Future]:
+    def start(self, method: str, args: list[Any], timeout: float | None = None) -> tuple[int, asyncio.Future[Any]]:
         """Send a call now; ``(request id, future)``. ``args`` are :meth:`encode_args` frames.
         The future gets the reply message (give it to :meth:`result`) or ``timeout_error``."""
         loop = self._watch()
@@ -115,7 +118,7 @@ class RpcClient:
         return rid, fut
 
     @staticmethod
-    def spin(clients: list["RpcClient"], done: Callable[[], bool], budget_s: float) -> bool:
+    def spin(clients: list[RpcClient], done: Callable[[], bool], budget_s: float) -> bool:
         """Busy-poll the sockets of ``clients`` (:func:`poll_ready`) and take in their replies
         at once, until ``done()`` or ``budget_s`` has passed; True when done. Blocks the event
         loop meanwhile: keep the budget to a few hundred microseconds."""
@@ -130,7 +133,7 @@ class RpcClient:
                 by_sock[sock]._on_events()
         return True
 
-    def result(self, method: str, msg: dict) -> Any:
+    def result(self, method: str, msg: dict[str, Any]) -> Any:
         """The value of a reply message, or the remote error raised here."""
         if "e" in msg:
             raise_remote(self.address, method, msg["e"])
@@ -166,6 +169,7 @@ class RpcClient:
 
     def _sweep(self) -> None:
         self._timer = None
+        assert self._loop is not None  # the timer runs on the loop the client is bound to
         now = self._loop.time() + 1e-4  # call_at may fire a hair early
         first = None
         for rid, (fut, method, timeout, deadline) in list(self._pending.items()):
@@ -181,7 +185,7 @@ class RpcClient:
             self._arm(self._loop, first)
 
     # ---- the socket ---------------------------------------------------------------------
-    def _send(self, frames: list) -> bool:
+    def _send(self, frames: list[Any]) -> bool:
         return send_nowait(self._sock, frames)
 
     def _on_events(self) -> None:
@@ -197,9 +201,10 @@ class RpcClient:
                     break
                 self._backlog.popleft()
             if sock.getsockopt(EVENTS) & POLLIN:  # replies came while sending the backlog
+                assert self._loop is not None  # the reader runs on the loop the client is bound to
                 self._loop.call_soon(self._on_events)
 
-    def _on_reply(self, frames: list) -> None:
+    def _on_reply(self, frames: list[Any]) -> None:
         opened = check_reply(self, self._sender, frames)
         if opened is None:
             return

@@ -17,7 +17,7 @@ from .sockets import EVENTS, POLLIN, drain, send_nowait, unwatch
 log = logging.getLogger(__name__)
 
 
-async def _cancel(tasks: list) -> None:
+async def _cancel(tasks: list[Any]) -> None:
     """Cancel tasks and wait until they have ended, so none is destroyed while pending."""
     live = [t for t in tasks if t is not None and not t.done()]
     for t in live:
@@ -73,7 +73,7 @@ class RpcServer(ServerBase):
     ``asyncio.wait_for``).
     """
 
-    def __init__(self, service: Any, address: str, ctx: zmq.Context, name: str, *,
+    def __init__(self, service: Any, address: str, ctx: zmq.Context[Any], name: str, *,
                  key: bytes | None = None):
         super().__init__(service, address, ctx, name, key)
         # Without it a ROUTER drops a reply silently when the peer's pipe is full; with it the
@@ -81,8 +81,8 @@ class RpcServer(ServerBase):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._fd = self._sock.getsockopt(zmq.FD)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inflight: set[asyncio.Task] = set()
-        self._backlog: dict[bytes, collections.deque] = {}  # peer -> replies not yet taken, in order
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self._backlog: dict[bytes, collections.deque[Any]] = {}  # peer -> replies not yet taken, in order
         # A peer that keeps calling but never reads must not grow the server's memory without
         # bound: past this many held replies, its new ones are dropped (its calls time out).
         self.max_backlog_per_peer = 256
@@ -108,6 +108,7 @@ class RpcServer(ServerBase):
             # meanwhile or for room freed in a held peer's pipe: look for requests now, and
             # retry what is still held on a timer rather than wait for an event that may not come.
             if not sock.closed:
+                assert self._loop is not None  # set by start(), before the reader can fire
                 if sock.getsockopt(EVENTS) & POLLIN:
                     self._loop.call_soon(self._on_events)
                 if self._backlog and self._retry is None:
@@ -117,7 +118,7 @@ class RpcServer(ServerBase):
         self._retry = None
         self._on_events()
 
-    def _on_request(self, frames: list) -> None:
+    def _on_request(self, frames: list[Any]) -> None:
         # Checked here, in arrival order on the loop's thread: the replay window is not shared.
         opened = open_request(self, frames)
         if opened is None:
@@ -140,9 +141,10 @@ class RpcServer(ServerBase):
         except StopIteration as done:  # finished without suspending: answer at once
             self._reply(ident, nonce, {"id": rid, "r": done.value})
             return
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the method's error goes back to the caller
             self._reply(ident, nonce, error_reply(rid, e))
             return
+        assert self._loop is not None  # set by start(), before the reader can fire
         t = self._loop.create_task(self._finish(ident, nonce, rid, coro, yielded), name=f"{self.name}-{method}")
         self._inflight.add(t)
         t.add_done_callback(self._inflight.discard)
@@ -151,7 +153,7 @@ class RpcServer(ServerBase):
         """A handler (or its rest) awaited in a Task; then its reply."""
         try:
             reply = {"id": rid, "r": await coro}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the method's error goes back to the caller
             reply = error_reply(rid, e)
         self._reply(ident, nonce, reply)
 
@@ -164,10 +166,11 @@ class RpcServer(ServerBase):
         # A send lets libzmq take in what its I/O thread signalled, and so may consume the fd's
         # wake-up for a request that came meanwhile: look now (the reader covers the rest).
         if not self._sock.closed and self._sock.getsockopt(EVENTS) & POLLIN:
+            assert self._loop is not None  # set by start(), before the reader can fire
             self._loop.call_soon(self._on_events)
 
     # ---- replies -------------------------------------------------------------------------
-    def _reply(self, ident: bytes, nonce: bytes, reply: dict) -> None:
+    def _reply(self, ident: bytes, nonce: bytes, reply: dict[str, Any]) -> None:
         if self._sock.closed:
             return
         frames = [ident, *auth.seal(auth.REPLY, nonce, encode_reply(reply), self._key)]
@@ -182,7 +185,7 @@ class RpcServer(ServerBase):
         elif not self._send(frames):
             self._backlog[ident] = collections.deque([frames])
 
-    def _send(self, frames: list) -> bool:
+    def _send(self, frames: list[Any]) -> bool:
         """False when the peer's pipe is full (retried later); a reply to a peer that is gone
         is dropped, as a ROUTER does."""
         try:

@@ -41,7 +41,8 @@ import secrets
 import struct
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .store_wait import wait_for_value
 
@@ -199,14 +200,14 @@ def _mem(frame: Any) -> Any:
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
-def _covered(header: Any, data: Sequence[Any], all_frames: bool) -> tuple[list, list[int], int]:
+def _covered(header: Any, data: Sequence[Any], all_frames: bool) -> tuple[list[Any], list[int], int]:
     """Buffers of the data frames, their lengths, and how many bytes the MAC reads."""
     mems = [_mem(f) for f in data]
     lens = [memoryview(m).nbytes for m in mems]
     return mems, lens, memoryview(header).nbytes + sum(n for n in lens if all_frames or n <= SMALL_FRAME)
 
 
-def _mac(key: bytes, prefix: bytes, header: Any, mems: list, lens: list[int], all_frames: bool,
+def _mac(key: bytes, prefix: bytes, header: Any, mems: list[Any], lens: list[int], all_frames: bool,
          sha: bool) -> bytes:
     h = _keyed(key, sha).copy()
     h.update(prefix)
@@ -215,10 +216,11 @@ def _mac(key: bytes, prefix: bytes, header: Any, mems: list, lens: list[int], al
     for m, n in zip(mems, lens):
         if all_frames or n <= SMALL_FRAME:
             h.update(m)
-    return h.digest()
+    tag: bytes = h.digest()
+    return tag
 
 
-def seal(kind: bytes, nonce: bytes, frames: Sequence[Any], key: bytes | None = None) -> list:
+def seal(kind: bytes, nonce: bytes, frames: Sequence[Any], key: bytes | None = None) -> list[Any]:
     """``[header, *data]`` (codec frames) -> ``[tag + header, *data]``, sent as ``kind``."""
     header = frames[0]
     mems, lens, covered = _covered(header, frames[1:], _cover_all)
@@ -229,7 +231,7 @@ def seal(kind: bytes, nonce: bytes, frames: Sequence[Any], key: bytes | None = N
     return [tag + bytes(_mem(header)), *frames[1:]]
 
 
-def unseal(kind: bytes, frames: Sequence[Any], key: bytes | None = None) -> tuple[bytes, list] | None:
+def unseal(kind: bytes, frames: Sequence[Any], key: bytes | None = None) -> tuple[bytes, list[Any]] | None:
     """``(nonce, [header, *data])`` of a message whose tag is valid for ``kind``, else None.
     Reads nothing but the tag, the frame lengths and the bytes the MAC covers."""
     if not frames:

@@ -25,7 +25,7 @@ class BlockingRpcClient:
     flight at once.
     """
 
-    def __init__(self, address: str, ctx: zmq.Context, timeout: float = 60.0, *, key: bytes | None = None,
+    def __init__(self, address: str, ctx: zmq.Context[Any], timeout: float = 60.0, *, key: bytes | None = None,
                  timeout_error: type[RpcTimeout] = RpcTimeout):
         self.address = address
         self.timeout = timeout
@@ -34,7 +34,7 @@ class BlockingRpcClient:
         self._key = key if key is not None else auth.run_key()
         self._ids = itertools.count()
         self._local = threading.local()
-        self._sockets: list = []
+        self._sockets: list[Any] = []
         self._sockets_lock = threading.Lock()
         self.auth = auth.FailureLog(f"client of {address}")
 
@@ -42,7 +42,8 @@ class BlockingRpcClient:
     def auth_failures(self) -> int:
         return self.auth.count
 
-    def _state(self):
+    def _state(self) -> Any:
+        """This thread's socket and its bookkeeping (a threading.local), made on first use."""
         st = self._local
         if not hasattr(st, "sock"):
             st.sock = self._ctx.socket(zmq.DEALER)

@@ -23,7 +23,7 @@ class BlockingRpcServer(ServerBase):
     than through RpcServer on a loop thread. Same protocol, so RpcClient talks to either.
     """
 
-    def __init__(self, service: Any, address: str, ctx: zmq.Context, name: str, *, key: bytes | None = None):
+    def __init__(self, service: Any, address: str, ctx: zmq.Context[Any], name: str, *, key: bytes | None = None):
         super().__init__(service, address, ctx, name, key)
         self.stopping = False  # a handler sets it; the loop ends after that reply is sent
 
@@ -41,7 +41,7 @@ class BlockingRpcServer(ServerBase):
                 if fn is None:
                     raise no_method(self, method)
                 reply = {"id": rid, "r": fn(**args)}
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the method's error goes back to the caller
                 reply = error_reply(rid, e)
             self._sock.send_multipart([frames[0].bytes, *auth.seal(auth.REPLY, nonce, encode_reply(reply), self._key)],
                                       copy=False)

@@ -11,7 +11,7 @@ from .errors import ERROR_TYPES, RemoteError
 log = logging.getLogger(__name__)
 
 
-def raise_remote(endpoint: str, method: str, err: dict) -> None:
+def raise_remote(endpoint: str, method: str, err: dict[str, Any]) -> None:
     cls = ERROR_TYPES.get(err.get("type", ""), RemoteError)
     msg = err.get("msg", "")
     if cls is RemoteError:
@@ -27,7 +27,7 @@ def no_reply_hint(address: str) -> str:
             "with a wrong key is dropped without a reply; see the server's auth_failures)")
 
 
-def check_reply(client: Any, sender: int, frames: list) -> tuple[int, list] | None:
+def check_reply(client: Any, sender: int, frames: list[Any]) -> tuple[int, list[Any]] | None:
     """``(request id, [header, *buffers])`` of a reply whose tag is valid and echoes a nonce
     of this client's socket; else None, counted. Nothing is decoded here."""
     opened = auth.unseal(auth.REPLY, frames, client._key)
@@ -41,12 +41,12 @@ def check_reply(client: Any, sender: int, frames: list) -> tuple[int, list] | No
     return rid, opened[1]
 
 
-def decode_reply(client: Any, rid: int, frames: list) -> dict | None:
+def decode_reply(client: Any, rid: int, frames: list[Any]) -> dict[str, Any] | None:
     try:
-        msg = codec.decode(frames)
+        msg: dict[str, Any] = codec.decode(frames)
         if msg["id"] != rid:  # the tag's nonce and the header must name the same request
             raise codec.CodecError(f"reply id {msg['id']!r} under the nonce of request {rid}")
         return msg
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any decoding failure: the reply is logged and dropped
         log.warning("%s: dropped a malformed reply: %s", client.auth.name, e)
         return None

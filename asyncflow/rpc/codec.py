@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -18,12 +19,16 @@ _TENSOR_KEY = "__t"
 _TENSOR_MARK = b'"__t":'
 # Tensor (by identity) -> the received zmq.Frame it was decoded from, whole. A side table,
 # not an attribute: the tensor must stay picklable. Entries leave with their tensor.
-_FRAMES: dict[int, tuple[weakref.ref, Any]] = {}
+_FRAMES: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
 
 
 def _remember_frame(t: torch.Tensor, frame: Any) -> None:
     key = id(t)
-    _FRAMES[key] = (weakref.ref(t, lambda _, key=key: _FRAMES.pop(key, None)), frame)
+
+    def forget(_: weakref.ref[torch.Tensor]) -> None:
+        _FRAMES.pop(key, None)
+
+    _FRAMES[key] = (weakref.ref(t, forget), frame)
 
 
 def _frame_of(t: torch.Tensor) -> Any:
@@ -69,12 +74,12 @@ def _tensor_frame(t: torch.Tensor) -> memoryview:
         t = t.view(torch.int16)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.numpy()).cast("B")
+    return t.numpy().data.cast("B")  # the array's own buffer (ndarray.data), as bytes
 
 
-def encode(obj: Any) -> list:
+def encode(obj: Any) -> list[Any]:
     """Encode ``obj`` into frames: ``[header_bytes, *tensor_buffers]``."""
-    buffers: list = []
+    buffers: list[Any] = []
 
     def tensor_ref(x: Any) -> Any:  # json calls this for what it cannot encode itself
         if isinstance(x, torch.Tensor):
@@ -111,7 +116,7 @@ def decode(frames: Sequence[Any]) -> Any:
     raw = head.bytes if hasattr(head, "bytes") else bytes(head)
     bufs = frames[1:]
 
-    def tensor(spec: dict) -> torch.Tensor:
+    def tensor(spec: dict[str, Any]) -> torch.Tensor:
         i = spec[_TENSOR_KEY]
         if not isinstance(i, int) or not 0 <= i < len(bufs):
             raise CodecError(f"tensor frame {i!r} missing: message has {len(bufs)} data frames")
@@ -134,7 +139,7 @@ def decode(frames: Sequence[Any]) -> Any:
             _remember_frame(t, frame)
         return t
 
-    def hook(d: dict) -> Any:
+    def hook(d: dict[str, Any]) -> Any:
         return tensor(d) if _TENSOR_KEY in d else d
 
     try:

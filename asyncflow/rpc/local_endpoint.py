@@ -24,7 +24,7 @@ class LocalEndpoint:
             # wait_for, not asyncio.timeout: a caller may be an RpcServer handler still in its
             # eager first step, outside any Task, where asyncio.timeout cannot work.
             return await asyncio.wait_for(fn(**args), _timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise self.timeout_error(f"{method} on {self.address} took longer than {_timeout:.1f}s") from None
 
     async def close(self) -> None:

@@ -23,7 +23,7 @@ def _bind(sock: Any, address: str) -> str:
     return address
 
 
-def check_request(server: Any, frames: list) -> tuple[bytes, list] | None:
+def check_request(server: Any, frames: list[Any]) -> tuple[bytes, list[Any]] | None:
     """``(nonce, [header, *buffers])`` of a request whose tag is valid under the server's key
     and whose nonce is new; else None, counted and logged (rate-limited). Runs before any
     byte of the message is decoded."""
@@ -37,14 +37,14 @@ def check_request(server: Any, frames: list) -> tuple[bytes, list] | None:
     return opened
 
 
-def parse_request(server: Any, frames: list) -> tuple[Any, str, Any, dict] | None:
+def parse_request(server: Any, frames: list[Any]) -> tuple[Any, str, Any, dict[str, Any]] | None:
     """(request id, method name, bound method or None, args), or None for a message that
     is dropped and counted: an undecodable message never reaches a method. ``frames`` has
     passed the tag check."""
     try:
         msg = codec.decode(frames)
         rid, method, args = msg["id"], msg["m"], msg.get("a") or {}
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any decoding failure: the message is counted, logged and dropped
         server.bad_messages += 1
         log.warning("%s: dropped a malformed message: %s", server.name, e)
         return None
@@ -52,7 +52,7 @@ def parse_request(server: Any, frames: list) -> tuple[Any, str, Any, dict] | Non
     return rid, method, fn, args
 
 
-def open_request(server: Any, frames: list) -> tuple[bytes, tuple[Any, str, Any, dict]] | None:
+def open_request(server: Any, frames: list[Any]) -> tuple[bytes, tuple[Any, str, Any, dict[str, Any]]] | None:
     """A received message (identity frame first) checked and parsed: (nonce, (id, method, handler,
     args)), or None when it was refused (each refusal is handled where check or parse found it)."""
     opened = check_request(server, frames[1:])
@@ -67,11 +67,11 @@ def no_method(server: Any, method: Any) -> ValueError:
     return ValueError(f"{server.name} has no method {method!r}")
 
 
-def error_reply(rid: Any, e: BaseException) -> dict:
+def error_reply(rid: Any, e: BaseException) -> dict[str, Any]:
     return {"id": rid, "e": {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}}
 
 
-def encode_reply(reply: dict) -> list:
+def encode_reply(reply: dict[str, Any]) -> list[Any]:
     try:
         return codec.encode(reply)
     except codec.CodecError as e:  # a result that cannot travel is the caller's error, not a hang

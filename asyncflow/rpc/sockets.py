@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -16,7 +17,7 @@ log = logging.getLogger(__name__)
 EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
-def send_nowait(sock: Any, frames: list) -> bool:
+def send_nowait(sock: Any, frames: list[Any]) -> bool:
     """Send without blocking; False when the pipe is full (the caller keeps the message)."""
     try:
         sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -25,7 +26,7 @@ def send_nowait(sock: Any, frames: list) -> bool:
         return False
 
 
-def drain(sock: Any, handle: Callable[[list], None], name: str, kind: str) -> None:
+def drain(sock: Any, handle: Callable[[list[Any]], None], name: str, kind: str) -> None:
     """Hand every message that has arrived on ``sock`` to ``handle``, one by one, until none
     is left. recv and EVENTS let libzmq take in what its I/O thread signalled; the fd wakes
     the loop again on the next change only once nothing is left to read here."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import zmq
-
 
 # ---- bounded busy-waiting ------------------------------------------------------------------
 # A ZMQ round trip wakes about six threads; where idle CPUs halt at once (e.g. a VM without
@@ -19,7 +19,7 @@ import zmq
 # cores starve the I/O threads that carry the messages, and a call gets slower than with no
 # spinning at all.
 
-def poll_ready(items: list, budget_s: float) -> list:
+def poll_ready(items: list[Any], budget_s: float) -> list[Any]:
     """Busy-poll ZMQ sockets: ``zmq_poll`` with a zero timeout, again and again, until one of
     ``items`` (``(socket, zmq.POLLIN)`` pairs) is ready or ``budget_s`` has passed; the
     ready ``(socket, events)`` pairs, or [] at the budget. Never sleeps; each try releases

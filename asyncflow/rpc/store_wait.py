@@ -13,4 +13,5 @@ def wait_for_value(store: Any, key: str, timeout_s: float, who: str, what: str) 
             raise TimeoutError(f"{who}: {what} did not appear in the TCPStore within {timeout_s:.0f}s "
                                "(rank 0 puts it there at start; did rank 0 start?)")
         time.sleep(0.05)
-    return store.get(key)
+    value: bytes = store.get(key)
+    return value

@@ -116,7 +116,7 @@ class Layout:
     rollout_devices: int
 
     @staticmethod
-    def of(cfg: ClusterConfig) -> "Layout":
+    def of(cfg: ClusterConfig) -> Layout:
         tp = cfg.tp
         if cfg.colocated:  # every device trains; an instance of tp devices generates on them in turn
             ranks = list(range(cfg.devices))
@@ -140,7 +140,7 @@ class _Records:
         self.rng = random.Random(seed)
         self.lo, self.hi = lo, hi
 
-    def __iter__(self) -> "_Records":
+    def __iter__(self) -> _Records:
         return self
 
     def __next__(self) -> dict:
@@ -163,7 +163,7 @@ class _Window:
 
 
 class _Recorder(StepObserver):
-    def __init__(self, run: "_Run"):
+    def __init__(self, run: _Run):
         self.run = run
         self.reports: list[StepReport] = []
         self.trained_rows: dict[int, int] = {}

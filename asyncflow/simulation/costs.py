@@ -93,7 +93,7 @@ class CostModel:
     call_overhead_s: float = 0.002  # kernel launches, framework work per call (not the control plane)
 
     @staticmethod
-    def named(name: str) -> "CostModel":
+    def named(name: str) -> CostModel:
         if name not in MODELS:
             raise ValueError(f"unknown model {name!r} for the cost model; known: {sorted(MODELS)}")
         return CostModel(MODELS[name])

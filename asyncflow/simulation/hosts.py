@@ -43,7 +43,7 @@ def _unit_main(index: int, controller: str, conn: Any, parent: int) -> None:
         await serve_storage_unit(controller, index, ready=_Ready())
     try:
         asyncio.run(serve())
-    except BaseException as e:  # noqa: BLE001 - the parent reports it
+    except BaseException as e:  # the parent reports it
         conn.send({"error": f"{type(e).__name__}: {e}"})
         raise
 
@@ -72,7 +72,7 @@ def _host_main(ranks: list[int], world: int, unit: int | None, controller: str |
         for rt in runtimes:
             threading.Thread(target=rt.serve, name=f"sim-rank{rt.rank}", daemon=True).start()
         conn.send({"addresses": [rt.address for rt in runtimes], "pid": os.getpid()})
-    except BaseException as e:  # noqa: BLE001 - the parent reports it
+    except BaseException as e:  # the parent reports it
         conn.send({"error": f"{type(e).__name__}: {e}"})
         raise
     conn.recv()  # until the parent says stop (or dies: the runtimes' watchdogs exit then)
@@ -165,7 +165,7 @@ class SimHosts:
             p.terminate()
             p.join(5)
 
-    def __enter__(self) -> "SimHosts":
+    def __enter__(self) -> SimHosts:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -20,7 +20,7 @@ class SimSpec:
     driver_data: bool = False  # the centralized baseline: data travels in the calls, not the TransferQueue
 
     @staticmethod
-    def of(d: "SimSpec | dict") -> "SimSpec":
+    def of(d: SimSpec | dict) -> SimSpec:
         return d if isinstance(d, SimSpec) else SimSpec(**d)
 
     def to_dict(self) -> dict:

@@ -13,7 +13,6 @@ from .worker import Worker
 from .worker_group import WorkerGroup
 
 
-
 def __getattr__(name: str):  # launch is imported lazily: `python -m ...launch` must not find it loaded
     if name in ("RunConfig", "launch_local", "run_rank"):
         from . import launch
@@ -22,7 +21,7 @@ def __getattr__(name: str):  # launch is imported lazily: `python -m ...launch` 
 
 
 __all__ = [
-    "Dispatch", "DispatchMode", "DISPATCH_MODES", "register", "register_dispatch_mode", "Driver", "DriverConfig", "GroupSpec",
-    "WorkerGroup", "Worker", "GroupLayout", "PlacementConfig", "RunConfig", "RuntimeConfig", "launch_local",
-    "run_rank", "LaunchError", "WorkerError", "WorkerCallTimeout", "WorkerDiedError",
+    "Dispatch", "DispatchMode", "DISPATCH_MODES", "register", "register_dispatch_mode", "Driver", "DriverConfig",
+    "GroupSpec", "WorkerGroup", "Worker", "GroupLayout", "PlacementConfig", "RunConfig", "RuntimeConfig",
+    "launch_local", "run_rank", "LaunchError", "WorkerError", "WorkerCallTimeout", "WorkerDiedError",
 ]

@@ -19,8 +19,9 @@ Built in:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..transfer_queue.meta import BatchMeta
 from .layout import GroupLayout

@@ -12,8 +12,9 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import zmq.asyncio
 
@@ -80,7 +81,7 @@ class Driver:
     def world_size(self) -> int:
         return len(self.addresses)
 
-    async def start(self) -> "Driver":
+    async def start(self) -> Driver:
         loop = asyncio.get_running_loop()
         self.failed = loop.create_future()
         self.failed.add_done_callback(lambda f: f.exception())
@@ -234,7 +235,7 @@ class Driver:
             await ep.close()
         self._ctx.destroy(linger=0)
 
-    async def __aenter__(self) -> "Driver":
+    async def __aenter__(self) -> Driver:
         return await self.start()
 
     async def __aexit__(self, *exc: Any) -> None:

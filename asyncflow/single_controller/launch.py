@@ -23,10 +23,11 @@ import tempfile
 import threading
 import traceback
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..config import UnitsConfig
 from ..rpc.alloc import freeze_gc_heap
@@ -35,8 +36,7 @@ from .errors import LaunchError
 from .placement import PlacementConfig
 from .rendezvous import connect_store, publish_address, rendezvous_host, share_run_key, wait_addresses
 from .runtime import RuntimeConfig, WorkerRuntime
-from .tq_units import (node_from_env, start_for_rank, wait_for_node_units, nodes_of_ranks,
-                       write_unit_stats)
+from .tq_units import node_from_env, nodes_of_ranks, start_for_rank, wait_for_node_units, write_unit_stats
 
 log = logging.getLogger(__name__)
 

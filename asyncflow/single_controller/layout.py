@@ -52,5 +52,5 @@ class GroupLayout:
         return {"role": self.role, "ranks": list(self.ranks), "dp_size": self.dp_size}
 
     @staticmethod
-    def from_wire(w: dict) -> "GroupLayout":
+    def from_wire(w: dict) -> GroupLayout:
         return GroupLayout(w["role"], tuple(int(r) for r in w["ranks"]), int(w["dp_size"]))

@@ -77,7 +77,7 @@ class LocalWorkers:
                 p.kill()
                 p.join(5)
 
-    def __enter__(self) -> "LocalWorkers":
+    def __enter__(self) -> LocalWorkers:
         return self
 
     def __exit__(self, *exc) -> None:

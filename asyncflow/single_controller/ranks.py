@@ -47,7 +47,7 @@ class RankCall:
 
     __slots__ = ("ep", "client", "rid", "fut", "op", "what", "role", "timeout", "started")
 
-    def __init__(self, ep: "RankEndpoint", client: RpcClient, rid: int, fut: asyncio.Future, op: str, what: str,
+    def __init__(self, ep: RankEndpoint, client: RpcClient, rid: int, fut: asyncio.Future, op: str, what: str,
                  role: str | None, timeout: float):
         self.ep, self.client, self.rid, self.fut = ep, client, rid, fut
         self.op, self.what, self.role, self.timeout = op, what, role, timeout
@@ -59,7 +59,7 @@ class RankCall:
         return f"rank {self.ep.rank} (role {role}) {self.what}, running {now - self.started:.1f} s"
 
     @staticmethod
-    def describe_all(calls: list["RankCall"]) -> str:
+    def describe_all(calls: list[RankCall]) -> str:
         """Calls in flight, ``; ``-joined (empty for none)."""
         now = time.monotonic()
         return "; ".join(c.describe(now) for c in calls)

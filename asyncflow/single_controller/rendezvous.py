@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch.distributed as dist
 

@@ -129,7 +129,7 @@ def class_path(cls: type) -> str:
 class _CallService:
     """Served by ``serve()`` on the worker thread: the work, in order."""
 
-    def __init__(self, rt: "WorkerRuntime"):
+    def __init__(self, rt: WorkerRuntime):
         self.rt = rt
 
     def rpc_create_groups(self, groups: list) -> dict:
@@ -153,7 +153,7 @@ class _CallService:
 class _ControlService:
     """Served on the event-loop thread: answered even while a method runs."""
 
-    def __init__(self, rt: "WorkerRuntime"):
+    def __init__(self, rt: WorkerRuntime):
         self.rt = rt
 
     async def rpc_ping(self) -> dict:
@@ -229,7 +229,7 @@ class WorkerRuntime:
         self._busy = what
         try:
             return {"ok": fn(*args)}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the worker method's error goes back to the driver
             return {"err": {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}}
         finally:
             self._busy = ""
@@ -241,7 +241,7 @@ class WorkerRuntime:
             if not method_spec(fn).concurrent:
                 raise PermissionError(f"{what} is not registered concurrent=True; it runs in the call queue")
             return {"ok": to_wire(execute(worker, fn, tuple(args), kwargs))}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the worker method's error goes back to the driver
             return {"err": {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}}
 
     def _target(self, role: str, method: str) -> tuple:
@@ -288,7 +288,7 @@ class WorkerRuntime:
                 msg = f"rank {self.rank}: creating group {layout.role!r} ({g['cls']}): {e}"
                 try:  # keep the type the driver reports; one whose constructor differs gets RuntimeError
                     wrapped = type(e)(msg)
-                except Exception:
+                except Exception:  # noqa: BLE001 - any constructor that does not take one message
                     wrapped = RuntimeError(msg)
                 raise wrapped from e
         return out
@@ -389,7 +389,7 @@ class WorkerRuntime:
             try:
                 if callable(teardown):
                     teardown()
-            except Exception:  # noqa: BLE001 - shutting down: reported, the rest still closes
+            except Exception:  # shutting down: reported, the rest still closes
                 log.exception("rank %d: the teardown of worker %r failed", self.rank, role)
         self._calls.close()
 

@@ -23,9 +23,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..config import UnitsConfig  # the config tree's transfer_queue section
 from ..rpc.loop_thread import EventLoopThread
@@ -172,8 +173,9 @@ def nodes_of_ranks(store: Any, world_size: int) -> list[int]:
 
 async def wait_for_node_units(controller_address: str, nodes: list[int], timeout_s: float) -> None:
     """Until every node's unit is registered with the controller; names the missing ones."""
-    from ..rpc.async_client import RpcClient
     import zmq.asyncio
+
+    from ..rpc.async_client import RpcClient
 
     want = sorted(set(nodes))
     ctx = zmq.asyncio.Context()
@@ -200,8 +202,9 @@ async def write_unit_stats(controller_address: str, path: str) -> list[dict] | N
     Best effort: the run's outcome does not depend on it."""
     if not path:
         return None
-    from ..transfer_queue import AsyncTransferQueueClient
     import zmq.asyncio
+
+    from ..transfer_queue import AsyncTransferQueueClient
 
     ctx = zmq.asyncio.Context()
     client = AsyncTransferQueueClient(controller_address, timeout=10.0, ctx=ctx)

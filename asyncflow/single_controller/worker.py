@@ -9,8 +9,9 @@ after another role did, the runtime calls ``offload()`` on the previous one and
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

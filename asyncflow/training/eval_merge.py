@@ -8,7 +8,8 @@ of one instance evaluating all prompts, whatever the order the replies come back
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

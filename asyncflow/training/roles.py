@@ -20,7 +20,7 @@ class Placement:
     rollout: list[int]
 
     @staticmethod
-    def from_config(cfg: RunConfig) -> "Placement":
+    def from_config(cfg: RunConfig) -> Placement:
         n = cfg.trainer.nproc
         if cfg.placement.mode == "colocated" or n == 1:
             return Placement(list(range(n)), list(range(n)))

@@ -6,16 +6,27 @@ docs/architecture.md, section "TransferQueue", describes it as built.
 """
 from .client import AsyncTransferQueueClient, TransferQueueClient
 from .columns import FieldSchema, FixedColumn, JaggedColumn, ObjectColumn
-from .errors import (BadPutError, CapacityError, MissingColumnError, RemoteError, RowsClearedError,
-                     SchemaMismatchError, TransferQueueError, TransferQueueTimeout, UnknownPartitionError,
-                     UnknownTaskError)
+from .errors import (
+    BadPutError,
+    CapacityError,
+    MissingColumnError,
+    RemoteError,
+    RowsClearedError,
+    SchemaMismatchError,
+    TransferQueueError,
+    TransferQueueTimeout,
+    UnknownPartitionError,
+    UnknownTaskError,
+)
 from .meta import BatchMeta
+from .protocol import AsyncTransferQueue, TransferQueue
 from .samplers import register_sampler
 from .service import TransferQueueConfig, TransferQueueService, serve_storage_unit
 
 __all__ = [
-    "AsyncTransferQueueClient", "TransferQueueClient", "TransferQueueService", "TransferQueueConfig",
-    "serve_storage_unit", "BatchMeta", "FieldSchema", "FixedColumn", "JaggedColumn", "ObjectColumn",
+    "AsyncTransferQueue", "TransferQueue", "AsyncTransferQueueClient", "TransferQueueClient",
+    "TransferQueueService", "TransferQueueConfig", "serve_storage_unit", "BatchMeta", "FieldSchema",
+    "FixedColumn", "JaggedColumn", "ObjectColumn",
     "register_sampler", "TransferQueueError", "UnknownPartitionError", "UnknownTaskError",
     "SchemaMismatchError", "BadPutError", "RowsClearedError", "MissingColumnError", "CapacityError",
     "TransferQueueTimeout", "RemoteError",

@@ -25,6 +25,7 @@ import bisect
 import heapq
 import operator
 from collections.abc import Sequence
+from typing import TypeAlias
 
 __all__ = [
     "karmarkar_karp",
@@ -84,10 +85,11 @@ def _check_divisible(n: int, k: int) -> None:
 # Members are a tree (None = empty, int = one row, pair = union of two trees)
 # so a merge is O(k) instead of copying every index list, which would make the
 # whole run quadratic in the number of rows; trees are flattened once at the end.
-_Set = tuple[int, object]
+_Tree: TypeAlias = "int | tuple[_Tree, _Tree] | None"
+_Set = tuple[int, _Tree]
 
 
-def _flatten(tree: object) -> list[int]:
+def _flatten(tree: _Tree) -> list[int]:
     out: list[int] = []
     stack = [tree]
     while stack:  # iterative: trees can be as deep as the number of merges
@@ -101,7 +103,7 @@ def _flatten(tree: object) -> list[int]:
     return out
 
 
-def _union(a: object, b: object) -> object:
+def _union(a: _Tree, b: _Tree) -> _Tree:
     if a is None:
         return b
     if b is None:

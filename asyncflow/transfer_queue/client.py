@@ -13,20 +13,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
 import zmq.asyncio
 
+from ..rpc.async_client import RpcClient
+from ..rpc.blocking_client import BlockingRpcClient
 from .columns import Column, column_from_wire, column_to_wire, concat, to_columns, to_tensordict
 from .errors import BadPutError, TransferQueueError, TransferQueueTimeout
 from .locality import local_node, local_unit
-from .meta import BatchMeta, ReadRequest as _Request, ids_from_wire, ids_to_wire, plan_reads as _plan_get
+from .meta import BatchMeta, ids_from_wire, ids_to_wire
+from .meta import ReadRequest as _Request
+from .meta import plan_reads as _plan_get
 from .meta import positions_by_unit as _positions_by_unit
-from ..rpc.async_client import RpcClient
-from ..rpc.blocking_client import BlockingRpcClient
+
+if TYPE_CHECKING:  # tensordict is imported where a TensorDict is built (columns.to_tensordict)
+    from tensordict import TensorDict
 
 # Added to a server-side wait so the reply (or its error) can arrive before the client gives up.
 _REPLY_MARGIN_S = 10.0
@@ -34,8 +40,12 @@ _REPLY_MARGIN_S = 10.0
 
 # ---- planning shared by both clients ------------------------------------------------------
 
+# One request of a put: (storage unit, or None for the unit that takes new rows; the put's args).
+_UnitCall = tuple[int | None, dict[str, Any]]
+
+
 def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequence[int] | None,
-              target: int | None = None) -> tuple[list[str], list[tuple[int | None, dict]]]:
+              target: int | None = None) -> tuple[list[str], list[_UnitCall]]:
     """Validate a put and split it into unit requests: ``(unit or None for new rows, args)``.
     Columns added to existing rows go to ``target`` when given (the writer's own unit),
     else to each row's home unit."""
@@ -59,7 +69,7 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequenc
         return names, [(target, {"partition": partition, "rows": ids_to_wire(meta.rows),
                                  "columns": {k: column_to_wire(c) for k, c in cols.items()}})]
     by_unit = _positions_by_unit(meta.rows)
-    calls = []
+    calls: list[_UnitCall] = []
     for u, pos in by_unit.items():
         part = cols if len(by_unit) == 1 else {k: c.take(pos) for k, c in cols.items()}
         calls.append((u, {"partition": partition, "rows": ids_to_wire([meta.rows[i] for i in pos]),
@@ -67,7 +77,7 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequenc
     return names, calls
 
 
-def _put_check(meta: BatchMeta | None, calls: list[tuple[int | None, dict]]) -> dict | None:
+def _put_check(meta: BatchMeta | None, calls: list[_UnitCall]) -> dict[str, Any] | None:
     """The controller's ``check_put`` args for a put that adds columns to rows of several
     units, else None. Each unit validates and rolls back only its own part, so such a put is
     checked whole first: a part refused later would leave the other parts stored. A put to
@@ -103,7 +113,7 @@ def _unlocated(meta: BatchMeta, names: list[str], n_units: int) -> list[str]:
     return [c for c in names if c not in meta.locations and c not in meta.columns]
 
 
-def _assemble(names: list[str], requests: list[_Request], replies: list[dict]) -> dict[str, Column]:
+def _assemble(names: list[str], requests: list[_Request], replies: list[dict[str, Any]]) -> dict[str, Column]:
     """Unit replies -> columns in the meta's row order."""
     if len(replies) == 1:
         return {k: column_from_wire(replies[0][k]) for k in names}
@@ -127,7 +137,7 @@ def _batch_names(columns: Sequence[str], data_columns: Sequence[str] | None) -> 
     return names
 
 
-def _batch_reply(reply: dict, names: list[str]) -> tuple[BatchMeta, dict[str, Column] | None]:
+def _batch_reply(reply: dict[str, Any], names: list[str]) -> tuple[BatchMeta, dict[str, Column] | None]:
     """A get_batch reply -> (meta, its columns), columns None when the controller could not
     read them itself (a unit in another process): the caller reads as get_columns does."""
     meta = BatchMeta.from_wire(reply["meta"])
@@ -145,7 +155,7 @@ def _unit_timeout(index: int, address: str, e: TransferQueueTimeout) -> Transfer
                                 f"rank) may have died: {e}")
 
 
-def _new_rows_meta(partition: str, names: list[str], groups: Any, reply: dict) -> BatchMeta:
+def _new_rows_meta(partition: str, names: list[str], groups: Any, reply: dict[str, Any]) -> BatchMeta:
     if "first" in reply:  # new rows have consecutive ids
         rows = list(range(reply["first"], reply["first"] + reply["n"]))
     else:
@@ -154,8 +164,9 @@ def _new_rows_meta(partition: str, names: list[str], groups: Any, reply: dict) -
                      ids_from_wire(groups) if groups is not None else [], ids_from_wire(reply["tokens"]))
 
 
-def _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, timeout,
-                   dp_group, dp_rank, dp_size) -> dict:
+def _get_meta_args(columns: Sequence[str], batch_size: int, task: str, partition: str, sampler: Any,
+                   allow_partial: bool, timeout: float, dp_group: str | None, dp_rank: int,
+                   dp_size: int) -> dict[str, Any]:
     return {"partition": partition, "task": task, "columns": list(columns), "batch_size": batch_size,
             "sampler": sampler, "allow_partial": allow_partial, "timeout": timeout,
             "dp_group": dp_group, "dp_rank": dp_rank, "dp_size": dp_size}
@@ -169,7 +180,7 @@ class _Units:
         self.addresses: dict[int, str] = {}
         self._rr = itertools.count()
 
-    def update(self, info: dict) -> list[int]:
+    def update(self, info: dict[str, Any]) -> list[int]:
         new = [int(k) for k in info["units"] if int(k) not in self.addresses]
         self.addresses.update({int(k): a for k, a in info["units"].items()})
         return new
@@ -245,18 +256,19 @@ class AsyncTransferQueueClient:
         await self.controller.call("close_partition", partition=partition)
 
     async def clear(self, partition: str) -> int:
-        return await self.controller.call("clear", partition=partition)
+        return int(await self.controller.call("clear", partition=partition))
 
     async def clear_rows(self, meta: BatchMeta) -> int:
-        return await self.controller.call("clear_rows", partition=meta.partition, rows=ids_to_wire(meta.rows))
+        return int(await self.controller.call("clear_rows", partition=meta.partition, rows=ids_to_wire(meta.rows)))
 
     async def reset_consumption(self, partition: str, task: str) -> None:
         await self.controller.call("reset_consumption", partition=partition, task=task)
 
-    async def status(self, partition: str | None = None) -> dict:
-        return await self.controller.call("status", partition=partition)
+    async def status(self, partition: str | None = None) -> dict[str, Any]:
+        reply: dict[str, Any] = await self.controller.call("status", partition=partition)
+        return reply
 
-    async def unit_stats(self) -> list[dict]:
+    async def unit_stats(self) -> list[dict[str, Any]]:
         await self._refresh_units()
         return list(await asyncio.gather(*(u.call("stats") for u in self._endpoints.values())))
 
@@ -301,7 +313,7 @@ class AsyncTransferQueueClient:
     async def get_batch(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                         sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
                         allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
-                        dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, Any]:
+                        dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, TensorDict | None]:
         """``get_meta`` then ``get_data`` of its rows (``data_columns``, default ``columns``), in
         one hop when the controller's process holds those rows (the in-process default), else
         two. Same consumption as get_meta. Returns ``(meta, TensorDict)``; the data is None
@@ -343,7 +355,7 @@ class AsyncTransferQueueClient:
             for ep, (u, pos, cols) in zip(eps, requests)))
         return _assemble(names, requests, list(replies))
 
-    async def get_data(self, meta: BatchMeta, columns: Sequence[str] | None = None):
+    async def get_data(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> TensorDict:
         """A TensorDict of the meta's rows (in its order) with only the requested columns.
         Tensors may share memory with the received message: clone before writing in place."""
         return to_tensordict(await self.get_columns(meta, columns), len(meta))
@@ -365,7 +377,8 @@ class TransferQueueClient:
     """
 
     def __init__(self, controller_address: str, *, timeout: float = 60.0, wait_timeout: float = 300.0,
-                 preferred_unit: int | None = None, node: int | None = None, ctx: zmq.Context | None = None):
+                 preferred_unit: int | None = None, node: int | None = None,
+                 ctx: zmq.Context[Any] | None = None):
         self._ctx = ctx or zmq.Context.instance()
         self.timeout = timeout
         self.wait_timeout = wait_timeout
@@ -416,18 +429,19 @@ class TransferQueueClient:
         self.controller.call("close_partition", partition=partition)
 
     def clear(self, partition: str) -> int:
-        return self.controller.call("clear", partition=partition)
+        return int(self.controller.call("clear", partition=partition))
 
     def clear_rows(self, meta: BatchMeta) -> int:
-        return self.controller.call("clear_rows", partition=meta.partition, rows=ids_to_wire(meta.rows))
+        return int(self.controller.call("clear_rows", partition=meta.partition, rows=ids_to_wire(meta.rows)))
 
     def reset_consumption(self, partition: str, task: str) -> None:
         self.controller.call("reset_consumption", partition=partition, task=task)
 
-    def status(self, partition: str | None = None) -> dict:
-        return self.controller.call("status", partition=partition)
+    def status(self, partition: str | None = None) -> dict[str, Any]:
+        reply: dict[str, Any] = self.controller.call("status", partition=partition)
+        return reply
 
-    def unit_stats(self) -> list[dict]:
+    def unit_stats(self) -> list[dict[str, Any]]:
         self._refresh_units()
         return [u.call("stats") for u in list(self._endpoints.values())]
 
@@ -463,7 +477,7 @@ class TransferQueueClient:
     def get_batch(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                   sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
                   allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
-                  dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, Any]:
+                  dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, TensorDict | None]:
         names = _batch_names(columns, data_columns)
         wait = self.wait_timeout if timeout is None else timeout
         args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
@@ -487,7 +501,7 @@ class TransferQueueClient:
                                         rows=ids_to_wire([meta.rows[i] for i in pos]), columns=cols)))
         return _assemble(names, requests, [self._recv_unit(u, ep, t) for u, ep, t in sent])
 
-    def get_data(self, meta: BatchMeta, columns: Sequence[str] | None = None):
+    def get_data(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> TensorDict:
         return to_tensordict(self.get_columns(meta, columns), len(meta))
 
     def close(self) -> None:
@@ -496,7 +510,7 @@ class TransferQueueClient:
             u.close()
         self._endpoints.clear()
 
-    def __enter__(self) -> "TransferQueueClient":
+    def __enter__(self) -> TransferQueueClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from ..rpc.codec import CodecError, dtype_name
+
+if TYPE_CHECKING:  # tensordict is imported where a TensorDict is built (a slow import)
+    from tensordict import NestedKey, TensorCollection, TensorDict
+
+_C = TypeVar("_C", bound="Column")
 
 
 @dataclass(frozen=True)
@@ -35,11 +41,11 @@ class FieldSchema:
             return "object"
         return f"{self.kind} {self.dtype}{list(self.shape)}"
 
-    def to_wire(self) -> list:
+    def to_wire(self) -> list[Any]:
         return [self.kind, self.dtype, list(self.shape)]
 
     @staticmethod
-    def from_wire(w: Sequence) -> "FieldSchema":
+    def from_wire(w: Sequence[Any]) -> FieldSchema:
         return FieldSchema(w[0], w[1], tuple(w[2]))
 
 
@@ -49,8 +55,12 @@ class Column:
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def take(self, idx: Sequence[int]) -> "Column":
+    def take(self, idx: Sequence[int]) -> Column:
         """Rows ``idx`` in that order."""
+        raise NotImplementedError
+
+    @property
+    def schema(self) -> FieldSchema:
         raise NotImplementedError
 
     @property
@@ -74,7 +84,7 @@ class FixedColumn(Column):
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def take(self, idx: Sequence[int]) -> "FixedColumn":
+    def take(self, idx: Sequence[int]) -> FixedColumn:
         run = _as_run(idx)
         if run == (0, len(self)):
             return self  # the same tensors: a read of a whole put can resend its frames
@@ -106,7 +116,7 @@ class JaggedColumn(Column):
     def row(self, i: int) -> torch.Tensor:
         return self.values[int(self.offsets[i]):int(self.offsets[i + 1])]
 
-    def take(self, idx: Sequence[int]) -> "JaggedColumn":
+    def take(self, idx: Sequence[int]) -> JaggedColumn:
         run = _as_run(idx)
         if run == (0, len(self)):
             return self  # the same tensors: a read of a whole put can resend its frames
@@ -128,7 +138,7 @@ class JaggedColumn(Column):
 
 @dataclass
 class ObjectColumn(Column):
-    items: list
+    items: list[Any]
     kind = "object"
 
     def __len__(self) -> int:
@@ -144,7 +154,7 @@ class ObjectColumn(Column):
         A loop over the items: the storage unit computes it once per put."""
         return _object_nbytes(self.items)
 
-    def take(self, idx: Sequence[int]) -> "ObjectColumn":
+    def take(self, idx: Sequence[int]) -> ObjectColumn:
         items = self.items
         return ObjectColumn([items[i] for i in idx])
 
@@ -154,7 +164,7 @@ class ObjectColumn(Column):
 _OBJECT_ITEM_OVERHEAD = 56
 
 
-def _object_nbytes(items: list) -> int:
+def _object_nbytes(items: list[Any]) -> int:
     """The content size of object items, cheaply: a string's UTF-8 length, bytes' length, 8
     for a number, and for anything else (dicts, lists) the length of the JSON text it travels
     as (codec.py); plus _OBJECT_ITEM_OVERHEAD each."""
@@ -215,27 +225,41 @@ def concat(cols: Sequence[Column]) -> Column:
         return cols[0]
     first = cols[0]
     if isinstance(first, FixedColumn):
-        return FixedColumn(torch.cat([c.data for c in cols]))
+        return FixedColumn(torch.cat([c.data for c in _of_kind(cols, FixedColumn)]))
     if isinstance(first, JaggedColumn):
+        jagged = _of_kind(cols, JaggedColumn)
         # Each column's offsets end at its values' length (the jagged invariant), so the shift of
         # every piece comes from shapes: a few tensor ops in all, not two per piece.
-        sizes = [c.values.shape[0] for c in cols]
-        rows = [len(c) for c in cols]
+        sizes = [c.values.shape[0] for c in jagged]
+        rows = [len(c) for c in jagged]
         bases = torch.tensor([0, *itertools.accumulate(sizes[:-1])], dtype=torch.long)
-        tails = torch.cat([c.offsets[1:] for c in cols])
+        tails = torch.cat([c.offsets[1:] for c in jagged])
         tails += torch.repeat_interleave(bases, torch.tensor(rows), output_size=tails.shape[0])
-        return JaggedColumn(torch.cat([c.values for c in cols]), torch.cat([tails.new_zeros(1), tails]))
-    return ObjectColumn([x for c in cols for x in c.items])
+        return JaggedColumn(torch.cat([c.values for c in jagged]), torch.cat([tails.new_zeros(1), tails]))
+    return ObjectColumn([x for c in _of_kind(cols, ObjectColumn) for x in c.items])
+
+
+def _of_kind(cols: Sequence[Column], kind: type[_C]) -> list[_C]:
+    """``cols`` as columns of one kind: a concat of mixed kinds is refused, naming them."""
+    if not all(isinstance(c, kind) for c in cols):
+        raise TypeError(f"concat of columns of mixed kinds: {sorted({c.kind for c in cols})}")
+    return [c for c in cols if isinstance(c, kind)]
 
 
 # ---- wire form: nested JSON + tensors for codec.encode ------------------------------
 
-def column_to_wire(col: Column) -> dict:
+def column_to_wire(col: Column) -> dict[str, Any]:
     if isinstance(col, FixedColumn):
         return {"k": "fixed", "data": col.data}
     if isinstance(col, JaggedColumn):
         return {"k": "jagged", "values": col.values, "offsets": col.offsets}
-    return {"k": "object", "items": col.items}
+    if isinstance(col, ObjectColumn):
+        return {"k": "object", "items": col.items}
+    raise TypeError(_unknown_kind(col))
+
+
+def _unknown_kind(col: Column) -> str:
+    return f"a column of unknown kind: {type(col).__name__} (columns are FixedColumn, JaggedColumn, ObjectColumn)"
 
 
 def column_from_wire(w: Mapping[str, Any], check: bool = False) -> Column:
@@ -340,7 +364,8 @@ def _from_jagged(nt: torch.Tensor, name: str) -> JaggedColumn:
     offsets = getattr(nt, "_offsets", None)
     values = getattr(nt, "_values", None)
     if offsets is None or values is None:
-        offsets, values = nt.offsets(), nt.values()
+        jagged: Any = nt  # a NestedTensor: offsets() and values() are not in torch.Tensor's stubs
+        offsets, values = jagged.offsets(), jagged.values()
     offsets = offsets.to(torch.long)
     lo, hi = int(offsets[0]), int(offsets[-1])
     if lo or hi != values.shape[0]:
@@ -349,7 +374,7 @@ def _from_jagged(nt: torch.Tensor, name: str) -> JaggedColumn:
     return JaggedColumn(values, offsets)
 
 
-def _from_row_list(rows: list, name: str) -> JaggedColumn:
+def _from_row_list(rows: list[torch.Tensor], name: str) -> JaggedColumn:
     if not rows:
         raise ValueError(f"column {name!r}: an empty list of rows has no dtype; send at least one row")
     dtypes = {r.dtype for r in rows}
@@ -430,23 +455,27 @@ def _nested(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
+_NestedTensor: type[torch.Tensor] | None
 try:
-    from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensor
+    from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensorClass
+    _NestedTensor = _NestedTensorClass
 except Exception:  # noqa: BLE001
     _NestedTensor = None
 
 
-def to_tensordict(cols: Mapping[str, Column], n_rows: int):
+def to_tensordict(cols: Mapping[str, Column], n_rows: int) -> TensorDict:
     """Columns -> TensorDict with ``batch_size=[n_rows]``; jagged columns become nested tensors."""
     from tensordict import NonTensorStack, TensorDict  # slow import: only when asked for
 
-    out = {}
+    out: dict[NestedKey, torch.Tensor | TensorCollection] = {}
     for k, c in cols.items():
         if isinstance(c, FixedColumn):
             out[k] = c.data
         elif isinstance(c, JaggedColumn):
             out[k] = _nested(c.values, c.offsets)
-        else:
+        elif isinstance(c, ObjectColumn):
             out[k] = NonTensorStack.from_list(c.items) if c.items else NonTensorStack(batch_size=[0])
+        else:
+            raise TypeError(f"column {k!r}: {_unknown_kind(c)}")
     # Every column already has n_rows rows (checked on put): skip TensorDict's re-validation.
     return TensorDict._new_unsafe(out, batch_size=torch.Size([n_rows]))

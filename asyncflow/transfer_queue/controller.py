@@ -14,17 +14,24 @@ import asyncio
 import json
 import time
 from collections import Counter
-from itertools import repeat
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from itertools import repeat
+from typing import Any, overload
 
 import zmq.asyncio
 
 from ..rpc.async_client import RpcClient
 from ..rpc.local_endpoint import LocalEndpoint
 from .columns import FieldSchema
-from .errors import (BadPutError, RowsClearedError, SchemaMismatchError, TransferQueueTimeout,
-                     UnknownPartitionError, UnknownTaskError)
+from .errors import (
+    BadPutError,
+    RowsClearedError,
+    SchemaMismatchError,
+    TransferQueueTimeout,
+    UnknownPartitionError,
+    UnknownTaskError,
+)
 from .meta import BatchMeta, ids_from_wire, ids_to_wire, plan_reads, unit_of
 from .recent import RecentSet
 from .samplers import ReadyRows, Sampler, build_sampler
@@ -45,7 +52,7 @@ class _DPShare:
     """Batches handed to one data-parallel group: every member gets the same ones."""
     size: int
     base: int = 0  # sequence number of batches[0]
-    batches: list = field(default_factory=list)  # [meta_wire, set of ranks that took it]
+    batches: list[tuple[dict[str, Any], set[int]]] = field(default_factory=list)  # (meta_wire, ranks that took it)
     next_seq: dict[int, int] = field(default_factory=dict)
 
 
@@ -84,6 +91,16 @@ class _Partition:
             m |= 1 << b
         return m
 
+    def mask_giving_bits(self, columns: Sequence[str]) -> int:
+        """The mask of ``columns``; a column nobody wrote yet gets its bit now, so the mask is stable."""
+        m = 0
+        for c in columns:
+            b = self.bit.get(c)
+            if b is None:
+                b = self.bit[c] = len(self.bit)
+            m |= 1 << b
+        return m
+
 
 class Controller:
     """Metadata service. Methods prefixed ``rpc_`` are what clients call (locally or over ZMQ)."""
@@ -92,7 +109,7 @@ class Controller:
         self.partitions: dict[str, _Partition] = {}
         self.cleared = RecentSet()
         self.tasks: set[str] = set()
-        self.units: dict[int, Any] = {}  # unit index -> endpoint (RpcClient or LocalEndpoint)
+        self.units: dict[int, RpcClient | LocalEndpoint] = {}  # unit index -> endpoint
         self.unit_addresses: dict[int, str] = {}
         self.default_timeout = default_timeout
         self._samplers: dict[str, Sampler] = {}
@@ -120,18 +137,18 @@ class Controller:
 
     # ---- storage units ---------------------------------------------------------------
 
-    def attach_unit(self, index: int, endpoint: Any, address: str) -> None:
+    def attach_unit(self, index: int, endpoint: RpcClient | LocalEndpoint, address: str) -> None:
         self.units[index] = endpoint
         self.unit_addresses[index] = address
 
-    async def rpc_register_unit(self, index: int, address: str) -> dict:
+    async def rpc_register_unit(self, index: int, address: str) -> dict[str, Any]:
         if index in self.units and self.unit_addresses.get(index) != address:
             raise ValueError(f"storage unit {index} is already registered at {self.unit_addresses[index]}")
         if index not in self.units:  # a unit in another process: reach it over ZMQ
             self.attach_unit(index, RpcClient(address, self._zmq_ctx(), timeout_error=TransferQueueTimeout), address)
         return await self.rpc_info()
 
-    def _zmq_ctx(self):
+    def _zmq_ctx(self) -> zmq.asyncio.Context:
         return zmq.asyncio.Context.instance()
 
     async def _unit_call(self, index: int, method: str, **args: Any) -> Any:
@@ -141,7 +158,7 @@ class Controller:
             raise TransferQueueTimeout(f"storage unit {index} ({self.unit_addresses.get(index)}) did not answer "
                                        f"{method}: {e}") from None
 
-    async def rpc_info(self) -> dict:
+    async def rpc_info(self) -> dict[str, Any]:
         return {"units": {str(i): a for i, a in sorted(self.unit_addresses.items())}}
 
     # ---- partitions -------------------------------------------------------------------
@@ -222,7 +239,7 @@ class Controller:
         p.dp_shares = {k: v for k, v in p.dp_shares.items() if k[0] != task}
         p.wake()
 
-    async def rpc_status(self, partition: str | None = None) -> dict:
+    async def rpc_status(self, partition: str | None = None) -> dict[str, Any]:
         if partition is None:
             return {"partitions": sorted(self.partitions), "tasks": sorted(self.tasks),
                     "units": len(self.units), "stats": dict(self.stats)}
@@ -277,7 +294,7 @@ class Controller:
                                       f"{c!r}; columns are written once per row (leave those rows out, "
                                       f"or use another column name)")
 
-    async def rpc_check_put(self, partition: str, rows: Any, columns: dict) -> None:
+    async def rpc_check_put(self, partition: str, rows: Any, columns: dict[str, Any]) -> None:
         """Refuse now a put of ``columns`` ({name: schema}) to existing ``rows`` that notify
         would refuse. A client calls it before a put split over several storage units: each
         unit rolls back only its own part, so without this check a part refused in one unit
@@ -291,7 +308,7 @@ class Controller:
             raise BadPutError(f"put into {partition!r} names rows {dup[:5]} more than once; name each row once")
         self._check_write(p, rows, {c: FieldSchema.from_wire(w) for c, w in columns.items()}, False, None)
 
-    async def rpc_notify(self, partition: str, rows: Any, columns: dict, new_rows: bool,
+    async def rpc_notify(self, partition: str, rows: Any, columns: dict[str, Any], new_rows: bool,
                          tokens: Any = None, groups: Any = None, unit: int | None = None) -> None:
         """Record that ``rows`` now have ``columns`` ({name: schema}), stored in ``unit``
         (None: the rows' home units). Validates everything before changing anything, so a
@@ -343,7 +360,7 @@ class Controller:
         p.wake()
 
     @staticmethod
-    def _record_where(p: _Partition, rows: list[int], columns: dict, unit: int) -> None:
+    def _record_where(p: _Partition, rows: list[int], columns: dict[str, FieldSchema], unit: int) -> None:
         if rows and unit_of(min(rows)) == unit_of(max(rows)) == unit:
             return  # all at home: the common case, nothing to remember
         away = [r for r in rows if unit_of(r) != unit]
@@ -358,17 +375,14 @@ class Controller:
         sub = per_task.get(columns)
         if sub is not None:
             return sub
-        for c in columns:  # a column nobody wrote yet still gets a bit, so the mask is stable
-            if c not in p.bit:
-                p.bit[c] = len(p.bit)
-        mask = p.mask_of(columns)
+        mask = p.mask_giving_bits(columns)
         sub = _Subscription(task, columns, mask)
         consumed = p.consumed.get(task, ())
         # The one scan of the partition, when a (task, columns) pair is first asked for.
         if consumed:
-            sub.ready = ReadyRows.fromkeys([r for r, m in p.rows.items() if m & mask == mask and r not in consumed])
+            sub.ready.add([r for r, m in p.rows.items() if m & mask == mask and r not in consumed])
         else:
-            sub.ready = ReadyRows.fromkeys([r for r, m in p.rows.items() if m & mask == mask])
+            sub.ready.add([r for r, m in p.rows.items() if m & mask == mask])
         per_task[columns] = sub
         for c in columns:
             p.subs_by_column.setdefault(c, []).append(sub)
@@ -394,14 +408,14 @@ class Controller:
                 out[c] = [w.get(r, unit_of(r)) for r in rows]
         return out
 
-    async def rpc_locate(self, partition: str, rows: Any, columns: Sequence[str]) -> dict:
+    async def rpc_locate(self, partition: str, rows: Any, columns: Sequence[str]) -> dict[str, Any]:
         """Where ``columns`` of ``rows`` are stored, for a reader whose meta does not say."""
         p = self._partition(partition)
         return {c: ids_to_wire(u) for c, u in self._locations(p, ids_from_wire(rows), columns).items()}
 
     def _missing_report(self, p: _Partition, task: str, columns: tuple[str, ...]) -> str:
         consumed = p.consumed.get(task, ())
-        lacking: dict[str, int] = {c: 0 for c in columns}
+        lacking: dict[str, int] = dict.fromkeys(columns, 0)
         for r, m in p.rows.items():
             if r in consumed:
                 continue
@@ -414,13 +428,13 @@ class Controller:
     async def rpc_get_meta(self, partition: str, task: str, columns: Sequence[str], batch_size: int,
                            sampler: Any = "sequential", allow_partial: bool = False,
                            timeout: float | None = None, dp_group: str | None = None,
-                           dp_rank: int = 0, dp_size: int = 1) -> dict:
+                           dp_rank: int = 0, dp_size: int = 1) -> dict[str, Any]:
         return (await self._get_meta(partition, task, columns, batch_size, sampler, allow_partial, timeout,
                                      dp_group, dp_rank, dp_size))[1]
 
     async def _get_meta(self, partition: str, task: str, columns: Sequence[str], batch_size: int,
                         sampler: Any, allow_partial: bool, timeout: float | None, dp_group: str | None,
-                        dp_rank: int, dp_size: int) -> tuple[BatchMeta | None, dict]:
+                        dp_rank: int, dp_size: int) -> tuple[BatchMeta | None, dict[str, Any]]:
         """get_meta's ``(meta, wire)``; meta None when only the wire form is at hand (a DP share)."""
         if not isinstance(task, str) or not task:
             raise ValueError(f"task must be a non-empty string, got {task!r}")
@@ -447,16 +461,16 @@ class Controller:
         while seq - share.base >= len(share.batches):
             if seq - share.base == len(share.batches):
                 # Stop waiting as soon as another member samples this batch for the group.
-                meta = await self._next_batch(p, task, cols, batch_size, sampler, allow_partial, timeout,
-                                              done=lambda: seq - share.base < len(share.batches))
-                if meta is None:
+                sampled = await self._next_batch(p, task, cols, batch_size, sampler, allow_partial, timeout,
+                                                 done=lambda: seq - share.base < len(share.batches))
+                if sampled is None:
                     continue
-                meta.columns = list(columns)
+                sampled.columns = list(columns)
                 if seq - share.base == len(share.batches):  # nobody else sampled while we waited
-                    share.batches.append([meta.to_wire(), set()])
+                    share.batches.append((sampled.to_wire(), set()))
                     p.wake()  # members waiting for this batch take it now
                 else:  # another member sampled first: hand our rows back
-                    self._unconsume(p, task, meta.rows)
+                    self._unconsume(p, task, sampled.rows)
             else:
                 raise RuntimeError("dp share sequence out of order")
         wire, took = share.batches[seq - share.base]
@@ -470,7 +484,8 @@ class Controller:
     async def rpc_get_batch(self, partition: str, task: str, columns: Sequence[str], batch_size: int,
                             sampler: Any = "sequential", allow_partial: bool = False,
                             timeout: float | None = None, dp_group: str | None = None,
-                            dp_rank: int = 0, dp_size: int = 1, data_columns: Sequence[str] | None = None) -> dict:
+                            dp_rank: int = 0, dp_size: int = 1,
+                            data_columns: Sequence[str] | None = None) -> dict[str, Any]:
         """get_meta plus, in the same reply, the data of its rows when every unit holding them
         runs in this process (the in-process default): one hop instead of two for a reader
         that wants the bytes at once. ``reads`` (absent otherwise: the client then reads as
@@ -485,7 +500,7 @@ class Controller:
         reads = self._read_local(meta if meta is not None else BatchMeta.from_wire(wire), names, wire["rows"])
         return {"meta": wire} if reads is None else {"meta": wire, "reads": reads}
 
-    def _read_local(self, meta: BatchMeta, names: list[str], rows_wire: Any) -> list[dict] | None:
+    def _read_local(self, meta: BatchMeta, names: list[str], rows_wire: Any) -> list[dict[str, Any]] | None:
         """The unit replies for ``names`` of ``meta``'s rows, or None when a unit is in another
         process or a read fails (the client's own read then reports it). Reads the units
         directly, without suspending (``rows_wire``: the meta's row ids as sent, reused as
@@ -497,8 +512,9 @@ class Controller:
         if extra:
             meta = replace(meta, locations={**meta.locations, **extra})
         requests = plan_reads(meta, names)
-        eps = [self.units.get(u) for u, _, _ in requests]
-        if not all(isinstance(ep, LocalEndpoint) and hasattr(ep.service, "read") for ep in eps):
+        eps = [ep for u, _, _ in requests if isinstance(ep := self.units.get(u), LocalEndpoint)
+               and hasattr(ep.service, "read")]
+        if len(eps) != len(requests):
             return None
         whole = len(requests) == 1 and hasattr(rows_wire, "numel")  # (one unit holds every column)
         out = []
@@ -518,9 +534,19 @@ class Controller:
             sub.ready.add([r for r in rows if (m := p.rows.get(r)) is not None and m & mask == mask])
         p.wake()
 
+    @overload
     async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,
                           sampler_spec: Any, allow_partial: bool, timeout: float | None,
-                          done: Any = None) -> BatchMeta | None:
+                          done: None = None) -> BatchMeta: ...
+
+    @overload
+    async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,
+                          sampler_spec: Any, allow_partial: bool, timeout: float | None,
+                          done: Callable[[], bool]) -> BatchMeta | None: ...
+
+    async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,
+                          sampler_spec: Any, allow_partial: bool, timeout: float | None,
+                          done: Callable[[], bool] | None = None) -> BatchMeta | None:
         """The next batch for ``task``; None once ``done()`` is true (a DP peer sampled it)."""
         sampler = self._sampler(sampler_spec)
         timeout = self.default_timeout if timeout is None else float(timeout)
@@ -555,5 +581,5 @@ class Controller:
                     f"{'' if p.closed else '; the partition is still open (close_partition ends the stream)'}")
             try:
                 await asyncio.wait_for(p.changed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass

@@ -11,8 +11,9 @@ Columns absent from ``locations`` are at the rows' home units.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ def positions_by_unit(rows: Sequence[int]) -> dict[int, list[int]]:
 ReadRequest = tuple[int, list[int], list[str]]
 
 
-def plan_reads(meta: "BatchMeta", names: Sequence[str]) -> list[ReadRequest]:
+def plan_reads(meta: BatchMeta, names: Sequence[str]) -> list[ReadRequest]:
     """Read requests by unit for ``names`` of the meta's rows; columns whose cells sit on
     the same units travel together. Shared by the clients and the controller's fused get."""
     by_layout: dict[Any, list[str]] = {}
@@ -100,7 +101,7 @@ class BatchMeta:
     def size(self) -> int:
         return len(self.rows)
 
-    def select(self, idx: Sequence[int], columns: Sequence[str] | None = None) -> "BatchMeta":
+    def select(self, idx: Sequence[int], columns: Sequence[str] | None = None) -> BatchMeta:
         return replace(
             self,
             rows=[self.rows[i] for i in idx],
@@ -112,7 +113,7 @@ class BatchMeta:
             locations={c: [units[i] for i in idx] for c, units in self.locations.items()},
         )
 
-    def with_columns(self, columns: Sequence[str]) -> "BatchMeta":
+    def with_columns(self, columns: Sequence[str]) -> BatchMeta:
         return replace(self, columns=list(columns))
 
     def unit_of_column(self, column: str) -> list[int]:
@@ -120,7 +121,7 @@ class BatchMeta:
         units = self.locations.get(column)
         return list(units) if units is not None else [unit_of(r) for r in self.rows]
 
-    def stored_at(self, columns: Sequence[str], unit: int) -> "BatchMeta":
+    def stored_at(self, columns: Sequence[str], unit: int) -> BatchMeta:
         """This meta after ``columns`` of all its rows were written to ``unit``."""
         locations = {c: u for c, u in self.locations.items() if c not in columns}
         if any(unit_of(r) != unit for r in self.rows):
@@ -137,7 +138,7 @@ class BatchMeta:
         q, r = divmod(len(self.rows), n)
         return [q + (1 if i < r else 0) for i in range(n)]
 
-    def chunk(self, n: int) -> list["BatchMeta"]:
+    def chunk(self, n: int) -> list[BatchMeta]:
         """Split into ``n`` contiguous parts (``part_sizes``)."""
         out, start = [], 0
         for s in self.part_sizes(n):
@@ -145,7 +146,7 @@ class BatchMeta:
             start += s
         return out
 
-    def part(self, n: int, i: int) -> "BatchMeta":
+    def part(self, n: int, i: int) -> BatchMeta:
         """Part ``i`` of ``chunk(n)`` alone: a data-parallel rank builds its own share, not all
         ``n`` (with hundreds of ranks, every rank building every share costs ranks x rows)."""
         sizes = self.part_sizes(n)
@@ -155,7 +156,7 @@ class BatchMeta:
         return self.select(range(start, start + sizes[i]))
 
     @staticmethod
-    def concat(metas: Sequence["BatchMeta"]) -> "BatchMeta":
+    def concat(metas: Sequence[BatchMeta]) -> BatchMeta:
         if not metas:
             raise ValueError("concat of no BatchMeta")
         parts = {m.partition for m in metas}
@@ -172,7 +173,7 @@ class BatchMeta:
                        for c in sorted({c for m in metas for c in m.locations})},
         )
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {
             "partition": self.partition, "rows": ids_to_wire(self.rows), "columns": self.columns,
             "groups": ids_to_wire(self.groups), "tokens": ids_to_wire(self.tokens),
@@ -181,7 +182,7 @@ class BatchMeta:
         }
 
     @staticmethod
-    def from_wire(w: dict) -> "BatchMeta":
+    def from_wire(w: dict[str, Any]) -> BatchMeta:
         return BatchMeta(
             partition=w["partition"], rows=ids_from_wire(w["rows"]), columns=list(w["columns"]),
             groups=ids_from_wire(w.get("groups")), tokens=ids_from_wire(w.get("tokens")),

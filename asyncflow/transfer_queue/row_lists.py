@@ -17,7 +17,7 @@ def rows(column: Any) -> list[torch.Tensor]:
     return list(column)
 
 
-def values(column: Any) -> list:
+def values(column: Any) -> list[Any]:
     """A non-tensor column (strings, dicts) as a Python list."""
     tolist = getattr(column, "tolist", None)
     return list(tolist()) if tolist is not None else list(column)

@@ -12,9 +12,10 @@ Samplers are named in requests (``"sequential"`` or ``{"name": "grpo_group",
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from .balance import karmarkar_karp
 
@@ -61,8 +62,8 @@ class GroupIndex:
         n, get, members = self.size, self.group_of.get, self.members
         for r in rows:
             g = get(r)
-            m = members.get(g) if g is not None else None
-            if m is None or r not in m:
+            m = None if g is None else members.get(g)
+            if g is None or m is None or r not in m:
                 self.ungrouped.pop(r, None)
                 continue
             del m[r]
@@ -77,7 +78,7 @@ class GroupIndex:
         self.ungrouped.clear()
 
 
-class ReadyRows(dict):
+class ReadyRows(dict[int, None]):
     """A subscription's ready rows: an insertion-ordered set (row -> None) that samplers read
     as a Mapping. The controller changes it only through ``add`` and ``remove``, which keep
     the group indexes that grouped samplers asked for (``group_index``) in step."""
@@ -126,7 +127,8 @@ class Sampler:
 class SequentialSampler(Sampler):
     """Oldest ready rows first."""
 
-    def sample(self, ready, batch_size, info, partial=False, ended=False):
+    def sample(self, ready: Mapping[int, None], batch_size: int, info: RowInfo, partial: bool = False,
+               ended: bool = False) -> Sample | None:
         if len(ready) >= batch_size:
             return Sample(list(islice(ready, batch_size)), [])
         if (partial or ended) and ready:
@@ -145,7 +147,8 @@ class GroupSampler(Sampler):
             raise ValueError(f"grpo_group sampler: group_size must be >= 1, got {group_size}")
         self.group_size = int(group_size)
 
-    def sample(self, ready, batch_size, info, partial=False, ended=False):
+    def sample(self, ready: Mapping[int, None], batch_size: int, info: RowInfo, partial: bool = False,
+               ended: bool = False) -> Sample | None:
         n = self.group_size
         if batch_size % n:
             raise ValueError(f"grpo_group sampler: batch_size {batch_size} is not a multiple of "
@@ -193,7 +196,8 @@ class TokenBalancedSampler(Sampler):
         self.dp_size = int(dp_size)
         self.inner: Sampler = GroupSampler(group_size) if group_size else SequentialSampler()
 
-    def sample(self, ready, batch_size, info, partial=False, ended=False):
+    def sample(self, ready: Mapping[int, None], batch_size: int, info: RowInfo, partial: bool = False,
+               ended: bool = False) -> Sample | None:
         got = self.inner.sample(ready, batch_size, info, partial, ended)
         if got is None:
             return None

@@ -48,7 +48,7 @@ class TransferQueueService:
         self._thread: EventLoopThread | None = None
         self.controller_address = ""
 
-    async def start(self) -> "TransferQueueService":
+    async def start(self) -> TransferQueueService:
         cfg = self.config
         if cfg.keep_freed_memory:
             keep_freed_memory()
@@ -70,7 +70,7 @@ class TransferQueueService:
                                         userver.address)
         return self
 
-    def start_in_thread(self) -> "TransferQueueService":
+    def start_in_thread(self) -> TransferQueueService:
         self._thread = EventLoopThread("tq-service")
         self._thread.run(self.start(), timeout=30)
         return self

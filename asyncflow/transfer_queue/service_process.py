@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..rpc import auth
 from .errors import TransferQueueError
@@ -94,7 +94,10 @@ class ServiceProcess:
         return self._proc.pid
 
     def _read_address(self, timeout_s: float) -> str:
-        fd = self._proc.stdout.fileno()
+        stdout = self._proc.stdout
+        if stdout is None:  # started with stdout=PIPE (__init__): never None here
+            raise RuntimeError("TransferQueue service process has no stdout pipe")
+        fd = stdout.fileno()
         pending = b""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -164,7 +165,7 @@ class StorageUnit:
             freed = self._freed
             try:
                 await asyncio.wait_for(freed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _signal_freed(self) -> None:
@@ -221,9 +222,9 @@ class StorageUnit:
                         raise BadPutError(f"partition {partition!r}: rows {again[:5].tolist()} already have "
                                           f"column {name!r}; columns are written once per row")
 
-    async def rpc_put(self, partition: str, columns: dict, rows: Any = None,
+    async def rpc_put(self, partition: str, columns: dict[str, Any], rows: Any = None,
                       groups: Sequence[int] | None = None, timeout: float | None = None,
-                      node: int | None = None) -> dict:
+                      node: int | None = None) -> dict[str, Any]:
         """Store columns for new rows (``rows`` None: this unit assigns ids) or add columns
         to existing rows, this unit's own or another unit's. ``node``: the writer's node
         (counted in stats). Returns, for new rows, the first row id (the ids are consecutive),
@@ -353,10 +354,10 @@ class StorageUnit:
 
     # ---- reads --------------------------------------------------------------------------
 
-    async def rpc_get(self, partition: str, rows: Any, columns: Sequence[str]) -> dict:
+    async def rpc_get(self, partition: str, rows: Any, columns: Sequence[str]) -> dict[str, Any]:
         return self.read(partition, torch.as_tensor(ids_from_wire(rows, tensor=True), dtype=torch.long), columns)
 
-    def read(self, partition: str, row_t: torch.Tensor, columns: Sequence[str]) -> dict:
+    def read(self, partition: str, row_t: torch.Tensor, columns: Sequence[str]) -> dict[str, Any]:
         """``columns`` of the rows ``row_t`` (int64 ids), in that order, as wire columns. Never
         suspends: the controller's fused get_batch calls it directly when the unit is in its
         process, so a get_batch with rows ready is answered without a task."""
@@ -373,7 +374,9 @@ class StorageUnit:
         if len(parts) == 1:
             out = self._read(partition, parts[0][0], row_t, columns)
         else:  # rows of several home units: read each, then back in the requested order
-            pieces = [(pos, self._read(partition, home, row_t[pos], columns)) for home, pos in parts]
+            # (with several parts every part has its positions: None stands for all rows)
+            pieces = [(pos, self._read(partition, home, row_t[pos], columns)) for home, pos in parts
+                      if pos is not None]
             order = torch.cat([pos for pos, _ in pieces])
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel())
@@ -525,7 +528,7 @@ class StorageUnit:
             self.used_rows -= ps.nrows
         self._signal_freed()
 
-    async def rpc_stats(self) -> dict:
+    async def rpc_stats(self) -> dict[str, Any]:
         """Rows and bytes held, and who wrote here: rows/bytes put by each writer's node."""
         foreign = sum(int(fs.exists.sum()) for per in self.foreign.values() for fs in per.values())
         return {"unit": self.index, "rows": self.used_rows, "bytes": self.used_bytes,

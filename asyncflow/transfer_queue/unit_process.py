@@ -34,7 +34,7 @@ def key_from_store(address: str, timeout_s: float) -> bytes:
     try:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                               wait_for_workers=False)
-    except Exception as e:  # noqa: BLE001 - say which store could not be reached
+    except Exception as e:  # say which store could not be reached
         raise SystemExit(f"cannot reach the TCPStore at {address} within {timeout_s:.0f}s: {e}") from e
     try:
         return auth.wait_key_in_store(store, timeout_s, f"storage unit (store {address})")

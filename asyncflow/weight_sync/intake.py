@@ -18,8 +18,9 @@ service's report), or None when no version newer than the one held (``held``) ar
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -44,11 +45,11 @@ class IntakeContext:
 @dataclass(frozen=True)
 class Swapped:
     seq: int  # the publish counter of the weights now held
-    report: dict  # the service's report of the swap (version, pause_s, ...)
+    report: dict[str, Any]  # the service's report of the swap (version, pause_s, ...)
 
 
 class WeightIntake(Protocol):
-    def connect(self, train_ranks: list[int], addrs: list, index: int) -> None:
+    def connect(self, train_ranks: list[int], addrs: list[Any], index: int) -> None:
         """Join the training ranks' groups (``addrs``) as member ``index``, or register for the
         tensors in process; returns once every group is complete."""
 
@@ -67,7 +68,7 @@ class _WorkerReceives:
         self.ctx, self.sink = ctx, sink
         self.receiver: BucketReceiver | None = None
 
-    def connect(self, train_ranks: list[int], addrs: list, index: int) -> None:
+    def connect(self, train_ranks: list[int], addrs: list[Any], index: int) -> None:
         c = self.ctx
         if c.rank in train_ranks:
             register_local(self.sink)
@@ -113,7 +114,7 @@ class Staged(_WorkerReceives):
 class InPlace(_WorkerReceives):
     def __init__(self, ctx: IntakeContext):
         super().__init__(ctx, InPlaceSink(ctx.service, ctx.wire_timeout_s))
-        self._loaded: tuple = (None, None)  # (header, the service's report) of the receiver's last load
+        self._loaded: tuple[Any, Any] = (None, None)  # (header, the service's report) of the receiver's last load
 
     def _load(self, header: WeightHeader, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:
         fut = self.ctx.service.update_weights_stream(header.specs, tensors, header.version)
@@ -139,7 +140,7 @@ class _EngineReceives:
         self.ctx = ctx
         self._pending: Any = None  # the service's Future of the load under way
 
-    def connect(self, train_ranks: list[int], addrs: list, index: int) -> None:
+    def connect(self, train_ranks: list[int], addrs: list[Any], index: int) -> None:
         c = self.ctx
         c.service.call(lambda e: e.join_weight_groups(addrs, index, c.wire_timeout_s), c.wire_timeout_s,
                        "join_weight_groups")
@@ -176,7 +177,7 @@ class EngineInPlace(_EngineReceives):
         return self._swapped(held)
 
 
-_STRATEGIES: dict[tuple[str, bool], type] = {
+_STRATEGIES: dict[tuple[str, bool], Callable[[IntakeContext], WeightIntake]] = {
     ("staged", False): Staged, ("in_place", False): InPlace,
     ("staged", True): EngineStaged, ("in_place", True): EngineInPlace,
 }

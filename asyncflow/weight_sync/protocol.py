@@ -16,8 +16,9 @@ Sending: ``send.py``; receiving: ``receive.py``; where the tensors go: ``sinks.p
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,7 +120,7 @@ class WeightHeader:
         """What each training rank sends of bucket ``b``, as its messages: its rows of every split
         tensor, and every other tensor whole from the bucket's source. A rank with nothing in
         the bucket sends nothing."""
-        runs: list[list] = [[] for _ in range(self.n_sources)]
+        runs: list[list[Any]] = [[] for _ in range(self.n_sources)]
         start = self.buckets[b][0]
         for k, (spec, at) in enumerate(self.layout(b), start):
             parts = [(i, chunk_rows(spec.shape[0], self.n_sources, i)) for i in range(self.n_sources)] \
@@ -141,7 +142,8 @@ class WeightHeader:
         return sum(s.nbytes for s in self.specs)
 
     def describe(self) -> str:
-        return f"version {self.version} ({len(self.specs)} tensors, {len(self.buckets)} buckets, {self.nbytes / 2**20:.1f} MiB)"
+        return (f"version {self.version} ({len(self.specs)} tensors, {len(self.buckets)} buckets, "
+                f"{self.nbytes / 2**20:.1f} MiB)")
 
 
 def torch_dtype(name: str) -> torch.dtype:

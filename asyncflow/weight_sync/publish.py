@@ -11,12 +11,13 @@ so that none is left running unseen; later waves do not start.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
-Timed = Callable[[Any, Awaitable], Awaitable]  # (the group called, its call) -> the call, awaited
+Timed = Callable[[Any, Awaitable[Any]], Awaitable[Any]]  # (the group called, its call) -> the call, awaited
 
 
-def _untimed(group: Any, call: Awaitable) -> Awaitable:
+def _untimed(group: Any, call: Awaitable[Any]) -> Awaitable[Any]:
     return call
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -39,9 +40,10 @@ class BucketReceiver:
         self.expected_version = -1
         self.header: WeightHeader | None = None  # the last version received whole
         self.bytes_received = 0
-        self._scratch: dict = {}  # the streams' scratch, reused by every version (one receive at a time)
+        # the streams' scratch, reused by every version (one receive at a time)
+        self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
 
-    def start(self, version: int, load: Callable[[WeightHeader, Iterator], None],
+    def start(self, version: int, load: Callable[[WeightHeader, Iterator[Any]], None],
               dest: Callable[[WeightHeader, int], torch.Tensor] | None = None) -> None:
         """Begin receiving ``version``: ``load(header, tensors)`` consumes the (spec, tensor)
         pairs; ``dest(header, b)``, where given, is the byte buffer bucket b is received into
@@ -52,7 +54,7 @@ class BucketReceiver:
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, load: Callable[[WeightHeader, Iterator], None], dest: Any) -> None:
+    def _run(self, load: Callable[[WeightHeader, Iterator[Any]], None], dest: Any) -> None:
         where = f"weight sync of version {self.expected_version}: {self.role} rank {self.rank}"
         stream: _BucketStream | None = None
         try:
@@ -98,7 +100,7 @@ class PostedBucket:
     """Bucket ``b``'s receives, posted: each training rank's piece on its own group at once."""
     b: int
     full: torch.Tensor  # the bucket's byte buffer, as ``protocol.views`` reads it
-    posted: list  # (training index, message, buffer, work)
+    posted: list[Any]  # (training index, message, buffer, work)
 
 
 def post_bucket(header: WeightHeader, b: int, groups: Any, full: torch.Tensor,
@@ -147,14 +149,14 @@ class _BucketStream:
     waits for the loader."""
 
     def __init__(self, header: WeightHeader, train_ranks: list[int], groups: dict[int, Any], device: torch.device,
-                 dest: Any = None, scratch: dict | None = None):
+                 dest: Any = None, scratch: dict[tuple[Any, ...], torch.Tensor] | None = None):
         if header.n_sources != len(train_ranks):
             raise RuntimeError(f"the version comes from {header.n_sources} training ranks, but "
                                f"{len(train_ranks)} take part in this sync")
         self.header = header
         self.train_ranks, self.groups = train_ranks, groups
         self.dest, self.device = dest, device
-        self.scratch: dict[tuple, torch.Tensor] = {} if scratch is None else scratch  # (what, slot) -> buffer
+        self.scratch: dict[tuple[Any, ...], torch.Tensor] = {} if scratch is None else scratch  # (what, slot) -> buffer
         self.draining = False  # refused or failed: the rest goes to scratch, never to the loader
         self.broken = False  # a receive failed: the groups are out of step, nothing more is read
         self.ahead: deque[PostedBucket] = deque()  # posted, not yet finished, in order

@@ -26,15 +26,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from .protocol import Message, TensorSpec, WeightHeader, torch_dtype
+from .protocol import Message, WeightHeader, torch_dtype
 from .shards import DTensor, local_rows, row_shard_group, whole
 from .sinks import WeightSink
-
 
 # Messages sent from the tensors' own memory hold no extra memory on the wire, so only copies
 # count toward ``max_inflight`` (in bytes: that many buckets' worth); this many buckets at most
@@ -81,22 +80,26 @@ def pack_piece(header: WeightHeader, b: int, named: list[tuple[str, torch.Tensor
                     s.tensor(spec, full)
                 src = full if seg is None or seg.rows is None else full[seg.rows[0]:seg.rows[1]]
             elif seg is not None:
+                assert seg.rows is not None  # a split tensor's segment holds rows
                 src = local_rows(t, name, seg.rows)
             else:
                 continue
             if seg is None:
                 continue
+            assert m is not None  # found together with seg
             if msgs[m].direct:
                 if src.dtype != dtype or not src.is_contiguous() or src.device != device:
                     src, fresh = src.to(device=device, dtype=dtype).contiguous(), seg.nbytes
                 out[m] = src.reshape(-1).view(torch.uint8)
                 allocated += fresh
                 continue
-            if out[m] is None:
-                out[m] = torch.empty(msgs[m].nbytes, dtype=torch.uint8, device=device)
+            buf = out[m]
+            if buf is None:
+                buf = out[m] = torch.empty(msgs[m].nbytes, dtype=torch.uint8, device=device)
                 allocated += msgs[m].nbytes
-            out[m][seg.off:seg.off + seg.nbytes].view(dtype).view(src.shape).copy_(src)
-    return out, allocated
+            buf[seg.off:seg.off + seg.nbytes].view(dtype).view(src.shape).copy_(src)
+    # Every message has its tensor: each holds at least one segment, and each segment is filled above.
+    return cast(list[torch.Tensor], out), allocated
 
 
 class BucketSender:
@@ -125,7 +128,7 @@ class BucketSender:
         self.role = role
         self.last = SendStats()
         # copy-only messages of the last version still on the wire: (header, pending items)
-        self._unsettled: tuple[WeightHeader, deque] | None = None
+        self._unsettled: tuple[WeightHeader, deque[Any]] | None = None
         self._failed: str | None = None  # why the last send or settle failed: no further sends
 
     def _where(self, header: WeightHeader, b: int | None = None) -> str:
@@ -146,7 +149,7 @@ class BucketSender:
         stats, start = SendStats(), time.monotonic()
         sinks = list(self.local_sinks() or [])
         b = None
-        pending: deque[tuple[int, list, list, int, bool]] = deque()
+        pending: deque[tuple[int, list[Any], list[Any], int, bool]] = deque()
         try:
             if [n for n, _ in named] != [s.name for s in header.specs]:
                 raise RuntimeError("the tensors differ from the header's (every training rank must walk the "
@@ -235,7 +238,8 @@ class BucketSender:
     def device(named: list[tuple[str, torch.Tensor]]) -> torch.device:
         return named[0][1].device if named else torch.device("cpu")
 
-    def _wait(self, item: tuple[int, list, list, int, bool], stats: SendStats, timeout_s: float | None = None) -> int:
+    def _wait(self, item: tuple[int, list[Any], list[Any], int, bool], stats: SendStats,
+              timeout_s: float | None = None) -> int:
         """Wait for every message of a bucket (-1: the header); returns the bytes that frees."""
         b, works, _, allocated, _ = item
         what = "the header" if b < 0 else f"bucket {b + 1}"
@@ -244,7 +248,7 @@ class BucketSender:
         for work in works:
             try:
                 done = work.wait(timedelta(seconds=timeout_s))
-            except Exception as e:  # noqa: BLE001 - re-raised naming the bucket on the wire
+            except Exception as e:  # re-raised naming the bucket on the wire
                 raise RuntimeError(f"broadcast of {what} failed (timeout {timeout_s:.0f} s): {e}") from e
             if done is False:
                 raise TimeoutError(f"{what} was not received within {timeout_s:.0f} s "

@@ -11,14 +11,15 @@ collective over their group: every rank of it must make the same calls in the sa
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 try:
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor as DTensor  # re-exported: send.py's isinstance checks
+    from torch.distributed.tensor import Shard
 except ImportError:  # a torch without DTensor: nothing is sharded
     DTensor, Shard = (), None  # type: ignore[assignment, misc]
 
@@ -49,7 +50,7 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 def local_rows(t: torch.Tensor, name: str, rows: tuple[int, int]) -> torch.Tensor:
     """This rank's shard of a dim-0-sharded DTensor, checked to be ``rows`` of the whole."""
-    local = t.detach().to_local()
+    local: torch.Tensor = cast(DTensor, t.detach()).to_local()
     if local.shape[0] != rows[1] - rows[0]:
         raise RuntimeError(f"{name!r} has {local.shape[0]} local rows on rank {dist.get_rank()}, expected "
                            f"{rows[1] - rows[0]} (rows {rows[0]}:{rows[1]}: not torch.chunk's split)")

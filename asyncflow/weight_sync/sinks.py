@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 
@@ -56,13 +57,13 @@ class WeightSink(Protocol):
 class StagingSink:
     """``staged``: tensors into a second set of buffers; ``take`` gives a whole version or nothing."""
 
-    def __init__(self, check: Callable[[dict, int], None], device: torch.device | str = "cpu"):
+    def __init__(self, check: Callable[[dict[str, torch.Tensor], int], None], device: torch.device | str = "cpu"):
         self.check = check  # the engine's check of names, shapes, dtypes and version; raises to refuse
         self.device = torch.device(device)
         self.staging: dict[str, torch.Tensor] = {}  # views into one flat buffer laid out as the buckets
         self._flat = torch.empty(0, dtype=torch.uint8)
         self._starts: list[int] = []  # byte offset of each bucket in the flat buffer
-        self._layout: tuple = ()
+        self._layout: tuple[Any, ...] = ()
         self._ready: WeightHeader | None = None
         self._filling: WeightHeader | None = None
         self._lock = threading.Lock()
@@ -112,13 +113,13 @@ class InPlaceSink:
         self.service = service
         self.timeout_s = timeout_s
         self.depth = depth
-        self._q: queue.Queue | None = None
+        self._q: queue.Queue[Any] | None = None
         self._fut: Any = None
         self.loaded: WeightHeader | None = None  # the last version loaded whole
-        self.result: dict | None = None  # the service's report of that load (version, pause_s)
+        self.result: dict[str, Any] | None = None  # the service's report of that load (version, pause_s)
 
     def begin(self, header: WeightHeader) -> None:
-        self._q = q = queue.Queue(self.depth)
+        self._q = q = queue.Queue[Any](self.depth)
         self.loaded = None
 
         def stream() -> Iterator[tuple[TensorSpec, torch.Tensor]]:
@@ -139,6 +140,7 @@ class InPlaceSink:
             if self._fut.done():
                 self._fut.result(0)  # raises the refusal
                 raise RuntimeError("the service finished the load before the stream ended")
+            assert self._q is not None  # set by begin(), before any tensor is put
             try:
                 self._q.put(item, timeout=0.5)
                 return

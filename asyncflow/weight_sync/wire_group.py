@@ -8,9 +8,9 @@ CUDA, hccl on Ascend (torch_npu).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
-import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -27,11 +27,11 @@ class WireAddress:
     backend: str  # gloo | nccl | hccl
     name: str  # unique per group (a prefix in the store)
 
-    def to_dict(self) -> dict:  # what crosses a worker call (JSON values only)
+    def to_dict(self) -> dict[str, Any]:  # what crosses a worker call (JSON values only)
         return dataclasses.asdict(self)
 
     @classmethod
-    def of(cls, d: "WireAddress | dict") -> "WireAddress":
+    def of(cls, d: WireAddress | dict[str, Any]) -> WireAddress:
         return d if isinstance(d, WireAddress) else cls(**d)
 
 
@@ -42,7 +42,8 @@ def _host() -> str:
     return rendezvous_host(os.environ.get("MASTER_ADDR", "127.0.0.1"))
 
 
-def open_store(size: int, backend: str, name: str, timeout_s: float, host: str | None = None) -> tuple[Any, WireAddress]:
+def open_store(size: int, backend: str, name: str, timeout_s: float,
+               host: str | None = None) -> tuple[Any, WireAddress]:
     """On the first member: start the group's store on a free port; give its address to the others."""
     if size < 2:
         raise ValueError(f"weight-sync group {name!r}: needs at least 2 members, got {size}")
@@ -71,7 +72,7 @@ def _process_group(backend: str, store: Any, index: int, size: int, timeout_s: f
 class WireGroup:
     """One member of a weight-sync group. Joining blocks until every member has joined."""
 
-    def __init__(self, addr: WireAddress | dict, index: int, timeout_s: float = 300.0,
+    def __init__(self, addr: WireAddress | dict[str, Any], index: int, timeout_s: float = 300.0,
                  device: torch.device | str = "cpu", store: Any = None):
         addr = WireAddress.of(addr)
         if not 0 <= index < addr.size:
@@ -92,7 +93,7 @@ class WireGroup:
         opts.timeout = timedelta(seconds=self.timeout_s)
         return self.pg.broadcast([t], opts)
 
-    def post_object(self, obj: Any) -> tuple[list, list[torch.Tensor]]:
+    def post_object(self, obj: Any) -> tuple[list[Any], list[torch.Tensor]]:
         """The source's side of ``broadcast_object`` (this member the source) without waiting:
         the posted works and the buffers they read (keep both until the works are done)."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
@@ -116,7 +117,7 @@ class WireGroup:
         """Wait for a posted broadcast; a failure or timeout names the group and ``what``."""
         try:
             done = work.wait(timedelta(seconds=self.timeout_s))
-        except Exception as e:  # noqa: BLE001 - re-raised with what was awaited
+        except Exception as e:  # re-raised with what was awaited
             raise RuntimeError(f"weight-sync group {self.addr.name!r} (member {self.index}): {what} failed "
                                f"(timeout {self.timeout_s:.0f} s): {e}") from e
         if done is False:

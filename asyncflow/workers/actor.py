@@ -18,8 +18,17 @@ import torch
 from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
 from .actor_loss import RolloutCorr, policy_loss_fn, sft_loss_fn
-from .common import (EngineCheckpoints, EngineOffload, config_of, engine_optim, per_token_column, policy_model,
-                     rows, setup_rank, train_engine_class)
+from .common import (
+    EngineCheckpoints,
+    EngineOffload,
+    config_of,
+    engine_optim,
+    per_token_column,
+    policy_model,
+    rows,
+    setup_rank,
+    train_engine_class,
+)
 
 UPDATE_INPUTS = ["prompt_ids", "response_ids", "advantages", "behav_log_probs", "scores", "gen_version"]
 PER_TOKEN = ("advantages", "behav_log_probs", "old_log_probs", "ref_log_probs")
@@ -241,8 +250,8 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         some training rank has one, so every rank gathers every tensor whole."""
         from ..config import rollout_dtype
         from ..weight_sync.protocol import torch_dtype
-        from ..weight_sync.sinks import local_sinks
         from ..weight_sync.send import BucketSender
+        from ..weight_sync.sinks import local_sinks
         from ..weight_sync.wire_group import WireGroup
 
         w = self.cfg.weight_sync

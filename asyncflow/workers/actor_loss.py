@@ -3,7 +3,8 @@ functions handed to ``TrainEngine.train_step``, and the rollout correction of an
 (``RolloutCorr``: its weights, its mask and its ``rollout_corr/`` metrics)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,8 +44,8 @@ class RolloutCorr:
         self.algo = algo
         self.version = version
         self.prepared = False
-        self._num: dict[str, Tensor | float] = {k: 0.0 for k in _MEANS}
-        self._den: dict[str, Tensor | float] = {k: 0.0 for k in _MEANS}
+        self._num: dict[str, Tensor | float] = dict.fromkeys(_MEANS, 0.0)
+        self._den: dict[str, Tensor | float] = dict.fromkeys(_MEANS, 0.0)
         self._max: dict[str, Tensor | float] = {k: float("-inf") for k in _MAXES}
 
     # ---- accumulation ------------------------------------------------------------------------

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..single_controller import Dispatch, register
+
 # rows: also the import path docs/recipes.md gives custom workers (with config_of, setup_rank)
 from ..transfer_queue.row_lists import rows
 

@@ -6,8 +6,17 @@ from typing import Any
 
 from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
-from .common import (EngineCheckpoints, EngineOffload, config_of, engine_optim, per_token_column, policy_model,
-                     rows, setup_rank, train_engine_class)
+from .common import (
+    EngineCheckpoints,
+    EngineOffload,
+    config_of,
+    engine_optim,
+    per_token_column,
+    policy_model,
+    rows,
+    setup_rank,
+    train_engine_class,
+)
 
 
 class CriticWorker(EngineCheckpoints, EngineOffload, Worker):

@@ -25,7 +25,7 @@ import torch
 
 from ..agents.runner import episode_columns
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
-from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
+from ..engines.rollout.columns import result_columns
 
 __all__ = ["RowStream", "ScoreContext", "group_leaders", "row_inputs", "stage_params"]
 
@@ -85,7 +85,7 @@ class ScoreContext:
     metadata: list | None = None
 
     @staticmethod
-    def of(data: Any, n: int, stage: str) -> "ScoreContext":
+    def of(data: Any, n: int, stage: str) -> ScoreContext:
         from ..transfer_queue.row_lists import values
         keys = set(data.keys())
         if "answer" not in keys:
@@ -97,8 +97,10 @@ class ScoreContext:
             raise ValueError(f"{stage}: {len(ctx.answers)} answers for {n} rows")
         return ctx
 
-    def select(self, index: list[int]) -> "ScoreContext":
-        pick = (lambda xs: None if xs is None else [xs[i] for i in index])
+    def select(self, index: list[int]) -> ScoreContext:
+        def pick(xs: list | None) -> list | None:
+            return None if xs is None else [xs[i] for i in index]
+
         return ScoreContext(pick(self.answers), pick(self.prompts), pick(self.metadata))
 
     def score(self, scorer: Any, responses: list[torch.Tensor]) -> torch.Tensor:

@@ -47,7 +47,7 @@ class RunState:
     format: int = FORMAT
 
     @staticmethod
-    def from_dict(d: dict[str, Any], where: Path) -> "RunState":
+    def from_dict(d: dict[str, Any], where: Path) -> RunState:
         if d.get("format") != FORMAT:
             raise CheckpointError(f"{where}: checkpoint format {d.get('format')!r}, this version reads {FORMAT}")
         known = RunState.__dataclass_fields__
@@ -166,7 +166,7 @@ def prune(out_dir: str | Path, keep: int) -> list[Path]:
     """Remove all but the newest ``keep`` complete checkpoints, and leftovers of failed writes."""
     found = complete(out_dir)
     removed = found[:-keep] if keep > 0 else []
-    removed += [p for p in root(out_dir).glob(".step_*.tmp")]
+    removed += list(root(out_dir).glob(".step_*.tmp"))
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed

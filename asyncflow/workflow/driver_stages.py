@@ -7,7 +7,8 @@ one line in a recipe; the function itself is pure tensor math over the batch.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

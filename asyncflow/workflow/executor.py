@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from ..weight_sync.publish import publish_and_swap
 from .ledger import Ledger
@@ -236,7 +237,7 @@ class Executor:
         return n
 
     async def _next_work(self, stage: Stage, index: int, allowed: Callable[[int], bool],
-                         st: "_StageState | None" = None, cap: int = 0) -> tuple[int, int] | None:
+                         st: _StageState | None = None, cap: int = 0) -> tuple[int, int] | None:
         """(step, rows) to take next: the oldest open step with rows for this stage that
         ``allowed`` lets it work on; None once every step is done. A stage moves on to the
         next step while the last rows of the previous one are still being judged or refilled."""
@@ -285,7 +286,7 @@ class Executor:
                 await self.ledger.notify()
                 return
             # Issue step t once its rollout may start: version >= t - lag.
-            await self.ledger.wait_for(lambda: self.actor_version >= t - cfg.lag or self._stop,
+            await self.ledger.wait_for(lambda t=t: self.actor_version >= t - cfg.lag or self._stop,
                                        cfg.wait_timeout_s * 4, f"policy version {t - cfg.lag} to issue step {t}")
             if self._stop:
                 continue
@@ -373,7 +374,7 @@ class Executor:
     def _account(self, stage: Stage, inst: Any, report: dict) -> int:
         """Book an instance's engine time by step (what its rows cost); return its free rows."""
         now = self.timeline.now() if self.timeline is not None else 0.0
-        open_steps = [t for t in self.ledger.steps]
+        open_steps = list(self.ledger.steps)
         for part, busy in report["busy_s"].items():
             t = int(part[len("step"):])
             if t not in self.ledger.steps:  # already trained: the time goes to the oldest open step
@@ -477,8 +478,9 @@ class Executor:
         index = self.stages.index(stage)
         t = self.first_step
         while True:
-            await self.ledger.wait_for(lambda: self._finished(t) or (t in self.ledger.steps and self.ledger.steps[t].closed),
-                                       self.cfg.wait_timeout_s * 4, f"step {t} to be closed")
+            await self.ledger.wait_for(
+                lambda t=t: self._finished(t) or (t in self.ledger.steps and self.ledger.steps[t].closed),
+                self.cfg.wait_timeout_s * 4, f"step {t} to be closed")
             if self._finished(t):
                 await self._reported()  # the last steps' reports are out before the run ends
                 return
@@ -495,7 +497,7 @@ class Executor:
                          "timeout_s": self.cfg.wait_timeout_s}
                 # The actor's ranks take one call at a time: version t's publish goes before
                 # update t, else the rollout waits a whole update for the weights it needs.
-                await self.ledger.wait_for(lambda: self.published_version >= t, self.cfg.wait_timeout_s * 4,
+                await self.ledger.wait_for(lambda t=t: self.published_version >= t, self.cfg.wait_timeout_s * 4,
                                            f"policy version {t} to be published before update {t}")
                 results = await self._timed(stage, group.role, group.ranks, t, n,
                                             getattr(group, stage.method)(t, batch, stage.io.to_wire()))
@@ -506,7 +508,7 @@ class Executor:
                 log.warning("step %d: no rows left to train on; the policy is unchanged", t)
             # A worker stage beside the update (PPO's critic update) may still read step t:
             # its rows are cleared only once every such stage is done with them.
-            await self.ledger.wait_for(lambda: self._maps_done(t), self.cfg.wait_timeout_s * 4,
+            await self.ledger.wait_for(lambda t=t: self._maps_done(t), self.cfg.wait_timeout_s * 4,
                                        f"the worker stages of step {t} to finish")
             self.actor_version = t + 1
             now = time.monotonic()
@@ -588,11 +590,12 @@ class Executor:
                 v = self._sync_queue.get_nowait()
                 taken += 1
 
-            async def published() -> None:
+            # The callbacks bind this iteration's version (publish_and_swap awaits them before the next).
+            async def published(v: int = v) -> None:
                 self.published_version = v
                 await self.ledger.notify()
 
-            async def swapped(members: list[int]) -> None:
+            async def swapped(members: list[int], v: int = v) -> None:
                 for k in members:
                     self.instance_version[k] = v
                 await self.ledger.notify()
@@ -603,7 +606,7 @@ class Executor:
             # Each call is timed under step v: the step whose rollout the new weights serve (and
             # whose metrics log it).
             await publish_and_swap(actor, self.instances, v, wave=self.cfg.swap_wave(len(self.instances)),
-                                   timed=lambda g, call: self._timed(_SYNC, g.role, g.ranks, v, 0, call),
+                                   timed=lambda g, call, v=v: self._timed(_SYNC, g.role, g.ranks, v, 0, call),
                                    on_published=published, on_swapped=swapped)
             for _ in range(taken):
                 self._sync_queue.task_done()

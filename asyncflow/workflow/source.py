@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 

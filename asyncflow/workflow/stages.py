@@ -12,8 +12,9 @@ compute log-probs; a second rollout stage writes a baseline's responses).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 KINDS = ("map", "rollout", "filter", "update")
 DRIVER = "driver"  # the role of a stage that runs a plain function in the driver
@@ -31,7 +32,7 @@ class StageIO:
         return {"inputs": list(self.inputs), "outputs": list(self.outputs), "options": dict(self.options)}
 
     @staticmethod
-    def of(x: "StageIO | dict | None", inputs: list[str] = (), outputs: list[str] = ()) -> "StageIO":
+    def of(x: StageIO | dict | None, inputs: list[str] = (), outputs: list[str] = ()) -> StageIO:
         """``x`` (what a worker method receives as ``io``) as a StageIO; None (a direct call,
         no stage): the method's own default column names ``inputs`` and ``outputs``."""
         if x is None:
@@ -149,7 +150,7 @@ class DriverBatch:
 def check_graph(stages: list[Stage], source_columns: list[str], where: str = "recipe") -> None:
     """Every input is written by the source or by an earlier stage, one writer per column,
     one update stage, last. ``where`` names the recipe file in the errors."""
-    have = {c: "the prompt source" for c in source_columns}
+    have = dict.fromkeys(source_columns, "the prompt source")
     names = set()
     for s in stages:
         if s.name in names:

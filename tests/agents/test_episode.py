@@ -25,8 +25,9 @@ class CharTok:
         return "".join("" if i == 1 else chr(i + 30) for i in ids)
 
 
-def _ctx(replies, limits=EpisodeLimits(4, 64), version=3):
+def _ctx(replies, limits=None, version=3):
     """A context whose model answers each turn with the next text of ``replies``."""
+    limits = EpisodeLimits(4, 64) if limits is None else limits
     tok, calls = CharTok(), []
 
     async def generate(req):
@@ -96,11 +97,12 @@ def test_a_stop_string_must_be_one_token():
 
 @pytest.fixture(scope="module")
 def service():
+    import tempfile
+
     from asyncflow.engines.rollout.builtin import BuiltinRolloutEngine
     from asyncflow.engines.rollout.service import RolloutService
     from asyncflow.models.loading import load_causal_lm, load_tokenizer
     from asyncflow.models.tiny import TinyModelSpec, build_tiny_model
-    import tempfile
     d = build_tiny_model(tempfile.mkdtemp(), TinyModelSpec(hidden_size=64, intermediate_size=128))
     tok = load_tokenizer(d)
     engine = BuiltinRolloutEngine(load_causal_lm(d), eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)

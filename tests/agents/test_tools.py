@@ -8,14 +8,25 @@ import os
 import threading
 import time
 
+import _sandbox_tools
 import pytest
 
-import _sandbox_tools
 from asyncflow.agents import tools as T
 from asyncflow.agents.sandbox import run_python
-from asyncflow.agents.tools import (TOOL_STATS, TOOLS, TRUNCATION_MARKER, ToolError, UnknownToolError, calculate,
-                                    call_tool, get_tool, num_hung_threads, register_tool, tool_names,
-                                    unregister_tool)
+from asyncflow.agents.tools import (
+    TOOL_STATS,
+    TOOLS,
+    TRUNCATION_MARKER,
+    ToolError,
+    UnknownToolError,
+    calculate,
+    call_tool,
+    get_tool,
+    num_hung_threads,
+    register_tool,
+    tool_names,
+    unregister_tool,
+)
 
 
 @pytest.fixture
@@ -75,7 +86,8 @@ def test_calculator_as_a_tool():
     assert not bad.ok and bad.status == "error"
     assert bad.text.startswith("error: ValueError: calculator: function call not allowed")
     zero = run(call_tool("calculator", "1/(2-2)"))
-    assert zero.text == "error: ZeroDivisionError: division by zero" and zero.error == "ZeroDivisionError: division by zero"
+    assert zero.text == "error: ZeroDivisionError: division by zero"
+    assert zero.error == "ZeroDivisionError: division by zero"
 
 
 # ---------------------------------------------------------------- registry
@@ -110,7 +122,8 @@ def test_registering_a_name_twice_is_refused(tool):
 
 
 @pytest.mark.parametrize("opts, why", [
-    ({"timeout_s": 0}, "timeout_s"), ({"max_output_chars": 0}, "max_output_chars"), ({"on_error": "ignore"}, "on_error"),
+    ({"timeout_s": 0}, "timeout_s"), ({"max_output_chars": 0}, "max_output_chars"),
+    ({"on_error": "ignore"}, "on_error"),
     ({"cpu_s": 1.0}, "sandboxed tools only"), ({"memory_mb": 10}, "sandboxed tools only"),
     ({"sandbox": True, "memory_mb": -1}, "memory_mb"),
 ])

@@ -5,12 +5,11 @@ import math
 
 import pytest
 import torch
-
-from asyncflow.algorithms import (ADVANTAGES, GROUP_RELATIVE_ADVANTAGES, discounted_returns,
-                                  outcome_to_token_rewards)
-from asyncflow.config import AlgorithmConfig
-from asyncflow.algorithms.advantages import dr_grpo, gae, grpo, reinforce_pp, rloo
 from _alg_helpers import assert_close
+
+from asyncflow.algorithms import ADVANTAGES, GROUP_RELATIVE_ADVANTAGES, discounted_returns, outcome_to_token_rewards
+from asyncflow.algorithms.advantages import dr_grpo, gae, grpo, reinforce_pp, rloo
+from asyncflow.config import AlgorithmConfig
 
 CFG = AlgorithmConfig()
 

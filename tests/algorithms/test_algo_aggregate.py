@@ -5,10 +5,18 @@ import math
 
 import pytest
 import torch
-
-from asyncflow.algorithms import (AGGREGATIONS, aggregate, count_seqs, count_tokens, masked_mean, masked_sum,
-                                  masked_var, masked_whiten)
 from _alg_helpers import assert_close
+
+from asyncflow.algorithms import (
+    AGGREGATIONS,
+    aggregate,
+    count_seqs,
+    count_tokens,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from _alg_helpers import assert_close
 
 from asyncflow.algorithms import entropy_from_logits
-from _alg_helpers import assert_close
 
 
 def test_by_hand() -> None:

@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from _alg_helpers import assert_close
 
 from asyncflow.algorithms import K3_MAX, KL_ESTIMATORS, kl_penalty_to_reward
 from asyncflow.algorithms.kl import k1, k2, k3
-from _alg_helpers import assert_close
 
 
 def test_by_hand() -> None:

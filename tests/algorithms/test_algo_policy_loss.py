@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from _alg_helpers import assert_close
 
 from asyncflow.algorithms import POLICY_LOSSES
-from asyncflow.config import AlgorithmConfig
 from asyncflow.algorithms.policy_loss import decoupled_ppo, dual_clip, ppo_clip, tis
-from _alg_helpers import assert_close
+from asyncflow.config import AlgorithmConfig
 
 CFG = AlgorithmConfig()
 OLD = math.log(0.5)

@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
+from _alg_helpers import assert_close
 
 from asyncflow.algorithms import AGGREGATIONS, aggregate
 from asyncflow.algorithms.policy_loss import cispo, gspo
 from asyncflow.config import AlgorithmConfig, ConfigError, load_config
 from asyncflow.engines.train.base import LossNorm
 from asyncflow.workers.actor_loss import RolloutCorr, policy_loss_fn
-from _alg_helpers import assert_close
 
 LN = math.log
 

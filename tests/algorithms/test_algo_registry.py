@@ -61,8 +61,8 @@ def test_bad_names_rejected(bad: object) -> None:
 
 def test_module_registries_hold_the_documented_names() -> None:
     assert alg.ADVANTAGES.names() == ["dr_grpo", "gae", "grpo", "reinforce_pp", "rloo"]
-    assert alg.POLICY_LOSSES.names() == ["cispo", "clip_higher", "decoupled_ppo", "dual_clip", "gspo", "ppo_clip", "tis",
-                                        "vanilla"]
+    assert alg.POLICY_LOSSES.names() == ["cispo", "clip_higher", "decoupled_ppo", "dual_clip", "gspo", "ppo_clip",
+                                        "tis", "vanilla"]
     assert alg.VALUE_LOSSES.names() == ["clipped", "mse"]
     assert alg.KL_ESTIMATORS.names() == ["k1", "k2", "k3"]
     assert alg.AGGREGATIONS.names() == ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"]

@@ -6,11 +6,18 @@ import math
 
 import pytest
 import torch
-
-from asyncflow.algorithms import (algorithm_config_problems, mismatch_terms, rollout_correction, rollout_is_weights,
-                                  rollout_keep_mask, rollout_log_ratio, sequence_log_ratio)
-from asyncflow.config import AlgorithmConfig, ConfigError, load_config, policy_loss_name
 from _alg_helpers import assert_close
+
+from asyncflow.algorithms import (
+    algorithm_config_problems,
+    mismatch_terms,
+    rollout_correction,
+    rollout_is_weights,
+    rollout_keep_mask,
+    rollout_log_ratio,
+    sequence_log_ratio,
+)
+from asyncflow.config import AlgorithmConfig, ConfigError, load_config, policy_loss_name
 
 NAN, INF = float("nan"), float("inf")
 

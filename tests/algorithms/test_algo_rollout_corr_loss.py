@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from _alg_helpers import assert_close
 
 from asyncflow.config import AlgorithmConfig
 from asyncflow.engines.train.base import LossNorm
 from asyncflow.workers.actor_loss import RolloutCorr, policy_loss_fn
-from _alg_helpers import assert_close
 
 NAN, INF = float("nan"), float("inf")
 PPO = AlgorithmConfig(policy_loss="ppo_clip")

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _alg_helpers import assert_close
 
 from asyncflow.algorithms import VALUE_LOSSES, clipped_value_loss, mse_value_loss
-from _alg_helpers import assert_close
 
 # clip 0.2, old = 1 everywhere:
 # t0: V=1.5 -> V_clip=1.2, R=1: (0.5)^2=0.25 vs (0.2)^2=0.04 -> 0.5*0.25 = 0.125, not clipped

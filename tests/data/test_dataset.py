@@ -8,8 +8,15 @@ import sys
 import pytest
 import torch
 
-from asyncflow.data import (BUILTIN_ADDITION, AdditionTask, DataConfig, DataError, PromptDataset,
-                            addition_dataset, load_prompt_dataset)
+from asyncflow.data import (
+    BUILTIN_ADDITION,
+    AdditionTask,
+    DataConfig,
+    DataError,
+    PromptDataset,
+    addition_dataset,
+    load_prompt_dataset,
+)
 
 
 def _jsonl(path, rows):
@@ -22,7 +29,8 @@ def _rows(n):
 
 
 def test_jsonl_records(tmp_path, char_tok):
-    p = _jsonl(tmp_path / "d.jsonl", [{"prompt": "2+2=", "answer": 4, "level": "easy"}, {"prompt": "1+1=", "answer": "2"}])
+    p = _jsonl(tmp_path / "d.jsonl",
+               [{"prompt": "2+2=", "answer": 4, "level": "easy"}, {"prompt": "1+1=", "answer": "2"}])
     ds = PromptDataset(DataConfig(path=str(p), shuffle=False), char_tok)
     assert len(ds) == 2
     r = next(ds)
@@ -48,7 +56,8 @@ def test_message_list_prompts_use_the_template(tmp_path, char_tok):
 @pytest.mark.parametrize("rows,match", [
     ([{"prompt": "1+1=", "answer": "2"}, {"answer": "3"}], r"d\.jsonl, line 2: missing field 'prompt'"),
     ([{"prompt": "1+1="}], r"d\.jsonl, line 1: missing field 'answer'"),
-    ([{"prompt": "1+1=", "answer": "2"}, {"prompt": "  ", "answer": "3"}], r"line 2: field 'prompt' is an empty prompt"),
+    ([{"prompt": "1+1=", "answer": "2"}, {"prompt": "  ", "answer": "3"}],
+     r"line 2: field 'prompt' is an empty prompt"),
     ([{"prompt": "1+1=", "answer": "2"}, '{"prompt": "1+', ], r"d\.jsonl, line 2: invalid JSON"),
     ([{"prompt": 12, "answer": "2"}], r"line 1: field 'prompt' has type int"),
     ([{"prompt": "1+1=", "answer": ["2"]}], r"line 1: field 'answer' has type list"),

@@ -62,8 +62,8 @@ def test_a_dotted_prompt_key(tmp_path, char_tok):
 
 @pytest.mark.parametrize("rows,keys,match", [
     ([{"prompt": "1=", "reward_model": {"style": "rule"}}], {"answer_key": "reward_model.ground_truth"},
-     r"d\.jsonl, line 1: missing field 'reward_model.ground_truth' \('reward_model' has fields \['style'\]\); "
-     r"set data.answer_key"),
+     (r"d\.jsonl, line 1: missing field 'reward_model.ground_truth' \('reward_model' has fields \['style'\]\); "
+      r"set data.answer_key")),
     ([{"prompt": "1=", "answer": "1"}], {"answer_key": "reward_model.ground_truth"},
      r"line 1: missing field 'reward_model.ground_truth' \(no field 'reward_model'"),
     ([verl_gsm8k_row(0, "1=", "1"), {**verl_gsm8k_row(1, "1=", "1"), "reward_model": {"style": "rule"}}], {},

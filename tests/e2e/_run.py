@@ -17,7 +17,8 @@ TINY = ["trainer.time_budget_s=0", "trainer.prompts_per_step=4", "rollout.n=4", 
 def _command(out: Path, args: tuple[str, ...], tiny: bool = True) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     shrink = TINY if tiny else ["trainer.progress=false"]
-    return [sys.executable, "-m", "asyncflow.cli", "train", *args[:1], *shrink, *args[1:], f"trainer.out_dir={out}"], env
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", *args[:1], *shrink, *args[1:], f"trainer.out_dir={out}"]
+    return cmd, env
 
 
 def train(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

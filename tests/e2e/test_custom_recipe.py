@@ -7,7 +7,6 @@ import json
 import textwrap
 
 import pytest
-
 from _run import ok, train
 
 FILES = {

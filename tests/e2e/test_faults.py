@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from _run import REPO, ok, start_train, train
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from _run import REPO, TINY, ok, train
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from _run import REPO, TINY
 
 STEPS = ["trainer.steps=2", "reward.name=digits", "trainer.eval_every=0"]

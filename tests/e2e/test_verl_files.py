@@ -8,7 +8,6 @@ import json
 import random
 
 import pytest
-
 from _run import ok, train
 
 pytestmark = pytest.mark.slow

@@ -15,9 +15,10 @@ import statistics
 from pathlib import Path
 
 import pytest
-
 from _run import ok, train, train_as_is
+
 from tests.vllm_gate import INSTALLED, REQUIRED, needs_vllm
+
 
 def _rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

@@ -143,9 +143,9 @@ def trained(model_dir, tokenizer):
 
 def test_weight_sync_makes_rollout_match_actor(trained):
     from asyncflow.weight_sync.protocol import make_header
-    from asyncflow.weight_sync.sinks import StagingSink
     from asyncflow.weight_sync.send import BucketSender
     from asyncflow.weight_sync.shards import local_tensors
+    from asyncflow.weight_sync.sinks import StagingSink
 
     rollout, actor, prompts, params = trained["rollout"], trained["actor"], trained["prompts"], trained["params"]
     m = trained["metrics"]

@@ -8,7 +8,6 @@ import torch
 
 from asyncflow.engines.rollout import SamplingParams
 from asyncflow.engines.rollout.sampling import SeedKeys, sample_step, vocab_hash
-
 from tests.engines._rollout_helpers import EOS, PAD, VOCAB
 from tests.engines._rollout_helpers import prompts as _prompts
 from tests.engines._rollout_helpers import ref_log_probs as _ref_log_probs

@@ -72,7 +72,8 @@ def test_rows_do_not_depend_on_their_batch(model, params):
     tokens it gets alone; seeded sampling's log-probs agree within 1e-4."""
     ps = prompts(8, seed=21)
     budgets = [2, 12, 5, 9, 1, 12, 3, 7]
-    reqs = [GenerationRequest(i, p, params, seed=100 + i, max_new_tokens=b) for i, (p, b) in enumerate(zip(ps, budgets))]
+    reqs = [GenerationRequest(i, p, params, seed=100 + i, max_new_tokens=b)
+            for i, (p, b) in enumerate(zip(ps, budgets))]
     running = []
     out = _run(_engine(model, max_running_rows=3), reqs, submit_every=2,
                per_step=lambda e, s: running.append(e.stats()["running"]))
@@ -82,7 +83,8 @@ def test_rows_do_not_depend_on_their_batch(model, params):
 
 def test_results_come_back_as_rows_finish(model):
     eng = _engine(model, max_running_rows=4)
-    reqs = [GenerationRequest(i, p, GREEDY, max_new_tokens=b) for i, (p, b) in enumerate(zip(prompts(4, seed=2), [1, 12, 2, 12]))]
+    reqs = [GenerationRequest(i, p, GREEDY, max_new_tokens=b)
+            for i, (p, b) in enumerate(zip(prompts(4, seed=2), [1, 12, 2, 12]))]
     for r in reqs:
         eng.add_request(r)
     first = eng.step()
@@ -125,7 +127,7 @@ def test_swap_keep_and_recompute(model, prefill_chunk):
         eng.prefill_chunk = prefill_chunk  # the prompts came in whole; the recompute may take several forwards
         forwards = []
         prefill = eng._prefill
-        eng._prefill = lambda seqs: (forwards.append(len(seqs)), prefill(seqs))[1]
+        eng._prefill = lambda seqs, forwards=forwards, prefill=prefill: (forwards.append(len(seqs)), prefill(seqs))[1]
         eng.load_weights(new_sd, 1, mode)
         if mode == "recompute":
             assert sum(forwards) == 3 and (len(forwards) > 1) == (prefill_chunk < 2048)
@@ -171,7 +173,8 @@ def test_bad_requests_fail_alone(model):
     assert out["too_long"].finish_reason == "error" and "exceeds the context of 16" in out["too_long"].error
     assert out["bad_ids"].finish_reason == "error" and "outside the vocab" in out["bad_ids"].error
     for k, p in (("ok0", good[0]), ("ok1", good[1])):
-        assert out[k].response_ids.tolist() == _alone(model, GenerationRequest(k, p, GREEDY, max_new_tokens=4)).response_ids.tolist()
+        alone = _alone(model, GenerationRequest(k, p, GREEDY, max_new_tokens=4))
+        assert out[k].response_ids.tolist() == alone.response_ids.tolist()
     assert eng.stats()["errors"] == 2
     with pytest.raises(ValueError, match="already queued or running"):
         eng.add_request(GenerationRequest("x", good[0], GREEDY, max_new_tokens=2))

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from asyncflow.engines.rollout import SamplingParams
-from asyncflow.engines.rollout.base import GenerationRequest, RequestResult
-from asyncflow.engines.rollout.vllm import (VLLMRolloutEngine, WeightSpec, _scoped_env, resolve_devices,
-                                            visible_devices)
+from asyncflow.engines.rollout.base import GenerationRequest
+from asyncflow.engines.rollout.vllm import VLLMRolloutEngine, WeightSpec, _scoped_env, resolve_devices, visible_devices
 from asyncflow.engines.rollout.vllm_requests import continuation_seed
 
 # ==== the stand-in for vLLM ===============================================================

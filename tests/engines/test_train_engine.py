@@ -13,8 +13,8 @@ import torch
 from asyncflow.engines.train import FSDPEngine, MindSpeedEngine, OptimConfig, lr_at
 from asyncflow.engines.train.microbatch import build_micro_batch, plan_micro_batches
 from asyncflow.models.loading import load_causal_lm, read_causal_lm_config, record_attn_implementation
-from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 from tests.engines._train_helpers import VOCAB, make_batch, ppo_loss, tiny_model, value_loss
+from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 
 
 def _engine(budget: int = 24, seed: int = 0, **optim) -> FSDPEngine:

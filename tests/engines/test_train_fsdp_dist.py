@@ -6,12 +6,21 @@ test checks one part of its results.
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
+from tests.engines._train_helpers import (
+    BUDGETS,
+    GLOBAL_N,
+    RANK_SHARES,
+    dist_child,
+    loss_mask_batch,
+    make_batch,
+    ppo_loss,
+    spawn_ranks,
+    tiny_model,
+)
 from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
-from tests.engines._train_helpers import (BUDGETS, GLOBAL_N, RANK_SHARES, dist_child, loss_mask_batch, make_batch,
-                                          ppo_loss, spawn_ranks, tiny_model)
 
 pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 WORLD = 2

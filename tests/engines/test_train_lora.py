@@ -13,9 +13,9 @@ from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401
 
 pytest.importorskip("peft")
 
-from asyncflow.engines.train import FSDPEngine, OptimConfig  # noqa: E402
-from asyncflow.weight_sync.shards import local_tensors  # noqa: E402
-from asyncflow.engines.train.lora import LoraOptions, hf_name, is_adapter, merged_tensors  # noqa: E402
+from asyncflow.engines.train import FSDPEngine, OptimConfig
+from asyncflow.engines.train.lora import LoraOptions, hf_name, is_adapter, merged_tensors
+from asyncflow.weight_sync.shards import local_tensors
 
 LORA = LoraOptions(rank=4, alpha=8.0)
 
@@ -186,7 +186,8 @@ def test_export_writes_a_peft_adapter_and_a_merged_model(tmp_path):
 
 
 def test_hf_names():
-    assert hf_name("base_model.model.model.layers.0.mlp.up_proj.base_layer.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert hf_name("base_model.model.model.layers.0.mlp.up_proj.base_layer.weight") == \
+        "model.layers.0.mlp.up_proj.weight"
     assert hf_name("base_model.model.model.layers.0.mlp.up_proj.lora_B.default.weight") == \
         "model.layers.0.mlp.up_proj.lora_B.weight"
     assert hf_name("base_model.model.model.norm.weight") == "model.norm.weight"

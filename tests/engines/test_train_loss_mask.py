@@ -13,8 +13,8 @@ import torch
 
 from asyncflow.engines.train import FSDPEngine, OptimConfig
 from asyncflow.engines.train.microbatch import build_micro_batch, pad_right
-from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 from tests.engines._train_helpers import loss_masks_for, make_batch, ppo_loss, tiny_model, value_loss
+from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 
 
 def _engine(budget: int = 24, **kw) -> FSDPEngine:

@@ -43,7 +43,8 @@ def test_parameters_on_meta_keeps_buffers_and_ties_and_restores_torch():
     assert {p.device.type for p in model.parameters()} == {"meta"}
     buffers = dict(model.named_buffers())
     assert buffers and {b.device.type for b in buffers.values()} == {"cpu"}
-    assert torch.equal(buffers["model.rotary_emb.inv_freq"], dict(tiny_model(seed=0).named_buffers())["model.rotary_emb.inv_freq"])
+    want = dict(tiny_model(seed=0).named_buffers())["model.rotary_emb.inv_freq"]
+    assert torch.equal(buffers["model.rotary_emb.inv_freq"], want)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert tensor_names(model)["model.embed_tokens.weight"] == ["model.embed_tokens.weight", "lm_head.weight"]
     real = nn.Linear(2, 2)  # outside the context: real again

@@ -44,8 +44,9 @@ def test_config_keys_reach_the_engine_through_policy_model(tmp_path):
     from asyncflow.config import ConfigError, load_config
     from asyncflow.workers.common import policy_model
 
-    cfg = load_config(None, ["model.path=/some/dir", "model.param_dtype=bfloat16", "model.activation_checkpointing=true",
-                             "model.cpu_offload=true", "model.padding_free=true"])
+    cfg = load_config(None, ["model.path=/some/dir", "model.param_dtype=bfloat16",
+                             "model.activation_checkpointing=true", "model.cpu_offload=true",
+                             "model.padding_free=true"])
     source = policy_model(cfg)
     assert isinstance(source, PretrainedModel) and source.path == "/some/dir"
     assert source.options == EngineOptions(param_dtype="bfloat16", activation_checkpointing=True, cpu_offload=True,

@@ -9,8 +9,12 @@ import torch
 
 from asyncflow.engines.train import FSDPEngine, OptimConfig
 from asyncflow.engines.train.options import EngineOptions
-from asyncflow.engines.train.packing import (build_packed_micro_batch, flash_kwargs, packed_positions,
-                                              plan_packed_micro_batches)
+from asyncflow.engines.train.packing import (
+    build_packed_micro_batch,
+    flash_kwargs,
+    packed_positions,
+    plan_packed_micro_batches,
+)
 from asyncflow.platform import get_platform
 from tests.engines._train_helpers import loss_masks_for, make_batch, ppo_loss, tiny_model, value_loss
 from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse

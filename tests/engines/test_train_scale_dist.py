@@ -54,7 +54,8 @@ def test_each_rank_holds_only_its_rows_of_the_checkpoint(results):
 def test_a_tensor_missing_from_the_checkpoint_fails_on_every_rank(results):
     workdir, res = results
     assert "'model.norm.weight'" in res[0]["broken"] and str(workdir / "broken") in res[0]["broken"], res[0]["broken"]
-    assert "rank 1" in res[1]["broken"] and "first rank found no weights for 1 tensors" in res[1]["broken"], res[1]["broken"]
+    broken = res[1]["broken"]
+    assert "rank 1" in broken and "first rank found no weights for 1 tensors" in broken, broken
 
 
 def _one_rank_padded():

@@ -81,7 +81,8 @@ def test_device_tensors_reach_a_worker_in_another_process_as_ipc_handles():
     try:
         engine = VLLMRolloutEngine.from_llm(llm, SPECS, TIED, fake_params)
         g = torch.Generator().manual_seed(3)
-        sd = {"embed.weight": torch.randn(4, 2, generator=g).cuda(), "layer.weight": torch.randn(2, 2, generator=g).cuda()}
+        sd = {"embed.weight": torch.randn(4, 2, generator=g).cuda(),
+              "layer.weight": torch.randn(2, 2, generator=g).cuda()}
         header = make_header(sd.items(), 1, 1, 1 << 20, 1, None)
         engine.load_weights_stream(header.specs, zip(header.specs, sd.values()), 1, chunk_bytes=16)
         assert engine.version == 1 and engine.torn is None

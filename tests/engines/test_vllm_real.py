@@ -161,7 +161,7 @@ def test_the_training_ranks_groups_in_place_and_staged(setup, tiny_path):
     t.start()
     assert engine.join_weight_groups([addr.to_dict()], 1, 60.0) == [1]
     t.join(60)
-    sender = BucketSender(0, 0, made["g"], lambda: [], timeout_s=60)
+    sender = BucketSender(0, 0, made["g"], list, timeout_s=60)
 
     def send(sd: dict, version: int) -> threading.Thread:
         named = list(sd.items())

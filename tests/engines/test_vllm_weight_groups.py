@@ -67,7 +67,7 @@ def wired():
     t.start()
     assert engine.join_weight_groups([addr.to_dict()], 1, 30.0) == [1, 2]
     t.join(30)
-    yield engine, llm, BucketSender(0, 0, made["g"], lambda: [], timeout_s=30)
+    yield engine, llm, BucketSender(0, 0, made["g"], list, timeout_s=30)
 
 
 def _send_async(sender, sd, version, shapes_ok=True):

@@ -11,14 +11,12 @@ import torch
 from asyncflow.engines.rollout import SamplingParams
 from asyncflow.engines.rollout.base import GenerationRequest
 from asyncflow.weight_sync.protocol import TensorSpec, make_header
-from asyncflow.weight_sync.sinks import InPlaceSink
 from asyncflow.weight_sync.send import BucketSender
+from asyncflow.weight_sync.sinks import InPlaceSink
 from tests.engines._rollout_helpers import prompts
+from tests.engines.test_rollout_service import service  # noqa: F401 - the fixture: in-flight swaps, rows to their budget
 
 LONG = SamplingParams(max_new_tokens=60, temperature=1.0)
-
-
-from tests.engines.test_rollout_service import service  # noqa: F401 - the fixture: in-flight swaps, rows to their budget
 
 
 def _new_weights(engine, scale: float) -> dict[str, torch.Tensor]:

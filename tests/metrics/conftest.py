@@ -5,7 +5,6 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from _metrics_run import write_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -1,9 +1,10 @@
 """`asyncflow report <output_dir>`, run in-process."""
 from __future__ import annotations
 
-from asyncflow.cli import main
-from conftest import png_size
 from _metrics_run import write_run
+from conftest import png_size
+
+from asyncflow.cli import main
 
 
 def test_report_command_writes_and_prints_the_paths(tmp_path, capsys):

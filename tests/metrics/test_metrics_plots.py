@@ -3,10 +3,17 @@ from __future__ import annotations
 
 import random
 
-from asyncflow.metrics import Span
-from asyncflow.metrics.plots import (STAGE_COLORS, busy_seconds, pack_tracks, plot_timeline,
-                                     plot_training_curves, stage_colors)
 from conftest import png_size
+
+from asyncflow.metrics import Span
+from asyncflow.metrics.plots import (
+    STAGE_COLORS,
+    busy_seconds,
+    pack_tracks,
+    plot_timeline,
+    plot_training_curves,
+    stage_colors,
+)
 
 
 def test_pack_tracks_never_overlaps_and_uses_the_fewest_tracks():

@@ -5,9 +5,9 @@ import json
 import logging
 
 import pytest
+from conftest import png_size
 
 from asyncflow.metrics import JsonlError, build_report, read_jsonl
-from conftest import png_size
 
 
 def test_report_of_a_synthetic_run(synthetic_run):

@@ -5,8 +5,15 @@ import json
 
 import pytest
 
-from asyncflow.models.char_tokenizer import (CHARS, EOS_TOKEN, PAD_TOKEN, QWEN2_SPLIT_REGEX, build_char_tokenizer,
-                                             char_vocab, unsupported_chars)
+from asyncflow.models.char_tokenizer import (
+    CHARS,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    QWEN2_SPLIT_REGEX,
+    build_char_tokenizer,
+    char_vocab,
+    unsupported_chars,
+)
 
 
 def _addition_strings() -> list[str]:

@@ -42,9 +42,9 @@ def test_scores_are_written_beside_the_rollout_columns(tiny_dir):
 
 
 def test_a_stage_without_the_answer_column_or_without_responses_is_refused(tiny_dir):
+    from asyncflow.engines.rollout.base import SamplingParams
     from asyncflow.engines.rollout.columns import result_columns
     from asyncflow.workers.rollout_stream import ScoreContext, scored_columns, stage_params
-    from asyncflow.engines.rollout.base import SamplingParams
     with pytest.raises(ValueError, match="reads the 'answer' column"):
         ScoreContext.of({"prompt_ids": [], "seed": []}, 0, "rollout-rank1")
     scorer, _ = _scorer(tiny_dir)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
-import bench_e2e  # noqa: E402
+import bench_e2e
 
 ROWS = 64
 DISAGG = {"mode": "disaggregated", "actor_ranks": [0], "rollout_ranks": [1], "reward_with": "actor"}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
-import bench_rollout  # noqa: E402
+import bench_rollout
 
 
 def test_vllm_methods_join_only_with_the_flag():

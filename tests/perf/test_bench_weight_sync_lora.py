@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
-import bench_weight_sync as bench  # noqa: E402
+import bench_weight_sync as bench
 
-from asyncflow.planning import ModelShape, count_params  # noqa: E402
-from asyncflow.planning.params import lora_params  # noqa: E402
+from asyncflow.planning import ModelShape, count_params
+from asyncflow.planning.params import lora_params
 
 
 @pytest.mark.parametrize("mb", [64.0, 128.0, 512.0])

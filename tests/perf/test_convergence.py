@@ -188,7 +188,7 @@ def test_curves_refuse_a_run_without_samples_or_with_a_bad_line(tmp_path):
 
 # ---- the summary over settings and seeds ----------------------------------------------------------
 
-def _result(sps: float, reward: float, before: float = 0.2) -> "conv.RunResult":
+def _result(sps: float, reward: float, before: float = 0.2) -> conv.RunResult:
     return conv.RunResult(samples_per_s=sps, reward_last20=reward, final_accuracy=0.3, best_accuracy=0.4,
                           accuracy_before=before, staleness_mean=0.0, samples=100, rl_steps=10, trained_steps=9,
                           rl_s=1.0, wall_s=2.0)
@@ -232,7 +232,7 @@ def test_median_curve_aligns_by_index_and_cuts_to_the_shortest():
 
 
 def test_step_rate_ratio_splits_the_headline_from_the_rows_each_policy_left():
-    def run(sps: float, rows: int, steps: int, secs: float) -> "conv.RunResult":
+    def run(sps: float, rows: int, steps: int, secs: float) -> conv.RunResult:
         return dataclasses.replace(_result(sps, 0.2), samples=rows, rl_steps=steps, rl_s=secs)
     # async: 200 steps in 25 s keeping 100 rows a step; sync: 200 steps in 40 s keeping 120
     s = conv.summarise({"sync": {0: run(600.0, 24000, 200, 40.0)}, "async": {0: run(800.0, 20000, 200, 25.0)}})
@@ -315,7 +315,7 @@ def test_per_step_learning_compares_the_steps_each_setting_needed_to_a_reward_le
     monkeypatch.setattr(conv, "REWARD_WINDOW", 1)
     monkeypatch.setattr(conv, "REWARD_LEVELS", (0.5,))
 
-    def curves(first_good_step: int) -> "conv.Curves":
+    def curves(first_good_step: int) -> conv.Curves:
         pts = [conv.RewardPoint(samples=10 * s, reward=1.0 if s >= first_good_step else 0.0, step=s)
                for s in range(1, 11)]
         return conv.Curves(pts, [], 100, 10, [], {})

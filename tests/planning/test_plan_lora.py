@@ -5,8 +5,18 @@ from __future__ import annotations
 import pytest
 from _plan_helpers import QWEN25_7B, QWEN25_32B, small
 
-from asyncflow.planning import (CostAssumptions, Hardware, ModelShape, PlacementRequest, PlanInputs,
-                                RolloutSettings, TrainSettings, Workload, actor_memory, count_params)
+from asyncflow.planning import (
+    CostAssumptions,
+    Hardware,
+    ModelShape,
+    PlacementRequest,
+    PlanInputs,
+    RolloutSettings,
+    TrainSettings,
+    Workload,
+    actor_memory,
+    count_params,
+)
 from asyncflow.planning.params import lora_params
 from asyncflow.planning.split import colocated, disaggregated
 

@@ -4,8 +4,15 @@ from __future__ import annotations
 import pytest
 from _plan_helpers import QWEN25_7B, QWEN25_32B, SMALL_PARAMS, small
 
-from asyncflow.planning import (ModelShape, RolloutSettings, TrainSettings, actor_memory, kv_bytes_per_token,
-                                reference_memory, rollout_memory)
+from asyncflow.planning import (
+    ModelShape,
+    RolloutSettings,
+    TrainSettings,
+    actor_memory,
+    kv_bytes_per_token,
+    reference_memory,
+    rollout_memory,
+)
 from asyncflow.planning.memory import device_bytes, layer_saved_elements
 
 P = SMALL_PARAMS  # 2824

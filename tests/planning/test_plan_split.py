@@ -8,8 +8,19 @@ from dataclasses import replace
 import pytest
 from _plan_helpers import QWEN25_7B, QWEN25_32B, SMALL_PARAMS, small
 
-from asyncflow.planning import (CostAssumptions, Hardware, ModelShape, PlacementRequest, PlanInputError, PlanInputs,
-                                RolloutSettings, TrainSettings, Workload, count_params, make_plan)
+from asyncflow.planning import (
+    CostAssumptions,
+    Hardware,
+    ModelShape,
+    PlacementRequest,
+    PlanInputError,
+    PlanInputs,
+    RolloutSettings,
+    TrainSettings,
+    Workload,
+    count_params,
+    make_plan,
+)
 from asyncflow.planning.hardware import GIB
 from asyncflow.planning.split import colocated, disaggregated, tensor_parallel_sizes
 

@@ -91,8 +91,8 @@ def test_a_wrong_return_value_stops_scoring_naming_file_function_and_row(reward_
 @pytest.mark.parametrize("name,content,match", [
     ("missing.py", None, r"reward file .*missing\.py does not exist; expected a Python file defining compute_score"),
     ("r.txt", "x = 1", r"r\.txt: not a \.py file"),
-    ("r.py", "def other(**kw):\n    return 1\n", r"r\.py has no function 'compute_score' \(reward.custom_name\); "
-                                                 r"it defines: other"),
+    ("r.py", "def other(**kw):\n    return 1\n", (r"r\.py has no function 'compute_score' \(reward.custom_name\); "
+                                                  r"it defines: other")),
     ("r.py", "import no_such_module_here\n", r"r\.py: importing it raised ModuleNotFoundError"),
     ("r.py", "def compute_score(:\n", r"r\.py: importing it raised SyntaxError"),
 ])

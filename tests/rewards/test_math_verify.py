@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from asyncflow.rewards import RewardRunner, extract_answer, extract_boxed, get_reward, math_equal, math_reward, normalize
+from asyncflow.rewards import (
+    RewardRunner,
+    extract_answer,
+    extract_boxed,
+    get_reward,
+    math_equal,
+    math_reward,
+    normalize,
+)
 from asyncflow.rewards import math_verify as mv_mod
 from asyncflow.rewards.math_verify import extract_final_number, symbolic_equal, to_rational
 

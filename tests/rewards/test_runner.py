@@ -78,7 +78,8 @@ def test_a_dict_without_a_numeric_score_is_an_error():
 
     scores, stats = RewardRunner(fn).score(["a", "b"], ["x", "x"])
     assert scores == [0.0, 0.0] and stats["errors"] == 2 and stats["extra"] == {}
-    assert "row 0: returned {'acc': 1.0}, expected a finite float or a dict with a finite 'score'" in stats["first_error"]
+    want = "row 0: returned {'acc': 1.0}, expected a finite float or a dict with a finite 'score'"
+    assert want in stats["first_error"]
 
 
 def test_a_contract_error_stops_scoring_even_under_on_error_zero():

@@ -15,11 +15,11 @@ import zmq
 import zmq.asyncio
 
 from asyncflow.rpc import auth, codec
-from asyncflow.rpc.errors import RpcTimeout
 from asyncflow.rpc.async_client import RpcClient
 from asyncflow.rpc.async_server import RpcServer
 from asyncflow.rpc.blocking_client import BlockingRpcClient
 from asyncflow.rpc.blocking_server import BlockingRpcServer
+from asyncflow.rpc.errors import RpcTimeout
 from asyncflow.rpc.loop_thread import EventLoopThread
 
 WAIT_S = 5.0

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch.distributed as dist
 
+from asyncflow.rpc import auth
 from asyncflow.single_controller.errors import LaunchError
 from asyncflow.single_controller.rendezvous import share_run_key, wait_run_key
-from asyncflow.rpc import auth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -9,13 +9,13 @@ import multiprocessing as mp
 import os
 import time
 
+import _sc_workers as W
 import pytest
 import torch
 import zmq
 import zmq.asyncio
-
-import _sc_workers as W
 from _sc_cluster import start_cluster, stop_cluster
+
 from asyncflow.single_controller.runtime import split_address
 
 
@@ -23,8 +23,8 @@ def stranger_main(workers: list[str], controller: str, unit: str, out) -> None:
     """Sends every attack twice: signed with a key of its own, and untagged (the old
     protocol). Reports how many replies came back (none should)."""
     from asyncflow.rpc import auth, codec
-    from asyncflow.rpc.errors import RpcTimeout
     from asyncflow.rpc.async_client import RpcClient
+    from asyncflow.rpc.errors import RpcTimeout
 
     os.environ.pop(auth.ENV_VAR, None)  # a stranger: it never saw the run's key
     auth.set_run_key(auth.generate_key(), export_env=False)

@@ -2,7 +2,7 @@
 that need a known reply (a tool call); the built-in engine's untrained model writes noise."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

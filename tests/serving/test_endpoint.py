@@ -19,17 +19,17 @@ import torch
 # The serve extra (aiohttp) and the official client (openai): CI's first stage installs both
 # (requirements-dev.txt) and runs this file; the stage beside verl installs neither extra.
 pytest.importorskip("aiohttp")
-openai = pytest.importorskip("openai")
-import httpx  # noqa: E402  (openai's own dependency: present once openai is)
+pytest.importorskip("openai")
+import httpx  # openai's own dependency: present once openai is
+import openai
+from _scripted import ScriptedEngine
 
 from asyncflow.agents.episode import EpisodeLimits
 from asyncflow.agents.runner import EpisodeRunner
+from asyncflow.agents.serving.spec import EndpointSpec
 from asyncflow.agents.tools import call_tool
 from asyncflow.engines.rollout.base import SamplingParams
 from asyncflow.engines.rollout.service import RolloutService
-from asyncflow.agents.serving.spec import EndpointSpec
-
-from _scripted import ScriptedEngine
 
 CALC = [{"type": "function", "function": {"name": "calculator", "description": "adds", "parameters": {
     "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
@@ -103,7 +103,10 @@ def _client(base_url: str, api_key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
 
 
-def _run(runner, fn, rows, params=SamplingParams(max_new_tokens=16), min_version=0):
+_RUN_PARAMS = SamplingParams(max_new_tokens=16)  # _run's default (one object: _run never changes it)
+
+
+def _run(runner, fn, rows, params=_RUN_PARAMS, min_version=0):
     path = _register(fn)
     futs = [runner.start(path, row, params, min_version, ("t", fn.__name__, i)) for i, row in enumerate(rows)]
     return [f.result(120) for f in futs]
@@ -203,7 +206,8 @@ def calc_agent(row, base_url, api_key):
 def test_the_trajectory_equals_the_conversation_apis_on_the_same_episodes(tok, builtin):
     _, runner = builtin
     # prompts of '<' and digits, so that the untrained model writes tool calls in some episodes
-    rows = [_row(tok, p, seed=s, answer="6") for s, p in enumerate(["<1+2+3=", "1+2+3=<", "<<<", "12=<", "<9+", "<<"] * 3)]
+    prompts = ["<1+2+3=", "1+2+3=<", "<<<", "12=<", "<9+", "<<"] * 3
+    rows = [_row(tok, p, seed=s, answer="6") for s, p in enumerate(prompts)]
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
     path = _register(conversation_episode)
     futs = [runner.start(path, r, params, 0, ("conv", i)) for i, r in enumerate(rows)]

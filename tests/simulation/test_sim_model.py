@@ -13,8 +13,8 @@ from asyncflow.simulation.clock import SimClock
 from asyncflow.simulation.cluster import ClusterConfig, _Recorder
 from asyncflow.simulation.costs import CostModel
 from asyncflow.simulation.driver_data import columns_before
-from asyncflow.simulation.recipe import SOURCE_COLUMNS, RecipeSizes, build
 from asyncflow.simulation.engine import SimRequestEngine
+from asyncflow.simulation.recipe import SOURCE_COLUMNS, RecipeSizes, build
 from asyncflow.simulation.stragglers import slowdowns, slowest
 from asyncflow.simulation.verdict import judge
 from asyncflow.workflow.executor import StepReport

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from _sc_cluster import start_cluster, stop_cluster
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import _dp_workers as D
 import pytest
+from _sc_cluster import FAST_DRIVER
 
 from asyncflow.rpc.loop_thread import EventLoopThread
 from asyncflow.single_controller import Driver, RunConfig, RuntimeConfig, WorkerError
 from asyncflow.single_controller.local import LocalWorkers
-
-import _dp_workers as D
-from _sc_cluster import FAST_DRIVER
 
 pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import threading
 
+import _dp_workers as D
 import pytest
 import torch
-
-import _dp_workers as D
 from _sc_cluster import cluster_fixture
 
 pytestmark = pytest.mark.slow
@@ -23,7 +22,7 @@ class _CountReads:
     def __init__(self, unit):
         self.unit, self.reads, self._lock = unit, [], threading.Lock()
 
-    def __enter__(self) -> "_CountReads":
+    def __enter__(self) -> _CountReads:
         original = self.unit.read
 
         def read(partition, row_t, columns):

@@ -5,12 +5,11 @@ position in the shard), ``shard_group`` its shard, ``process_group`` the whole g
 rank alone in a group gets None."""
 from __future__ import annotations
 
+import _dp_workers as D
 import pytest
+from _sc_cluster import cluster_fixture
 
 from asyncflow.single_controller import GroupLayout
-
-import _dp_workers as D
-from _sc_cluster import cluster_fixture
 
 pytestmark = pytest.mark.slow
 cluster4 = cluster_fixture(4)

@@ -11,12 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import _sc_workers as W
 import pytest
+from _sc_cluster import start_cluster, stop_cluster
 
 from asyncflow.single_controller import PlacementConfig, WorkerDiedError
-
-import _sc_workers as W
-from _sc_cluster import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.slow
 

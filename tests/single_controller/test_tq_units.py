@@ -8,12 +8,23 @@ import socket
 import pytest
 import torch
 
-from asyncflow.single_controller.errors import LaunchError
 from asyncflow.config import UnitsConfig
-from asyncflow.single_controller.tq_units import (CONTROLLER_KEY, NodeUnit, nodes_of_ranks,
-                                                  start_for_rank, wait_for_node_units, write_unit_stats)
-from asyncflow.transfer_queue import (TransferQueueClient, TransferQueueConfig, TransferQueueService,
-                                      TransferQueueTimeout, locality)
+from asyncflow.single_controller.errors import LaunchError
+from asyncflow.single_controller.tq_units import (
+    CONTROLLER_KEY,
+    NodeUnit,
+    nodes_of_ranks,
+    start_for_rank,
+    wait_for_node_units,
+    write_unit_stats,
+)
+from asyncflow.transfer_queue import (
+    TransferQueueClient,
+    TransferQueueConfig,
+    TransferQueueService,
+    TransferQueueTimeout,
+    locality,
+)
 
 
 class _Store:

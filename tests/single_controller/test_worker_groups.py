@@ -8,12 +8,11 @@ import collections
 import random
 import time
 
+import _sc_workers as W
 import pytest
 import torch
 
 from asyncflow.single_controller import WorkerCallTimeout, WorkerError
-
-import _sc_workers as W
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +130,7 @@ def test_call_timeout(cluster3, groups):
 
 def test_unknown_method_and_bad_argument(cluster3, groups):
     with pytest.raises(AttributeError, match="no method 'nope'"):
-        groups[0].nope
+        _ = groups[0].nope
     with pytest.raises(TypeError, match="cannot be sent"):
         cluster3.run(groups[0].whoami(x=object()))
 

@@ -6,14 +6,19 @@ never as a hung suite.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import zmq.asyncio
 
-from asyncflow.transfer_queue import (AsyncTransferQueueClient, TransferQueueClient, TransferQueueConfig,
-                                      TransferQueueService)
+from asyncflow.transfer_queue import (
+    AsyncTransferQueueClient,
+    TransferQueueClient,
+    TransferQueueConfig,
+    TransferQueueService,
+)
 
 # Client-side limits used throughout: a reply must come within RPC_TIMEOUT; a get_meta or a
 # put waiting for room waits WAIT_TIMEOUT unless the test says otherwise.

@@ -6,8 +6,18 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from asyncflow.rpc.codec import CodecError
-from asyncflow.transfer_queue.columns import (FieldSchema, FixedColumn, JaggedColumn, ObjectColumn, column_from_wire,
-                                              column_to_wire, concat, to_column, to_columns, to_tensordict)
+from asyncflow.transfer_queue.columns import (
+    FieldSchema,
+    FixedColumn,
+    JaggedColumn,
+    ObjectColumn,
+    column_from_wire,
+    column_to_wire,
+    concat,
+    to_column,
+    to_columns,
+    to_tensordict,
+)
 
 
 def _jag(rows):

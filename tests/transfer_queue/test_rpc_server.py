@@ -14,9 +14,9 @@ import zmq
 import zmq.asyncio
 
 from asyncflow.rpc import auth, codec, server_base
-from asyncflow.rpc.errors import RemoteError
 from asyncflow.rpc.async_client import RpcClient
 from asyncflow.rpc.async_server import RpcServer
+from asyncflow.rpc.errors import RemoteError
 from asyncflow.rpc.loop_thread import EventLoopThread
 
 WAIT_S = 5.0

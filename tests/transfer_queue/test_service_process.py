@@ -79,12 +79,12 @@ def test_the_driver_rank_starts_the_service_in_a_child_that_serves_and_stops(tmp
 
 @pytest.mark.slow
 def test_the_service_process_ends_when_its_parent_dies():
-    code = ("import sys; sys.path.insert(0, %r)\n"
+    code = (f"import sys; sys.path.insert(0, {ROOT!r})\n"
             "from asyncflow.transfer_queue import TransferQueueConfig\n"
             "from asyncflow.transfer_queue.service_process import ServiceProcess\n"
             "s = ServiceProcess(TransferQueueConfig())\n"
             "print(s.pid, flush=True)\n"
-            "import time; time.sleep(600)\n" % ROOT)
+            "import time; time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     child = None
     try:

@@ -94,7 +94,8 @@ def test_rows_of_another_unit_or_never_stored_fail_clearly(unit):
 def test_a_column_missing_or_not_yet_written_raises_missing_column_error(unit):
     ids = _put_rows(unit, 0, 4)
     asyncio.run(unit.rpc_put(PART, {"y": column_to_wire(to_column("y", torch.arange(2)))}, rows=ids[:2]))
-    with pytest.raises(MissingColumnError, match=r"'p' has no column 'nope' in unit 0 \(it holds \['ids', 'x', 'y'\]\)"):
+    with pytest.raises(MissingColumnError,
+                       match=r"'p' has no column 'nope' in unit 0 \(it holds \['ids', 'x', 'y'\]\)"):
         _read(unit, ids, ("x", "nope"))
     with pytest.raises(MissingColumnError, match=rf"rows \[{int(ids[2])}, {int(ids[3])}\] have no column 'y' yet"):
         _read(unit, ids, ("x", "y"))

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import re
 
+import _tq_helpers as H
 import pytest
 import torch
 
-import _tq_helpers as H
 from asyncflow.transfer_queue import BadPutError, BatchMeta, RowsClearedError, SchemaMismatchError
 from asyncflow.transfer_queue.meta import unit_of
 

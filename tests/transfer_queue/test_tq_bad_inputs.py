@@ -7,12 +7,16 @@ import re
 
 import pytest
 import torch
-
-from asyncflow.transfer_queue import (BadPutError, RowsClearedError, SchemaMismatchError, UnknownPartitionError,
-                                      UnknownTaskError)
-from asyncflow.transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn, column_to_wire
-
 from _tq_helpers import plain_column
+
+from asyncflow.transfer_queue import (
+    BadPutError,
+    RowsClearedError,
+    SchemaMismatchError,
+    UnknownPartitionError,
+    UnknownTaskError,
+)
+from asyncflow.transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn, column_to_wire
 
 
 def _data(n, start=0):
@@ -101,14 +105,16 @@ def test_unknown_task_in_reset_consumption_is_refused(filled):
 def test_new_rows_with_a_different_column_schema_are_refused(filled, bad, holds, sends):
     tq, meta, state, before = filled
     col = next(iter(bad))
-    with pytest.raises(SchemaMismatchError, match=re.escape(f"column '{col}': holds {holds} but this put sends {sends}")):
+    with pytest.raises(SchemaMismatchError,
+                       match=re.escape(f"column '{col}': holds {holds} but this put sends {sends}")):
         tq.client.put(bad, "p")
     assert state() == before
 
 
 def test_added_column_with_a_different_schema_is_refused(filled):
     tq, meta, state, before = filled
-    with pytest.raises(SchemaMismatchError, match=r"'score': holds fixed float32\[\] but this put sends fixed int64\[\]"):
+    with pytest.raises(SchemaMismatchError,
+                       match=r"'score': holds fixed float32\[\] but this put sends fixed int64\[\]"):
         tq.client.put({"score": torch.tensor([1, 2, 3])}, "p", meta.select([3, 4, 5]))
     assert state() == before
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import _tq_helpers as H
 import pytest
 import torch
 
-import _tq_helpers as H
 from asyncflow.transfer_queue import CapacityError
 from asyncflow.transfer_queue.storage import StorageUnit
 

@@ -8,12 +8,11 @@ import asyncio
 
 import pytest
 import torch
+from _tq_helpers import plain_column
 
 from asyncflow.transfer_queue import BadPutError, CapacityError
 from asyncflow.transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn, column_to_wire
 from asyncflow.transfer_queue.errors import MissingColumnError
-
-from _tq_helpers import plain_column
 
 
 def _data(n: int) -> dict:

@@ -17,9 +17,9 @@ import multiprocessing as mp
 import queue
 import time
 
+import _tq_helpers as H
 import pytest
 
-import _tq_helpers as H
 from asyncflow.transfer_queue import TransferQueueClient, TransferQueueConfig, TransferQueueService
 
 N_ROWS = 3000
@@ -86,7 +86,7 @@ def test_every_row_reaches_every_task_exactly_once_with_unchanged_bytes(remote_u
                                              args=(addr, "stream", task, cols, 100 + 10 * t + j, out), daemon=True))
         half = N_ROWS // 2
         producers = [
-            ctx.Process(target=H.producer_main, args=(addr, "stream", list(range(0, half)), 1, out), daemon=True),
+            ctx.Process(target=H.producer_main, args=(addr, "stream", list(range(half)), 1, out), daemon=True),
             ctx.Process(target=H.producer_main, args=(addr, "stream", list(range(half, N_ROWS)), 2, out),
                         daemon=True),
         ]
@@ -126,7 +126,7 @@ def test_every_row_reaches_every_task_exactly_once_with_unchanged_bytes(remote_u
 
         st = client.status("stream")
         assert st["rows"] == N_ROWS
-        assert st["consumed"] == {t: N_ROWS for t in TASKS}
+        assert st["consumed"] == dict.fromkeys(TASKS, N_ROWS)
         assert st["column_rows"]["score"] == N_ROWS
         stats = client.unit_stats()
         assert sum(s["rows"] for s in stats) == N_ROWS

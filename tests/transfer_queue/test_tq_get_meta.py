@@ -6,10 +6,10 @@ import asyncio
 import threading
 import time
 
+import _tq_helpers as H
 import pytest
 import torch
 
-import _tq_helpers as H
 from asyncflow.transfer_queue import RowsClearedError, TransferQueueTimeout
 from asyncflow.transfer_queue.samplers import ReadyRows
 
@@ -170,7 +170,8 @@ def test_timeout_message_names_partition_task_missing_columns_and_ready_rows(tq)
     with pytest.raises(TransferQueueTimeout) as e:
         c.get_meta(["prompts", "responses"], 4, "reward-fn", "rollout-7", timeout=0.4)
     msg = str(e.value)
-    for part in ("timed out after 0.4s", "'rollout-7'", "'reward-fn'", "4 rows", "2 ready", "responses: 3 rows lack it"):
+    for part in ("timed out after 0.4s", "'rollout-7'", "'reward-fn'", "4 rows", "2 ready",
+                 "responses: 3 rows lack it"):
         assert part in msg, f"{part!r} not in: {msg}"
     assert "prompts:" not in msg  # a column every row has is not reported missing
     assert "close_partition" in msg
@@ -267,9 +268,9 @@ def test_get_meta_of_a_few_rows_does_not_scan_a_large_partition(tq):
     for i in range(3):
         put = c.put(_keys(8, n + 8 * i), "p")
         sub = tq.on_loop(lambda: part.subs["t"][("k",)])
-        assert tq.on_loop(lambda: len(sub.ready)) == 8  # only the new rows are pending
+        assert tq.on_loop(lambda sub=sub: len(sub.ready)) == 8  # only the new rows are pending
         assert c.get_meta(["k"], 8, "t", "p", timeout=2).rows == put.rows
-        assert tq.on_loop(lambda: len(sub.ready)) == 0
+        assert tq.on_loop(lambda sub=sub: len(sub.ready)) == 0
     assert _CountingRows.scans == 0, "a write or get_meta iterated over every row of the partition"
     assert tq.on_loop(lambda: len(part.rows)) == n + 24
 

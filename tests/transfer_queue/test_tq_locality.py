@@ -9,9 +9,14 @@ import socket
 import pytest
 import torch
 
-from asyncflow.transfer_queue import (BadPutError, BatchMeta, RowsClearedError, TransferQueueClient,
-                                      TransferQueueTimeout)
-from asyncflow.transfer_queue import locality
+from asyncflow.transfer_queue import (
+    BadPutError,
+    BatchMeta,
+    RowsClearedError,
+    TransferQueueClient,
+    TransferQueueTimeout,
+    locality,
+)
 from asyncflow.transfer_queue.meta import make_row_id, unit_of
 
 
@@ -60,10 +65,10 @@ def test_columns_added_on_another_node_are_stored_there_and_read_back(two_nodes)
 
 def test_mixed_homes_and_any_row_order(two_nodes):
     tq, node0, node1 = two_nodes
-    m0 = node0.put(_prompts(list(range(0, 10))), "p")
+    m0 = node0.put(_prompts(list(range(10))), "p")
     m1 = node1.put(_prompts(list(range(100, 108))), "p")
     both = BatchMeta.concat([m0, m1])
-    keys = list(range(0, 10)) + list(range(100, 108))
+    keys = list(range(10)) + list(range(100, 108))
     out = node1.put(_responses(keys), "p", both)  # home-1 rows at home, home-0 rows off-home
     assert out.locations["resp"] == [1] * 18
     assert _stats(tq)[1]["foreign_rows"] == 10

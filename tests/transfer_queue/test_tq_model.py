@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from _tq_helpers import check_rows, make_rows, make_scores, row_feat, row_score, row_text, row_tokens
 
 from asyncflow.transfer_queue import BadPutError, BatchMeta, RowsClearedError, SchemaMismatchError
 from asyncflow.transfer_queue.meta import unit_of
-
-from _tq_helpers import check_rows, make_rows, make_scores, row_feat, row_score, row_text, row_tokens
 
 PARTITIONS = ("p0", "p1", "g")  # "g": rows put with GRPO group ids, read whole groups only
 GROUPED = "g"

@@ -117,7 +117,7 @@ def test_reads_in_any_order_across_two_units_follow_the_meta_order(tq_factory):
     tq = tq_factory(num_local_units=2)
     tq.client.create_partition("p")
     to0, to1 = tq.new_client(preferred_unit=0), tq.new_client(preferred_unit=1)
-    keys0, keys1 = list(range(0, 20)), list(range(100, 115))
+    keys0, keys1 = list(range(20)), list(range(100, 115))
     lens = {k: 1 + k % 11 for k in keys0 + keys1}
     payload = {k: torch.full((lens[k],), k, dtype=torch.int32) for k in lens}
 

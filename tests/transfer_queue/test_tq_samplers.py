@@ -6,10 +6,10 @@ import asyncio
 import collections
 import random
 
+import _tq_helpers as H
 import pytest
 import torch
 
-import _tq_helpers as H
 from asyncflow.transfer_queue import TransferQueueTimeout
 from asyncflow.transfer_queue.balance import contiguous_partition, imbalance
 

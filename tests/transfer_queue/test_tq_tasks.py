@@ -3,10 +3,10 @@ with an error naming the task, the partition and the declared tasks, and consume
 Declaring more tasks later adds them; a partition created without tasks serves any task."""
 from __future__ import annotations
 
+import _tq_helpers as H
 import pytest
 import torch
 
-import _tq_helpers as H
 from asyncflow.transfer_queue import UnknownTaskError
 
 REFUSED = (r"unknown task 'trian' for partition 'p': it serves only the tasks declared for it, \['eval', 'train'\]; "

@@ -89,7 +89,7 @@ def _staged(sink):
 
 def _sender(rank: int, groups: dict, gather_all: bool = False):
     from asyncflow.weight_sync.send import BucketSender
-    return BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], lambda: [],
+    return BucketSender(rank, TRAIN.index(rank), groups[TRAIN.index(rank)], list,
                         timeout_s=SYNC_TIMEOUT_S, train_ranks=TRAIN, gather_all=gather_all)
 
 

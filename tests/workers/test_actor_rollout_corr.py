@@ -13,8 +13,8 @@ import torch
 from asyncflow.config import AlgorithmConfig
 from asyncflow.engines.train import FSDPEngine, OptimConfig
 from asyncflow.workers.actor_loss import policy_loss_fn
-from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 from tests.engines._train_helpers import make_batch, tiny_model
+from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 
 STEP = 5  # update 5 trains version 5: tokens sampled by version 5 are "the same weights"
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 import _offload_workers as W
+import pytest
 from _sc_cluster import cluster_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]

@@ -29,7 +29,7 @@ def test_layout_aligns_every_tensor_and_views_round_trip():
     buf = torch.zeros(header.bucket_nbytes(0), dtype=torch.uint8)
     for spec, v in ws.views(header, 0, buf):
         v.copy_(t[spec.name])
-    out = dict((s.name, v.clone()) for s, v in ws.views(header, 0, buf))
+    out = {s.name: v.clone() for s, v in ws.views(header, 0, buf)}
     assert all(torch.equal(out[k], t[k]) and out[k].dtype == t[k].dtype for k in t)
     assert header.nbytes == sum(x.numel() * x.element_size() for x in t.values())
 

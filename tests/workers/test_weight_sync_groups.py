@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import socket
 
+import _weight_sync_procs as P
 import pytest
 import torch.multiprocessing as mp
-
-import _weight_sync_procs as P
 
 pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 
@@ -128,7 +127,7 @@ def test_a_receiver_that_never_reads_times_out_naming_the_sync():
     t.start()
     group = WireGroup(addr, 0, 2.0, store=store)
     t.join(30)
-    sender = BucketSender(0, 0, group, lambda: [], timeout_s=2.0)
+    sender = BucketSender(0, 0, group, list, timeout_s=2.0)
     sd = {"w": torch.zeros(4 << 20)}  # 16 MB: more than the socket buffers take without a reader
     header = make_header(sd.items(), 1, 1, 1 << 20, 1, None)
     with pytest.raises(RuntimeError, match=r"version 1 .*actor rank 0") as err:

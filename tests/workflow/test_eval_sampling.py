@@ -109,7 +109,8 @@ def test_two_instances_evaluate_their_shares_at_once_and_merge_to_the_one_instan
     assert all(c["n_samples"] == 4 and c["temperature"] == 0.7 for c in first)
     seeds = {i: s for c in first for i, s in zip(c["ids"], c["seeds"])}
     assert seeds == dict(zip(one.calls[0]["ids"], one.calls[0]["seeds"]))  # a prompt's samples: same seeds anywhere
-    assert len(set(seeds.values())) == 9 and all(b - a >= 4 for a, b in zip(sorted(seeds.values()), sorted(seeds.values())[1:]))
+    ordered = sorted(seeds.values())
+    assert len(set(seeds.values())) == 9 and all(b - a >= 4 for a, b in zip(ordered, ordered[1:]))
     # correct samples per prompt i: i % 5 of 4 -> [0, 1, 2, 3, 4, 0, 1, 2, 3]
     want_pass1 = sum(c / 4 for c in [0, 1, 2, 3, 4, 0, 1, 2, 3]) / 9
     want_pass4 = 7 / 9

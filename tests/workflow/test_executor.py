@@ -82,10 +82,10 @@ class ServiceRollout(Rollout):
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), end - loop.time())
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
         written, self.written = self.written, {}
-        return {"free": self.CAP - self.in_flight, "written": written, "busy_s": {p: 0.001 for p in written}}
+        return {"free": self.CAP - self.in_flight, "written": written, "busy_s": dict.fromkeys(written, 0.001)}
 
     async def _rows(self, meta, min_version):
         while self.version < min_version:  # admission waits for the weights (the staleness gate)

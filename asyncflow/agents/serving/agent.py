@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import numbers
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ..episode import EpisodeLimits, Trajectory
 from ...engines.rollout.base import SamplingParams
+from ..episode import EpisodeLimits, Trajectory
 from .chat_format import ChatFormat
 from .recorder import build_trajectory
 from .server import EndpointServer

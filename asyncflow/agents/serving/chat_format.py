@@ -66,7 +66,8 @@ def message_text(content: Any) -> str:
 def _functions(tools: list[dict] | None) -> list[dict]:
     out = []
     for t in tools or []:
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+        if (not isinstance(t, dict) or t.get("type", "function") != "function"
+                or not isinstance(t.get("function"), dict)):
             raise FormatError(f"a tool must be {{'type': 'function', 'function': {{...}}}}, got {t!r:.80}")
         if not t["function"].get("name"):
             raise FormatError("a tool function needs a name")

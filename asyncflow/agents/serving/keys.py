@@ -6,7 +6,8 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["EpisodeKeys", "KEY_PREFIX"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ..episode import EpisodeContext, EpisodeLimits
 from ...engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
+from ..episode import EpisodeContext, EpisodeLimits
 from .chat_format import ChatFormat
 from .limits import LimitExceeded, completion_budget
 from .recorder import EpisodeRecord, Turn

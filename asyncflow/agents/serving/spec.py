@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["AGENT_PARAMS", "EndpointSpec", "endpoint_spec", "is_agent"]
 

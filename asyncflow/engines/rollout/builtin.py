@@ -30,9 +30,17 @@ from typing import Any
 
 import torch
 
-from asyncflow.engines.rollout.base import (SWAP_MODES, GenerationOutput, GenerationRequest, RequestEngine,
-                                            RequestResult, RolloutEngine, SamplingParams, check_generate_args)
 from asyncflow.engines.rollout.attention import GROUPED, use_grouped_attention
+from asyncflow.engines.rollout.base import (
+    SWAP_MODES,
+    GenerationOutput,
+    GenerationRequest,
+    RequestEngine,
+    RequestResult,
+    RolloutEngine,
+    SamplingParams,
+    check_generate_args,
+)
 from asyncflow.engines.rollout.lora_apply import AdapterMerge, is_adapter_name
 from asyncflow.engines.rollout.sampling import SeedKeys, _splitmix64, sample_step, vocab_hash
 from asyncflow.engines.rollout.slot_cache import PrefillCache, SlotKVCache
@@ -106,7 +114,8 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
                              f"(it passes additive float masks), the model has {attn!r}")
         layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
-            raise ValueError(f"BuiltinRolloutEngine supports full attention layers only, the model has {sorted(layer_types)}")
+            raise ValueError("BuiltinRolloutEngine supports full attention layers only, the model has "
+                             f"{sorted(layer_types)}")
         for name in _HEAD_MODIFIERS:
             if getattr(cfg, name, None) not in (None, 1, 1.0):
                 raise ValueError(f"BuiltinRolloutEngine computes logits as lm_head(hidden); the model sets "
@@ -257,8 +266,9 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
             for rows in groups.values():
                 idx = torch.tensor(rows, device=self.device)
                 params = self._rows[rows[0]].req.params
-                t, l = self._sample_rows(logits[idx], params, col["key_a"][idx], col["key_b"][idx], col["steps"][idx])
-                tok[idx], lp[idx], stopped[idx] = t, l, self._stop_mask(params)[t]
+                t, t_lp = self._sample_rows(logits[idx], params, col["key_a"][idx], col["key_b"][idx],
+                                            col["steps"][idx])
+                tok[idx], lp[idx], stopped[idx] = t, t_lp, self._stop_mask(params)[t]
         slots = torch.arange(n, device=self.device)
         self._out_tok[slots, col["steps"]] = tok
         self._out_lp[slots, col["steps"]] = lp
@@ -352,7 +362,8 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
     def _request_problem(self, req: GenerationRequest) -> str | None:
         p = req.prompt_ids
         if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.numel() == 0:
-            return f"prompt must be a non-empty 1-D token tensor, got {tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}"
+            got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            return f"prompt must be a non-empty 1-D token tensor, got {got}"
         if p.dtype.is_floating_point or p.dtype == torch.bool:
             return f"prompt must hold integer token ids, got dtype {p.dtype}"
         lo, hi = int(p.min()), int(p.max())
@@ -707,8 +718,9 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
         """Bytes this engine holds now: ``weights`` (parameters and buffers, wherever they are)
         and ``kv_cache`` (the running batch's cache buffers, kept between steps for reuse)."""
         weights = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
-        kv = self._cache.nbytes + (sum(t.numel() * t.element_size() for t in self._chunked.cache.keys + self._chunked.cache.values
-                                       if t is not None) if self._chunked is not None else 0)
+        chunked = ([t for t in self._chunked.cache.keys + self._chunked.cache.values if t is not None]
+                   if self._chunked is not None else [])
+        kv = self._cache.nbytes + sum(t.numel() * t.element_size() for t in chunked)
         return {"weights": weights, "kv_cache": kv}
 
     def release_memory(self) -> None:

@@ -4,7 +4,8 @@ version and the row's version (its oldest token's); a stage that declares fewer 
 only those. Episodes add their own columns after these (asyncflow.agents.runner)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -11,7 +11,7 @@ speed of a model without adapters; the cost is the base copy of the adapted laye
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -48,11 +48,11 @@ class SeedKeys:
         self.a = torch.tensor([m & _MASK32 for m in mixed], dtype=torch.int64, device=device)
         self.b = torch.tensor([m >> 32 for m in mixed], dtype=torch.int64, device=device)
 
-    def select(self, rows: torch.Tensor) -> "SeedKeys":
+    def select(self, rows: torch.Tensor) -> SeedKeys:
         return SeedKeys.of(self.a[rows], self.b[rows])
 
     @staticmethod
-    def of(a: torch.Tensor, b: torch.Tensor) -> "SeedKeys":
+    def of(a: torch.Tensor, b: torch.Tensor) -> SeedKeys:
         """Keys from their two int64 halves (rows kept elsewhere, e.g. in a running batch)."""
         out = SeedKeys.__new__(SeedKeys)
         out.a, out.b = a, b

@@ -94,7 +94,8 @@ class RolloutService:
             raise ValueError(f"update_weights_stream: mode must be one of {SWAP_MODES}, got {mode!r}")
         return self.update_weights_with(lambda e: e.load_weights_stream(specs, stream, version, mode), version, mode)
 
-    def update_weights_with(self, load: Callable[[RequestEngine], Any], version: int, mode: str | None = None) -> Future:
+    def update_weights_with(self, load: Callable[[RequestEngine], Any], version: int,
+                            mode: str | None = None) -> Future:
         """Run ``load(engine)`` as the swap of ``version`` at the next step boundary (as
         ``update_weights_stream``; e.g. an engine whose own workers receive the version)."""
         mode = mode or self.swap_mode

@@ -36,8 +36,16 @@ from typing import Any
 
 import torch
 
-from asyncflow.engines.rollout.base import (SWAP_MODES, GenerationOutput, GenerationRequest, RequestEngine,
-                                            RequestResult, RolloutEngine, SamplingParams, check_generate_args)
+from asyncflow.engines.rollout.base import (
+    SWAP_MODES,
+    GenerationOutput,
+    GenerationRequest,
+    RequestEngine,
+    RequestResult,
+    RolloutEngine,
+    SamplingParams,
+    check_generate_args,
+)
 from asyncflow.engines.rollout.vllm_requests import ParamsFactory, VLLMRequests, filtered_log_probs_problem
 
 __all__ = ["VLLMRolloutEngine", "WeightSpec", "check_weights", "resolve_devices", "visible_devices"]

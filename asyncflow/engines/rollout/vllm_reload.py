@@ -23,8 +23,7 @@ __all__ = ["Reload"]
 
 def _layerwise() -> tuple[Any, Any] | None:
     try:
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                             initialize_layerwise_reload)
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     except ImportError:
         return None
     return initialize_layerwise_reload, finalize_layerwise_reload

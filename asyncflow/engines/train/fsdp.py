@@ -35,8 +35,9 @@ import logging
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,17 +46,35 @@ from torch import Tensor, nn
 
 from asyncflow.engines.train import checkpoint as ckpt
 from asyncflow.engines.train.activation_checkpoint import checkpoint_layers
+from asyncflow.engines.train.base import (
+    LossFn,
+    LossNorm,
+    NonFiniteUpdateError,
+    OptimConfig,
+    TrainEngine,
+    check_batch,
+    move_train_state,
+    response_loss_masks,
+)
 from asyncflow.engines.train.critic_init import critic_model
 from asyncflow.engines.train.lora import LoraOptions
-from asyncflow.engines.train.base import (LossFn, LossNorm, NonFiniteUpdateError, OptimConfig, TrainEngine,
-                                          check_batch, move_train_state, response_loss_masks)
 from asyncflow.engines.train.meta_init import fill, materialize, real_tensors
-from asyncflow.engines.train.microbatch import (MicroBatch, build_micro_batch, empty_micro_batch,
-                                                plan_micro_batches, slice_fields)
+from asyncflow.engines.train.microbatch import (
+    MicroBatch,
+    build_micro_batch,
+    empty_micro_batch,
+    plan_micro_batches,
+    slice_fields,
+)
 from asyncflow.engines.train.model_source import ModelSource, as_model_source
 from asyncflow.engines.train.options import EngineOptions
-from asyncflow.engines.train.packing import (ROW_TOKENS, build_packed_micro_batch, check_packing_supported,
-                                             flash_kwargs, plan_packed_micro_batches)
+from asyncflow.engines.train.packing import (
+    ROW_TOKENS,
+    build_packed_micro_batch,
+    check_packing_supported,
+    flash_kwargs,
+    plan_packed_micro_batches,
+)
 from asyncflow.engines.train.schedule import build_scheduler
 from asyncflow.models.loading import record_attn_implementation
 from asyncflow.platform import Platform, get_platform

@@ -16,9 +16,10 @@ PEFT is imported only here, and only when ``model.lora`` is set.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +49,7 @@ class LoraOptions:
         return self.alpha / self.rank
 
     @classmethod
-    def from_model_config(cls, model: Any) -> "LoraOptions | None":
+    def from_model_config(cls, model: Any) -> LoraOptions | None:
         """From the run config's ``model`` section (its ``lora``); None when LoRA is off."""
         lo = model.lora
         if lo.rank is None:
@@ -83,7 +84,8 @@ def lora_model_problems(model: nn.Module, opts: LoraOptions) -> list[str]:
     """What ``model.lora`` asks that this model cannot have, each naming the key to fix."""
     layers = target_layers(model, opts.target_modules)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head})
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                     if isinstance(m, nn.Linear) and m is not head})
     out = []
     for t in opts.target_modules:
         if t != ALL_LINEAR and not target_layers(model, (t,)):
@@ -165,7 +167,7 @@ def merged_tensors(model: nn.Module, named: list[tuple[str, Tensor]], scale: flo
     from torch.distributed.tensor import DTensor
 
     merged = {}
-    for layer, w, a, b in adapter_layers(model):
+    for _layer, w, a, b in adapter_layers(model):
         rows = (_local(w).float() + _delta(a, b, scale)).to(w.dtype)
         merged[id(w)] = (DTensor.from_local(rows, w.device_mesh, w.placements, shape=w.shape, stride=w.stride())
                          if isinstance(w, DTensor) else rows)

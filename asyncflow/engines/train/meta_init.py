@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.distributed as dist

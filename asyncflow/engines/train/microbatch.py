@@ -12,8 +12,8 @@ Layout of one micro-batch of b sequences, L = longest prompt+response, R = longe
 response: `input_ids` [b, L] right-padded; `position_ids` 0..len-1 per row; the
 response token j of row i sits at input position p_i + j and is predicted by the
 logits at position p_i + j - 1 (`logit_pos` [b, R]); `targets` [b, R] are the
-response tokens (packing.py has the padding-free layout); `mask` [b, R] marks the real ones that are trained on: with per-sequence
-``loss_masks`` (multi-turn rows, see base.py) only the model tokens among them.
+response tokens (packing.py has the padding-free layout); `mask` [b, R] marks the real ones
+that are trained on: with per-sequence ``loss_masks`` (multi-turn rows, see base.py) only the model tokens among them.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class MicroBatch:
     def padded_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def to(self, device: torch.device) -> "MicroBatch":
+    def to(self, device: torch.device) -> MicroBatch:
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, Tensor) else v)
                  for k, v in self.__dict__.items()}
         return MicroBatch(**moved)

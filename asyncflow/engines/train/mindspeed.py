@@ -17,7 +17,7 @@ engine is built, and their absence raises ImportError naming `pip install asyncf
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn

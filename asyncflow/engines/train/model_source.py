@@ -14,8 +14,9 @@ and the weights to fill its shards with (meta_init.py does both).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ class ModelSource(Protocol):
     def build(self, rank: int) -> nn.Module:
         """The model; its parameters on meta, except on a rank that holds weights to send."""
 
-    def weights(self) -> ContextManager[WeightReader | None]:
+    def weights(self) -> contextlib.AbstractContextManager[WeightReader | None]:
         """What each rank reads for itself (None: the first rank sends everything)."""
 
 
@@ -48,7 +49,7 @@ class FactorySource:
         with parameters_on_meta():
             return self.factory()
 
-    def weights(self) -> ContextManager[WeightReader | None]:
+    def weights(self) -> contextlib.AbstractContextManager[WeightReader | None]:
         return contextlib.nullcontext(None)
 
 
@@ -75,7 +76,7 @@ class PretrainedModel:
         with parameters_on_meta():
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
-    def weights(self) -> ContextManager[WeightReader | None]:
+    def weights(self) -> contextlib.AbstractContextManager[WeightReader | None]:
         from asyncflow.models.loading import SafetensorsWeights
         return SafetensorsWeights(self.path)
 

@@ -29,7 +29,7 @@ class EngineOptions:
                              f"{' or '.join(PARAM_DTYPES)}")
 
     @classmethod
-    def from_model_config(cls, model: Any) -> "EngineOptions":
+    def from_model_config(cls, model: Any) -> EngineOptions:
         """From the run config's ``model`` section (asyncflow.config.ModelConfig)."""
         return cls(param_dtype=model.param_dtype, activation_checkpointing=model.activation_checkpointing,
                    cpu_offload=model.cpu_offload, padding_free=model.padding_free)

@@ -1,0 +1,95 @@
+"""The lint configuration CI runs: ruff.toml's rule set and Python version, mypy.ini's checked
+packages, the pinned tools, and .ci/run's lint stage in the first run's venv."""
+from __future__ import annotations
+
+import configparser
+import re
+import tomllib
+from pathlib import Path
+
+from tests.test_packaging import _ci_blocks, _setup_kwargs
+
+ROOT = Path(__file__).resolve().parents[1]
+_CI_LINT = "# --- Lint"
+
+
+def _ruff() -> dict:
+    return tomllib.loads((ROOT / "ruff.toml").read_text())
+
+
+def test_ruff_targets_setup_pys_oldest_python_and_selects_the_rule_set():
+    cfg = _ruff()
+    floor = re.fullmatch(r">=\s*3\.(\d+)", _setup_kwargs()["python_requires"])
+    assert floor, "python_requires is a floor"
+    assert cfg["target-version"] == f"py3{floor.group(1)}", "pyupgrade must not use syntax newer than the floor"
+    rules = set(cfg["lint"]["select"])
+    # pycodestyle, pyflakes, import order, bugbear, pyupgrade, and unused noqa comments.
+    assert {"E", "W", "F", "I", "B", "UP", "RUF100"} <= rules, rules
+    assert not {"E", "W", "F", "I"} & set(cfg["lint"].get("ignore", [])), "whole families are never ignored"
+
+
+def test_ruff_per_file_ignores_are_narrow():
+    ignores = _ruff()["lint"].get("per-file-ignores", {})
+    for pattern, codes in ignores.items():
+        assert all(re.fullmatch(r"[A-Z]+[0-9]+", c) for c in codes), (pattern, codes)
+
+
+def test_lint_tools_are_pinned():
+    lines = [ln.split("#", 1)[0].strip() for ln in (ROOT / "requirements-lint.txt").read_text().splitlines()]
+    pins = dict(ln.split("==") for ln in lines if ln)
+    assert {"ruff", "mypy"} <= set(pins) and all(re.fullmatch(r"[0-9][\w.]*", v) for v in pins.values()), pins
+
+
+def test_ci_lints_in_the_first_runs_venv_right_after_its_tests():
+    blocks = list(_ci_blocks().items())
+    assert blocks[0][1][-1] == "python -m pytest -q tests"
+    title, lint = blocks[1]
+    assert title.startswith(_CI_LINT), f"the block after the first run is the lint stage, got {title!r}"
+    assert lint[0] == "pip install -r requirements-lint.txt"
+    assert "ruff check ." in lint and "mypy" in lint
+    assert not any(c.startswith(("deactivate", "python3 -m venv", ". ")) for c in lint), "no venv switch before lint"
+
+
+# strict mode's per-module flags (`mypy --help`, --strict): a section's `strict = True` would set
+# them for the whole run, so the strict section names them one by one.
+_STRICT_FLAGS = {
+    "disallow_any_generics": True, "disallow_subclassing_any": True, "disallow_untyped_calls": True,
+    "disallow_untyped_defs": True, "disallow_incomplete_defs": True, "check_untyped_defs": True,
+    "disallow_untyped_decorators": True, "warn_unused_ignores": True, "warn_return_any": True,
+    "implicit_reexport": False, "strict_equality": True, "extra_checks": True,
+}
+
+
+def _mypy() -> configparser.ConfigParser:
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "mypy.ini")
+    return cfg
+
+
+def _modules(section: str) -> list[str]:
+    return [m.strip() for m in section.removeprefix("mypy-").split(",")]
+
+
+def test_mypy_checks_only_strict_packages_and_ignores_no_errors():
+    cfg = _mypy()
+    files = [f.strip() for f in cfg["mypy"]["files"].split(",") if f.strip()]
+    assert files, "mypy checks something"
+    strict = {m for s in cfg.sections() if s.startswith("mypy-")
+              and all(cfg[s].getboolean(k, fallback=None) is v for k, v in _STRICT_FLAGS.items())
+              for m in _modules(s)}
+    for f in files:
+        assert f.replace("/", ".") + ".*" in strict, f"{f}: a checked package has every strict flag"
+    assert not any("strict" in cfg[s] for s in cfg.sections()), "strict = True reaches the whole run"
+    assert not any(cfg[s].getboolean("ignore_errors", False) for s in cfg.sections()), "no ignore_errors"
+    assert "ignore_missing_imports" not in cfg["mypy"], "missing imports are ignored per module only"
+    for s in cfg.sections():
+        if cfg[s].getboolean("ignore_missing_imports", False):
+            assert not any(m.startswith("asyncflow") for m in _modules(s)), s
+
+
+def test_mypy_reads_the_projects_unchecked_modules():
+    # silent (read, errors not reported) is allowed for imported modules; skip would leave a
+    # checked package's calls into them unchecked.
+    cfg = _mypy()
+    modes = {s: cfg[s]["follow_imports"] for s in cfg.sections() if "follow_imports" in cfg[s]}
+    assert set(modes.values()) <= {"normal", "silent"}, modes
