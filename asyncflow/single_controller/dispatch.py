@@ -21,12 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..transfer_queue.meta import BatchMeta
 from .layout import GroupLayout
 
-Call = tuple[tuple, dict]
+Call = tuple[tuple[Any, ...], dict[str, Any]]  # one rank's (args, kwargs)
+# A mode's execute: (worker, its bound method, args, kwargs) -> the method's result.
+Execute = Callable[[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+_F = TypeVar("_F", bound=Callable[..., Any])
 _ATTR = "__asyncflow_dispatch__"
 
 
@@ -37,16 +40,16 @@ class Dispatch:
     DP_COMPUTE = "dp_compute"
 
 
-def _run(worker: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+def _run(worker: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return fn(*args, **kwargs)
 
 
 @dataclass(frozen=True)
 class DispatchMode:
     name: str
-    split: Callable[[GroupLayout, tuple, dict], list[Call | None]]
-    gather: Callable[[GroupLayout, list], Any]
-    execute: Callable[[Any, Callable, tuple, dict], Any] = _run
+    split: Callable[[GroupLayout, tuple[Any, ...], dict[str, Any]], list[Call | None]]
+    gather: Callable[[GroupLayout, list[Any]], Any]
+    execute: Execute = _run
 
 
 DISPATCH_MODES: dict[str, DispatchMode] = {}
@@ -75,7 +78,7 @@ class MethodSpec:
 
 
 def register(mode: str = Dispatch.ONE_TO_ALL, *, timeout_s: float | None = None,
-             concurrent: bool = False) -> Callable:
+             concurrent: bool = False) -> Callable[[_F], _F]:
     """Mark a Worker method as callable from the driver with dispatch ``mode``.
 
     concurrent: the method is served while another call runs on the rank (on a thread of
@@ -88,7 +91,7 @@ def register(mode: str = Dispatch.ONE_TO_ALL, *, timeout_s: float | None = None,
     if concurrent and mode == Dispatch.DP_COMPUTE:
         raise ValueError("a concurrent method cannot use DP_COMPUTE (it broadcasts over the shard's group)")
 
-    def mark(fn: Callable) -> Callable:
+    def mark(fn: _F) -> _F:
         setattr(fn, _ATTR, MethodSpec(mode, timeout_s, concurrent))
         return fn
     return mark
@@ -100,15 +103,15 @@ def method_spec(fn: Any) -> MethodSpec | None:
 
 # ---- the built-in modes --------------------------------------------------------------------
 
-def _one_to_all_split(layout: GroupLayout, args: tuple, kwargs: dict) -> list[Call | None]:
+def _one_to_all_split(layout: GroupLayout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Call | None]:
     return [(args, kwargs)] * layout.size
 
 
-def _list_gather(layout: GroupLayout, results: list) -> list:
+def _list_gather(layout: GroupLayout, results: list[Any]) -> list[Any]:
     return results
 
 
-def _all_to_all_split(layout: GroupLayout, args: tuple, kwargs: dict) -> list[Call | None]:
+def _all_to_all_split(layout: GroupLayout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Call | None]:
     n = layout.size
     for name, v in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
         if not isinstance(v, (list, tuple)) or len(v) != n:
@@ -118,15 +121,15 @@ def _all_to_all_split(layout: GroupLayout, args: tuple, kwargs: dict) -> list[Ca
     return [(tuple(a[i] for a in args), {k: v[i] for k, v in kwargs.items()}) for i in range(n)]
 
 
-def _rank_zero_split(layout: GroupLayout, args: tuple, kwargs: dict) -> list[Call | None]:
+def _rank_zero_split(layout: GroupLayout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Call | None]:
     return [(args, kwargs)] + [None] * (layout.size - 1)
 
 
-def _rank_zero_gather(layout: GroupLayout, results: list) -> Any:
+def _rank_zero_gather(layout: GroupLayout, results: list[Any]) -> Any:
     return results[0]
 
 
-def _dp_split(layout: GroupLayout, args: tuple, kwargs: dict) -> list[Call | None]:
+def _dp_split(layout: GroupLayout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Call | None]:
     if not args or not isinstance(args[0], BatchMeta):
         raise TypeError(f"DP_COMPUTE on role {layout.role!r}: the first argument must be a BatchMeta, "
                         f"got {type(args[0]).__name__ if args else 'nothing'}")
@@ -134,7 +137,7 @@ def _dp_split(layout: GroupLayout, args: tuple, kwargs: dict) -> list[Call | Non
     return [((parts[layout.shard_of(i)], *args[1:]), kwargs) for i in range(layout.size)]
 
 
-def _dp_gather(layout: GroupLayout, results: list) -> Any:
+def _dp_gather(layout: GroupLayout, results: list[Any]) -> Any:
     leaders = [r for i, r in enumerate(results) if layout.is_leader(i)]
     if all(isinstance(r, BatchMeta) for r in leaders):
         filled = [m for m in leaders if len(m)] or leaders[:1]
@@ -142,7 +145,7 @@ def _dp_gather(layout: GroupLayout, results: list) -> Any:
     return leaders
 
 
-def _dp_execute(worker: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+def _dp_execute(worker: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Leader fetches, shard receives by broadcast, method computes, leader writes back."""
     import torch.distributed as dist
 

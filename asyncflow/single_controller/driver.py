@@ -53,7 +53,7 @@ class GroupSpec:
     role: str
     ranks: list[int] | None = None
     dp_size: int | None = None
-    init_kwargs: dict = field(default_factory=dict)
+    init_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class Driver:
@@ -71,8 +71,8 @@ class Driver:
         self.config = config or DriverConfig()
         self.transfer_queue_address = transfer_queue_address
         self.ranks: list[RankEndpoint] = []
-        self.failed: asyncio.Future | None = None
-        self._monitors: list[asyncio.Task] = []
+        self.failed: asyncio.Future[Any] | None = None
+        self._monitors: list[asyncio.Task[Any]] = []
         self._heartbeats_stopped = False
         self._create_lock: asyncio.Lock | None = None
         self._ctx = zmq.asyncio.Context()
@@ -92,6 +92,16 @@ class Driver:
             await self.set_transfer_queue(self.transfer_queue_address)
         self._monitors = [loop.create_task(self._monitor(ep), name=f"heartbeat-{ep.rank}") for ep in self.ranks]
         return self
+
+    def _failure(self) -> asyncio.Future[Any]:
+        if self.failed is None:
+            raise RuntimeError("the Driver is not started: await driver.start() (or use `async with Driver(...)`)")
+        return self.failed
+
+    def _creation_lock(self) -> asyncio.Lock:
+        if self._create_lock is None:
+            raise RuntimeError("the Driver is not started: await driver.start() (or use `async with Driver(...)`)")
+        return self._create_lock
 
     async def _attach(self) -> None:
         """First contact: every worker must answer a ping before the attach timeout."""
@@ -129,8 +139,8 @@ class Driver:
                         method=busy[0].what if busy else "")
                     log.error("%s", err)
                     ep.declare_dead(err)
-                    if not self.failed.done():
-                        self.failed.set_exception(err)
+                    if not self._failure().done():
+                        self._failure().set_exception(err)
                     return
 
     def in_flight(self) -> list[RankCall]:
@@ -145,12 +155,14 @@ class Driver:
     def check(self) -> None:
         """Raise the first fatal error (a dead worker), if any."""
         if self.failed is not None and self.failed.done():
-            raise self.failed.exception()
+            err = self.failed.exception()  # set only with set_exception
+            if err is not None:
+                raise err
 
     async def run(self, main: Awaitable[T]) -> T:
         """Await ``main``; if a worker dies first, cancel it and raise the WorkerDiedError."""
         task = asyncio.ensure_future(main)
-        await asyncio.wait([task, self.failed], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([task, self._failure()], return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             task.cancel()
             await asyncio.wait([task], timeout=5)
@@ -173,7 +185,7 @@ class Driver:
         self.check()
         if not specs:
             return []
-        made: list[tuple[GroupLayout, str, dict, type]] = []
+        made: list[tuple[GroupLayout, str, dict[str, Any], type]] = []
         for spec in specs:
             ranks = list(spec.ranks) if spec.ranks is not None else self.placement.ranks_for(spec.role, self.world_size)
             dp = spec.dp_size or self.placement.dp_size_for(spec.role, len(ranks))
@@ -185,7 +197,7 @@ class Driver:
         what = f"create_groups({', '.join(roles)})" if len(roles) > 1 else f"{roles[0]}.__init__"
         # new_group is collective over the whole world and must run in the same order on
         # every rank: one creation at a time, sent to every rank.
-        async with self._create_lock:
+        async with self._creation_lock():
             await asyncio.gather(*(
                 ep.request("create_groups", what, roles[0] if len(roles) == 1 else None, self.config.create_timeout_s,
                            groups=[{"layout": layout.to_wire(), "cls": path, "init_kwargs": kwargs,
@@ -202,7 +214,7 @@ class Driver:
         """A process group of these ranks, made on every rank in the same order (a collective over
         the world, like create_group); its members' workers get it from ``group_of(ranks)``."""
         self.check()
-        async with self._create_lock:
+        async with self._creation_lock():
             await asyncio.gather(*(
                 ep.request("make_group", f"make_group({sorted(ranks)})", None, self.config.create_timeout_s,
                            ranks=sorted(int(r) for r in ranks), backend=backend, timeout_s=timeout_s)

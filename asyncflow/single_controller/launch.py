@@ -59,11 +59,12 @@ class RunConfig:
     tq_imports: list[str] = field(default_factory=list)
 
 
-def import_function(path: str) -> Callable:
+def import_function(path: str) -> Callable[..., Any]:
     mod, _, name = path.partition(":")
     if not mod or not name:
         raise LaunchError(f"--main {path!r} must look like 'package.module:function'")
-    return getattr(importlib.import_module(mod), name)
+    fn: Callable[..., Any] = getattr(importlib.import_module(mod), name)
+    return fn
 
 
 def ranks_sharing_devices(spawning: int = 0) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,9 @@ class GroupLayout:
     def dp_peers(self, position: int) -> list[int]:
         return [self.ranks[s * self.shard_size + position] for s in range(self.dp_size)]
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {"role": self.role, "ranks": list(self.ranks), "dp_size": self.dp_size}
 
     @staticmethod
-    def from_wire(w: dict) -> GroupLayout:
+    def from_wire(w: dict[str, Any]) -> GroupLayout:
         return GroupLayout(w["role"], tuple(int(r) for r in w["ranks"]), int(w["dp_size"]))

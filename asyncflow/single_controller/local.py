@@ -17,7 +17,7 @@ from .launch import RunConfig, run_rank
 from .rendezvous import wait_addresses
 
 
-def _child(cfg: RunConfig, rank: int, world_size: int, port: int, env: dict) -> None:
+def _child(cfg: RunConfig, rank: int, world_size: int, port: int, env: dict[str, str]) -> None:
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is a stuck rank?
     os.environ.update(env)
@@ -31,12 +31,12 @@ class LocalWorkers:
 
     world_size: int
     config: RunConfig = field(default_factory=lambda: RunConfig(platform="cpu"))
-    env: dict = field(default_factory=lambda: {"OMP_NUM_THREADS": "1"})
+    env: dict[str, str] = field(default_factory=lambda: {"OMP_NUM_THREADS": "1"})
 
     def __post_init__(self) -> None:
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False)
         # The driver (and any TransferQueue) lives here: the ranks take this process's key.
-        self.store.set(auth.STORE_KEY, auth.run_key())
+        self.store.set(auth.STORE_KEY, auth.run_key())  # type: ignore[arg-type]  # (stub: str; takes bytes)
         ctx = mp.get_context("spawn")
         # The ranks exit as soon as this process is gone, even before any driver pings them
         # (else they would wait out runtime.attach_timeout_s as orphans). A parent-pid check in
@@ -60,7 +60,10 @@ class LocalWorkers:
             raise LaunchError(f"worker ranks exited during start-up (rank, exit code): {dead}; see their output")
 
     def kill(self, rank: int) -> None:
-        os.kill(self.procs[rank].pid, signal.SIGKILL)
+        pid = self.procs[rank].pid
+        if pid is None:  # started in __post_init__: never None here
+            raise LaunchError(f"rank {rank} has no process to kill")
+        os.kill(pid, signal.SIGKILL)
 
     def join(self, timeout: float) -> list[int | None]:
         """Exit codes after waiting up to ``timeout`` seconds in all (None: still running)."""
@@ -80,5 +83,5 @@ class LocalWorkers:
     def __enter__(self) -> LocalWorkers:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -31,7 +31,7 @@ class _RankLost(Exception):
         self.err = err
 
 
-def _failed(fut: asyncio.Future) -> bool:
+def _failed(fut: asyncio.Future[Any]) -> bool:
     """A finished rank call that raises when its result is taken (any failure at all)."""
     if fut.cancelled() or fut.exception() is not None:
         return True
@@ -47,7 +47,7 @@ class RankCall:
 
     __slots__ = ("ep", "client", "rid", "fut", "op", "what", "role", "timeout", "started")
 
-    def __init__(self, ep: RankEndpoint, client: RpcClient, rid: int, fut: asyncio.Future, op: str, what: str,
+    def __init__(self, ep: RankEndpoint, client: RpcClient, rid: int, fut: asyncio.Future[Any], op: str, what: str,
                  role: str | None, timeout: float):
         self.ep, self.client, self.rid, self.fut = ep, client, rid, fut
         self.op, self.what, self.role, self.timeout = op, what, role, timeout
@@ -125,7 +125,7 @@ async def wait_calls(calls: list[RankCall]) -> None:
     waiter = asyncio.get_running_loop().create_future()
     left = len(pending)
 
-    def on_done(fut: asyncio.Future) -> None:
+    def on_done(fut: asyncio.Future[Any]) -> None:
         nonlocal left
         left -= 1
         if not waiter.done() and (left == 0 or _failed(fut)):
@@ -151,10 +151,10 @@ class RankEndpoint:
         _, control = split_address(address)
         self.address = calls_address(address)  # a Unix socket for a rank on this host, else TCP
         self.roles: list[str] = []
-        self.info: dict = {}
+        self.info: dict[str, Any] = {}
         self._rpc = RpcClient(self.address, ctx)  # calls, run in order by the worker's own thread
         self._control = RpcClient(control, ctx)  # pings and the like, answered while a call runs
-        self.dead: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.dead: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.dead.add_done_callback(lambda f: f.exception())  # retrieved: no "never retrieved" noise
         # The calls sent to the calls socket, so a run stopped from outside can say what it
         # waited for. Finished ones are dropped lazily, in bulk (no callback per call: the
@@ -172,14 +172,15 @@ class RankEndpoint:
         host = f" pid {self.info['pid']} on {self.info['host']}" if self.info else ""
         return f"rank {self.rank} ({roles}{host}, {self.address})"
 
-    def start(self, op: str, what: str, role: str | None, timeout: float, args: list, *,
+    def start(self, op: str, what: str, role: str | None, timeout: float, args: list[Any], *,
               control: bool = False) -> RankCall:
         """Send one RPC to this rank now (``args``: ``RpcClient.encode_args`` frames). A rank
         already declared dead gets nothing: the call fails with its WorkerDiedError."""
         client = self._control if control else self._rpc
         if self.dead.done():
             fut = asyncio.get_running_loop().create_future()
-            fut.set_exception(self.dead.exception())
+            err = self.dead.exception()  # set by declare_dead, always with its error
+            fut.set_exception(err if err is not None else WorkerDiedError(f"{self.where()} is dead", rank=self.rank))
             return RankCall(self, client, -1, fut, op, what, role, timeout)
         rid, fut = client.start(op, args, timeout)
         call = RankCall(self, client, rid, fut, op, what, role, timeout)
@@ -207,8 +208,9 @@ class RankEndpoint:
         self._rpc.fail_all(lost)
         self._control.fail_all(lost)
 
-    async def ping(self, timeout: float) -> dict:
-        return await self._control.call("ping", _timeout=timeout)
+    async def ping(self, timeout: float) -> dict[str, Any]:
+        info: dict[str, Any] = await self._control.call("ping", _timeout=timeout)
+        return info
 
     async def close(self) -> None:
         await self._rpc.close()

@@ -50,7 +50,8 @@ def rendezvous_host(master_addr: str) -> str:
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # UDP connect sends nothing
         s.connect((ip, 9))
-        return s.getsockname()[0]
+        host: str = s.getsockname()[0]  # an AF_INET socket's name: (host, port)
+        return host
 
 
 def share_run_key(store: dist.Store, rank: int, timeout_s: float) -> bytes:
@@ -62,7 +63,8 @@ def share_run_key(store: dist.Store, rank: int, timeout_s: float) -> bytes:
     store is the agent's, shared by every rank of every node, so global rank 0 decides.
     """
     if rank == 0:
-        key = store.compare_set(auth.STORE_KEY, b"", auth.generate_key())
+        # torch's stub types the values str; the binding takes bytes (the key is binary)
+        key = store.compare_set(auth.STORE_KEY, b"", auth.generate_key())  # type: ignore[arg-type]
     else:
         key = wait_run_key(store, timeout_s, f"rank {rank}")
     auth.set_run_key(key)

@@ -22,10 +22,11 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -34,10 +35,17 @@ from ..platform import Platform
 from ..rpc.async_server import RpcServer
 from ..rpc.blocking_server import BlockingRpcServer
 from ..rpc.loop_thread import EventLoopThread
-from .dispatch import get_dispatch_mode, method_spec
+from .dispatch import Execute, get_dispatch_mode, method_spec
 from .layout import GroupLayout
 from .wire import from_wire, to_wire
 from .worker import Worker, WorkerContext
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from ..transfer_queue.client import TransferQueueClient
+
+_Target = tuple[Worker, Callable[..., Any], Execute]  # a registered method: worker, bound method, execute
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +124,8 @@ def import_class(path: str) -> type:
     obj: Any = importlib.import_module(mod)
     for part in name.split("."):
         obj = getattr(obj, part)
-    return obj
+    cls: type = obj  # what the path names: the callers check it is a class (and which)
+    return cls
 
 
 def class_path(cls: type) -> str:
@@ -132,19 +141,19 @@ class _CallService:
     def __init__(self, rt: WorkerRuntime):
         self.rt = rt
 
-    def rpc_create_groups(self, groups: list) -> dict:
+    def rpc_create_groups(self, groups: list[Any]) -> dict[str, Any]:
         roles = ", ".join(g["layout"]["role"] for g in groups)
         return self.rt._guarded(f"create_groups({roles})", self.rt._create_all, groups)
 
-    def rpc_make_group(self, ranks: list, backend: str, timeout_s: float) -> dict:
+    def rpc_make_group(self, ranks: list[Any], backend: str, timeout_s: float) -> dict[str, Any]:
         return self.rt._guarded(f"make_group({ranks})", self.rt._make_group, [int(r) for r in ranks], backend,
                                 timeout_s)
 
-    def rpc_call(self, role: str, fn: str, args: list, kwargs: dict) -> dict:
+    def rpc_call(self, role: str, fn: str, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
         # "fn", not "method": RpcClient.call's own first parameter is called method
         return self.rt._guarded(f"{role}.{fn}", self.rt._call, role, fn, from_wire(args), from_wire(kwargs))
 
-    def rpc_shutdown(self) -> dict:
+    def rpc_shutdown(self) -> dict[str, Any]:
         self.rt._closing = True
         self.rt._calls.stopping = True
         return {"ok": None}
@@ -156,23 +165,23 @@ class _ControlService:
     def __init__(self, rt: WorkerRuntime):
         self.rt = rt
 
-    async def rpc_ping(self) -> dict:
+    async def rpc_ping(self) -> dict[str, Any]:
         self.rt._last_ping = time.monotonic()
         return {"rank": self.rt.rank, "pid": os.getpid(), "host": socket.gethostname(),
                 "busy": self.rt._busy, "roles": sorted(self.rt.workers),
                 "auth_failures": self.rt.auth_failures()}
 
-    async def rpc_set_transfer_queue(self, address: str) -> dict:
+    async def rpc_set_transfer_queue(self, address: str) -> dict[str, Any]:
         self.rt._tq_address = address
         return {"ok": None}
 
-    async def rpc_call_concurrent(self, role: str, fn: str, args: list, kwargs: dict) -> dict:
+    async def rpc_call_concurrent(self, role: str, fn: str, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
         """A method registered ``concurrent=True``: run on a pool thread, beside the call queue."""
         rt = self.rt
         return await asyncio.get_running_loop().run_in_executor(
             rt._pool, rt._guarded_concurrent, f"{role}.{fn}", role, fn, from_wire(args), from_wire(kwargs))
 
-    async def rpc_exit_now(self) -> dict:
+    async def rpc_exit_now(self) -> dict[str, Any]:
         """The run failed and a call here may run for a long time yet: exit a moment after
         this reply has left (a normal exit could wait on a collective that never ends)."""
         self.rt._closing = True
@@ -189,12 +198,13 @@ class WorkerRuntime:
         self.platform = platform
         self.config = config or RuntimeConfig()
         self.workers: dict[str, Worker] = {}
-        self._targets: dict[tuple[str, str], tuple] = {}  # (role, method) -> worker, bound method, execute
+        self._targets: dict[tuple[str, str], _Target] = {}  # (role, method) -> worker, bound method, execute
         self._active_role: str | None = None
         self._busy = ""
         self._tq_address: str | None = None
-        self._made_groups: dict[tuple[int, ...], Any] = {}  # Driver.make_group's groups, this rank a member
-        self._tq = None
+        # Driver.make_group's groups, this rank a member
+        self._made_groups: dict[tuple[int, ...], ProcessGroup | None] = {}
+        self._tq: TransferQueueClient | None = None
         self._last_ping: float | None = None
         self._closing = False
         self._started = time.monotonic()
@@ -224,7 +234,7 @@ class WorkerRuntime:
         """Run calls in arrival order until the driver says shutdown."""
         self._calls.serve_forever()
 
-    def _guarded(self, what: str, fn: Any, *args: Any) -> dict:
+    def _guarded(self, what: str, fn: Any, *args: Any) -> dict[str, Any]:
         """Run one call; any failure goes back to the driver with its traceback."""
         self._busy = what
         try:
@@ -234,17 +244,19 @@ class WorkerRuntime:
         finally:
             self._busy = ""
 
-    def _guarded_concurrent(self, what: str, role: str, method: str, args: list, kwargs: dict) -> dict:
+    def _guarded_concurrent(self, what: str, role: str, method: str, args: list[Any],
+                            kwargs: dict[str, Any]) -> dict[str, Any]:
         """A concurrent call: errors go back like any call's; the rank's busy note is left alone."""
         try:
             worker, fn, execute = self._target(role, method)
-            if not method_spec(fn).concurrent:
+            spec = method_spec(fn)
+            if spec is None or not spec.concurrent:
                 raise PermissionError(f"{what} is not registered concurrent=True; it runs in the call queue")
             return {"ok": to_wire(execute(worker, fn, tuple(args), kwargs))}
         except Exception as e:  # noqa: BLE001 - the worker method's error goes back to the driver
             return {"err": {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}}
 
-    def _target(self, role: str, method: str) -> tuple:
+    def _target(self, role: str, method: str) -> _Target:
         target = self._targets.get((role, method))
         if target is None:
             worker = self.workers.get(role)
@@ -252,12 +264,12 @@ class WorkerRuntime:
                 raise KeyError(f"rank {self.rank} runs no worker of role {role!r} (it has {sorted(self.workers)})")
             fn = getattr(worker, method, None)
             spec = method_spec(fn)
-            if spec is None:
+            if fn is None or spec is None:
                 raise AttributeError(f"{type(worker).__name__}.{method} is not a method marked with @register")
             target = self._targets[(role, method)] = (worker, fn, get_dispatch_mode(spec.mode).execute)
         return target
 
-    def _call(self, role: str, method: str, args: list, kwargs: dict) -> Any:
+    def _call(self, role: str, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         worker, fn, execute = self._target(role, method)
         if self._active_role != role:
             self._switch_to(role)
@@ -277,7 +289,7 @@ class WorkerRuntime:
         worker.onload()
         self._active_role = role
 
-    def _create_all(self, groups: list[dict]) -> list[dict]:
+    def _create_all(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``_create`` for each group, in the driver's order; the first failure names its role."""
         out = []
         for g in groups:
@@ -293,16 +305,16 @@ class WorkerRuntime:
                 raise wrapped from e
         return out
 
-    def _create(self, layout: GroupLayout, cls_path: str, init_kwargs: dict, member: bool) -> dict:
+    def _create(self, layout: GroupLayout, cls_path: str, init_kwargs: dict[str, Any], member: bool) -> dict[str, Any]:
         """Every rank of the world runs this (new_group is collective over the world), in
         the same order; only members build the worker."""
         import torch.distributed as dist
 
         timeout = timedelta(seconds=self.config.collective_timeout_s)
 
-        made: dict[tuple, Any] = {}
+        made: dict[tuple[int, ...], ProcessGroup | None] = {}
 
-        def group(ranks: list[int]) -> Any:  # a single rank needs no communicator; the same ranks, one
+        def group(ranks: list[int]) -> ProcessGroup | None:  # a single rank needs no communicator; the same ranks, one
             key = tuple(ranks)
             if len(key) > 1 and key not in made and self.config.collectives:
                 made[key] = dist.new_group(ranks, timeout=timeout, backend=self.platform.backend)
@@ -324,7 +336,7 @@ class WorkerRuntime:
                             self._group_of)
         worker = cls.__new__(cls)
         worker._ctx = ctx  # set before __init__ so it can use rank, device and groups
-        worker.__init__(**init_kwargs)
+        cls.__init__(worker, **init_kwargs)
         self.workers[layout.role] = worker
         return {"rank": self.rank, "pid": os.getpid()}
 
@@ -346,14 +358,14 @@ class WorkerRuntime:
             self._made_groups[key] = group
         return None
 
-    def _group_of(self, ranks: list[int]) -> Any:
+    def _group_of(self, ranks: list[int]) -> ProcessGroup | None:
         key = tuple(sorted(int(r) for r in ranks))
         if key not in self._made_groups:
             raise KeyError(f"rank {self.rank}: no group of ranks {list(key)} was made for it (the driver makes "
                            f"one with make_group before a worker uses it); made: {sorted(self._made_groups)}")
         return self._made_groups[key]
 
-    def _tq_client(self) -> Any:
+    def _tq_client(self) -> TransferQueueClient:
         if self._tq is None:
             if self._tq_address is None:
                 raise RuntimeError(f"rank {self.rank}: no TransferQueue address was given to this worker "

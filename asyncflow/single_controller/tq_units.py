@@ -67,7 +67,7 @@ class NodeUnit:
         self._stopped = False
         ready = threading.Event()
 
-        async def start() -> asyncio.Task:
+        async def start() -> asyncio.Task[Any]:
             return asyncio.get_running_loop().create_task(serve_storage_unit(
                 controller_address, index, host, _bound(cfg.max_rows_per_unit), _bound(cfg.max_bytes_per_unit),
                 ready=ready), name=f"tq-unit-{index}")
@@ -197,7 +197,7 @@ async def wait_for_node_units(controller_address: str, nodes: list[int], timeout
         ctx.destroy(linger=0)
 
 
-async def write_unit_stats(controller_address: str, path: str) -> list[dict] | None:
+async def write_unit_stats(controller_address: str, path: str) -> list[dict[str, Any]] | None:
     """Every unit's stats (rows, bytes, rows put by each writer's node) as JSON at ``path``.
     Best effort: the run's outcome does not depend on it."""
     if not path:

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..platform import Platform
 from .layout import GroupLayout
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from ..transfer_queue.protocol import TransferQueue
 
 
 @dataclass
@@ -26,12 +31,12 @@ class WorkerContext:
     local_rank: int
     layout: GroupLayout
     platform: Platform
-    process_group: Any  # the whole worker group (None when it is a single rank)
-    shard_group: Any  # the ranks that share a data shard (None when alone)
-    dp_group: Any  # the ranks at this position of every shard (None when alone)
-    tq_factory: Callable[[], Any]  # returns this process's TransferQueueClient
+    process_group: ProcessGroup | None  # the whole worker group (None when it is a single rank)
+    shard_group: ProcessGroup | None  # the ranks that share a data shard (None when alone)
+    dp_group: ProcessGroup | None  # the ranks at this position of every shard (None when alone)
+    tq_factory: Callable[[], TransferQueue]  # returns this process's TransferQueueClient
     # The group of these ranks made by Driver.make_group (every rank made it, in the same order)
-    group_of: Callable[[list[int]], Any] = lambda ranks: None
+    group_of: Callable[[list[int]], ProcessGroup | None] = lambda ranks: None
 
 
 class Worker:
@@ -96,23 +101,23 @@ class Worker:
         return self.device if self._ctx.platform.is_accelerator else None
 
     @property
-    def process_group(self) -> Any:
+    def process_group(self) -> ProcessGroup | None:
         return self._ctx.process_group
 
-    def group_of(self, ranks: list[int]) -> Any:
+    def group_of(self, ranks: list[int]) -> ProcessGroup | None:
         """The process group of ``ranks`` that the driver made with ``make_group`` (this rank a member)."""
         return self._ctx.group_of(ranks)
 
     @property
-    def shard_group(self) -> Any:
+    def shard_group(self) -> ProcessGroup | None:
         return self._ctx.shard_group
 
     @property
-    def dp_group(self) -> Any:
+    def dp_group(self) -> ProcessGroup | None:
         return self._ctx.dp_group
 
     @property
-    def tq(self) -> Any:
+    def tq(self) -> TransferQueue:
         """This process's TransferQueueClient (blocking); the driver must have set the address."""
         return self._ctx.tq_factory()
 

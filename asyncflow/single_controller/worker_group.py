@@ -73,17 +73,17 @@ class WorkerGroup:
         # queues this call at the same place relative to other calls: collectives inside
         # methods of different groups sharing ranks then run in the same order everywhere.
         # The same arguments (ONE_TO_ALL gives every rank the same pair) are encoded once.
-        encoded: dict[int, list] = {}
+        encoded: dict[int, list[Any]] = {}
         ranks = self.driver.ranks
         calls: list[RankCall | None] = []
-        for rank, c in zip(self.layout.ranks, per_rank):
-            if c is None:
+        for rank, rank_args in zip(self.layout.ranks, per_rank):
+            if rank_args is None:
                 calls.append(None)
                 continue
-            frames = encoded.get(id(c))
+            frames = encoded.get(id(rank_args))
             if frames is None:
-                frames = encoded[id(c)] = RpcClient.encode_args(
-                    {"role": role, "fn": method, "args": to_wire(list(c[0])), "kwargs": to_wire(c[1])})
+                frames = encoded[id(rank_args)] = RpcClient.encode_args(
+                    {"role": role, "fn": method, "args": to_wire(list(rank_args[0])), "kwargs": to_wire(rank_args[1])})
             if spec.concurrent:  # to the control server: served beside a running call
                 calls.append(ranks[rank].start("call_concurrent", what, role, timeout, frames, control=True))
             else:
