@@ -90,7 +90,7 @@ class StepObserver:
     ``holds_training(step)`` is true (the default), in which case it waits until every
     observer is done with ``step`` (a checkpoint must save the weights of that step)."""
 
-    async def trained(self, step: int, meta: Any) -> None:
+    async def trained(self, step: int, meta: BatchMeta | None) -> None:
         pass
 
     async def step_done(self, report: StepReport) -> None:

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..transfer_queue.samplers import SamplerSpec
 
 KINDS = ("map", "rollout", "filter", "update")
 DRIVER = "driver"  # the role of a stage that runs a plain function in the driver
@@ -50,7 +53,7 @@ class Stage:
     inputs: list[str]
     outputs: list[str] = field(default_factory=list)
     batch_rows: int = 0  # rows per call in stream/async mode (0: the whole step); sync: always the whole step
-    sampler: Any = "sequential"
+    sampler: SamplerSpec = "sequential"
     kind: str = "map"  # map | rollout (gated by weights version) | filter (keeps or drops groups) | update
     on_policy_weights: bool = False  # map stage on the policy: needs the weights of the step's version
     options: dict[str, Any] = field(default_factory=dict)  # handed to the worker method with the columns
