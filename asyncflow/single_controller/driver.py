@@ -25,6 +25,7 @@ from .placement import PlacementConfig
 from .ranks import RankCall, RankEndpoint
 from .runtime import class_path
 from .wire import to_wire
+from .worker import Worker
 from .worker_group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class DriverConfig:
 class GroupSpec:
     """One group for ``Driver.create_groups``: as ``create_group``'s arguments."""
 
-    cls: type
+    cls: type[Worker]
     role: str
     ranks: list[int] | None = None
     dp_size: int | None = None
@@ -174,7 +175,7 @@ class Driver:
         await asyncio.gather(*(ep.request("set_transfer_queue", "set_transfer_queue", None, 30.0, control=True,
                                           address=address) for ep in self.ranks))
 
-    async def create_group(self, cls: type, role: str, *, ranks: list[int] | None = None,
+    async def create_group(self, cls: type[Worker], role: str, *, ranks: list[int] | None = None,
                            dp_size: int | None = None, **init_kwargs: Any) -> WorkerGroup:
         """Start a worker of ``cls`` as ``role`` on its ranks (from the placement unless given)."""
         return (await self.create_groups([GroupSpec(cls, role, ranks, dp_size, init_kwargs)]))[0]

@@ -18,6 +18,7 @@ from .dispatch import MethodSpec, get_dispatch_mode, method_spec
 from .layout import GroupLayout
 from .ranks import RankCall, RankEndpoint, spin_calls, wait_calls
 from .wire import to_wire
+from .worker import Worker
 
 
 class GroupDriver(Protocol):
@@ -31,7 +32,7 @@ class GroupDriver(Protocol):
 
 
 class WorkerGroup:
-    def __init__(self, driver: GroupDriver, layout: GroupLayout, cls: type):
+    def __init__(self, driver: GroupDriver, layout: GroupLayout, cls: type[Worker]):
         self.driver = driver
         self.layout = layout
         self.cls = cls

@@ -30,6 +30,7 @@ from .meta import BatchMeta, ids_from_wire, ids_to_wire
 from .meta import ReadRequest as _Request
 from .meta import plan_reads as _plan_get
 from .meta import positions_by_unit as _positions_by_unit
+from .samplers import SamplerSpec
 
 if TYPE_CHECKING:  # tensordict is imported where a TensorDict is built (columns.to_tensordict)
     from tensordict import TensorDict
@@ -164,7 +165,7 @@ def _new_rows_meta(partition: str, names: list[str], groups: Any, reply: dict[st
                      ids_from_wire(groups) if groups is not None else [], ids_from_wire(reply["tokens"]))
 
 
-def _get_meta_args(columns: Sequence[str], batch_size: int, task: str, partition: str, sampler: Any,
+def _get_meta_args(columns: Sequence[str], batch_size: int, task: str, partition: str, sampler: SamplerSpec,
                    allow_partial: bool, timeout: float, dp_group: str | None, dp_rank: int,
                    dp_size: int) -> dict[str, Any]:
     return {"partition": partition, "task": task, "columns": list(columns), "batch_size": batch_size,
@@ -298,7 +299,7 @@ class AsyncTransferQueueClient:
 
 
     async def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
-                       sampler: Any = "sequential", *, allow_partial: bool = False,
+                       sampler: SamplerSpec = "sequential", *, allow_partial: bool = False,
                        timeout: float | None = None, dp_group: str | None = None, dp_rank: int = 0,
                        dp_size: int = 1) -> BatchMeta:
         """Rows whose ``columns`` are all written and that ``task`` has not consumed; marks them
@@ -311,7 +312,7 @@ class AsyncTransferQueueClient:
                                                               **args))
 
     async def get_batch(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
-                        sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
+                        sampler: SamplerSpec = "sequential", *, data_columns: Sequence[str] | None = None,
                         allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
                         dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, TensorDict | None]:
         """``get_meta`` then ``get_data`` of its rows (``data_columns``, default ``columns``), in
@@ -325,7 +326,7 @@ class AsyncTransferQueueClient:
         return meta, None if cols is None else to_tensordict(cols, len(meta))
 
     async def get_batch_columns(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
-                                sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
+                                sampler: SamplerSpec = "sequential", *, data_columns: Sequence[str] | None = None,
                                 allow_partial: bool = False, timeout: float | None = None,
                                 dp_group: str | None = None, dp_rank: int = 0,
                                 dp_size: int = 1) -> tuple[BatchMeta, dict[str, Column] | None]:
@@ -467,7 +468,7 @@ class TransferQueueClient:
         return out.stored_at(names, target) if target is not None else out
 
     def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
-                 sampler: Any = "sequential", *, allow_partial: bool = False, timeout: float | None = None,
+                 sampler: SamplerSpec = "sequential", *, allow_partial: bool = False, timeout: float | None = None,
                  dp_group: str | None = None, dp_rank: int = 0, dp_size: int = 1) -> BatchMeta:
         wait = self.wait_timeout if timeout is None else timeout
         args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
@@ -475,7 +476,7 @@ class TransferQueueClient:
         return BatchMeta.from_wire(self.controller.call("get_meta", _timeout=wait + _REPLY_MARGIN_S, **args))
 
     def get_batch(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
-                  sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
+                  sampler: SamplerSpec = "sequential", *, data_columns: Sequence[str] | None = None,
                   allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
                   dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, TensorDict | None]:
         names = _batch_names(columns, data_columns)

@@ -34,7 +34,7 @@ from .errors import (
 )
 from .meta import BatchMeta, ids_from_wire, ids_to_wire, plan_reads, unit_of
 from .recent import RecentSet
-from .samplers import ReadyRows, Sampler, build_sampler
+from .samplers import ReadyRows, Sampler, SamplerSpec, build_sampler
 
 
 @dataclass
@@ -128,7 +128,7 @@ class Controller:
             f"unknown partition {name!r}; create it first with create_partition "
             f"(known: {known[:10]}{' ...' if len(known) > 10 else ''})")
 
-    def _sampler(self, spec: Any) -> Sampler:
+    def _sampler(self, spec: SamplerSpec) -> Sampler:
         key = json.dumps(spec, sort_keys=True)
         s = self._samplers.get(key)
         if s is None:
@@ -426,14 +426,14 @@ class Controller:
         return ", ".join(f"{c}: {n} rows lack it" for c, n in lacking.items() if n) or "none"
 
     async def rpc_get_meta(self, partition: str, task: str, columns: Sequence[str], batch_size: int,
-                           sampler: Any = "sequential", allow_partial: bool = False,
+                           sampler: SamplerSpec = "sequential", allow_partial: bool = False,
                            timeout: float | None = None, dp_group: str | None = None,
                            dp_rank: int = 0, dp_size: int = 1) -> dict[str, Any]:
         return (await self._get_meta(partition, task, columns, batch_size, sampler, allow_partial, timeout,
                                      dp_group, dp_rank, dp_size))[1]
 
     async def _get_meta(self, partition: str, task: str, columns: Sequence[str], batch_size: int,
-                        sampler: Any, allow_partial: bool, timeout: float | None, dp_group: str | None,
+                        sampler: SamplerSpec, allow_partial: bool, timeout: float | None, dp_group: str | None,
                         dp_rank: int, dp_size: int) -> tuple[BatchMeta | None, dict[str, Any]]:
         """get_meta's ``(meta, wire)``; meta None when only the wire form is at hand (a DP share)."""
         if not isinstance(task, str) or not task:
@@ -482,7 +482,7 @@ class Controller:
         return None, wire
 
     async def rpc_get_batch(self, partition: str, task: str, columns: Sequence[str], batch_size: int,
-                            sampler: Any = "sequential", allow_partial: bool = False,
+                            sampler: SamplerSpec = "sequential", allow_partial: bool = False,
                             timeout: float | None = None, dp_group: str | None = None,
                             dp_rank: int = 0, dp_size: int = 1,
                             data_columns: Sequence[str] | None = None) -> dict[str, Any]:
@@ -536,16 +536,16 @@ class Controller:
 
     @overload
     async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,
-                          sampler_spec: Any, allow_partial: bool, timeout: float | None,
+                          sampler_spec: SamplerSpec, allow_partial: bool, timeout: float | None,
                           done: None = None) -> BatchMeta: ...
 
     @overload
     async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,
-                          sampler_spec: Any, allow_partial: bool, timeout: float | None,
+                          sampler_spec: SamplerSpec, allow_partial: bool, timeout: float | None,
                           done: Callable[[], bool]) -> BatchMeta | None: ...
 
     async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,
-                          sampler_spec: Any, allow_partial: bool, timeout: float | None,
+                          sampler_spec: SamplerSpec, allow_partial: bool, timeout: float | None,
                           done: Callable[[], bool] | None = None) -> BatchMeta | None:
         """The next batch for ``task``; None once ``done()`` is true (a DP peer sampled it)."""
         sampler = self._sampler(sampler_spec)

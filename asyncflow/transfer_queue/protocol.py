@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .columns import Column
 from .meta import BatchMeta
+from .samplers import SamplerSpec
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -36,12 +37,12 @@ class AsyncTransferQueue(Protocol):
                   groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta: ...
 
     async def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
-                       sampler: Any = "sequential", *, allow_partial: bool = False,
+                       sampler: SamplerSpec = "sequential", *, allow_partial: bool = False,
                        timeout: float | None = None, dp_group: str | None = None, dp_rank: int = 0,
                        dp_size: int = 1) -> BatchMeta: ...
 
     async def get_batch_columns(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
-                                sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
+                                sampler: SamplerSpec = "sequential", *, data_columns: Sequence[str] | None = None,
                                 allow_partial: bool = False, timeout: float | None = None,
                                 dp_group: str | None = None, dp_rank: int = 0,
                                 dp_size: int = 1) -> tuple[BatchMeta, dict[str, Column] | None]: ...
@@ -59,11 +60,11 @@ class TransferQueue(Protocol):
             groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta: ...
 
     def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
-                 sampler: Any = "sequential", *, allow_partial: bool = False, timeout: float | None = None,
+                 sampler: SamplerSpec = "sequential", *, allow_partial: bool = False, timeout: float | None = None,
                  dp_group: str | None = None, dp_rank: int = 0, dp_size: int = 1) -> BatchMeta: ...
 
     def get_batch(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
-                  sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
+                  sampler: SamplerSpec = "sequential", *, data_columns: Sequence[str] | None = None,
                   allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
                   dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, TensorDict | None]: ...
 

@@ -223,7 +223,11 @@ def register_sampler(name: str, factory: Callable[..., Sampler]) -> None:
     SAMPLERS[name] = factory
 
 
-def build_sampler(spec: str | Mapping[str, Any] | None) -> Sampler:
+# A sampler as a request names it: "sequential", or {"name": "grpo_group", "group_size": 8}.
+SamplerSpec = str | Mapping[str, Any]
+
+
+def build_sampler(spec: SamplerSpec | None) -> Sampler:
     if spec is None:
         spec = "sequential"
     if isinstance(spec, str):

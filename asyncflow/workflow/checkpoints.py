@@ -122,7 +122,9 @@ def config_changes(checkpoint: Path, config: dict[str, Any]) -> list[str]:
     except (OSError, ValueError):
         return []
     a, b = _flat(then), _flat(json.loads(json.dumps(config)))  # as written: tuples read back as lists
-    keep = lambda k: not any(k == m or k.startswith(m + ".") for m in RESUME_MAY_CHANGE)  # noqa: E731
+
+    def keep(k: str) -> bool:
+        return not any(k == m or k.startswith(m + ".") for m in RESUME_MAY_CHANGE)
     missing = object()
     return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}".replace(repr(missing), "(absent)")
             for k in sorted(set(a) | set(b)) if keep(k) and a.get(k, missing) != b.get(k, missing)]

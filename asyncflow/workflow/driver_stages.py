@@ -33,7 +33,7 @@ def unpad_rows(x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
 
 
 def advantages(algo: Any, score: str = "scores", response: str = "response_ids",
-               loss_mask: str = "loss_mask") -> Callable[[DriverBatch], dict]:
+               loss_mask: str = "loss_mask") -> Callable[[DriverBatch], dict[str, Any]]:
     """The step's per-token advantages and returns, once, from outcome scores (with critic
     ``values`` for GAE, and the KL to a reference folded into the reward with
     ``algo.kl_in_reward``). Group estimators need whole groups in the batch (a group sampler).
@@ -51,7 +51,7 @@ def advantages(algo: Any, score: str = "scores", response: str = "response_ids",
 
     estimator = ADVANTAGES.get(algo.advantage)
 
-    def compute(batch: DriverBatch) -> dict:
+    def compute(batch: DriverBatch) -> dict[str, Any]:
         lengths = [len(r) for r in batch[response]]
         rows_mask = torch.zeros(len(lengths), max(lengths, default=1) or 1, dtype=torch.bool)
         for i, n in enumerate(lengths):
@@ -128,5 +128,6 @@ def overlong_shaping(max_new_tokens: int, buffer: int, penalty: float, score: st
     def shape(batch: DriverBatch) -> torch.Tensor:
         lengths = torch.tensor([len(r) for r in batch[response]], dtype=torch.float32)
         excess = (lengths - start).clamp(min=0)
-        return batch[score].float() - penalty * (excess / buffer).clamp(max=1.0)
+        scores: torch.Tensor = batch[score].float()
+        return scores - penalty * (excess / buffer).clamp(max=1.0)
     return shape

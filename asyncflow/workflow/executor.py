@@ -26,10 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..single_controller.protocol import Group
+from ..transfer_queue.meta import BatchMeta
+from ..transfer_queue.protocol import AsyncTransferQueue
 from ..weight_sync.publish import publish_and_swap
 from .ledger import Ledger
 from .stages import DRIVER, DriverBatch, Stage
@@ -87,7 +90,7 @@ class StepObserver:
     ``holds_training(step)`` is true (the default), in which case it waits until every
     observer is done with ``step`` (a checkpoint must save the weights of that step)."""
 
-    async def trained(self, step: int, meta: Any) -> None:
+    async def trained(self, step: int, meta: BatchMeta | None) -> None:
         pass
 
     async def step_done(self, report: StepReport) -> None:
@@ -107,9 +110,10 @@ class _StageState:
 class Executor:
     """Runs a recipe's stages over steps ``0..`` until ``stop()`` or ``max_steps``."""
 
-    def __init__(self, cfg: ExecutorConfig, stages: list[Stage], groups: dict[str, Any],
-                 rollout_instances: list[Any], tq: Any, source: Callable[[int, int], Awaitable[dict]],
-                 *, timeline: Any = None, observers: list[StepObserver] = (),
+    def __init__(self, cfg: ExecutorConfig, stages: list[Stage], groups: dict[str, Group],
+                 rollout_instances: list[Group], tq: AsyncTransferQueue,
+                 source: Callable[[int, int], Awaitable[dict[str, Any]]],
+                 *, timeline: Any = None, observers: Sequence[StepObserver] = (),
                  start_version: int = 0, first_step: int = 0, policy: str | None = None):
         self.cfg = cfg
         self.stages = stages
@@ -136,7 +140,7 @@ class Executor:
         self.role_busy: dict[str, float] = {}
         self.step_started: dict[int, float] = {}
         self.prompts_issued = 0
-        self._closers: set[asyncio.Task] = set()
+        self._closers: set[asyncio.Task[Any]] = set()
         self._closer_errors: list[BaseException] = []
         self._closer_failed = asyncio.Event()
         self._reports: asyncio.Queue[tuple[int, Any, StepReport]] = asyncio.Queue()  # trained steps, in order
@@ -171,16 +175,16 @@ class Executor:
             while update_task is not None and not update_task.done():
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
-                    if t.exception() is not None:
-                        raise t.exception()
+                    if (err := t.exception()) is not None:
+                        raise err
             if update_task is not None:
                 update_task.result()
             # Deliver the versions already published: a send that nobody receives would block the actor.
             sync = next(t for t in tasks if t.get_name() == "weight-sync")
             joined = asyncio.ensure_future(self._sync_queue.join())
             await asyncio.wait([joined, sync], timeout=self.cfg.wait_timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            if sync.done() and sync.exception() is not None:
-                raise sync.exception()
+            if sync.done() and (err := sync.exception()) is not None:
+                raise err
             if not joined.done():
                 joined.cancel()
                 raise TimeoutError(f"workflow: weight sync did not deliver the last versions within "
@@ -243,7 +247,7 @@ class Executor:
         next step while the last rows of the previous one are still being judged or refilled."""
         st = st or self.state[stage.name]
         after = self._after_filter(index)
-        found: list = []
+        found: list[tuple[int, int] | None] = []
 
         def pick() -> bool:
             while True:  # steps this stage is finished with
@@ -272,7 +276,7 @@ class Executor:
             st.taken[work[0]] = st.taken.get(work[0], 0) + work[1]
         return work
 
-    async def _get_meta(self, stage: Stage, t: int, n: int) -> Any:
+    async def _get_meta(self, stage: Stage, t: int, n: int) -> BatchMeta:
         return await self.tq.get_meta(stage.inputs, n, stage.name, partition_name(t), stage.sampler,
                                       timeout=self.cfg.wait_timeout_s)
 
@@ -286,8 +290,11 @@ class Executor:
                 await self.ledger.notify()
                 return
             # Issue step t once its rollout may start: version >= t - lag.
-            await self.ledger.wait_for(lambda t=t: self.actor_version >= t - cfg.lag or self._stop,
-                                       cfg.wait_timeout_s * 4, f"policy version {t - cfg.lag} to issue step {t}")
+            def issuable(t: int = t) -> bool:
+                return self.actor_version >= t - cfg.lag or self._stop
+
+            await self.ledger.wait_for(issuable, cfg.wait_timeout_s * 4,
+                                       f"policy version {t - cfg.lag} to issue step {t}")
             if self._stop:
                 continue
             await self.tq.create_partition(partition_name(t))
@@ -299,10 +306,10 @@ class Executor:
             closing.add_done_callback(self._closer_done)
             t += 1
 
-    def _closer_done(self, task: asyncio.Task) -> None:
+    def _closer_done(self, task: asyncio.Task[Any]) -> None:
         self._closers.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self._closer_errors.append(task.exception())
+        if not task.cancelled() and (err := task.exception()) is not None:
+            self._closer_errors.append(err)
             self._closer_failed.set()
 
     async def _watch_closers(self) -> None:
@@ -371,7 +378,7 @@ class Executor:
         # every row is out: what is left to report is the time it took
         self._account(stage, inst, await inst.submit(None, 0, want_free=0, wait_s=0.0))
 
-    def _account(self, stage: Stage, inst: Any, report: dict) -> int:
+    def _account(self, stage: Stage, inst: Any, report: dict[str, Any]) -> int:
         """Book an instance's engine time by step (what its rows cost); return its free rows."""
         now = self.timeline.now() if self.timeline is not None else 0.0
         open_steps = list(self.ledger.steps)
@@ -430,6 +437,8 @@ class Executor:
 
     async def _run_fn(self, stage: Stage, batch: DriverBatch) -> Any:
         """The stage's function, off the event loop (it may be heavy tensor math)."""
+        if stage.fn is None:  # check_graph: a driver stage names its function
+            raise ValueError(f"driver stage {stage.name!r} has no function")
         try:
             return await asyncio.to_thread(stage.fn, batch)
         except Exception as e:
@@ -478,9 +487,10 @@ class Executor:
         index = self.stages.index(stage)
         t = self.first_step
         while True:
-            await self.ledger.wait_for(
-                lambda t=t: self._finished(t) or (t in self.ledger.steps and self.ledger.steps[t].closed),
-                self.cfg.wait_timeout_s * 4, f"step {t} to be closed")
+            def closed(t: int = t) -> bool:
+                return self._finished(t) or (t in self.ledger.steps and self.ledger.steps[t].closed)
+
+            await self.ledger.wait_for(closed, self.cfg.wait_timeout_s * 4, f"step {t} to be closed")
             if self._finished(t):
                 await self._reported()  # the last steps' reports are out before the run ends
                 return
@@ -497,7 +507,10 @@ class Executor:
                          "timeout_s": self.cfg.wait_timeout_s}
                 # The actor's ranks take one call at a time: version t's publish goes before
                 # update t, else the rollout waits a whole update for the weights it needs.
-                await self.ledger.wait_for(lambda t=t: self.published_version >= t, self.cfg.wait_timeout_s * 4,
+                def published(t: int = t) -> bool:
+                    return self.published_version >= t
+
+                await self.ledger.wait_for(published, self.cfg.wait_timeout_s * 4,
                                            f"policy version {t} to be published before update {t}")
                 results = await self._timed(stage, group.role, group.ranks, t, n,
                                             getattr(group, stage.method)(t, batch, stage.io.to_wire()))
@@ -508,7 +521,10 @@ class Executor:
                 log.warning("step %d: no rows left to train on; the policy is unchanged", t)
             # A worker stage beside the update (PPO's critic update) may still read step t:
             # its rows are cleared only once every such stage is done with them.
-            await self.ledger.wait_for(lambda t=t: self._maps_done(t), self.cfg.wait_timeout_s * 4,
+            def maps_done(t: int = t) -> bool:
+                return self._maps_done(t)
+
+            await self.ledger.wait_for(maps_done, self.cfg.wait_timeout_s * 4,
                                        f"the worker stages of step {t} to finish")
             self.actor_version = t + 1
             now = time.monotonic()
@@ -605,9 +621,11 @@ class Executor:
             # cfg.swap_wave(n), so that at no moment are all of them paused (weight_sync.load=staged).
             # Each call is timed under step v: the step whose rollout the new weights serve (and
             # whose metrics log it).
+            def timed(g: Group, call: Awaitable[Any], v: int = v) -> Awaitable[Any]:
+                return self._timed(_SYNC, g.role, g.ranks, v, 0, call)
+
             await publish_and_swap(actor, self.instances, v, wave=self.cfg.swap_wave(len(self.instances)),
-                                   timed=lambda g, call, v=v: self._timed(_SYNC, g.role, g.ranks, v, 0, call),
-                                   on_published=published, on_swapped=swapped)
+                                   timed=timed, on_published=published, on_swapped=swapped)
             for _ in range(taken):
                 self._sync_queue.task_done()
 
@@ -636,7 +654,7 @@ def _fn_name(fn: Any) -> str:
         return name
 
 
-def _outputs(stage: Stage, out: Any, n: int) -> dict:
+def _outputs(stage: Stage, out: Any, n: int) -> dict[str, Any]:
     """A driver function's result as the stage's declared output columns."""
     if len(stage.outputs) == 1 and not isinstance(out, dict):
         out = {stage.outputs[0]: out}

@@ -8,6 +8,7 @@ no more prompts will be issued for it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -34,7 +35,7 @@ class Ledger:
         async with self.changed:
             self.changed.notify_all()
 
-    async def wait_for(self, pred, timeout: float, what: str) -> None:
+    async def wait_for(self, pred: Callable[[], bool], timeout: float, what: str) -> None:
         # asyncio.timeout, not wait_for: wait_for runs the wait in a task of its own, and cancelling
         # that (a stage failed, the run is torn down) could hang on re-acquiring the condition.
         try:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -37,11 +37,24 @@ def longtail_budgets(run_seed: int, cap: int, median_frac: float = 0.15,
     return budget
 
 
-def skip_records(records: Iterator[dict], n: int) -> Iterator[dict]:
+Record = dict[str, Any]  # one prompt record of the data stream
+
+
+@runtime_checkable
+class _Positioned(Protocol):
+    """A record stream that can jump (a PromptDataset): its length, and its place as a state dict."""
+
+    def __len__(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def skip_records(records: Iterator[Record], n: int) -> Iterator[Record]:
     """The stream from its ``n``-th record on. A PromptDataset jumps there (same epoch
     order); any other iterator is advanced record by record."""
-    length = len(records) if hasattr(records, "__len__") else 0
-    if length and hasattr(records, "load_state_dict") and hasattr(records, "state_dict"):
+    if isinstance(records, _Positioned) and (length := len(records)):
         if records.state_dict().get("epoch", 0) == 0 and records.state_dict().get("position", 0) == 0:
             records.load_state_dict({"epoch": n // length, "position": n % length})
             return records
@@ -50,7 +63,8 @@ def skip_records(records: Iterator[dict], n: int) -> Iterator[dict]:
     return records
 
 
-def resume_source(records: Iterator[dict], next_uid: int, in_flight: list[int]) -> tuple[Iterator[dict], list]:
+def resume_source(records: Iterator[Record], next_uid: int,
+                  in_flight: list[int]) -> tuple[Iterator[Record], list[tuple[int, Record]]]:
     """``records`` positioned at ``next_uid``, and the (uid, record) of each in-flight prompt
     (all below next_uid), to be issued again first: nothing lost, nothing twice."""
     if any(not 0 <= u < next_uid for u in in_flight):
@@ -60,7 +74,7 @@ def resume_source(records: Iterator[dict], next_uid: int, in_flight: list[int]) 
     first = min(in_flight)
     records = skip_records(records, first)
     wanted = set(in_flight)
-    replay = []
+    replay: list[tuple[int, Record]] = []
     for uid in range(first, next_uid):
         rec = next(records)
         if uid in wanted:
@@ -69,8 +83,8 @@ def resume_source(records: Iterator[dict], next_uid: int, in_flight: list[int]) 
 
 
 class PromptSource:
-    def __init__(self, records: Iterator[dict], group_size: int, seed: int, start_uid: int = 0,
-                 budget_fn: Callable[[int, int], int] | None = None, replay: list[tuple[int, dict]] = ()):
+    def __init__(self, records: Iterator[Record], group_size: int, seed: int, start_uid: int = 0,
+                 budget_fn: Callable[[int, int], int] | None = None, replay: Sequence[tuple[int, Record]] = ()):
         self.records = records
         self.group_size = group_size
         self.seed = seed

@@ -12,9 +12,12 @@ compute log-probs; a second rollout stage writes a baseline's responses).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..transfer_queue.samplers import SamplerSpec
 
 KINDS = ("map", "rollout", "filter", "update")
 DRIVER = "driver"  # the role of a stage that runs a plain function in the driver
@@ -28,11 +31,11 @@ class StageIO:
     outputs: list[str]
     options: dict[str, Any] = field(default_factory=dict)
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {"inputs": list(self.inputs), "outputs": list(self.outputs), "options": dict(self.options)}
 
     @staticmethod
-    def of(x: StageIO | dict | None, inputs: list[str] = (), outputs: list[str] = ()) -> StageIO:
+    def of(x: StageIO | dict[str, Any] | None, inputs: Sequence[str] = (), outputs: Sequence[str] = ()) -> StageIO:
         """``x`` (what a worker method receives as ``io``) as a StageIO; None (a direct call,
         no stage): the method's own default column names ``inputs`` and ``outputs``."""
         if x is None:
@@ -50,7 +53,7 @@ class Stage:
     inputs: list[str]
     outputs: list[str] = field(default_factory=list)
     batch_rows: int = 0  # rows per call in stream/async mode (0: the whole step); sync: always the whole step
-    sampler: Any = "sequential"
+    sampler: SamplerSpec = "sequential"
     kind: str = "map"  # map | rollout (gated by weights version) | filter (keeps or drops groups) | update
     on_policy_weights: bool = False  # map stage on the policy: needs the weights of the step's version
     options: dict[str, Any] = field(default_factory=dict)  # handed to the worker method with the columns
@@ -227,15 +230,15 @@ def check_roles(spec: RecipeSpec, where: str = "recipe") -> None:
         if s.role == DRIVER:
             continue
         used.add(s.role)
-        role = spec.roles.get(s.role)
-        if role is None:
+        stage_role = spec.roles.get(s.role)
+        if stage_role is None:
             raise ValueError(f"{where}: stage {s.name!r} runs on role {s.role!r}, which the recipe does not "
                              f"declare; declared roles: {sorted(spec.roles)}")
-        cls = role.worker_class()
+        cls = stage_role.worker_class()
         if not callable(getattr(cls, s.method, None)):
             raise ValueError(f"{where}: stage {s.name!r} calls {s.method!r}, which worker class "
                              f"{cls.__module__}.{cls.__qualname__} of role {s.role!r} does not define")
-        if s.kind == "rollout" and not role.per_rank:
+        if s.kind == "rollout" and not stage_role.per_rank:
             raise ValueError(f"{where}: rollout stage {s.name!r} runs on role {s.role!r}, which must be "
                              "declared per_rank=True (each rollout instance swaps weights on its own)")
     for s in spec.stages:
