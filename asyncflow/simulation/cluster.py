@@ -17,9 +17,9 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from ..single_controller import Driver, DriverConfig, GroupSpec
+from ..single_controller import Driver, DriverConfig, Group, GroupSpec
 from ..transfer_queue import AsyncTransferQueueClient, TransferQueueConfig, TransferQueueService
 from ..workflow.executor import Executor, ExecutorConfig, StepObserver, StepReport
 from ..workflow.source import PromptSource, longtail_budgets, row_seed
@@ -34,6 +34,14 @@ log = logging.getLogger(__name__)
 MODES = ("sync", "stream", "async")
 DATA_PATHS = ("tq", "driver")
 DRIVER_CARRIES = ("inputs", "all")
+_T = TypeVar("_T")
+
+
+def _started(part: _T | None, what: str) -> _T:
+    """``part`` of the run, which the run must have set by now."""
+    if part is None:
+        raise RuntimeError(f"simulated cluster run: {what} is not set (the run did not get that far)")
+    return part
 
 
 @dataclass
@@ -193,18 +201,20 @@ class _Run:
     async def mark(self) -> _Window:
         stats = await self.tq.unit_stats()
         status = await self.tq.status()
+        hosts = _started(self.hosts, "the hosts")
         return _Window(time.monotonic(), probes.thread_cpu_s("tq-service"), time.thread_time(),
-                       sum(probes.process_cpu_s(p) for p in self.hosts.pids),
-                       sum(probes.process_cpu_s(p) for p in self.hosts.unit_pids), probes.machine_busy(),
+                       sum(probes.process_cpu_s(p) for p in hosts.pids),
+                       sum(probes.process_cpu_s(p) for p in hosts.unit_pids), probes.machine_busy(),
                        float(sum(sum(s["put_bytes_by_node"].values()) for s in stats)),
                        int(status["stats"]["get_meta"]))
 
     def measuring(self, on: bool) -> None:
-        self.fan_out.recording = on
+        _started(self.fan_out, "the fan-out probe").recording = on
+        get_meta = _started(self.get_meta, "the get_meta probe")
         if on:
-            self.get_meta.start()
+            get_meta.start()
         else:
-            self.get_meta_lat = self.get_meta.stop()
+            self.get_meta_lat = get_meta.stop()
 
 
 def simulate(cfg: ClusterConfig) -> dict:
@@ -217,15 +227,15 @@ def simulate(cfg: ClusterConfig) -> dict:
                                                        wait_timeout_s=cfg.timeout_s)).start_in_thread()
     run = _Run(cfg)
     try:
-        run.hosts = SimHosts(lay.world, cfg.hosts, service.controller_address, with_units=not central)
+        run.hosts = hosts = SimHosts(lay.world, cfg.hosts, service.controller_address, with_units=not central)
         try:
-            run.get_meta = probes.GetMetaProbe(service.controller_address)
+            run.get_meta = get_meta = probes.GetMetaProbe(service.controller_address)
             try:
                 return asyncio.run(_drive(cfg, lay, run, service.controller_address))
             finally:
-                run.get_meta.close()
+                get_meta.close()
         finally:
-            run.hosts.close()
+            hosts.close()
     finally:
         service.stop_in_thread()
 
@@ -239,8 +249,9 @@ async def _drive(cfg: ClusterConfig, lay: Layout, run: _Run, controller: str) ->
     run.tq = tq = AsyncTransferQueueClient(controller, wait_timeout=cfg.timeout_s)
     # Heartbeats as in a run, but a rank is declared dead only after 30 s of silence: the hosts of
     # simulated ranks share this machine's cores with whatever else runs on it.
-    driver = Driver(run.hosts.addresses, config=DriverConfig(call_timeout_s=cfg.timeout_s, heartbeat_timeout_s=10.0,
-                                                             heartbeat_misses=3),
+    hosts = _started(run.hosts, "the hosts")
+    driver = Driver(hosts.addresses, config=DriverConfig(call_timeout_s=cfg.timeout_s, heartbeat_timeout_s=10.0,
+                                                         heartbeat_misses=3),
                     transfer_queue_address=controller)
     started = time.monotonic()
     await driver.start()
@@ -260,7 +271,8 @@ async def _workflow(cfg: ClusterConfig, lay: Layout, run: _Run, driver: Driver, 
          GroupSpec(roles["reward"].worker_class(), "reward", lay.reward, None, {"sim": spec})]
         + [GroupSpec(roles["rollout"].worker_class(), f"rollout{k}", r, None, {"sim": spec})
            for k, r in enumerate(lay.instances)])
-    groups, instances = dict(zip(("actor", "ref", "reward"), made[:3])), made[3:]
+    groups: dict[str, Group] = dict(zip(("actor", "ref", "reward"), made[:3]))
+    instances: list[Group] = list(made[3:])
     actor = groups["actor"]
     await asyncio.gather(actor.init_weight_sync([i.ranks for i in instances]),
                          *(i.init_weight_sync(actor.ranks[0]) for i in instances))
@@ -278,13 +290,13 @@ async def _workflow(cfg: ClusterConfig, lay: Layout, run: _Run, driver: Driver, 
     recorder = _Recorder(run)
     executor = Executor(ecfg, recipe.stages, groups, instances, run.tq, source, observers=[recorder],
                         policy="actor")
-    run.fan_out = probes.FanOutProbe(actor, cfg.fan_out_interval_s)
-    run.fan_out.start()
+    run.fan_out = fan_out = probes.FanOutProbe(actor, cfg.fan_out_interval_s)
+    fan_out.start()
     t0 = time.monotonic()
     try:
         await executor.run(cfg.steps)
     finally:
-        await run.fan_out.stop()
+        await fan_out.stop()
     wall = time.monotonic() - t0
     audit = await _audit(cfg, source, actor, groups, instances, run.tq)
     return _result(cfg, lay, run, recorder, wall, start_s, audit)
@@ -310,7 +322,7 @@ async def _audit(cfg: ClusterConfig, source: PromptSource, actor: Any, groups: d
 
 def _result(cfg: ClusterConfig, lay: Layout, run: _Run, rec: _Recorder, wall: float, start_s: float,
             audit: dict) -> dict:
-    b, e = run.begin, run.end
+    b, e = _started(run.begin, "the window's start"), _started(run.end, "the window's end")
     span = e.wall - b.wall
     sim_s = span / cfg.scale
     measured = [r for r in rec.reports if cfg.in_window(r.step)]
@@ -331,7 +343,7 @@ def _result(cfg: ClusterConfig, lay: Layout, run: _Run, rec: _Recorder, wall: fl
         "machine_busy": busy / total if total else float("nan"),
         "machine_cores": os.cpu_count(),
         "get_meta": probes.summary_us(run.get_meta_lat),
-        "fan_out": {"ranks": len(lay.actor), **probes.summary_us(run.fan_out.latencies)},
+        "fan_out": {"ranks": len(lay.actor), **probes.summary_us(_started(run.fan_out, "the fan-out probe").latencies)},
         # wall seconds the executor booked per stage and step (calls summed over instances): where time goes
         "stage_wall_s_per_step": {k: sum(r.timing.get(k, 0.0) for r in measured) / steps
                                   for k in sorted({k for r in measured for k in r.timing})},

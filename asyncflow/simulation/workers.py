@@ -26,7 +26,7 @@ from ..engines.rollout.base import GenerationRequest
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..engines.rollout.service import RolloutService
 from ..single_controller import Dispatch, Worker, register
-from ..transfer_queue.columns import Column, JaggedColumn, column_from_wire, column_to_wire, to_column
+from ..transfer_queue.columns import Column, FixedColumn, JaggedColumn, column_from_wire, column_to_wire, to_column
 from ..transfer_queue.meta import BatchMeta
 from ..workers.rollout_stream import ROLLOUT_INPUTS, RowStream
 from ..workflow.stages import StageIO
@@ -48,6 +48,20 @@ def unpack(wire: dict[str, dict]) -> dict[str, Column]:
 
 def lengths(col: Column) -> list[int]:
     return col.lengths().tolist() if isinstance(col, JaggedColumn) else [1] * len(col)
+
+
+def jagged(col: Column, name: str) -> JaggedColumn:
+    """Column ``name`` as the row-per-tensor column it must be (token ids)."""
+    if not isinstance(col, JaggedColumn):
+        raise TypeError(f"column {name!r}: expected a jagged column (a tensor per row), got {type(col).__name__}")
+    return col
+
+
+def fixed(col: Column, name: str) -> torch.Tensor:
+    """Column ``name``'s tensor, one value per row (seeds, budgets)."""
+    if not isinstance(col, FixedColumn):
+        raise TypeError(f"column {name!r}: expected a fixed column (one value per row), got {type(col).__name__}")
+    return col.data
 
 
 def largest_share(meta: BatchMeta, dp_size: int, mine: BatchMeta, my_tokens: int) -> float:
@@ -86,6 +100,11 @@ class SimWorker(Worker):
     def _state_bytes(self) -> float:
         return 0.0
 
+    def _get_columns(self, meta: BatchMeta, names: list[str]) -> dict[str, Column]:
+        """Rows ``meta`` of columns ``names`` as Columns, from this rank's blocking client."""
+        # transfer_queue's TransferQueue Protocol (self.tq's type) lists no get_columns; the client has it.
+        return self.tq.get_columns(meta, names)  # type: ignore[attr-defined]  # not in the Protocol
+
     # colocated placement: the role that goes idle moves its state to host memory and back
     def offload(self) -> None:
         if self.spec.colocated:
@@ -109,6 +128,8 @@ class SimWorker(Worker):
 
 class _Service(RolloutService):
     """The real rollout service; each command also wakes the simulated engine's sleep."""
+
+    engine: SimRequestEngine
 
     def _post(self, command: Any) -> None:
         super()._post(command)
@@ -184,28 +205,28 @@ class SimRolloutWorker(SimWorker):
     def _generate(self, cols: dict[str, Column], min_version: int, io: StageIO) -> dict:
         """One batch through the service (the colocated path: the call holds the rank)."""
         prompt, seed, *rest = io.inputs
-        prompts = [cols[prompt].row(i) for i in range(len(cols[prompt]))]
-        seeds = cols[seed].data.tolist()
-        budgets = cols[rest[0]].data.tolist() if rest else [None] * len(prompts)
+        prompt_col = jagged(cols[prompt], prompt)
+        prompts = [prompt_col.row(i) for i in range(len(prompt_col))]
+        seeds = fixed(cols[seed], seed).tolist()
+        budgets = fixed(cols[rest[0]], rest[0]).tolist() if rest else [None] * len(prompts)
         self._count("generate", len(prompts))
         futs = []
         for p, s, b in zip(prompts, seeds, budgets):
             self._ids += 1
-            futs.append(self.service.submit(GenerationRequest(("gen", self._ids), p, self.params, int(s), b,
+            futs.append(self.service.submit(GenerationRequest(f"gen-{self._ids}", p, self.params, int(s), b,
                                                               int(min_version))))
         results = [f.result(600.0) for f in futs]
         return result_columns(results, int(self.engine.version), io.outputs)
 
     @register(Dispatch.DP_COMPUTE)
     def generate(self, data: Any, min_version: int, io: dict | None = None) -> dict:
-        io = StageIO.of(io, ROLLOUT_INPUTS, ROLLOUT_OUTPUTS)
-        return self._generate({c: to_column(c, data[c]) for c in io.inputs}, min_version, io)
+        stage = StageIO.of(io, ROLLOUT_INPUTS, ROLLOUT_OUTPUTS)
+        return self._generate({c: to_column(c, data[c]) for c in stage.inputs}, min_version, stage)
 
     @register(Dispatch.RANK_ZERO)
     def generate_data(self, columns: dict, min_version: int, io: dict) -> dict:
         """The centralized baseline: the prompts in the call, the responses in the reply."""
-        io = StageIO.of(io)
-        return pack(self._generate(unpack(columns), min_version, io))
+        return pack(self._generate(unpack(columns), min_version, StageIO.of(io)))
 
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def stats(self) -> dict:
@@ -232,27 +253,27 @@ class _LogProbs(SimWorker):
 
     @register(Dispatch.ONE_TO_ALL)
     def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
-        io = StageIO.of(io, ["prompt_ids", "response_ids"], ["old_log_probs"])
-        prompt, response = io.inputs[:2]
+        stage = StageIO.of(io, ["prompt_ids", "response_ids"], ["old_log_probs"])
+        prompt, response = stage.inputs[:2]
         mine = meta.part(self.dp_size, self.dp_rank)
         if not len(mine):  # a rank with no rows still waits for the others (the forward is collective)
             self.clock.hold(self._forward_s(largest_share(meta, self.dp_size, mine, 0)))
             return None
-        cols = self.tq.get_columns(mine, [prompt, response])
+        cols = self._get_columns(mine, [prompt, response])
         tokens = sum(lengths(cols[prompt])) + sum(lengths(cols[response]))
         out = self._forward(cols, prompt, response, largest_share(meta, self.dp_size, mine, tokens))
-        self.tq.put({io.outputs[0]: out}, mine.partition, mine)
+        self.tq.put({stage.outputs[0]: out}, mine.partition, mine)
         return None
 
     @register(Dispatch.ALL_TO_ALL)
     def compute_log_probs_data(self, columns: dict, largest: float, io: dict) -> dict:
-        io = StageIO.of(io)
-        prompt, response = io.inputs[:2]
+        stage = StageIO.of(io)
+        prompt, response = stage.inputs[:2]
         cols = unpack(columns)
         if not cols or not len(cols[response]):
             self.clock.hold(self._forward_s(largest))
             return {}
-        return pack({io.outputs[0]: self._forward(cols, prompt, response, largest)})
+        return pack({stage.outputs[0]: self._forward(cols, prompt, response, largest)})
 
 
 class SimReferenceWorker(_LogProbs):
@@ -275,22 +296,22 @@ class SimActorWorker(_LogProbs):
         self._count("update", n)
         self.clock.hold(self._train_s(largest))
         if "seed" in cols:
-            self.seeds.append(cols["seed"].data.clone())
+            self.seeds.append(fixed(cols["seed"], "seed").clone())
         resp = sum(lengths(cols["response_ids"])) if n else 0
         prompt = sum(lengths(cols["prompt_ids"])) if n else 0
         return {"rows": n, "response_tokens": resp, "prompt_tokens": prompt}
 
     @register(Dispatch.ONE_TO_ALL)
     def update(self, step: int, batch: dict, io: dict | None = None) -> dict:
-        io = StageIO.of(io)
-        meta = self.tq.get_meta(io.inputs, int(batch["rows"]), batch["task"], batch["partition"],
+        stage = StageIO.of(io)
+        meta = self.tq.get_meta(stage.inputs, int(batch["rows"]), batch["task"], batch["partition"],
                                 {"name": "token_balanced", "dp_size": self.dp_size},
                                 timeout=float(batch["timeout_s"]), dp_group=self.role,
                                 dp_rank=self.dp_rank, dp_size=self.dp_size)
         mine = meta.part(self.dp_size, self.dp_rank)
         if not len(mine):
             return {**self._train({}, largest_share(meta, self.dp_size, mine, 0)), "step": step}
-        cols = self.tq.get_columns(mine, list(io.inputs))
+        cols = self._get_columns(mine, list(stage.inputs))
         tokens = sum(lengths(cols["prompt_ids"])) + sum(lengths(cols["response_ids"]))
         return {**self._train(cols, largest_share(meta, self.dp_size, mine, tokens)), "step": step}
 
@@ -321,18 +342,18 @@ class SimRewardWorker(SimWorker):
     def _score(self, cols: dict[str, Column], seed: str) -> torch.Tensor:
         self._count("score", len(cols[seed]))
         self.clock.hold(self.costs.call_overhead_s)
-        return (cols[seed].data % 2).float()
+        return (fixed(cols[seed], seed) % 2).float()
 
     @register(Dispatch.DP_COMPUTE)
     def compute(self, data: Any, io: dict | None = None) -> dict:
-        io = StageIO.of(io, ["response_ids", "seed"], ["scores"])
-        cols = {c: to_column(c, data[c]) for c in io.inputs if c in data.keys()}
-        return {io.outputs[0]: self._score(cols, io.inputs[-1])}
+        stage = StageIO.of(io, ["response_ids", "seed"], ["scores"])
+        cols = {c: to_column(c, data[c]) for c in stage.inputs if c in data.keys()}
+        return {stage.outputs[0]: self._score(cols, stage.inputs[-1])}
 
     @register(Dispatch.ALL_TO_ALL)
     def compute_data(self, columns: dict, io: dict) -> dict:
-        io = StageIO.of(io)
+        stage = StageIO.of(io)
         cols = unpack(columns)
         if not cols:
             return {}
-        return pack({io.outputs[0]: self._score(cols, io.inputs[-1])})
+        return pack({stage.outputs[0]: self._score(cols, stage.inputs[-1])})
