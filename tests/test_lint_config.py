@@ -95,6 +95,7 @@ _LENIENT = {
     "asyncflow/rewards",
     "asyncflow/models",
     "asyncflow/algorithms",
+    "asyncflow/training",
 }
 
 
