@@ -96,6 +96,7 @@ _LENIENT = {
     "asyncflow/models",
     "asyncflow/algorithms",
     "asyncflow/training",
+    "asyncflow/metrics",
 }
 
 
