@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
+from ..algorithm_config import AlgorithmConfig
+
 
 def check_same_shape(**named: Tensor | None) -> None:
     """Raise if the given tensors (None ones skipped) do not all have the first one's shape."""
@@ -87,7 +89,7 @@ ROLLOUT_CORR_KEYS = ("rollout_is", "rollout_is_cap", "rollout_mask", "rollout_ma
                      "max_log_ratio")
 
 
-def algorithm_config_problems(cfg: object, keys: Iterable[str] = (*_RULES, *_CHOICES)) -> list[str]:
+def algorithm_config_problems(cfg: AlgorithmConfig, keys: Iterable[str] = (*_RULES, *_CHOICES)) -> list[str]:
     """One line per bad value among ``keys`` of an AlgorithmConfig, named by its key
     (``algorithm.gamma: must be in [0, 1], got 1.5``). config._check reports these at start-up."""
     keys = tuple(keys)
@@ -103,8 +105,7 @@ def algorithm_config_problems(cfg: object, keys: Iterable[str] = (*_RULES, *_CHO
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and test(float(v))  # NaN fails every test
         if not ok:
             out.append(f"algorithm.{key}: {need}, got {v!r}")
-    if ("rollout_is" in keys and getattr(cfg, "rollout_is", "")
-            and getattr(cfg, "policy_loss", "") in SELF_WEIGHTED_LOSSES):
+    if "rollout_is" in keys and cfg.rollout_is and cfg.policy_loss in SELF_WEIGHTED_LOSSES:
         out.append(f"algorithm.rollout_is: {cfg.rollout_is!r} with algorithm.policy_loss={cfg.policy_loss} "
                    f"would weight each token twice by exp(old - behav) ({cfg.policy_loss} applies its own capped "
                    "weight); use "
@@ -112,7 +113,7 @@ def algorithm_config_problems(cfg: object, keys: Iterable[str] = (*_RULES, *_CHO
     return out
 
 
-def check_algorithm_config(cfg: object, keys: Iterable[str]) -> None:
+def check_algorithm_config(cfg: AlgorithmConfig, keys: Iterable[str]) -> None:
     """ValueError naming every bad key: the same rules enforced when a function is called directly."""
     problems = algorithm_config_problems(cfg, keys)
     if problems:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 log = logging.getLogger("asyncflow.metrics")
 
@@ -62,7 +62,7 @@ def to_plain(key: str, value: Any) -> Any:
                     f"got {type(value).__name__}")
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[float]:
     """True for real, finite numbers; bools and strings are not plotted or sent to TensorBoard."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

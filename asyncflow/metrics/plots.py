@@ -68,7 +68,8 @@ def _note(ax: Any, text: str) -> None:
 def _series(rows: Sequence[Mapping[str, Any]], key: str,
             keep: Any = None) -> tuple[list[float], list[float]]:
     """(steps, values) of the rows that hold a finite number under `key` (and pass `keep`)."""
-    steps, values = [], []
+    steps: list[float] = []
+    values: list[float] = []
     for row in rows:
         value = row.get(key)
         if is_number(value) and is_number(row.get("step")) and (keep is None or keep(row)):
@@ -178,16 +179,17 @@ def pack_tracks(spans: Sequence[Span]) -> list[int]:
 
 def busy_seconds(spans: Iterable[Span]) -> float:
     """Length of the union of the spans: time the lane was doing anything."""
-    total, cur_start, cur_end = 0.0, None, None
+    total = 0.0
+    run: tuple[float, float] | None = None  # (start, end) of the union's part being extended
     for s in sorted(spans, key=lambda s: s.start):
-        if cur_end is None or s.start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = s.start, s.end
+        if run is None or s.start > run[1]:
+            if run is not None:
+                total += run[1] - run[0]
+            run = (s.start, s.end)
         else:
-            cur_end = max(cur_end, s.end)
-    if cur_end is not None:
-        total += cur_end - cur_start
+            run = (run[0], max(run[1], s.end))
+    if run is not None:
+        total += run[1] - run[0]
     return total
 
 
@@ -219,7 +221,9 @@ def _draw_lanes(ax: Any, lanes: list[tuple[str, list[tuple[Span, int]], int]],
             facecolors.append(colors[s.stage])
     # an (N, 4, 2) array takes matplotlib's vectorised path, not one Path object per bar
     bars = np.array(verts, dtype=float).reshape(-1, 4, 2)
-    ax.add_collection(PolyCollection(bars, facecolors=facecolors, linewidths=0), autolim=False)
+    polys = PolyCollection(bars, facecolors=facecolors,  # type: ignore[arg-type]  # stub lacks (N, M, 2) arrays
+                           linewidths=0)
+    ax.add_collection(polys, autolim=False)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     ax.set_xlim(lo, hi)
     ax.grid(axis="x", alpha=0.3)

@@ -160,7 +160,7 @@ def load_causal_lm(
         model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
     except Exception as exc:  # re-raised with the directory named
         raise ModelLoadError(f"load_causal_lm: transformers could not load {p}: {type(exc).__name__}: {exc}") from exc
-    return model.to(device)
+    return model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) reads as unbound
 
 
 def read_causal_lm_config(path: str | Path, *, attn_implementation: str | None = None) -> Any:

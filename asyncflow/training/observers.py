@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,8 @@ class SampleAudit(StepObserver):
 
     async def trained(self, step: int, meta: Any) -> None:
         cols = await self.tq.get_columns(meta, self.columns)
-        lines = [{"step": step, "uid": int(meta.groups[i]) if meta.groups else -1} for i in range(len(meta))]
+        lines: list[dict[str, Any]] = [{"step": step, "uid": int(meta.groups[i]) if meta.groups else -1}
+                                       for i in range(len(meta))]
         for name, col in cols.items():
             key = "score" if name == "scores" else name
             if col.kind == "object":
@@ -119,7 +120,7 @@ class CheckpointPolicy(StepObserver):
 class EvalSchedule(StepObserver):
     """A held-out evaluation every ``every`` steps, running beside training."""
 
-    def __init__(self, every: int, evaluate: Callable[[int, str], Awaitable[float]]):
+    def __init__(self, every: int, evaluate: Callable[[int, str], Coroutine[Any, Any, float]]):
         self.every, self.evaluate = every, evaluate
         self.pending: list[asyncio.Task] = []
 
