@@ -316,3 +316,14 @@ def test_a_swap_mid_generation_moves_running_rows_to_the_new_adapter(lora_engine
                                 r.response_ids[first:first + n], 1.0)
             assert (r.log_probs[first:first + n] - ref).abs().max().item() < 1e-3, (rid, ver)
     assert crossed == len(ids)
+
+
+@needs_vllm
+def test_the_launchers_check_of_what_this_vllm_takes():
+    """model.lora.vllm=adapters is refused at start (naming the key, pointing at merged) for a
+    rank above vLLM's largest; the tiny Qwen2 at rank 4 passes on this platform."""
+    vllm_platform()
+    from asyncflow.engines.rollout.vllm_lora import vllm_lora_problems
+    assert vllm_lora_problems(["Qwen2ForCausalLM"], LORA.rank) == []
+    found = vllm_lora_problems(["Qwen2ForCausalLM"], 4096)
+    assert len(found) == 1 and "model.lora.vllm=merged" in found[0]

@@ -475,7 +475,9 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
             chunk.clear()
 
         try:
-            self.llm.collective_rpc("asyncflow_begin_reload", args=(any(sp.name in self._specs for sp in specs),))
+            # LoRA: whether the version carries base weights (else vLLM's weights are not reloaded)
+            opened = (any(sp.name in self._specs for sp in specs),) if self.lora is not None else ()
+            self.llm.collective_rpc("asyncflow_begin_reload", args=opened)
             for spec, t in stream:
                 t = t.detach().to(self._dtype(spec.name)).contiguous()
                 if chunk and t.is_cuda != chunk[0][1].is_cuda:
