@@ -66,6 +66,10 @@ class LoraConfig:
     # module names (a name matches itself and every module whose dotted path ends in it, e.g.
     # q_proj) or all-linear: every linear layer of the decoder (the LM head aside)
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # what rollout.engine=vllm gets each version: adapters (vLLM's own LoRA support, the adapters'
+    # bytes per sync) or merged (W + (alpha/rank) B A built on the training ranks, the whole
+    # model per sync, decoding without LoRA kernels; for a vLLM or a model without LoRA support)
+    vllm: str = one_of("adapters", "merged", default="adapters")
 
 
 @dataclass

@@ -140,6 +140,9 @@ def check_vllm(cfg: RunConfig, platform: str) -> None:
     found = problems(dict(cfg.rollout.engine_kwargs), facts, platform=platform, architectures=archs,
                      want_sleep=offload_idle(cfg),
                      forced_sleep=str(cfg.placement.offload_idle).lower() in ("on", "true"))
+    if cfg.model.lora.rank is not None and cfg.model.lora.vllm == "adapters" and not found:
+        from .engines.rollout.vllm_lora import vllm_lora_problems
+        found = vllm_lora_problems(archs, int(cfg.model.lora.rank))
     if found:
         raise ConfigError("rollout.engine=vllm:\n  " + "\n  ".join(found))
     if offload_idle(cfg) and not facts.sleep_mode:

@@ -61,8 +61,8 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
             policy_model(c), engine_optim(c, optim), process_group=self.process_group, platform=self.platform,
             **({"lora": lora} if lora is not None else {}))
         self.lora = lora
-        # LoRA: the built-in engine takes the adapters; vLLM takes the merged weights
-        self.lora_sync = "merged" if c.rollout.engine == "vllm" else "adapters"
+        # LoRA: the built-in engine takes the adapters; vLLM the adapters or merged weights (model.lora.vllm)
+        self.lora_sync = "merged" if c.rollout.engine == "vllm" and c.model.lora.vllm == "merged" else "adapters"
         self._merged: Any = None  # the merged tensors of the last publish, alive while they are on the wire
         self.sender: Any = None  # a weight_sync.send.BucketSender once init_weight_sync ran
         self._ws_store = self._ws_addr = None  # this rank's weight-sync group store (open_weight_sync)
@@ -72,11 +72,12 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
     # ---- optimisation ----------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
     def reset_optimizer(self, phase: str = "rl") -> None:
-        """A fresh optimizer and schedule for ``phase``: "warmup" (supervised) or "rl". With LoRA,
-        RL after a warm-up that trained the adapters starts by folding them into the base, so
-        that the reference (the base, adapters off) is the policy RL starts from."""
-        if self.lora is not None and phase == "rl" and self.engine.step > 0:
-            self.engine.fold_adapters()
+        """A fresh optimizer and schedule for ``phase``: "warmup" (supervised) or "rl". With LoRA
+        the supervised warm-up trains the base (every weight; the adapters stay zero), standing
+        in for the SFT checkpoint LoRA RL starts from; RL trains the adapters on that frozen
+        base, which is also the reference (the policy RL starts from)."""
+        if self.lora is not None:
+            self.engine.train_part("base" if phase == "warmup" else "adapters")
         self.engine.reset_optimizer(engine_optim(self.cfg, self.optim_key, phase))
 
     @register(Dispatch.ONE_TO_ALL)

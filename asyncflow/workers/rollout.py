@@ -107,6 +107,7 @@ class RolloutWorker(EngineOffload, Worker):
         from ..config import offload_idle, rank_threads, rollout_devices, rollout_dtype
         from ..engines.rollout.vllm import VLLMRolloutEngine
         from ..engines.rollout.vllm_args import cpu_bind, kv_cache_bytes, usable_cores
+        from ..engines.rollout.vllm_lora import LoraSpec
         from ..weight_sync.protocol import torch_dtype
         r = c.rollout
         extra = dict(r.engine_kwargs)
@@ -126,7 +127,9 @@ class RolloutWorker(EngineOffload, Worker):
                 extra["kv_cache_memory_bytes"] = kv_cache_bytes(
                     hf, max_rows=r.max_running_rows, max_len=longest,
                     dtype_bytes=torch_dtype(rollout_dtype(c, False)).itemsize)
-        return VLLMRolloutEngine(c.model.path, devices=devices, tensor_parallel_size=tp,
+        lo = c.model.lora  # adapters through vLLM's LoRA support, else the merged weights (plain weights)
+        lora = LoraSpec(int(lo.rank), float(lo.alpha)) if lo.rank is not None and lo.vllm == "adapters" else None
+        return VLLMRolloutEngine(c.model.path, devices=devices, tensor_parallel_size=tp, lora=lora,
                                  gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_running_rows,
                                  dtype=rollout_dtype(c, self.platform.is_accelerator), seed=c.trainer.seed,
                                  enable_sleep_mode=None if offload_idle(c) else False, cpu_bind=bind, **extra)

@@ -621,8 +621,14 @@ class Executor:
             # cfg.swap_wave(n), so that at no moment are all of them paused (weight_sync.load=staged).
             # Each call is timed under step v: the step whose rollout the new weights serve (and
             # whose metrics log it).
-            def timed(g: Group, call: Awaitable[Any], v: int = v) -> Awaitable[Any]:
-                return self._timed(_SYNC, g.role, g.ranks, v, 0, call)
+            async def timed(g: Group, call: Awaitable[Any], v: int = v) -> Any:
+                out = await self._timed(_SYNC, g.role, g.ranks, v, 0, call)
+                first = out[0] if isinstance(out, list) and out else out
+                if g is actor and isinstance(first, dict) and "bytes" in first:
+                    # what one version moved (all tensors, in the rollout dtype): with LoRA, the adapters
+                    self._keep_metrics(v, {"weight_sync/bytes": first["bytes"],
+                                           "weight_sync/tensors": first.get("tensors", 0)})
+                return out
 
             await publish_and_swap(actor, self.instances, v, wave=self.cfg.swap_wave(len(self.instances)),
                                    timed=timed, on_published=published, on_swapped=swapped)

@@ -3,7 +3,8 @@
 The main job learns in async disaggregated (weights staged) and in sync colocated (weights in
 place); in sync mode vLLM's behaviour log-probs equal the trainer's (fp32, same weights); every
 token of samples.jsonl carries its version within the staleness bound; multi-turn episodes
-(calc_tool) and their evaluation run on vLLM, and a checkpoint taken on vLLM resumes; bad
+(calc_tool) and their evaluation run on vLLM, and a checkpoint taken on vLLM resumes; a LoRA
+policy learns with vLLM taking its adapters, each version the adapters' bytes; bad
 engine arguments are refused before any rank starts. Where vLLM is not installed, the run is
 refused at start with the command that installs it.
 
@@ -76,6 +77,26 @@ def test_main_job_learns_on_vllm_sync_colocated_in_place(tmp_path):
     assert all(m["rollout_corr/same_version_frac"] == 1.0 for m in steps)
     assert max(m["rollout_corr/logp_abs_diff_max"] for m in steps) < 1e-3
     assert all(r["step"] == r["gen_version"] for r in _rows(out / "samples.jsonl"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@needs_vllm
+def test_main_job_with_lora_learns_with_vllm_taking_the_adapters(tmp_path):
+    """model.lora.rank=8 on vLLM (model.lora.vllm=adapters, the default): every RL version moves
+    exactly the adapters' bytes into vLLM's LoRA support, and held-out accuracy rises."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    ok(train_as_is(out, "rollout.engine=vllm", "model.lora.rank=8", "trainer.steps=150", "trainer.time_budget_s=0",
+                   "trainer.eval_every=0", timeout=1200))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rl_steps"] == 150
+    assert summary["eval_accuracy_after_rl"] > summary["eval_accuracy_before_rl"] + 0.05, summary
+    adapters = load_file(str(out / "hf_model_adapter" / "adapter_model.safetensors"))
+    synced = [m for m in _rows(out / "metrics.jsonl") if "weight_sync/bytes" in m]
+    assert len(synced) >= 140
+    assert {m["weight_sync/bytes"] for m in synced} == {float(sum(t.numel() for t in adapters.values()) * 4)}
 
 
 @pytest.mark.slow

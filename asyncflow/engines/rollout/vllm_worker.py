@@ -21,6 +21,10 @@ Ways in:
   (``asyncflow_stage_receive`` starts a thread that receives the version into buffers of its own
   (in the worker's device memory) while generation goes on; ``asyncflow_staged_header`` / ``asyncflow_load_staged``
   check and load it at a step boundary).
+
+LoRA (``asyncflow_lora_init``, model.lora.vllm=adapters): a version's adapter tensors go into the
+policy's vLLM adapter (vllm_lora.AdapterSlot) once its base tensors, if it has any, are
+reloaded; a version of adapters alone leaves vLLM's weights untouched (no reload at all).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from typing import Any
 
 import torch
 
+from asyncflow.engines.rollout.lora_apply import is_adapter_name
 from asyncflow.engines.rollout.vllm_reload import Reload
 
 
@@ -52,6 +57,48 @@ class _Staged:
         self.error: BaseException | None = None
         self.got_header = threading.Event()
         self.thread: threading.Thread | None = None
+
+
+class _Version:
+    """One version into a worker's model: base tensors through vLLM's reload (opened only when
+    the version has some), adapter tensors (LoRA) kept and installed in the adapter slot last."""
+
+    def __init__(self, reload: Reload, slot: Any, has_base: bool) -> None:
+        self.reload, self.slot = reload, slot
+        self.has_base = has_base or slot is None
+        self.adapters: dict[str, torch.Tensor] = {}
+
+    def begin(self) -> None:
+        if self.has_base:
+            self.reload.begin()
+
+    def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.slot is None:
+            self.reload.load(named)
+            return
+        base = []
+        for n, t in named:
+            if is_adapter_name(n):
+                self.adapters[n] = t.detach().to("cpu", copy=True)  # the buffer may be reused or unmapped
+            else:
+                base.append((n, t))
+        if base:
+            if not self.has_base:
+                raise RuntimeError(f"base weight {base[0][0]!r} in a version announced as adapters only")
+            self.reload.load(base)
+
+    def finish(self) -> None:
+        if self.has_base:
+            self.reload.finish()  # drops vLLM's adapters (reset_lora_state): installed again below
+        if self.slot is not None:
+            if self.adapters:
+                self.slot.install(self.adapters)
+            elif self.has_base:
+                self.slot.install_zero()
+
+
+def _has_base(names: Iterable[str]) -> bool:
+    return any(not is_adapter_name(n) for n in names)
 
 
 class WeightLoaderExtension:
@@ -79,13 +126,31 @@ class WeightLoaderExtension:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def _asyncflow_load_all(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """One whole version through vLLM's reload path."""
+    def _asyncflow_version(self, has_base: bool) -> _Version:
+        return _Version(self._asyncflow_reload(), getattr(self, "_asyncflow_slot", None), has_base)
+
+    def asyncflow_lora_init(self, rank: int, alpha: float) -> int:
+        """LoRA through vLLM's own support: the policy's adapter slot, holding a zero adapter
+        (version 0 is the base) until the first version's adapters arrive."""
+        from asyncflow.engines.rollout.vllm_lora import AdapterSlot, LoraSpec
+        self._asyncflow_reload()  # the device, before any reload
+        self._asyncflow_slot = AdapterSlot(self.model_runner, LoraSpec(int(rank), float(alpha)))
+        self._asyncflow_slot.install_zero()
+        return self._asyncflow_slot.installed
+
+    def asyncflow_lora_held(self) -> dict:
+        """The adapters this worker's LoRA manager holds (registered) and has in slots (active)."""
+        manager = self.model_runner.lora_manager._adapter_manager
+        return {"registered": sorted(manager.list_adapters()), "active": sorted(dict(manager._active_adapters.cache)),
+                "installed": getattr(getattr(self, "_asyncflow_slot", None), "installed", 0)}
+
+    def _asyncflow_load_all(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """One whole version through vLLM's reload path (and the adapter slot)."""
         device = self._asyncflow_device()
-        r = self._asyncflow_reload()
-        r.begin()
-        r.load((n, t.to(device, non_blocking=True)) for n, t in named)
-        r.finish()
+        v = self._asyncflow_version(_has_base(n for n, _ in named))
+        v.begin()
+        v.load((n, t.to(device, non_blocking=True)) for n, t in named)
+        v.finish()
         self._asyncflow_sync()
 
     # ---- a version passed with the calls ---------------------------------------------------
@@ -94,24 +159,27 @@ class WeightLoaderExtension:
         self._asyncflow_load_all(named)
         return len(named)
 
-    def asyncflow_begin_reload(self) -> None:
-        self._asyncflow_reload().begin()
+    def asyncflow_begin_reload(self, has_base: bool = True) -> None:
+        """Open a version handed over in chunks (``has_base``: it carries base weights, not
+        only adapters)."""
+        self._asyncflow_open = self._asyncflow_version(bool(has_base))
+        self._asyncflow_open.begin()
 
     def asyncflow_load_chunk(self, named: list[tuple[str, torch.Tensor]]) -> int:
         device = self._asyncflow_device()
-        self._asyncflow_reload().load((n, t.to(device, non_blocking=True)) for n, t in named)
+        self._asyncflow_open.load((n, t.to(device, non_blocking=True)) for n, t in named)
         return len(named)
 
     def asyncflow_load_ipc(self, handles: list[tuple[str, Any, tuple]]) -> int:
         """(name, rebuild function, its arguments) per tensor: the sender's device memory, mapped here."""
         device = self._asyncflow_device()
         named = [(name, fn(*ipc_args_on(args, device.index or 0))) for name, fn, args in handles]
-        self._asyncflow_reload().load(named)
+        self._asyncflow_open.load(named)
         self._asyncflow_sync()
         return len(named)
 
     def asyncflow_finish_reload(self) -> None:
-        self._asyncflow_reload().finish()
+        self._asyncflow_open.finish()
         self._asyncflow_sync()
 
     # ---- the training ranks' weight-sync groups ---------------------------------------------
@@ -167,7 +235,7 @@ class WeightLoaderExtension:
         header = self._asyncflow_header
         if not load:
             return sum(1 for _ in self._asyncflow_buckets(header, fresh=False))
-        r = self._asyncflow_reload()
+        r = self._asyncflow_version(_has_base(s.name for s in header.specs))
         r.begin()
         n = 0
         for b, part in self._asyncflow_buckets(header, fresh=True):
@@ -222,7 +290,7 @@ class WeightLoaderExtension:
         st = self._asyncflow_wait_staged(timeout_s, "version")
         self._asyncflow_staged = None
         if load:
-            r = self._asyncflow_reload()
+            r = self._asyncflow_version(_has_base(s.name for s in st.header.specs))
             r.begin()
             for b, part in enumerate(st.buckets):
                 r.load([(spec.name, t) for spec, t in views(st.header, b, part)])

@@ -127,6 +127,7 @@ class FSDPEngine(TrainEngine):
             raise ValueError("LoRA is for the policy: a critic engine (value_head=True) trains every weight")
         self.lora = lora
         self.base_changed = True  # LoRA: the base weights changed since the last weight sync (a full one is due)
+        self.trains_base = False  # LoRA: the base trains and the adapters rest (train_part("base"))
         self.optim_config = optim
         self.platform = platform if platform is not None else get_platform("auto")
         self.process_group = process_group
@@ -161,6 +162,20 @@ class FSDPEngine(TrainEngine):
         self.optimizer = self._adamw(optim)
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.step = 0
+
+    def train_part(self, part: str) -> None:
+        """LoRA: which weights train from now on, "adapters" (the base frozen: LoRA's own mode)
+        or "base" (every base weight, the adapters frozen: a supervised stage that makes the
+        base, as the SFT that precedes LoRA RL would). Takes effect with the next
+        ``reset_optimizer``, whose AdamW holds only the weights that train."""
+        from asyncflow.engines.train.lora import is_adapter
+        if self.lora is None:
+            raise TypeError("train_part needs a LoRA engine (lora=LoraOptions(...))")
+        if part not in ("adapters", "base"):
+            raise ValueError(f"train_part: 'adapters' or 'base', got {part!r}")
+        self.trains_base = part == "base"
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(is_adapter(name) != self.trains_base)
 
     def _adamw(self, optim: OptimConfig) -> torch.optim.AdamW:
         """AdamW with torch's fused kernel where it has one (CPU, CUDA): the default per-tensor
@@ -418,6 +433,8 @@ class FSDPEngine(TrainEngine):
             self.scheduler.step()
             self.step += 1
             self.nonfinite_in_row = 0
+            if self.trains_base:
+                self.base_changed = True
 
         out = {"loss": loss_total, "grad_norm": grad_norm, "lr": float(lr),
                "n_micro_batches": float(count), "tokens": num_tokens, "skipped_nonfinite": float(skipped)}
