@@ -250,6 +250,9 @@ class Driver:
                     await ep.close()
                     raise WorkerDiedError(f"the new process of rank {rank} ({address}) did not answer within "
                                           f"{timeout_s:.0f}s", rank=rank) from None
+        # watched from its first answer on: building its workers may take long (loading a model),
+        # and it exits if the driver's pings stop meanwhile (RuntimeConfig.driver_timeout_s)
+        self._monitors.append(asyncio.get_running_loop().create_task(self._monitor(ep), name=f"heartbeat-{rank}"))
         if self.transfer_queue_address:
             await ep.request("set_transfer_queue", "set_transfer_queue", None, 30.0, control=True,
                              address=self.transfer_queue_address)
@@ -261,7 +264,6 @@ class Driver:
         ep.roles.extend(roles)
         self.ranks[rank] = ep  # worker groups look their ranks up here at every call
         await old.close()
-        self._monitors.append(asyncio.get_running_loop().create_task(self._monitor(ep), name=f"heartbeat-{rank}"))
 
     async def stop_heartbeats(self) -> None:
         """Stop pinging the workers (they exit after ``driver_timeout_s`` unless shut down)."""

@@ -77,7 +77,8 @@ class InstanceFaults:
         rec = self.records[k]
         rec.failures += 1
         rec.last_error = str(err)
-        rec.lost_at = time.monotonic()
+        if rec.lost_at is None:  # (a new process lost while it joins: the same time out of service)
+            rec.lost_at = time.monotonic()
         pid = self._local_pid(rank)
         if pid is not None:  # a hung process must not write rows once they are given back
             rec.pids.append(pid)
@@ -157,7 +158,8 @@ class InstanceFaults:
                                                   c.rejoin_timeout_s)
                 await self.driver.replace_rank(rec.rank, address, c.rejoin_timeout_s)
             except Exception as e:  # noqa: BLE001 - its start failed: another try, within the budget
-                rec.failures += 1
+                if not self.is_loss(e):  # a loss of the new process was counted when the driver saw it
+                    rec.failures += 1
                 rec.last_error = f"its restart {rec.restarts} failed: {type(e).__name__}: {e}"
                 log.warning("rollout instance %d: %s", k, rec.last_error)
                 continue
@@ -167,6 +169,10 @@ class InstanceFaults:
             log.warning("rollout instance %d (rank %d) is back (restart %d); it takes rows from the next version",
                         k, rec.rank, rec.restarts)
             return
+
+    async def abandon_sync(self, instances: list[Any]) -> None:
+        """A member was lost mid-sync: ``instances`` stop waiting on the groups it was in."""
+        await asyncio.gather(*(inst.abandon_weight_sync() for inst in instances), return_exceptions=True)
 
     async def rebuild_sync(self, instances: list[Any]) -> None:
         """New weight-sync groups between the policy and ``instances`` (those in service)."""

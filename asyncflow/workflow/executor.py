@@ -673,6 +673,21 @@ class Executor:
             st.low = max(st.low, t + 1)
         return self.step_started.pop(t, None)
 
+    async def _unless_member_lost(self, sync: Awaitable[None], members: list[int]) -> None:
+        """Run a weight sync; if one of ``members`` is lost meanwhile, the others' receives on
+        its groups are abandoned, so the sync fails now instead of at its timeout."""
+        task = asyncio.ensure_future(sync)
+        lost = asyncio.ensure_future(self.ledger.wait_for(lambda: any(k in self.out_of_service for k in members),
+                                                          self.cfg.wait_timeout_s * 4, "a lost rollout instance"))
+        try:
+            await asyncio.wait([task, lost], return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await self.faults.abandon_sync([self.instances[k] for k in members if k not in self.out_of_service])
+        finally:
+            lost.cancel()
+            await asyncio.gather(lost, return_exceptions=True)
+        await task
+
     # ---- weight sync: publish each version, then every instance receives it in the background ----
     async def _weight_sync(self) -> None:
         actor = self.groups[self.policy]
@@ -707,11 +722,12 @@ class Executor:
 
                 async def swapped_members(idx: list[int], members: list[int] = members) -> None:
                     await swapped([members[i] for i in idx])
+                sync = publish_and_swap(actor, [self.instances[k] for k in members], v,
+                                        wave=self.cfg.swap_wave(len(members)),
+                                        timed=lambda g, call: self._timed(_SYNC, g.role, g.ranks, v, 0, call),
+                                        on_published=published, on_swapped=swapped_members)
                 try:
-                    await publish_and_swap(actor, [self.instances[k] for k in members], v,
-                                           wave=self.cfg.swap_wave(len(members)),
-                                           timed=lambda g, call: self._timed(_SYNC, g.role, g.ranks, v, 0, call),
-                                           on_published=published, on_swapped=swapped_members)
+                    await (sync if self.faults is None else self._unless_member_lost(sync, members))
                     break
                 except Exception:
                     # a member lost during the sync: make the groups without it and send v again
