@@ -33,9 +33,9 @@ from ..rpc.alloc import freeze_gc_heap
 from .driver import Driver, DriverConfig
 from .errors import LaunchError
 from .placement import PlacementConfig
-from .rendezvous import connect_store, publish_address, rendezvous_host, share_run_key, wait_addresses
+from .rendezvous import (SUPERVISED_ENV, connect_store, publish_address, rendezvous_host, share_run_key,
+                         wait_addresses)
 from .runtime import RuntimeConfig, WorkerRuntime
-from .supervise import SUPERVISED_ENV
 from .tq_units import (node_from_env, start_for_rank, wait_for_node_units, nodes_of_ranks,
                        write_unit_stats)
 

@@ -18,6 +18,8 @@ from ..rpc import auth
 from .errors import LaunchError
 
 KEY_PREFIX = "asyncflow/"
+# Set in the ranks that single_controller/supervise.py starts: its launcher takes restart requests.
+SUPERVISED_ENV = "ASYNCFLOW_SUPERVISED"
 
 
 def connect_store(host: str, port: int, rank: int, world_size: int, timeout_s: float,

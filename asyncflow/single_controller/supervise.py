@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import LaunchError
-from .rendezvous import KEY_PREFIX, address_key
+from .rendezvous import KEY_PREFIX, SUPERVISED_ENV, address_key
 
-SUPERVISED_ENV = "ASYNCFLOW_SUPERVISED"  # set in the ranks this launcher starts: it takes restart requests
+RESTART_ENV = "ASYNCFLOW_RESTART"  # in a rank's process: which new process of its rank it is (0: the first)
 REPLACEABLE_KEY = KEY_PREFIX + "fault/replaceable/"
 RESTART_KEY = KEY_PREFIX + "fault/restart/"
+EXIT_KEY = KEY_PREFIX + "fault/exit/"  # how a replaceable rank's last process ended, for the driver's report
 
 
 def mark_replaceable(store: Any, rank: int) -> None:
@@ -41,6 +42,12 @@ def mark_replaceable(store: Any, rank: int) -> None:
 def request_restart(store: Any, rank: int, restart: int) -> None:
     """The driver's side: start the ``restart``-th new process of ``rank`` (killing the old one)."""
     store.set(f"{RESTART_KEY}{rank}", str(int(restart)))
+
+
+def last_exit(store: Any, rank: int) -> str:
+    """How ``rank``'s last process ended, as this launcher saw it ("" if it has not said)."""
+    key = f"{EXIT_KEY}{rank}"
+    return store.get(key).decode() if store.check([key]) else ""
 
 
 def wait_restarted(store: Any, rank: int, restart: int, timeout_s: float) -> str:
@@ -94,7 +101,7 @@ class _Ranks:
             self.start(r, 0)
 
     def start(self, rank: int, restart: int) -> None:
-        env = {**self.env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        env = {**self.env, "RANK": str(rank), "LOCAL_RANK": str(rank), RESTART_ENV: str(restart)}
         p = self.ctx.Process(target=_rank_main, args=(self.cfg, rank, self.nproc, self.store.port, env, restart),
                              name=f"asyncflow-rank{rank}" + (f"-restart{restart}" if restart else ""), daemon=False)
         p.start()
@@ -175,6 +182,7 @@ def launch_supervised(cfg: Any, nproc: int, *, describe_rank: Callable[[int], st
                     continue  # running, or done serving (the driver ends the run)
                 if ranks.replaceable(r):
                     ranks.gone.add(r)
+                    ranks.store.set(f"{EXIT_KEY}{r}", f"its process {_how(p.exitcode)} (pid {p.pid})")
                     print(f"asyncflow: rank {r} {_how(p.exitcode)} (pid {p.pid}); it is replaceable, the run goes "
                           f"on", file=sys.stderr, flush=True)
                     continue

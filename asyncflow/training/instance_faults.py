@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..single_controller.errors import WorkerDiedError
-from ..single_controller.supervise import mark_replaceable, request_restart, wait_restarted
+from ..single_controller.supervise import last_exit, mark_replaceable, request_restart, wait_restarted
 from .roles import init_weight_sync
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,10 @@ class InstanceFaults:
         k = self._by_rank[rank]
         rec = self.records[k]
         rec.failures += 1
-        rec.last_error = str(err)
+        # the launcher says how the process ended (it sees the exit well within the heartbeats' bound)
+        ended = last_exit(self.driver.store, rank) if self.driver.store is not None else ""
+        pid = (getattr(self.driver.ranks[rank], "info", None) or {}).get("pid")
+        rec.last_error = f"{ended}; {err}" if ended and f"(pid {pid})" in ended else str(err)
         if rec.lost_at is None:  # (a new process lost while it joins: the same time out of service)
             rec.lost_at = time.monotonic()
         pid = self._local_pid(rank)
@@ -140,13 +143,17 @@ class InstanceFaults:
                                  f"{rec.failures} times and is not restarted again: {over}. Its last error: "
                                  f"{rec.last_error}")
 
+    def backoff(self, restarts: int) -> float:
+        """Seconds before the next restart of an instance restarted ``restarts`` times so far."""
+        return min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** restarts)
+
     async def back_in_service(self, k: int) -> None:
         """Restart lost instance ``k`` on its rank and attach it (new tries while its start
         fails, each counted against the budget); InstanceGaveUp once the budget is spent."""
         rec, c = self.records[k], self.cfg
         while True:
             self._check_budget(k)
-            delay = min(c.max_backoff_s, c.backoff_s * 2 ** rec.restarts)
+            delay = self.backoff(rec.restarts)
             log.warning("rollout instance %d (rank %d) is lost (%s); restart %d in %.1f s", k, rec.rank,
                         rec.last_error.splitlines()[0] if rec.last_error else "?", rec.restarts + 1, delay)
             await asyncio.sleep(delay)

@@ -17,12 +17,14 @@ import pytest
 
 from _run import start_train
 
-pytestmark = pytest.mark.slow
-STEPS, PROMPTS, N = 20, 4, 4  # TINY's prompts_per_step and rollout.n
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+PROMPTS, N = 4, 4  # TINY's prompts_per_step and rollout.n
+# RL for a time budget long enough that the new process (tens of seconds to start on a loaded
+# machine) serves rows before the end.
 FAULT_RUN = ["grpo", "trainer.nproc=3", "placement.mode=disaggregated", "placement.actor_ranks=[0]",
              "placement.rollout_ranks=[1,2]", "placement.reward_with=actor", "fault.rollout_restarts=true",
              "fault.backoff_s=0.5", "trainer.eval_every=0", "warmup.max_steps=5", "algorithm.dynamic_sampling=false",
-             f"trainer.steps={STEPS}"]
+             "trainer.steps=100000", "trainer.time_budget_s=90", "imports=[tests.e2e._instance_dies]"]
 
 
 def _trained_steps(out: Path) -> int:
@@ -47,7 +49,7 @@ def _instance_pid(out: Path, role: str) -> int:
     raise AssertionError(f"no rank runs {role}: {(out / 'ranks.json').read_text()}")
 
 
-def _finish(p, err: Path, timeout: float = 400) -> str:
+def _finish(p, err: Path, timeout: float = 400, expect: int = 0) -> str:
     try:
         code = p.wait(timeout)
     finally:
@@ -55,7 +57,7 @@ def _finish(p, err: Path, timeout: float = 400) -> str:
             p.kill()
             p.wait(30)
     text = err.read_text()
-    assert code == 0, f"exit {code}:\n{text[-6000:]}"
+    assert (code == 0) == (expect == 0), f"exit {code}:\n{text[-6000:]}"
     return text
 
 
@@ -66,11 +68,10 @@ def _check_audit(out: Path) -> dict:
     steps_of = {}
     for r in rows:
         steps_of.setdefault(r["uid"], set()).add(r["step"])
-    assert sorted(per_uid) == list(range(STEPS * PROMPTS)), sorted(per_uid)
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(per_uid) == list(range(summary["rl_steps"] * PROMPTS)), sorted(per_uid)
     assert set(per_uid.values()) == {N}, {u: c for u, c in per_uid.items() if c != N}
     assert all(len(s) == 1 for s in steps_of.values()), {u: s for u, s in steps_of.items() if len(s) > 1}
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["rl_steps"] == STEPS
     return summary
 
 
@@ -78,13 +79,14 @@ def _lost_and_back(out: Path, err: Path, kill, *extra: str) -> dict:
     p = start_train(out, *FAULT_RUN, *extra, stderr=err)
     try:
         _wait_for(p, err, "a trained step", lambda: _trained_steps(out) >= 1)
-        pid = _instance_pid(out, "rollout1")
-        kill(pid)
+        if kill is not None:
+            kill(_instance_pid(out, "rollout1"))
     except BaseException:
         p.kill()
         p.wait(30)
         raise
-    _finish(p, err)
+    text = _finish(p, err)
+    assert "rollout instance 1 (rank 2) is back (restart 1)" in text, text[-4000:]
     summary = _check_audit(out)
     faults = summary["faults"]
     assert faults["failures"] >= 1 and faults["restarts"] >= 1, faults
@@ -96,3 +98,30 @@ def _lost_and_back(out: Path, err: Path, kill, *extra: str) -> dict:
 
 def test_a_killed_rollout_instance_is_replaced_and_every_prompt_trains_once(tmp_path):
     _lost_and_back(tmp_path / "run", tmp_path / "stderr.log", lambda pid: os.kill(pid, signal.SIGKILL))
+
+
+def test_a_hung_rollout_instance_is_replaced_and_every_prompt_trains_once(tmp_path):
+    """SIGSTOP: the process lives but answers nothing; the driver's heartbeats find it, it is
+    killed (no late row may come from it) and replaced."""
+    summary = _lost_and_back(tmp_path / "run", tmp_path / "stderr.log", lambda pid: os.kill(pid, signal.SIGSTOP))
+    assert "stopped answering heartbeats" in summary["faults"]["instances"][1]["last_error"]
+
+
+def test_an_instance_dying_in_a_weight_sync_is_replaced_and_the_version_reaches_the_others(tmp_path, monkeypatch):
+    """It dies with a version half received (several buckets: some in, the rest on the wire):
+    the version is sent again to the instance still serving, over groups made without it."""
+    monkeypatch.setenv("ASYNCFLOW_TEST_INSTANCE_DIES", "in_sync")
+    err = tmp_path / "stderr.log"
+    summary = _lost_and_back(tmp_path / "run", err, None, "weight_sync.bucket_mb=0.25")
+    assert "exited with code 9" in summary["faults"]["instances"][1]["last_error"], summary["faults"]
+    assert "a rollout instance was lost meanwhile; sending it again to the others" in err.read_text()
+
+
+def test_an_instance_that_keeps_dying_stops_the_run_after_its_restart_budget(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCFLOW_TEST_INSTANCE_DIES", "always")
+    out, err = tmp_path / "run", tmp_path / "stderr.log"
+    p = start_train(out, *FAULT_RUN, "fault.max_restarts_per_instance=1", "trainer.save_every=2", stderr=err)
+    text = _finish(p, err, expect=1)
+    assert "InstanceGaveUp: rollout instance 1 (rollout1, rank 2) was lost 2 times" in text, text[-4000:]
+    assert "fault.max_restarts_per_instance=1" in text and "its process exited with code 9" in text, text[-4000:]
+    assert "trainer.resume=auto" in text, text[-2000:]  # the command that goes on from the last checkpoint

@@ -183,3 +183,105 @@ def test_a_dying_instance_loses_no_row_and_trains_none_twice(die_after):
     assert groups[0] == ["rollout1"] and groups[-1] == ["rollout0", "rollout1"]  # without it, then with it again
     assert dying.rows_after_restart > 0, "the instance served no rows once it was back"
     assert ex.out_of_service == set() and not any(ms for per in ex.rows_out.held.values() for ms in per.values())
+
+
+class _Store:
+    def __init__(self):
+        self.keys = {}
+
+    def set(self, k, v):
+        self.keys[k] = v.encode() if isinstance(v, str) else v
+
+    def check(self, ks):
+        return all(k in self.keys for k in ks)
+
+    def get(self, k):
+        return self.keys[k]
+
+
+class _Rank:
+    def __init__(self, rank):
+        self.rank, self.info = rank, {"host": "elsewhere", "pid": 1000 + rank}
+
+
+class _FakeDriver:
+    """What InstanceFaults uses of the driver: its launcher's store (where a restart request
+    is answered at once with the new process's address), its ranks and replace_rank."""
+
+    def __init__(self):
+        from asyncflow.single_controller.driver import DriverConfig
+        self.config = DriverConfig(heartbeat_interval_s=0.01, heartbeat_timeout_s=0.01, heartbeat_misses=1)
+        self.store, self.ranks, self.replaced, self.lost_cb = _Store(), [_Rank(r) for r in range(3)], [], None
+
+    def tolerate_loss(self, ranks, on_lost):
+        self.tolerated, self.lost_cb = list(ranks), on_lost
+
+    async def replace_rank(self, rank, address, timeout_s):
+        self.replaced.append((rank, address))
+
+
+class _Inst:
+    def __init__(self, k):
+        self.role, self.ranks = f"rollout{k}", [k + 1]
+
+
+def _faults(**policy):
+    from asyncflow.config import FaultConfig
+    from asyncflow.single_controller.rendezvous import address_key
+    from asyncflow.training.instance_faults import InstanceFaults
+
+    driver = _FakeDriver()
+    set_ = driver.store.set
+
+    def answering_set(k, v):  # the launcher starts the new process, which publishes its address
+        set_(k, v)
+        if "fault/restart/" in k:
+            set_(address_key(int(k.rsplit("/", 1)[1]), int(v)), f"new-{k}-{v}")
+    driver.store.set = answering_set
+    faults = InstanceFaults(driver, FaultConfig(rollout_restarts=True, backoff_s=0.0, **policy), None,
+                            [_Inst(0), _Inst(1)])
+
+    class _Exec:
+        lost = []
+
+        def instance_lost(self, k):
+            self.lost.append(k)
+    faults.arm(_Exec())
+    return faults, driver
+
+
+def test_restarts_follow_the_policy_and_the_last_one_names_the_instance_and_its_error():
+    from asyncflow.training.instance_faults import InstanceGaveUp
+
+    async def main():
+        faults, driver = _faults(max_restarts_per_instance=2, max_restarts_per_run=10)
+        assert driver.tolerated == [1, 2] and driver.store.check(["asyncflow/fault/replaceable/2"])
+        for i in range(2):
+            driver.store.set("asyncflow/fault/exit/2", f"its process exited with code 9 (pid {1002})")
+            driver.lost_cb(2, WorkerDiedError("worker rank 2 stopped answering heartbeats", rank=2))
+            await faults.back_in_service(1)
+        assert driver.replaced == [(2, "new-asyncflow/fault/restart/2-1"), (2, "new-asyncflow/fault/restart/2-2")]
+        assert faults.totals()["restarts"] == 2 and faults.records[1].failures == 2
+        driver.lost_cb(2, WorkerDiedError("worker rank 2 stopped answering heartbeats", rank=2))
+        with pytest.raises(InstanceGaveUp, match=r"rollout instance 1 \(rollout1, rank 2\) was lost 3 times .*"
+                                                 r"fault\.max_restarts_per_instance=2.*exited with code 9"):
+            await faults.back_in_service(1)
+        assert faults.summary()["instances"][0]["failures"] == 0
+    asyncio.run(main())
+
+
+def test_the_run_budget_counts_every_instance_and_back_off_doubles_up_to_its_cap():
+    from asyncflow.training.instance_faults import InstanceGaveUp
+
+    async def main():
+        faults, driver = _faults(max_restarts_per_instance=5, max_restarts_per_run=1)
+        driver.lost_cb(1, WorkerDiedError("lost", rank=1))
+        await faults.back_in_service(0)
+        driver.lost_cb(2, WorkerDiedError("lost", rank=2))
+        with pytest.raises(InstanceGaveUp, match=r"restarted 1 times already \(fault\.max_restarts_per_run=1\)"):
+            await faults.back_in_service(1)
+    asyncio.run(main())
+    from asyncflow.config import FaultConfig
+    from asyncflow.training.instance_faults import InstanceFaults
+    f = InstanceFaults(_FakeDriver(), FaultConfig(backoff_s=2.0, max_backoff_s=10.0), None, [_Inst(0)])
+    assert [f.backoff(n) for n in range(5)] == [2.0, 4.0, 8.0, 10.0, 10.0]
