@@ -18,7 +18,7 @@ from typing import Any
 
 from .config import RunConfig, load_config, to_dict
 from .training import phases
-from .training.roles import RunRoles, start_roles
+from .training.roles import RunRoles, start_roles, write_ranks
 from .workflow import checkpoints as ckpts
 from .workflow.checkpoints import RunState
 
@@ -197,6 +197,7 @@ class Training:
         if cfg.fault.rollout_restarts:  # a lost rollout instance is replaced, the run goes on
             from .training.instance_faults import InstanceFaults
             faults = InstanceFaults(self.driver, cfg.fault, roles.policy, roles.instances)
+            faults.on_back = lambda: write_ranks(self.driver, roles, self.out)  # the new process's pid
         executor = Executor(ecfg, self.spec.stages, roles.groups, roles.instances, self.tq, self.source,
                             timeline=self.timeline, observers=observers, start_version=first, first_step=first,
                             policy=self.spec.policy, faults=faults)

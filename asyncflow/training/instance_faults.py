@@ -21,7 +21,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..single_controller.errors import WorkerDiedError
 from ..single_controller.supervise import last_exit, mark_replaceable, request_restart, wait_restarted
@@ -55,6 +55,7 @@ class InstanceFaults:
         self._by_rank = {inst.ranks[0]: k for k, inst in enumerate(instances)}
         self.restarts = 0
         self.executor: Any = None
+        self.on_back: Callable[[], None] | None = None  # e.g. ranks.json written again (the new pid)
         hb = driver.config
         # how long after a failed call the driver has declared its rank lost, at the latest
         self.detect_s = hb.heartbeat_misses * (hb.heartbeat_timeout_s + hb.heartbeat_interval_s) + 1.0
@@ -173,6 +174,8 @@ class InstanceFaults:
             if rec.lost_at is not None:
                 rec.seconds_lost += time.monotonic() - rec.lost_at
                 rec.lost_at = None
+            if self.on_back is not None:
+                self.on_back()
             log.warning("rollout instance %d (rank %d) is back (restart %d); it takes rows from the next version",
                         k, rec.rank, rec.restarts)
             return

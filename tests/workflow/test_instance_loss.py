@@ -158,19 +158,19 @@ class FakeFaults:
 def test_a_dying_instance_loses_no_row_and_trains_none_twice(die_after):
     async def main():
         svc = await TransferQueueService(TransferQueueConfig()).start()
-        tq = AsyncTransferQueueClient(svc.controller_address, ctx=zmq.asyncio.Context(), wait_timeout=20.0)
+        tq = AsyncTransferQueueClient(svc.controller_address, ctx=zmq.asyncio.Context(), wait_timeout=60.0)
         log: list = []
         dying = DyingRollout(tq, 0, 0.04, log, die_after)
         insts = [dying, ServiceRollout(tq, 1, 0.04, log)]
         actor = Actor(tq, 0.01, log)
         faults = FakeFaults(insts)
-        cfg = ExecutorConfig(mode="async", max_staleness=1, group_size=G, prompts_per_step=4, wait_timeout_s=20.0,
+        cfg = ExecutorConfig(mode="async", max_staleness=1, group_size=G, prompts_per_step=4, wait_timeout_s=60.0,
                              rollout_service=True)
         ex = Executor(cfg, stages(False), {"actor": actor, "reward": Reward(tq, lambda s, g: 1.0)}, insts, tq,
                       PromptSource(records(), G, seed=0), faults=faults)
         dying.executor = faults.executor = ex
         try:
-            await asyncio.wait_for(ex.run(6), 60)
+            await asyncio.wait_for(ex.run(6), 120)
         finally:
             await tq.close()
             await svc.stop()
