@@ -77,8 +77,8 @@ class Driver:
         self._heartbeats_stopped = False
         self._create_lock: asyncio.Lock | None = None
         self._ctx = zmq.asyncio.Context()
-        # Ranks whose loss does not stop the run: rank -> called with its WorkerDiedError.
-        self._on_lost: dict[int, Callable[[int, WorkerDiedError], None]] = {}
+        # Ranks whose loss does not stop the run: rank -> called with its WorkerDiedError and lost pid.
+        self._on_lost: dict[int, Callable[[int, WorkerDiedError, int | None], None]] = {}
         self._created: dict[str, dict] = {}  # role -> how its group was created (for replace_rank)
         self.store: Any = None  # the launcher's store, where it runs one (restart requests go there)
 
@@ -136,7 +136,7 @@ class Driver:
                     on_lost = self._on_lost.get(ep.rank)
                     if on_lost is not None:  # replaceable: the run goes on without it
                         log.warning("%s", err)
-                        on_lost(ep.rank, err)
+                        on_lost(ep.rank, err, (ep.info or {}).get("pid"))
                         return
                     log.error("%s", err)
                     if not self.failed.done():
@@ -220,9 +220,11 @@ class Driver:
                 for ep in self.ranks))
 
     # ---- replaceable ranks ------------------------------------------------------------------
-    def tolerate_loss(self, ranks: Sequence[int], on_lost: Callable[[int, WorkerDiedError], None]) -> None:
+    def tolerate_loss(self, ranks: Sequence[int],
+                      on_lost: Callable[[int, WorkerDiedError, int | None], None]) -> None:
         """A rank of ``ranks`` that stops answering no longer stops the run: it is declared dead
-        (its calls in flight fail with WorkerDiedError) and ``on_lost(rank, error)`` is called.
+        (its calls in flight fail with WorkerDiedError) and ``on_lost(rank, error, pid)`` is called
+        (the pid of the process lost, where it said).
         Only for ranks whose groups are theirs alone (a rollout instance per rank): a group over
         several ranks would have a member gone from its collectives."""
         for r in ranks:

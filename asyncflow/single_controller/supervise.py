@@ -22,6 +22,7 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -89,7 +90,9 @@ class _Ranks:
     def __init__(self, cfg: Any, nproc: int, env: dict):
         import torch.distributed as dist
 
-        self.cfg, self.nproc = cfg, nproc
+        # every rank exits when this launcher is gone (the worker runtime's watchdog), rank 0 too
+        self.cfg = replace(cfg, runtime=replace(cfg.runtime, parent_pid=os.getpid()))
+        self.nproc = nproc
         self.store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
         self.env = {**env, SUPERVISED_ENV: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
                     "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}

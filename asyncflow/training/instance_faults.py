@@ -73,17 +73,16 @@ class InstanceFaults:
             mark_replaceable(self.driver.store, r)
 
     # ---- the loss ------------------------------------------------------------------------------
-    def _lost(self, rank: int, err: WorkerDiedError) -> None:
+    def _lost(self, rank: int, err: WorkerDiedError, pid: int | None = None) -> None:
         k = self._by_rank[rank]
         rec = self.records[k]
         rec.failures += 1
         # the launcher says how the process ended (it sees the exit well within the heartbeats' bound)
         ended = last_exit(self.driver.store, rank) if self.driver.store is not None else ""
-        pid = (getattr(self.driver.ranks[rank], "info", None) or {}).get("pid")
         rec.last_error = f"{ended}; {err}" if ended and f"(pid {pid})" in ended else str(err)
         if rec.lost_at is None:  # (a new process lost while it joins: the same time out of service)
             rec.lost_at = time.monotonic()
-        pid = self._local_pid(rank)
+        pid = self._local_pid(rank, pid)
         if pid is not None:  # a hung process must not write rows once they are given back
             rec.pids.append(pid)
             try:
@@ -93,10 +92,11 @@ class InstanceFaults:
         if self.executor is not None:
             self.executor.instance_lost(k)
 
-    def _local_pid(self, rank: int) -> int | None:
+    def _local_pid(self, rank: int, pid: int | None) -> int | None:
+        """``pid`` where the rank's processes run on this host (the driver's), else None."""
         info = getattr(self.driver.ranks[rank], "info", None) or {}
-        if info.get("host") == socket.gethostname() and info.get("pid") and info["pid"] != os.getpid():
-            return int(info["pid"])
+        if pid and info.get("host") == socket.gethostname() and pid != os.getpid():
+            return int(pid)
         return None
 
     @staticmethod
@@ -166,9 +166,11 @@ class InstanceFaults:
                                                   c.rejoin_timeout_s)
                 await self.driver.replace_rank(rec.rank, address, c.rejoin_timeout_s)
             except Exception as e:  # noqa: BLE001 - its start failed: another try, within the budget
-                if not self.is_loss(e):  # a loss of the new process was counted when the driver saw it
+                if self.is_loss(e):  # the new process was lost: counted, and said how, when the driver saw it
+                    rec.last_error = f"its restart {rec.restarts} failed: {rec.last_error}"
+                else:
                     rec.failures += 1
-                rec.last_error = f"its restart {rec.restarts} failed: {type(e).__name__}: {e}"
+                    rec.last_error = f"its restart {rec.restarts} failed: {type(e).__name__}: {e}"
                 log.warning("rollout instance %d: %s", k, rec.last_error)
                 continue
             if rec.lost_at is not None:

@@ -123,5 +123,6 @@ def test_an_instance_that_keeps_dying_stops_the_run_after_its_restart_budget(tmp
     p = start_train(out, *FAULT_RUN, "fault.max_restarts_per_instance=1", "trainer.save_every=2", stderr=err)
     text = _finish(p, err, expect=1)
     assert "InstanceGaveUp: rollout instance 1 (rollout1, rank 2) was lost 2 times" in text, text[-4000:]
+    assert "its restart 1 failed" in text, text[-4000:]  # the new process died as it started
     assert "fault.max_restarts_per_instance=1" in text and "its process exited with code 9" in text, text[-4000:]
     assert "trainer.resume=auto" in text, text[-2000:]  # the command that goes on from the last checkpoint

@@ -258,11 +258,11 @@ def test_restarts_follow_the_policy_and_the_last_one_names_the_instance_and_its_
         assert driver.tolerated == [1, 2] and driver.store.check(["asyncflow/fault/replaceable/2"])
         for i in range(2):
             driver.store.set("asyncflow/fault/exit/2", f"its process exited with code 9 (pid {1002})")
-            driver.lost_cb(2, WorkerDiedError("worker rank 2 stopped answering heartbeats", rank=2))
+            driver.lost_cb(2, WorkerDiedError("worker rank 2 stopped answering heartbeats", rank=2), 1002)
             await faults.back_in_service(1)
         assert driver.replaced == [(2, "new-asyncflow/fault/restart/2-1"), (2, "new-asyncflow/fault/restart/2-2")]
         assert faults.totals()["restarts"] == 2 and faults.records[1].failures == 2
-        driver.lost_cb(2, WorkerDiedError("worker rank 2 stopped answering heartbeats", rank=2))
+        driver.lost_cb(2, WorkerDiedError("worker rank 2 stopped answering heartbeats", rank=2), 1002)
         with pytest.raises(InstanceGaveUp, match=r"rollout instance 1 \(rollout1, rank 2\) was lost 3 times .*"
                                                  r"fault\.max_restarts_per_instance=2.*exited with code 9"):
             await faults.back_in_service(1)
