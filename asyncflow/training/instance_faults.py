@@ -182,10 +182,6 @@ class InstanceFaults:
                         k, rec.rank, rec.restarts)
             return
 
-    async def abandon_sync(self, instances: list[Any]) -> None:
-        """A member was lost mid-sync: ``instances`` stop waiting on the groups it was in."""
-        await asyncio.gather(*(inst.abandon_weight_sync() for inst in instances), return_exceptions=True)
-
     async def rebuild_sync(self, instances: list[Any]) -> None:
         """New weight-sync groups between the policy and ``instances`` (those in service)."""
         await init_weight_sync(self.policy, instances)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import pickle
 import dataclasses
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -69,17 +68,8 @@ def _process_group(backend: str, store: Any, index: int, size: int, timeout_s: f
     raise ValueError(f"weight-sync group: unknown backend {backend!r} (gloo | nccl | hccl)")
 
 
-# gloo: a wait is taken in slices this long, so that an abandoned group (a lost member) stops it
-WAIT_SLICE_S = 0.5
-
-
 class WireGroup:
-    """One member of a weight-sync group. Joining blocks until every member has joined.
-
-    ``abandon()`` (from another thread) makes a wait in progress on a gloo group fail within
-    ``WAIT_SLICE_S``: the group lost a member and is being made again without it. (gloo's
-    abort does not end a wait; a timed-out wait can be waited for again, so it waits in
-    slices. nccl and hccl waits are not sliced: they end at the group's timeout.)"""
+    """One member of a weight-sync group. Joining blocks until every member has joined."""
 
     def __init__(self, addr: WireAddress | dict, index: int, timeout_s: float = 300.0,
                  device: torch.device | str = "cpu", store: Any = None):
@@ -94,7 +84,6 @@ class WireGroup:
         self._store = store  # the first member's store serves the others: keep it alive
         self.pg = _process_group(addr.backend, dist.PrefixStore(f"asyncflow/ws/{addr.name}", store), self.index,
                                  addr.size, timeout_s)
-        self.abandoned = False
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> Any:
         """Post a broadcast of ``t`` from member ``src``; returns the Work (``wait()`` it)."""
@@ -123,32 +112,16 @@ class WireGroup:
         self.wait(self.broadcast(data, src), "the header")
         return pickle.loads(data.cpu().numpy().tobytes())
 
-    def abandon(self) -> None:
-        self.abandoned = True
-
     def wait(self, work: Any, what: str) -> None:
         """Wait for a posted broadcast; a failure or timeout names the group and ``what``."""
         try:
-            done = self._wait(work)
+            done = work.wait(timedelta(seconds=self.timeout_s))
         except Exception as e:  # noqa: BLE001 - re-raised with what was awaited
-            why = "the group was abandoned (a member was lost)" if self.abandoned else f"timeout {self.timeout_s:.0f} s"
             raise RuntimeError(f"weight-sync group {self.addr.name!r} (member {self.index}): {what} failed "
-                               f"({why}): {e}") from e
+                               f"(timeout {self.timeout_s:.0f} s): {e}") from e
         if done is False:
             raise TimeoutError(f"weight-sync group {self.addr.name!r}: {what} did not arrive within "
                                f"{self.timeout_s:.0f} s")
-
-    def _wait(self, work: Any) -> Any:
-        if self.addr.backend != "gloo":
-            return work.wait(timedelta(seconds=self.timeout_s))
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return work.wait(timedelta(seconds=max(0.001, min(WAIT_SLICE_S, left))))
-            except RuntimeError as e:
-                if self.abandoned or left <= WAIT_SLICE_S or "timed out" not in str(e).lower():
-                    raise
 
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None) or getattr(self.pg, "abort", None)

@@ -188,15 +188,6 @@ class RolloutWorker(EngineOffload, Worker):
         self.seq = got.seq
         return got.report
 
-    @register(Dispatch.ONE_TO_ALL, concurrent=True)
-    def abandon_weight_sync(self) -> None:
-        """A member of this instance's weight-sync groups was lost: a receive waiting on them
-        fails now (the groups are made again without it). Receives of this process only: a
-        vLLM engine's own receivers wait for their timeout."""
-        receiver = getattr(self.intake, "receiver", None)
-        for group in (receiver.groups.values() if receiver is not None else ()):
-            group.abandon()
-
     def _intake(self, what: str) -> Any:
         if self.intake is None:
             raise RuntimeError(f"rollout rank {self.rank}: {what} before init_weight_sync")

@@ -674,18 +674,25 @@ class Executor:
         return self.step_started.pop(t, None)
 
     async def _unless_member_lost(self, sync: Awaitable[None], members: list[int]) -> None:
-        """Run a weight sync; if one of ``members`` is lost meanwhile, the others' receives on
-        its groups are abandoned, so the sync fails now instead of at its timeout."""
+        """Run a weight sync; if one of ``members`` is lost meanwhile, stop waiting for it and
+        raise InstanceLostInSync: the others may wait on its groups until their timeout (a
+        receive in progress cannot be ended), so the version goes again over new groups,
+        into a new intake on each instance; the old waits end at weight_sync.timeout_s."""
         task = asyncio.ensure_future(sync)
         lost = asyncio.ensure_future(self.ledger.wait_for(lambda: any(k in self.out_of_service for k in members),
                                                           self.cfg.wait_timeout_s * 4, "a lost rollout instance"))
         try:
             await asyncio.wait([task, lost], return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                await self.faults.abandon_sync([self.instances[k] for k in members if k not in self.out_of_service])
+        except BaseException:
+            task.cancel()
+            raise
         finally:
             lost.cancel()
             await asyncio.gather(lost, return_exceptions=True)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise InstanceLostInSync(f"a rollout instance of {members} was lost during the weight sync")
         await task
 
     # ---- weight sync: publish each version, then every instance receives it in the background ----
@@ -740,6 +747,10 @@ class Executor:
 
 
 _SYNC = Stage("weight_sync", role="actor", method="publish_weights", inputs=["-"], kind="map")
+class InstanceLostInSync(RuntimeError):
+    """A weight sync given up because one of its instances was lost (it is sent again)."""
+
+
 WOKEN = "woken"  # _next_work's answer to a caller whose ``wake`` came true
 
 

@@ -141,9 +141,6 @@ class FakeFaults:
         self.instances[k].restart()
         self.events.append(("back", k))
 
-    async def abandon_sync(self, instances):
-        self.events.append(("abandon", [i.role for i in instances]))
-
     async def rebuild_sync(self, instances):
         self.events.append(("groups", [i.role for i in instances]))
 
