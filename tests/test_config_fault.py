@@ -9,8 +9,8 @@ import pytest
 from asyncflow.config import ConfigError, load_config
 
 GRPO = Path(__file__).resolve().parents[1] / "recipes" / "grpo" / "config.yaml"
-APART = ["trainer.nproc=3", "placement.mode=disaggregated", "placement.actor_ranks=[0]", "placement.rollout_ranks=[1,2]",
-         "placement.reward_with=actor"]
+APART = ["trainer.nproc=3", "placement.mode=disaggregated", "placement.actor_ranks=[0]",
+         "placement.rollout_ranks=[1,2]", "placement.reward_with=actor"]
 
 
 @pytest.mark.parametrize("overrides,key", [

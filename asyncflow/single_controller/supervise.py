@@ -191,7 +191,8 @@ def launch_supervised(cfg: Any, nproc: int, *, describe_rank: Callable[[int], st
                     continue
                 who = describe_rank(r) if describe_rank is not None else ""
                 ranks.stop_all(stop_grace_s)
-                cause = f"\nasyncflow run failed: the driver's error: {failure.read_text()}" if failure.is_file() else ""
+                cause = (f"\nasyncflow run failed: the driver's error: {failure.read_text()}"
+                         if failure.is_file() else "")
                 print(f"asyncflow run failed: rank {r}{f' ({who})' if who else ''} {_how(p.exitcode)} (pid {p.pid})"
                       f"{cause}", file=sys.stderr, flush=True)
                 return 1
