@@ -349,6 +349,20 @@ class WeightSyncConfig:
 
 
 @dataclass
+class FaultConfig:
+    # A rollout instance whose process dies or stops answering the driver's heartbeats (about
+    # 5 s) is taken out of service, the rows it held are generated again by the others, and a
+    # new process replaces it (disaggregated placement; `asyncflow train` then starts the ranks
+    # with its own launcher, which keeps the others running). Off: any rank's death stops the run.
+    rollout_restarts: bool = False
+    max_restarts_per_instance: int = 3  # the run stops when one instance needs more
+    max_restarts_per_run: int = 10  # ... or all instances together more than this
+    backoff_s: float = 2.0  # wait before an instance's first restart; doubled for each next one
+    max_backoff_s: float = 60.0
+    rejoin_timeout_s: float = 300.0  # a new process must load its model and answer within this
+
+
+@dataclass
 class RunConfig:
     recipe: str = "grpo"
     # Modules every worker imports first: where your own @register_reward / registry entries live.
@@ -369,6 +383,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     transfer_queue: UnitsConfig = field(default_factory=UnitsConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     # Free-form keys of a recipe of your own (read them in its build(cfg) or its workers).
     recipe_options: dict[str, Any] = field(default_factory=dict)
 
@@ -561,9 +576,35 @@ def _check(cfg: RunConfig) -> RunConfig:
         problems.append(f"weight_sync.bucket_mb and timeout_s must be > 0, max_inflight >= 1 and swaps_at_once "
                         f">= 0 (0: auto), got {ws.bucket_mb}, {ws.timeout_s}, {ws.max_inflight} and {ws.swaps_at_once}")
     problems += _lora_problems(cfg)
+    problems += _fault_problems(cfg)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return cfg
+
+
+def _fault_problems(cfg: RunConfig) -> list[str]:
+    """fault.*: the restart budget and its back-off, and a placement where an instance can be replaced."""
+    f, out = cfg.fault, []
+    for key, value, ok, rule in [
+            ("fault.max_restarts_per_instance", f.max_restarts_per_instance, f.max_restarts_per_instance >= 0, ">= 0"),
+            ("fault.max_restarts_per_run", f.max_restarts_per_run, f.max_restarts_per_run >= 0, ">= 0"),
+            ("fault.backoff_s", f.backoff_s, f.backoff_s >= 0, ">= 0"),
+            ("fault.max_backoff_s", f.max_backoff_s, f.max_backoff_s >= f.backoff_s, ">= fault.backoff_s"),
+            ("fault.rejoin_timeout_s", f.rejoin_timeout_s, f.rejoin_timeout_s > 0, "> 0")]:
+        if isinstance(value, bool) or not ok:
+            out.append(f"{key}: must be {rule}, got {value}")
+    if f.rollout_restarts:
+        p = cfg.placement
+        shared = sorted(set(p.rollout_ranks) & ({0, *p.actor_ranks}))
+        if p.mode != "disaggregated" or shared:
+            out.append(f"fault.rollout_restarts: needs placement.mode=disaggregated with rollout ranks apart from "
+                       f"rank 0 and the training ranks (got mode {p.mode}, rollout ranks {list(p.rollout_ranks)} "
+                       f"sharing {shared}): an instance is replaced by restarting its rank's process")
+        if p.reward_with == "rollout" or p.ref_with == "rollout":
+            out.append("fault.rollout_restarts: the reward and the reference must not share the rollout ranks "
+                       "(placement.reward_with and ref_with: actor, or reward_with=inline): a group over several "
+                       "rollout ranks cannot lose one")
+    return out
 
 
 def _lora_problems(cfg: RunConfig) -> list[str]:

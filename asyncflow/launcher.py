@@ -185,8 +185,18 @@ def train_main(argv: Sequence[str]) -> int:
                     driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units,
                     tq_imports=list(cfg.imports))
     if "RANK" in os.environ:
+        if cfg.fault.rollout_restarts:
+            log.warning("fault.rollout_restarts under torchrun: its agent stops every rank when one dies, so a "
+                        "lost rollout instance still stops the run; `asyncflow train` without torchrun replaces it")
         return run_from_env(run)
-    code = launch_local(run, cfg.trainer.nproc, describe_rank=lambda r: rank_roles(Path(cfg.trainer.out_dir), r))
+
+    def describe(rank: int) -> str:
+        return rank_roles(Path(cfg.trainer.out_dir), rank)
+    if cfg.fault.rollout_restarts:  # torch's launcher would stop every rank when an instance dies
+        from .single_controller.supervise import launch_supervised
+        code = launch_supervised(run, cfg.trainer.nproc, describe_rank=describe)
+    else:
+        code = launch_local(run, cfg.trainer.nproc, describe_rank=describe)
     if code:
         print(resume_hint(Path(cfg.trainer.out_dir), argv), file=sys.stderr)
     return code

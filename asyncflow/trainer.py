@@ -18,7 +18,7 @@ from typing import Any
 
 from .config import RunConfig, load_config, to_dict
 from .training import phases
-from .training.roles import RunRoles, start_roles
+from .training.roles import RunRoles, start_roles, write_ranks
 from .workflow import checkpoints as ckpts
 from .workflow.checkpoints import RunState
 
@@ -193,9 +193,16 @@ class Training:
             audit = SampleAudit(self.out / "samples.jsonl", self.tq, append=state is not None, columns=written,
                                 decode=decode)
             observers.insert(0, audit)
+        faults = None
+        if cfg.fault.rollout_restarts:  # a lost rollout instance is replaced, the run goes on
+            from .training.instance_faults import InstanceFaults
+            faults = InstanceFaults(self.driver, cfg.fault, roles.policy, roles.instances)
+            faults.on_back = lambda: write_ranks(self.driver, roles, self.out)  # the new process's pid
         executor = Executor(ecfg, self.spec.stages, roles.groups, roles.instances, self.tq, self.source,
                             timeline=self.timeline, observers=observers, start_version=first, first_step=first,
-                            policy=self.spec.policy)
+                            policy=self.spec.policy, faults=faults)
+        if faults is not None:
+            faults.arm(executor)
         start = time.monotonic()
         try:
             await executor.run(max(0, cfg.trainer.steps - first))
@@ -203,6 +210,9 @@ class Training:
             progress.close()
             if audit is not None:
                 audit.close()
+        if faults is not None:
+            self.summary["faults"] = faults.summary()
+            await self._after_faults(executor)
         await evals.wait()
         rl_s = time.monotonic() - start
         steps = executor.last_step + 1 if executor.last_step is not None else first
@@ -215,9 +225,22 @@ class Training:
         })
         self.summary.update(episode_summary(self.summary["rollout_instances"]))
 
+    async def _after_faults(self, executor: Any) -> None:
+        """After RL with lost instances: the evaluation and the last sync use the instances in
+        service, in weight-sync groups of their own."""
+        from .training.roles import init_weight_sync
+        roles = self.roles
+        serving = [inst for k, inst in enumerate(roles.instances) if k not in executor.out_of_service]
+        if len(serving) < len(roles.instances):
+            log.warning("after RL: %d rollout instance(s) are out of service; evaluating on the other %d",
+                        len(roles.instances) - len(serving), len(serving))
+        if executor.faults.restarts or len(serving) < len(roles.instances):
+            roles.instances[:] = serving
+            await init_weight_sync(roles.policy, serving)
+
     async def _instance_stats(self) -> list[dict]:
         """Per instance: swaps and their pauses ([start, end, version], monotonic clock of the host)."""
-        keys = ("swaps", "aborted", "unknown_aborts", "errors", "tokens", "steps", "recomputed_rows",
+        keys = ("swaps", "aborted", "unknown_aborts", "errors", "tokens", "steps", "recomputed_rows", "rows_written",
                 "service_busy_s", "pauses", "episodes")
         out = []
         for inst in self.roles.instances:

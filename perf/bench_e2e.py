@@ -1138,6 +1138,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="with --vllm: torch threads of TRL's vLLM entry to sweep (comma-separated; empty: none)")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer")
     ap.add_argument("--fresh-warmup", action="store_true", help="redo the warm-up even if a matching one is cached")
+    ap.add_argument("--fault", type=int, default=0,
+                    help="instead of the modes: the async job on 1 training rank and 2 rollout instances with one "
+                         "instance killed every FAULT RL steps, against the same job with none (perf/_fault_bench.py)")
+    ap.add_argument("--fault-eval-every", type=int, default=4, help="with --fault: held-out evaluation every N steps")
+    ap.add_argument("--fault-thresholds", default="0.3,0.5",
+                    help="with --fault: the held-out accuracies whose RL time to reach is reported")
     ap.add_argument("--run-timeout-s", type=float, default=None,
                     help="kill a run after this long, then retry it once (default 150 quick, 300 quick longtail, "
                          "600 full: a hung run would otherwise hold the bench for minutes)")
@@ -1150,6 +1156,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         a.max_new_tokens = DEFAULT_CAP[a.lengths]
     if a.run_timeout_s is None:
         a.run_timeout_s = (300.0 if a.lengths == "longtail" else 150.0) if a.quick else 600.0
+    if a.fault < 0 or a.fault_eval_every < 1:
+        ap.error(f"--fault {a.fault} / --fault-eval-every {a.fault_eval_every}: need >= 0 and >= 1")
     if a.reps < 0 or a.sweep_passes < 1:
         ap.error(f"--reps {a.reps} / --sweep-passes {a.sweep_passes}: need >= 0 and >= 1")
     try:
@@ -1266,6 +1274,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = Path(warm["model"])
     print(f"warm-up: {warm['warmup_steps']} supervised steps, held-out accuracy {fmt(warm['accuracy'], '.3f')}"
           + (" (cached)" if warm["reused"] else f", {warm['wall_s']:.0f} s"), flush=True)
+    if a.fault:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _fault_bench import run_fault_bench
+        run_fault_bench(a, out, model, train, start_from, workload_overrides(a))
+        print(f"bench_e2e --fault: {out / 'fault' / 'results.json'}", flush=True)
+        return
     settings = {m: mode_settings(m, a.threads_list, a.reward_list, cpus) for m in a.modes_list}
     errors: dict[str, str] = {}
     spec = sweep_spec = None

@@ -4,7 +4,9 @@ and the creation of worker groups.
 Each rank is reached through a ``ranks.RankEndpoint`` (calls, plus a second client used
 only for heartbeats, so a ping never queues behind a large message). A rank that misses
 ``heartbeat_misses`` pings in a row is declared dead: every call in flight to it fails at
-once with WorkerDiedError, and so does the run.
+once with WorkerDiedError, and so does the run, unless the rank was declared replaceable
+(``tolerate_loss``: a rollout instance's rank): then its loss is reported to a callback, and
+``replace_rank`` later attaches the rank's new process and builds its groups on it again.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -77,6 +79,10 @@ class Driver:
         self._heartbeats_stopped = False
         self._create_lock: asyncio.Lock | None = None
         self._ctx = zmq.asyncio.Context()
+        # Ranks whose loss does not stop the run: rank -> called with its WorkerDiedError and lost pid.
+        self._on_lost: dict[int, Callable[[int, WorkerDiedError, int | None], None]] = {}
+        self._created: dict[str, dict[str, Any]] = {}  # role -> how its group was created (for replace_rank)
+        self.store: Any = None  # the launcher's store, where it runs one (restart requests go there)
 
     @property
     def world_size(self) -> int:
@@ -138,8 +144,13 @@ class Driver:
                         f"worker {ep.where()} stopped answering heartbeats {time.monotonic() - last_ok:.1f}s "
                         f"ago: its process died or hangs{doing}", rank=ep.rank, role=",".join(ep.roles),
                         method=busy[0].what if busy else "")
-                    log.error("%s", err)
                     ep.declare_dead(err)
+                    on_lost = self._on_lost.get(ep.rank)
+                    if on_lost is not None:  # replaceable: the run goes on without it
+                        log.warning("%s", err)
+                        on_lost(ep.rank, err, (ep.info or {}).get("pid"))
+                        return
+                    log.error("%s", err)
                     if not self._failure().done():
                         self._failure().set_exception(err)
                     return
@@ -205,7 +216,8 @@ class Driver:
                                     "member": ep.rank in layout.ranks} for layout, path, kwargs, _ in made])
                 for ep in self.ranks))
         groups = []
-        for layout, _, _, cls in made:
+        for layout, path, kwargs, cls in made:
+            self._created[layout.role] = {"layout": layout.to_wire(), "cls": path, "init_kwargs": kwargs}
             for r in layout.ranks:
                 self.ranks[r].roles.append(layout.role)
             groups.append(WorkerGroup(self, layout, cls))
@@ -220,6 +232,54 @@ class Driver:
                 ep.request("make_group", f"make_group({sorted(ranks)})", None, self.config.create_timeout_s,
                            ranks=sorted(int(r) for r in ranks), backend=backend, timeout_s=timeout_s)
                 for ep in self.ranks))
+
+    # ---- replaceable ranks ------------------------------------------------------------------
+    def tolerate_loss(self, ranks: Sequence[int],
+                      on_lost: Callable[[int, WorkerDiedError, int | None], None]) -> None:
+        """A rank of ``ranks`` that stops answering no longer stops the run: it is declared dead
+        (its calls in flight fail with WorkerDiedError) and ``on_lost(rank, error, pid)`` is called
+        (the pid of the process lost, where it said).
+        Only for ranks whose groups are theirs alone (a rollout instance per rank): a group over
+        several ranks would have a member gone from its collectives."""
+        for r in ranks:
+            shared = [role for role in self.ranks[r].roles
+                      if len(self._created.get(role, {}).get("layout", {}).get("ranks", [r])) > 1]
+            if shared:
+                raise ValueError(f"rank {r} cannot be replaced: it is a member of the multi-rank groups {shared}")
+            self._on_lost[int(r)] = on_lost
+
+    async def replace_rank(self, rank: int, address: str, timeout_s: float) -> None:
+        """Attach the new process of a lost replaceable ``rank`` (its worker address) and build
+        the rank's groups on it again, as they were first created (a group of this rank alone
+        needs no collective over the world, so no other rank takes part)."""
+        old = self.ranks[rank]
+        if not old.dead.done():
+            raise RuntimeError(f"replace_rank({rank}): the rank is not declared dead")
+        ep = RankEndpoint(rank, address, self._ctx)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ep.info = await ep.ping(min(2.0, max(0.1, deadline - time.monotonic())))
+                break
+            except RpcTimeout:
+                if time.monotonic() > deadline:
+                    await ep.close()
+                    raise WorkerDiedError(f"the new process of rank {rank} ({address}) did not answer within "
+                                          f"{timeout_s:.0f}s", rank=rank) from None
+        # watched from its first answer on: building its workers may take long (loading a model),
+        # and it exits if the driver's pings stop meanwhile (RuntimeConfig.driver_timeout_s)
+        self._monitors.append(asyncio.get_running_loop().create_task(self._monitor(ep), name=f"heartbeat-{rank}"))
+        if self.transfer_queue_address:
+            await ep.request("set_transfer_queue", "set_transfer_queue", None, 30.0, control=True,
+                             address=self.transfer_queue_address)
+        roles = list(old.roles)
+        groups = [{**self._created[role], "member": True} for role in roles]
+        if groups:
+            await ep.request("create_groups", f"create_groups({', '.join(roles)}) on the new process", None,
+                             self.config.create_timeout_s, groups=groups)
+        ep.roles.extend(roles)
+        self.ranks[rank] = ep  # worker groups look their ranks up here at every call
+        await old.close()
 
     async def stop_heartbeats(self) -> None:
         """Stop pinging the workers (they exit after ``driver_timeout_s`` unless shut down)."""

@@ -24,7 +24,7 @@ import threading
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from ..rpc.alloc import freeze_gc_heap
 from .driver import Driver, DriverConfig
 from .errors import LaunchError
 from .placement import PlacementConfig
-from .rendezvous import connect_store, publish_address, rendezvous_host, share_run_key, wait_addresses
+from .rendezvous import SUPERVISED_ENV, connect_store, publish_address, rendezvous_host, share_run_key, wait_addresses
 from .runtime import RuntimeConfig, WorkerRuntime
 from .tq_units import node_from_env, nodes_of_ranks, start_for_rank, wait_for_node_units, write_unit_stats
 
@@ -80,8 +80,13 @@ def ranks_sharing_devices(spawning: int = 0) -> int:
 
 
 def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
-             *, use_agent_store: bool | None = None, with_driver: bool | None = None, node: int = 0) -> int:
-    """Everything one rank does; returns the process exit code. ``node``: the node index."""
+             *, use_agent_store: bool | None = None, with_driver: bool | None = None, node: int = 0,
+             restart: int = 0) -> int:
+    """Everything one rank does; returns the process exit code. ``node``: the node index.
+    ``restart`` > 0: this is the rank's ``restart``-th new process, replacing a lost rollout
+    instance: it joins no world process group (the world's other members made theirs with the
+    old process; its groups are its own, and its weight-sync groups are made outside the world)
+    and publishes its address under a key of its own, for the driver's ``replace_rank``."""
     import torch.distributed as dist
 
     from ..platform import get_platform
@@ -93,20 +98,24 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
     platform.set_device(platform.device_for_local_rank(local_rank))
     store = connect_store(master_addr, master_port, rank, world_size, cfg.rendezvous_timeout_s, use_agent_store)
     share_run_key(store, rank, cfg.rendezvous_timeout_s)  # before any ZMQ socket: every message is signed
-    dist.init_process_group(platform.backend, store=dist.PrefixStore("asyncflow/pg", store), rank=rank,
-                            world_size=world_size,
-                            timeout=timedelta(seconds=cfg.runtime.collective_timeout_s))
+    runtime_cfg = cfg.runtime
+    if restart:
+        runtime_cfg = replace(cfg.runtime, collectives=False)
+    else:
+        dist.init_process_group(platform.backend, store=dist.PrefixStore("asyncflow/pg", store), rank=rank,
+                                world_size=world_size,
+                                timeout=timedelta(seconds=cfg.runtime.collective_timeout_s))
     host = rendezvous_host(master_addr)
     is_driver = with_driver if with_driver is not None else rank == 0
     # Before the address is published: a node's storage unit is registered by then.
     tq = start_for_rank(cfg.tq_units, store, rank, local_rank, node, host, cfg.rendezvous_timeout_s,
                         driver=is_driver, imports=cfg.tq_imports,
                         on_service_death=_stop_this_rank) if cfg.transfer_queue else None
-    runtime = WorkerRuntime(rank, world_size, local_rank, platform, host, cfg.runtime)
+    runtime = WorkerRuntime(rank, world_size, local_rank, platform, host, runtime_cfg)
     # A rank's process is ours: its import-time heap (torch, zmq, the TQ service on rank 0)
     # stays out of every later garbage collection, as in a storage unit's process.
     freeze_gc_heap()
-    publish_address(store, rank, runtime.address)
+    publish_address(store, rank, runtime.address, restart)
     code = 0
     try:
         if is_driver:
@@ -115,7 +124,8 @@ def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master
             addresses = wait_addresses(store, world_size, cfg.rendezvous_timeout_s)
             nodes = nodes_of_ranks(store, world_size) if tq is not None else None
             code = asyncio.run(run_driver(cfg, addresses, host, tq.service if tq else None, nodes,
-                                          report_sigterm=True))
+                                          report_sigterm=True,
+                                          store=store if os.environ.get(SUPERVISED_ENV) else None))
             serving.join(timeout=30)
             if serving.is_alive():  # still inside a call: its socket must not be closed under it
                 return code or 1
@@ -207,7 +217,7 @@ def sigterm_report(driver: Driver) -> Iterator[None]:
 
 
 async def run_driver(cfg: RunConfig, addresses: list[str], host: str, tq: Any = None,
-                     nodes: list[int] | None = None, *, report_sigterm: bool = False) -> int:
+                     nodes: list[int] | None = None, *, report_sigterm: bool = False, store: Any = None) -> int:
     """Start the TransferQueue (unless ``tq``, a started service, is given), check every node's
     storage unit is registered (``nodes``: each rank's node), attach to the workers, run
     ``main``; 0 on success, else 1. ``report_sigterm``: this process is a launched rank 0,
@@ -217,6 +227,7 @@ async def run_driver(cfg: RunConfig, addresses: list[str], host: str, tq: Any = 
         tq = TransferQueueService(TransferQueueConfig(host=host)).start_in_thread()
     driver = Driver(addresses, placement=cfg.placement, config=cfg.driver,
                     transfer_queue_address=tq.controller_address if tq else None)
+    driver.store = store  # where a supervising launcher takes restart requests (supervise.py)
     report = sigterm_report(driver) if report_sigterm else contextlib.nullcontext()
     with report:
         try:

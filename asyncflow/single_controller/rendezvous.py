@@ -18,6 +18,8 @@ from ..rpc import auth
 from .errors import LaunchError
 
 KEY_PREFIX = "asyncflow/"
+# Set in the ranks that single_controller/supervise.py starts: its launcher takes restart requests.
+SUPERVISED_ENV = "ASYNCFLOW_SUPERVISED"
 
 
 def connect_store(host: str, port: int, rank: int, world_size: int, timeout_s: float,
@@ -79,15 +81,21 @@ def wait_run_key(store: dist.Store, timeout_s: float, who: str = "this process")
         raise LaunchError(str(e)) from None
 
 
-def publish_address(store: dist.Store, rank: int, address: str) -> None:
-    store.set(f"{KEY_PREFIX}worker/{rank}", address)
+def address_key(rank: int, restart: int = 0) -> str:
+    """Where a rank's worker address is: its first process's, or that of its ``restart``-th
+    new process (a replaced rollout instance, single_controller/supervise.py)."""
+    return f"{KEY_PREFIX}worker/{rank}" + (f"/restart{restart}" if restart else "")
+
+
+def publish_address(store: dist.Store, rank: int, address: str, restart: int = 0) -> None:
+    store.set(address_key(rank, restart), address)
 
 
 def wait_addresses(store: dist.Store, world_size: int, timeout_s: float,
                    check: Callable[[], None] | None = None) -> list[str]:
     """Every rank's worker address, in rank order; names the missing ranks on timeout.
     ``check`` is called while waiting and may raise (e.g. when a child process died)."""
-    keys = [f"{KEY_PREFIX}worker/{r}" for r in range(world_size)]
+    keys = [address_key(r) for r in range(world_size)]
     deadline = time.monotonic() + timeout_s
     while True:
         missing = [r for r, k in enumerate(keys) if not store.check([k])]

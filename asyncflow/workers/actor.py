@@ -8,6 +8,7 @@ its part. Advantages come precomputed in a column (the recipe's advantage stage)
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import random
 import time
@@ -29,6 +30,8 @@ from .common import (
     setup_rank,
     train_engine_class,
 )
+
+log = logging.getLogger(__name__)
 
 UPDATE_INPUTS = ["prompt_ids", "response_ids", "advantages", "behav_log_probs", "scores", "gen_version"]
 PER_TOKEN = ("advantages", "behav_log_probs", "old_log_probs", "ref_log_probs")
@@ -256,6 +259,8 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         from ..weight_sync.wire_group import WireGroup
 
         w = self.cfg.weight_sync
+        if self.sender is not None:  # groups made again around a lost (or new) rollout instance
+            self._drop_sender()
         group = None
         if self._ws_addr is not None:
             group = WireGroup(self._ws_addr, 0, w.timeout_s, device=self.device, store=self._ws_store)
@@ -268,7 +273,30 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         # receivers have read them: the next update overlaps the transfer.
         self._defer_sync = bool(getattr(self.engine, "guards_weight_writes", False))
         if self._defer_sync:
-            self.engine.before_weights_change = self.sender.settle
+            self.engine.before_weights_change = (self._settle_or_note if self.cfg.fault.rollout_restarts
+                                                 else self.sender.settle)
+
+    def _settle_or_note(self) -> None:
+        """Lost rollout instances are replaced (fault.rollout_restarts): the last version not
+        reaching every receiver does not fail the update that is about to change the weights;
+        the sender refuses the next publish, and the driver makes the groups again without the
+        lost instance (or, if none was lost, the run stops there)."""
+        try:
+            self.sender.settle()
+        except Exception as e:  # noqa: BLE001 - noted: the next publish raises it
+            log.warning("actor rank %d: %s; the next publish fails unless the groups are made again", self.rank, e)
+
+    def _drop_sender(self) -> None:
+        """Before new weight-sync groups: what the old ones still have on the wire is waited for
+        briefly, never failing (a lost receiver is why they are made again); with LoRA the next
+        version carries the base weights too (a new instance has only the model's own)."""
+        try:
+            self.sender.settle(timeout_s=min(5.0, self.sender.timeout_s))
+        except Exception as e:  # noqa: BLE001 - the old groups are given up
+            log.warning("actor rank %d: the old weight-sync groups are dropped unsettled: %s", self.rank, e)
+        if self.lora is not None and hasattr(self.engine, "base_changed"):
+            self.engine.base_changed = True
+        self.sender = None
 
     @register(Dispatch.ONE_TO_ALL)
     def publish_weights(self, version: int) -> dict:

@@ -20,6 +20,12 @@ the rank's call queue (colocated roles take turns on their ranks).
 
 Weights: each version is published once, received by every instance in the background,
 then swapped in by the instances in waves (never all at once), so generation never stops everywhere.
+
+A lost rollout instance (with ``faults``, the run's InstanceFaults: its process died or hung)
+is taken out of service: the rows it held and had not written are handed out again to the
+others (reissue.py), the weight-sync groups are made again without it, and once its new
+process has joined it is back in the groups and takes rows again from the first version
+it swaps in.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from ..transfer_queue.meta import BatchMeta
 from ..transfer_queue.protocol import AsyncTransferQueue
 from ..weight_sync.publish import publish_and_swap
 from .ledger import Ledger
+from .reissue import RowsInFlight
 from .stages import DRIVER, DriverBatch, Stage
 
 log = logging.getLogger(__name__)
@@ -114,7 +121,8 @@ class Executor:
                  rollout_instances: list[Group], tq: AsyncTransferQueue,
                  source: Callable[[int, int], Awaitable[dict[str, Any]]],
                  *, timeline: Any = None, observers: Sequence[StepObserver] = (),
-                 start_version: int = 0, first_step: int = 0, policy: str | None = None):
+                 start_version: int = 0, first_step: int = 0, policy: str | None = None,
+                 faults: Any = None):
         self.cfg = cfg
         self.stages = stages
         self.groups = groups
@@ -144,6 +152,20 @@ class Executor:
         self._closer_errors: list[BaseException] = []
         self._closer_failed = asyncio.Event()
         self._reports: asyncio.Queue[tuple[int, Any, StepReport]] = asyncio.Queue()  # trained steps, in order
+        # Lost rollout instances (training.instance_faults.InstanceFaults; None: a loss ends the run)
+        self.faults = faults
+        self.rows_out = RowsInFlight()  # the rows each instance holds, and those a lost one gave back
+        self.out_of_service: set[int] = set()
+        self._written: dict[int, set[int]] = {}  # step -> rows known to have the rollout's outputs
+        self._sync_members = list(range(len(rollout_instances)))  # instances in the weight-sync groups
+        self._sync_stale = False  # a member was lost since the groups were made: make them again
+
+    def instance_lost(self, k: int) -> None:
+        """Instance ``k`` is lost (its process died or hangs): it takes no more rows."""
+        self.out_of_service.add(k)
+        self._sync_stale = True
+        self.instance_version[k] = -1  # it holds no version until its new process swaps one in
+        asyncio.get_running_loop().create_task(self.ledger.notify())
 
     # ---- control ---------------------------------------------------------------------------
     def stop(self) -> None:
@@ -158,7 +180,7 @@ class Executor:
                  asyncio.create_task(self._reporter(), name="reporter")]
         for i, s in enumerate(self.stages):
             if s.kind == "rollout":
-                tasks += [asyncio.create_task(self._rollout_loop(s, k), name=f"{s.name}[{k}]")
+                tasks += [asyncio.create_task(self._instance_loop(s, k), name=f"{s.name}[{k}]")
                           for k in range(len(self.instances))]
             elif s.kind == "update":
                 tasks.append(asyncio.create_task(self._update_loop(s), name=s.name))
@@ -241,18 +263,27 @@ class Executor:
         return n
 
     async def _next_work(self, stage: Stage, index: int, allowed: Callable[[int], bool],
-                         st: _StageState | None = None, cap: int = 0) -> tuple[int, int] | None:
+                         st: _StageState | None = None, cap: int = 0,
+                         wake: Callable[[], bool] | None = None) -> tuple[int, int] | None:
         """(step, rows) to take next: the oldest open step with rows for this stage that
         ``allowed`` lets it work on; None once every step is done. A stage moves on to the
-        next step while the last rows of the previous one are still being judged or refilled."""
+        next step while the last rows of the previous one are still being judged or refilled.
+        ``wake`` (a rollout instance's: rows were given back, or it was lost): ``WOKEN`` as soon
+        as it is true; such a caller also waits, rather than end, while steps are untrained
+        (another instance's loss may still give rows back)."""
         st = st or self.state[stage.name]
         after = self._after_filter(index)
         found: list[tuple[int, int] | None] = []
 
         def pick() -> bool:
+            if wake is not None and wake():
+                found.append(WOKEN)
+                return True
             while True:  # steps this stage is finished with
                 t = st.low
                 if self._finished(t):
+                    if wake is not None and self.ledger.steps:
+                        return False
                     found.append(None)
                     return True
                 s = self.ledger.steps.get(t)
@@ -272,7 +303,7 @@ class Executor:
         await self.ledger.wait_for(pick, self.cfg.wait_timeout_s * 4, f"rows for stage {stage.name!r} "
                                    f"(from step {st.low})")
         work = found[-1]
-        if work is not None:
+        if work is not None and work is not WOKEN:
             st.taken[work[0]] = st.taken.get(work[0], 0) + work[1]
         return work
 
@@ -364,17 +395,33 @@ class Executor:
         if free < g:
             raise ValueError(f"rollout instance {k} holds at most {free} rows in flight, less than one group "
                              f"({g} rows): raise rollout.max_running_rows")
-        while True:
+        def allowed(t: int) -> bool:
+            return self.instance_version[k] >= t - lag
+
+        def wake() -> bool:  # lost, or rows given back by a lost instance that this one may take
+            return k in self.out_of_service or self.rows_out.pending(allowed)
+
+        while k not in self.out_of_service:
             while free < g:  # every slot is taken: wait for rows to finish
                 free = self._account(stage, inst, await inst.submit(None, 0, want_free=g, wait_s=5.0))
             cap = free // g * g
-            work = await self._next_work(stage, index, lambda t: self.instance_version[k] >= t - lag, cap=cap)
-            if work is None:
-                break
-            t, n = work
-            meta = await self._get_meta(stage, t, n)
+            given_back = self.rows_out.take(allowed, cap)  # a lost instance's rows go first
+            if given_back is not None:
+                t, meta = given_back
+            else:
+                work = await self._next_work(stage, index, allowed, cap=cap,
+                                             wake=wake if self.faults is not None else None)
+                if work is None:
+                    break
+                if work is WOKEN:
+                    continue
+                t, n = work
+                meta = await self._get_meta(stage, t, n)
+            self.rows_out.hand_out(k, t, meta)
             free = self._account(stage, inst, await inst.submit(meta, max(0, t - lag), want_free=g, wait_s=5.0,
                                                                 io=io))
+        if k in self.out_of_service:
+            return
         # every row is out: what is left to report is the time it took
         self._account(stage, inst, await inst.submit(None, 0, want_free=0, wait_s=0.0))
 
@@ -396,6 +443,51 @@ class Executor:
                     self.timeline.record(f"rank{r} {inst.role}", stage.name, now - busy, now, step=t,
                                          rows=report["written"].get(part, 0))
         return int(report["free"])
+
+    async def _instance_loop(self, stage: Stage, k: int) -> None:
+        """Instance ``k``'s rollout loop; with ``faults``, a lost instance's rows are given back,
+        and the loop starts again once its new process has joined."""
+        while True:
+            try:
+                await self._rollout_loop(stage, k)
+                if k not in self.out_of_service:
+                    return
+            except Exception as e:
+                if self.faults is None or not (k in self.out_of_service or self.faults.is_loss(e)):
+                    raise
+                self.instance_lost(k)
+            await self.faults.confirm_dead(k)  # no late write may come from it once its rows are given back
+            await self._give_back(stage, k)
+            await self.faults.back_in_service(k)  # a new process, or the run stops (the restart budget)
+            self.out_of_service.discard(k)
+            await self.ledger.notify()
+
+    async def _give_back(self, stage: Stage, k: int) -> None:
+        """The rows lost instance ``k`` held and had not written go to the other instances."""
+        unwritten: dict[int, list[Any]] = {}
+        for t, metas in self.rows_out.held_by(k).items():
+            written = await self._written_rows(stage, t)
+            for m in metas:
+                keep = [i for i, r in enumerate(m.rows) if r not in written]
+                if keep:
+                    unwritten.setdefault(t, []).append(m if len(keep) == len(m) else m.select(keep))
+        n = self.rows_out.give_back(k, unwritten)
+        if n:
+            log.warning("rollout instance %d is lost: %d rows it held are generated again by the others "
+                        "(steps %s)", k, n, sorted(unwritten))
+        self.faults.reissued(k, n)
+        await self.ledger.notify()
+
+    async def _written_rows(self, stage: Stage, t: int) -> set[int]:
+        """Rows of step ``t`` that have the rollout's first output: read through a task of their
+        own (every row once), so the stages' own consumption is untouched."""
+        seen = self._written.setdefault(t, set())
+        s = self.ledger.steps.get(t)
+        if s is not None and s.issued:
+            meta = await self.tq.get_meta([stage.outputs[0]], s.issued, f"{stage.name}.written", partition_name(t),
+                                          allow_partial=True, timeout=0.0)
+            seen.update(meta.rows)
+        return seen
 
     async def _rollout_loop(self, stage: Stage, k: int) -> None:
         if self.cfg.rollout_service:
@@ -516,6 +608,8 @@ class Executor:
                                             getattr(group, stage.method)(t, batch, stage.io.to_wire()))
                 metrics = {**self.step_metrics.get(t, {}),
                            **(dict(results[0]) if isinstance(results, list) else dict(results))}
+                if self.faults is not None:  # the run's lost instances so far
+                    metrics.update(self.faults.metrics())
             else:
                 meta = None
                 log.warning("step %d: no rows left to train on; the policy is unchanged", t)
@@ -590,11 +684,35 @@ class Executor:
         days has millions of steps) and return when it started."""
         self.ledger.steps.pop(t, None)
         self.step_metrics.pop(t, None)
+        self.rows_out.forget(t)
+        self._written.pop(t, None)
         for st in self.state.values():
             st.taken.pop(t, None)
             st.done.pop(t, None)
             st.low = max(st.low, t + 1)
         return self.step_started.pop(t, None)
+
+    async def _unless_member_lost(self, sync: Awaitable[None], members: list[int]) -> None:
+        """Run a weight sync; if one of ``members`` is lost meanwhile, stop waiting for it and
+        raise InstanceLostInSync: the others may wait on its groups until their timeout (a
+        receive in progress cannot be ended), so the version goes again over new groups,
+        into a new intake on each instance; the old waits end at weight_sync.timeout_s."""
+        task = asyncio.ensure_future(sync)
+        lost = asyncio.ensure_future(self.ledger.wait_for(lambda: any(k in self.out_of_service for k in members),
+                                                          self.cfg.wait_timeout_s * 4, "a lost rollout instance"))
+        try:
+            await asyncio.wait([task, lost], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            lost.cancel()
+            await asyncio.gather(lost, return_exceptions=True)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise InstanceLostInSync(f"a rollout instance of {members} was lost during the weight sync")
+        await task
 
     # ---- weight sync: publish each version, then every instance receives it in the background ----
     async def _weight_sync(self) -> None:
@@ -630,13 +748,39 @@ class Executor:
                                            "weight_sync/tensors": first.get("tensors", 0)})
                 return out
 
-            await publish_and_swap(actor, self.instances, v, wave=self.cfg.swap_wave(len(self.instances)),
-                                   timed=timed, on_published=published, on_swapped=swapped)
+            while True:
+                members = [k for k in range(len(self.instances)) if k not in self.out_of_service]
+                if self.faults is not None and (self._sync_stale or members != self._sync_members):
+                    # an instance was lost or has joined again: new groups of the ones serving
+                    self._sync_stale = False
+                    await self.faults.rebuild_sync([self.instances[k] for k in members])
+                    self._sync_members = members
+
+                async def swapped_members(idx: list[int], members: list[int] = members) -> None:
+                    await swapped([members[i] for i in idx])
+                sync = publish_and_swap(actor, [self.instances[k] for k in members], v,
+                                        wave=self.cfg.swap_wave(len(members)),
+                                        timed=timed, on_published=published, on_swapped=swapped_members)
+                try:
+                    await (sync if self.faults is None else self._unless_member_lost(sync, members))
+                    break
+                except Exception:
+                    # a member lost during the sync: make the groups without it and send v again
+                    if self.faults is None or not await self.faults.lost_meanwhile(members, self.out_of_service):
+                        raise
+                    log.warning("weight sync of version %d: a rollout instance was lost meanwhile; sending it "
+                                "again to the others", v)
             for _ in range(taken):
                 self._sync_queue.task_done()
 
 
 _SYNC = Stage("weight_sync", role="actor", method="publish_weights", inputs=["-"], kind="map")
+class InstanceLostInSync(RuntimeError):
+    """A weight sync given up because one of its instances was lost (it is sent again)."""
+
+
+# _next_work's answer to a caller whose ``wake`` came true: compared by identity, never a step's work
+WOKEN: tuple[int, int] = (-1, 0)
 
 
 def _plain(col: Any) -> Any:
