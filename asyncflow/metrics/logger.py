@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncflow.cpu_account import charged
+
 log = logging.getLogger("asyncflow.metrics")
 
 METRICS_FILE = "metrics.jsonl"
@@ -169,6 +171,7 @@ class MetricsLogger:
     def tensorboard_enabled(self) -> bool:
         return self._writer is not None
 
+    @charged("logging")
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Append one row for `step`; returns the row as written."""
         clash = [k for k in RESERVED_KEYS if k in metrics]

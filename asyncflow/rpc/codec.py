@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..cpu_account import charged
+
 _TENSOR_KEY = "__t"
 _TENSOR_MARK = b'"__t":'
 # Tensor (by identity) -> the received zmq.Frame it was decoded from, whole. A side table,
@@ -72,6 +74,7 @@ def _tensor_frame(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
+@charged("serialization")
 def encode(obj: Any) -> list:
     """Encode ``obj`` into frames: ``[header_bytes, *tensor_buffers]``."""
     buffers: list = []
@@ -100,6 +103,7 @@ def encode(obj: Any) -> list:
     return [header, *buffers]
 
 
+@charged("serialization")
 def decode(frames: Sequence[Any]) -> Any:
     """Inverse of :func:`encode`. Frames may be ``bytes`` or ``zmq.Frame`` objects.
 

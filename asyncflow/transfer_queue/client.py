@@ -20,6 +20,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from ..cpu_account import charged
 from .columns import Column, column_from_wire, column_to_wire, concat, to_columns, to_tensordict
 from .errors import BadPutError, TransferQueueError, TransferQueueTimeout
 from .locality import local_node, local_unit
@@ -34,6 +35,7 @@ _REPLY_MARGIN_S = 10.0
 
 # ---- planning shared by both clients ------------------------------------------------------
 
+@charged("tq_client")
 def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequence[int] | None,
               target: int | None = None) -> tuple[list[str], list[tuple[int | None, dict]]]:
     """Validate a put and split it into unit requests: ``(unit or None for new rows, args)``.
@@ -67,6 +69,7 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequenc
     return names, calls
 
 
+@charged("tq_client")
 def _put_check(meta: BatchMeta | None, calls: list[tuple[int | None, dict]]) -> dict | None:
     """The controller's ``check_put`` args for a put that adds columns to rows of several
     units, else None. Each unit validates and rolls back only its own part, so such a put is
@@ -103,6 +106,7 @@ def _unlocated(meta: BatchMeta, names: list[str], n_units: int) -> list[str]:
     return [c for c in names if c not in meta.locations and c not in meta.columns]
 
 
+@charged("tq_client")
 def _assemble(names: list[str], requests: list[_Request], replies: list[dict]) -> dict[str, Column]:
     """Unit replies -> columns in the meta's row order."""
     if len(replies) == 1:
@@ -127,6 +131,7 @@ def _batch_names(columns: Sequence[str], data_columns: Sequence[str] | None) -> 
     return names
 
 
+@charged("tq_client")
 def _batch_reply(reply: dict, names: list[str]) -> tuple[BatchMeta, dict[str, Column] | None]:
     """A get_batch reply -> (meta, its columns), columns None when the controller could not
     read them itself (a unit in another process): the caller reads as get_columns does."""
@@ -145,6 +150,7 @@ def _unit_timeout(index: int, address: str, e: TransferQueueTimeout) -> Transfer
                                 f"rank) may have died: {e}")
 
 
+@charged("tq_client")
 def _new_rows_meta(partition: str, names: list[str], groups: Any, reply: dict) -> BatchMeta:
     if "first" in reply:  # new rows have consecutive ids
         rows = list(range(reply["first"], reply["first"] + reply["n"]))
@@ -409,21 +415,27 @@ class TransferQueueClient:
         got = self.controller.call("locate", partition=meta.partition, rows=ids_to_wire(meta.rows), columns=ask)
         return replace(meta, locations={**meta.locations, **{c: ids_from_wire(u) for c, u in got.items()}})
 
+    @charged("tq_client")
     def create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
         self.controller.call("create_partition", partition=partition, tasks=_task_list(partition, tasks))
 
+    @charged("tq_client")
     def close_partition(self, partition: str) -> None:
         self.controller.call("close_partition", partition=partition)
 
+    @charged("tq_client")
     def clear(self, partition: str) -> int:
         return self.controller.call("clear", partition=partition)
 
+    @charged("tq_client")
     def clear_rows(self, meta: BatchMeta) -> int:
         return self.controller.call("clear_rows", partition=meta.partition, rows=ids_to_wire(meta.rows))
 
+    @charged("tq_client")
     def reset_consumption(self, partition: str, task: str) -> None:
         self.controller.call("reset_consumption", partition=partition, task=task)
 
+    @charged("tq_client")
     def status(self, partition: str | None = None) -> dict:
         return self.controller.call("status", partition=partition)
 
@@ -431,6 +443,7 @@ class TransferQueueClient:
         self._refresh_units()
         return [u.call("stats") for u in list(self._endpoints.values())]
 
+    @charged("tq_client")
     def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
             groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta:
         target = self._units.preferred if meta is not None else None
@@ -452,6 +465,7 @@ class TransferQueueClient:
         out = meta.with_columns(names)
         return out.stored_at(names, target) if target is not None else out
 
+    @charged("tq_client")
     def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                  sampler: Any = "sequential", *, allow_partial: bool = False, timeout: float | None = None,
                  dp_group: str | None = None, dp_rank: int = 0, dp_size: int = 1) -> BatchMeta:
@@ -460,6 +474,7 @@ class TransferQueueClient:
                               dp_group, dp_rank, dp_size)
         return BatchMeta.from_wire(self.controller.call("get_meta", _timeout=wait + _REPLY_MARGIN_S, **args))
 
+    @charged("tq_client")
     def get_batch(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                   sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
                   allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
@@ -476,6 +491,7 @@ class TransferQueueClient:
             cols = self.get_columns(meta, names)
         return meta, to_tensordict(cols, len(meta))
 
+    @charged("tq_client")
     def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]:
         names = _get_names(meta, columns)
         meta = self._located(meta, names)
@@ -487,6 +503,7 @@ class TransferQueueClient:
                                         rows=ids_to_wire([meta.rows[i] for i in pos]), columns=cols)))
         return _assemble(names, requests, [self._recv_unit(u, ep, t) for u, ep, t in sent])
 
+    @charged("tq_client")
     def get_data(self, meta: BatchMeta, columns: Sequence[str] | None = None):
         return to_tensordict(self.get_columns(meta, columns), len(meta))
 

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..cpu_account import charged
 from ..rpc.codec import CodecError, dtype_name
 
 
@@ -230,6 +231,7 @@ def concat(cols: Sequence[Column]) -> Column:
 
 # ---- wire form: nested JSON + tensors for codec.encode ------------------------------
 
+@charged("serialization")
 def column_to_wire(col: Column) -> dict:
     if isinstance(col, FixedColumn):
         return {"k": "fixed", "data": col.data}
@@ -238,6 +240,7 @@ def column_to_wire(col: Column) -> dict:
     return {"k": "object", "items": col.items}
 
 
+@charged("serialization")
 def column_from_wire(w: Mapping[str, Any], check: bool = False) -> Column:
     """A column from its wire form. ``check``: also refuse a column that is malformed (see
     column_problem), for data about to be stored; replies a unit built from checked columns
@@ -396,6 +399,7 @@ def to_column(name: str, value: Any) -> Column:
                      "(jagged) tensor, a list of 1-D tensors, or a list of JSON values")
 
 
+@charged("serialization")
 def to_columns(data: Any) -> tuple[dict[str, Column], int]:
     """Normalise a TensorDict or a mapping of columns; check every column has one row count."""
     if _is_tensordict(data):
@@ -436,6 +440,7 @@ except Exception:  # noqa: BLE001
     _NestedTensor = None
 
 
+@charged("serialization")
 def to_tensordict(cols: Mapping[str, Column], n_rows: int):
     """Columns -> TensorDict with ``batch_size=[n_rows]``; jagged columns become nested tensors."""
     from tensordict import NonTensorStack, TensorDict  # slow import: only when asked for

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
 from .actor_loss import RolloutCorr, policy_loss_fn, sft_loss_fn
@@ -88,6 +89,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         return self.engine.train_step(p, t, fields, sft_loss_fn, temperature=1.0)
 
     @register(Dispatch.ONE_TO_ALL)
+    @charged("old_log_prob")
     def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
         """Log-probs of the responses under the weights held now (proximal log-probs, the
         weights the next update starts from): [prompt, response] -> one per-token column."""
@@ -95,6 +97,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                          lambda p, r: self.engine.compute_log_probs(p, r, temperature=self.temperature)[0])
 
     @register(Dispatch.ONE_TO_ALL)
+    @charged("ref_log_prob")
     def compute_ref_log_probs(self, meta: Any, io: dict | None = None) -> None:
         """LoRA: the reference's log-probs, from this model with its adapters off (no second
         model): [prompt, response] -> one per-token column."""
@@ -103,6 +106,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                                                                     adapters=False)[0])
 
     @register(Dispatch.ONE_TO_ALL)
+    @charged("update")
     def update(self, step: int, batch: dict, io: dict | None = None) -> dict:
         """The policy update of ``step`` on this rank's share of the step's ``batch["rows"]`` rows
         (partition, task, timeout in ``batch``): ``ppo_epochs`` passes, each one optimizer step
@@ -261,6 +265,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
             self.engine.before_weights_change = self.sender.settle
 
     @register(Dispatch.ONE_TO_ALL)
+    @charged("weight_sync")
     def publish_weights(self, version: int) -> dict:
         """Send ``version`` to every rollout instance (all actor ranks, bucket by bucket; the
         receivers must be receiving: ``receive_weights`` first). Returns when this rank's
