@@ -41,12 +41,13 @@ _OFF = nullcontext()
 class _ThreadBook:
     """One thread's spans: the open ones (a stack) and the closed totals per component."""
 
-    __slots__ = ("name", "stack", "totals")
+    __slots__ = ("counts", "name", "stack", "totals")
 
     def __init__(self, name: str):
         self.name = name
         self.stack: list[list[Any]] = []  # [component, start ns, ns of the spans inside]
         self.totals: dict[str, int] = {}
+        self.counts: dict[str, int] = {}  # events counted (a request served, by method)
 
 
 class _Span:
@@ -91,21 +92,29 @@ class CpuAccount:
             self._books[threading.get_native_id()] = book
         return book
 
+    def count(self, what: str) -> None:
+        counts = self._book().counts
+        counts[what] = counts.get(what, 0) + 1
+
     def current(self) -> str | None:
         """The innermost open span's component on this thread, or None."""
         stack = self._book().stack
         return stack[-1][0] if stack else None
 
     def snapshot(self) -> dict[str, Any]:
-        """``{"pid", "time", "threads": {tid: name}, "spans": {tid: {component: ns}}}``; every
+        """``{"pid", "time", "threads": {tid: name}, "spans": {tid: {component: ns}}, "counts":
+        {what: n}}``; every
         Python thread is named, spans or not (the OS knows Python's threads by the process's name)."""
         names = {t.native_id: _thread_name(t) for t in threading.enumerate() if t.native_id is not None}
-        spans = {}
+        spans: dict[str, dict[str, int]] = {}
+        counts: dict[str, int] = {}
         for tid, book in list(self._books.items()):
             names.setdefault(tid, book.name)
             spans[str(tid)] = dict(book.totals)  # a C-level copy: atomic under the GIL
+            for what, n in dict(book.counts).items():
+                counts[what] = counts.get(what, 0) + n
         return {"pid": os.getpid(), "time": time.time(), "threads": {str(t): n for t, n in names.items()},
-                "spans": spans}
+                "spans": spans, "counts": counts}
 
     def dump(self) -> None:
         """Write the snapshot (to a temporary file, then renamed: a reader never sees half)."""
@@ -172,6 +181,12 @@ def charged(component: str) -> Callable[[F], F]:
                 return fn(*args, **kwargs)
         return charged_fn  # type: ignore[return-value]
     return wrap
+
+
+def count(what: str) -> None:
+    """Count one ``what`` on this thread (nothing when the account is off)."""
+    if ACCOUNT is not None:
+        ACCOUNT.count(what)
 
 
 def enabled() -> bool:

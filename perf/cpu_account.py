@@ -217,6 +217,12 @@ def account_asyncflow(overrides: list[str], run_dir: Path, before: int, steps: i
                 proc.wait()
     threads: dict[str, tuple[str, str, float]] = {}
     spans: dict[str, dict[str, float]] = {}
+    calls: dict[str, float] = {}  # requests served per step, by server and method
+    for pid, snap in s1.items():
+        if pid in s0 and snap["time"] > s0[pid]["time"]:
+            factor = (t1 - t0) / (snap["time"] - s0[pid]["time"]) / max(n1 - n0, 1)
+            for what, n in scale_to_window(s0[pid].get("counts", {}), snap.get("counts", {}), factor).items():
+                calls[what] = calls.get(what, 0.0) + n
     for (pid, tid), (os_name, sec) in c1.items():
         snap = s1.get(pid)
         name = (snap or {}).get("threads", {}).get(str(tid), os_name)
@@ -230,7 +236,7 @@ def account_asyncflow(overrides: list[str], run_dir: Path, before: int, steps: i
               for k, (p, n, ns) in threads.items() if ns > 0}
     (run_dir / "threads.json").write_text(json.dumps(detail, indent=1))
     return {"steps": n1 - n0, "window_s": t1 - t0, "ns": attribute(threads, spans),
-            "processes": sorted(set(labels.values()))}
+            "processes": sorted(set(labels.values())), "calls_per_step": calls}
 
 
 # ---- TRL ------------------------------------------------------------------------------------
@@ -297,6 +303,7 @@ def main() -> int:
         trl_python = bench_e2e.trl_python()
     accounts: dict[str, dict[str, float]] = {}
     rows: dict[str, int] = {}
+    calls: dict[str, dict[str, float]] = {}
     by_side: dict[str, list[tuple[int, dict[str, float]]]] = {"ours": [], "trl": []}
     for scale, steps in zip(scales, window_steps):
         ns.prompts, ns.steps = a.prompts * scale, a.steps_before + steps + 4
@@ -306,8 +313,9 @@ def main() -> int:
         name = f"ours x{scale}"
         accounts[name], rows[name] = per_step(ours["ns"], ours["steps"]), n_rows
         by_side["ours"].append((n_rows, accounts[name]))
-        print(f"{name}: {ours['steps']} steps in {ours['window_s']:.1f} s, processes {ours['processes']}",
-              flush=True)
+        calls[name] = {k: round(v, 2) for k, v in sorted(ours["calls_per_step"].items(), key=lambda kv: -kv[1])}
+        print(f"{name}: {ours['steps']} steps in {ours['window_s']:.1f} s, processes {ours['processes']}; "
+              f"requests served per step: {sum(calls[name].values()):.1f} ({calls[name]})", flush=True)
         if not a.no_trl:
             ns.steps = a.steps_before + steps
             trl = account_trl(bench_e2e.trl_spec(ns, model), trl_python, out / f"trl_x{scale}", a.steps_before,
@@ -338,7 +346,7 @@ def main() -> int:
             cells = [f"{fits[s][c][0]:.1f} | {fits[s][c][1]:.0f}" if c in fits[s] else "- | -" for s in sides]
             print(f"| {c} | " + " | ".join(cells) + " |")
     print(json.dumps({"accounts": {n: {c: round(v, 2) for c, v in acc.items()} for n, acc in accounts.items()},
-                      "rows_per_step": rows, "fixed_ms_and_us_per_row": fits,
+                      "rows_per_step": rows, "fixed_ms_and_us_per_row": fits, "requests_per_step": calls,
                       "code": bench_e2e.code_version()}))
     return 0
 

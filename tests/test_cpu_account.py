@@ -93,3 +93,14 @@ def test_a_span_that_raises_is_still_closed(tmp_path):
             raise ValueError("boom")
     assert acct.current() is None
     assert "update" in acct.snapshot()["spans"][str(threading.get_native_id())]
+
+
+def test_counts_of_every_thread_add_up_in_the_snapshot(tmp_path, monkeypatch):
+    acct = CpuAccount(str(tmp_path), dump_interval_s=3600)
+    monkeypatch.setattr(cpu_account, "ACCOUNT", acct)
+    cpu_account.count("tq-controller:get_meta")
+    t = threading.Thread(target=lambda: [cpu_account.count("tq-controller:get_meta") for _ in range(2)])
+    t.start()
+    t.join()
+    cpu_account.count("worker-0:call")
+    assert acct.snapshot()["counts"] == {"tq-controller:get_meta": 3, "worker-0:call": 1}
