@@ -479,6 +479,18 @@ class TransferQueueClient:
                   sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
                   allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
                   dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, Any]:
+        meta, cols = self.get_batch_columns(columns, batch_size, task, partition, sampler, data_columns=data_columns,
+                                            allow_partial=allow_partial, timeout=timeout, dp_group=dp_group,
+                                            dp_rank=dp_rank, dp_size=dp_size)
+        return meta, None if cols is None else to_tensordict(cols, len(meta))
+
+    @charged("tq_client")
+    def get_batch_columns(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
+                          sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
+                          allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
+                          dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, dict[str, Column] | None]:
+        """``get_batch`` with the data as get_columns gives it (a Column per name); None for an
+        empty meta."""
         names = _batch_names(columns, data_columns)
         wait = self.wait_timeout if timeout is None else timeout
         args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
@@ -489,7 +501,7 @@ class TransferQueueClient:
             return meta, None
         if cols is None:
             cols = self.get_columns(meta, names)
-        return meta, to_tensordict(cols, len(meta))
+        return meta, cols
 
     @charged("tq_client")
     def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]:

@@ -17,6 +17,7 @@ import torch
 
 from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
+from ..transfer_queue.row_lists import values
 from ..workflow.stages import StageIO
 from .actor_loss import RolloutCorr, policy_loss_fn, sft_loss_fn
 from .common import (EngineCheckpoints, EngineOffload, config_of, engine_optim, per_token_column, policy_model,
@@ -121,13 +122,14 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                 {"name": "token_balanced", "dp_size": self.dp_size})
         dp = {"timeout": float(batch["timeout_s"]), "dp_group": self.role, "dp_rank": self.dp_rank,
               "dp_size": self.dp_size}
+        # The columns themselves (rows() and values() read them), not a TensorDict built to be taken apart
         if self.dp_size == 1:  # the whole step is this rank's: its rows and their data in one request
-            meta, data = self.tq.get_batch(*args, data_columns=have, **dp)
+            meta, data = self.tq.get_batch_columns(*args, data_columns=have, **dp)
             mine = meta
         else:  # every rank samples the same split, then reads only its own part
             meta = self.tq.get_meta(*args, **dp)
             mine = meta.part(self.dp_size, self.dp_rank)
-            data = self.tq.get_data(mine, have) if len(mine) else None
+            data = self.tq.get_columns(mine, have) if len(mine) else None
         prompts = rows(data["prompt_ids"]) if data is not None else []
         responses = rows(data["response_ids"]) if data is not None else []
         fields = {c: ([x.float() for x in rows(data[c])] if data is not None else []) for c in PER_TOKEN if c in have}
@@ -138,7 +140,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                 fields["token_versions"] = [x.float() for x in rows(data["token_versions"])] if data is not None else []
             elif "gen_version" in have:  # a row's oldest token's version: only rows wholly of one version match
                 fields["token_versions"] = ([torch.full(r.shape, float(v)) for r, v in
-                                             zip(responses, data["gen_version"].tolist())] if data is not None else [])
+                                             zip(responses, values(data["gen_version"]))] if data is not None else [])
         metrics = self._train(step, meta, prompts, responses, fields)
         metrics.update(self._batch_stats(step, data, responses, prompts, fields.get("loss_mask")))
         return metrics

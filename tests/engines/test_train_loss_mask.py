@@ -199,12 +199,12 @@ class _FakeQueue:
         meta.groups = list(self.groups)
         return meta
 
-    def get_data(self, meta, cols):
+    def get_columns(self, meta, cols):
         return {c: self.columns[c] for c in cols}
 
-    def get_batch(self, columns, *args, data_columns=None, **kwargs):
+    def get_batch_columns(self, columns, *args, data_columns=None, **kwargs):  # what a one-rank update reads
         meta = self.get_meta()
-        return meta, self.get_data(meta, data_columns or columns)
+        return meta, self.get_columns(meta, data_columns or columns)
 
 
 def _bare_actor(engine, queue=None):

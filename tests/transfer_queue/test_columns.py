@@ -269,3 +269,17 @@ def test_object_column_nbytes_counts_content():
     assert ObjectColumn([big]).nbytes == over + 10_000_000
     # what JSON cannot write (tuple keys; only an in-process put carries it) counts its repr
     assert ObjectColumn([{(1, 2): 3}]).nbytes == over + len(repr({(1, 2): 3}))
+
+
+def test_rows_and_values_read_columns_as_they_read_get_data_s_tensordict():
+    from asyncflow.transfer_queue.columns import to_column, to_tensordict
+    from asyncflow.transfer_queue.row_lists import rows, values
+    cols = {"ids": to_column("ids", [torch.tensor([1, 2]), torch.tensor([], dtype=torch.long), torch.tensor([3])]),
+            "seed": to_column("seed", torch.tensor([7, 8, 9])),
+            "answer": to_column("answer", ["a", "b", "c"])}
+    td = to_tensordict(cols, 3)
+    assert [r.tolist() for r in rows(cols["ids"])] == [r.tolist() for r in rows(td["ids"])] == [[1, 2], [], [3]]
+    assert values(cols["seed"]) == values(td["seed"]) == [7, 8, 9]
+    assert values(cols["answer"]) == values(td["answer"]) == ["a", "b", "c"]
+    no_rows = to_column("ids", [torch.tensor([1])]).take([])
+    assert rows(no_rows) == []

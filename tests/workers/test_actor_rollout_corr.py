@@ -32,7 +32,7 @@ class _Queue:
     def __init__(self, columns: dict) -> None:
         self.columns = columns
 
-    def get_batch(self, columns, *args, data_columns=None, **kwargs):
+    def get_batch_columns(self, columns, *args, data_columns=None, **kwargs):  # what a one-rank update reads
         meta = self.Meta(range(len(self.columns["response_ids"])))
         meta.groups = list(range(len(meta)))
         return meta, {c: self.columns[c] for c in data_columns}
