@@ -26,6 +26,12 @@ def rows(column: Any) -> list[torch.Tensor]:
     return list(column)
 
 
+def tensor(column: Any) -> torch.Tensor:
+    """A column of one value (or one fixed-shape tensor) per row as one tensor: a FixedColumn's
+    data, a tensor as it is."""
+    return column.data if isinstance(column, FixedColumn) else column
+
+
 def values(column: Any) -> list:
     """A non-tensor column (strings, dicts; a NonTensorStack or ObjectColumn) or a tensor of one
     value per row (a tensor or FixedColumn) as a Python list."""

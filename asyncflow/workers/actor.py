@@ -17,7 +17,7 @@ import torch
 
 from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
-from ..transfer_queue.row_lists import values
+from ..transfer_queue.row_lists import tensor, values
 from ..workflow.stages import StageIO
 from .actor_loss import RolloutCorr, policy_loss_fn, sft_loss_fn
 from .common import (EngineCheckpoints, EngineOffload, config_of, engine_optim, per_token_column, policy_model,
@@ -200,8 +200,8 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         tokens (the trained ones: the engine's ``actor/tokens``)."""
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.float64)
         model_tokens = float(sum(int((m != 0).sum()) for m in loss_masks)) if loss_masks else 0.0
-        scores = data["scores"].double() if data is not None and "scores" in data.keys() else torch.zeros(0)
-        stale = (step - data["gen_version"].double()) if data is not None and "gen_version" in data.keys() \
+        scores = tensor(data["scores"]).double() if data is not None and "scores" in data.keys() else torch.zeros(0)
+        stale = (step - tensor(data["gen_version"]).double()) if data is not None and "gen_version" in data.keys() \
             else torch.zeros(0)
         inf = float("inf")
         sums = torch.tensor([float(len(responses)), float(lengths.sum()), float(sum(len(p) for p in prompts)),

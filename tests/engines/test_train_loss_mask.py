@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from asyncflow.engines.train import FSDPEngine, OptimConfig
+from asyncflow.transfer_queue.columns import to_column
 from asyncflow.engines.train.microbatch import build_micro_batch, pad_right
 from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 from tests.engines._train_helpers import loss_masks_for, make_batch, ppo_loss, tiny_model, value_loss
@@ -200,7 +201,7 @@ class _FakeQueue:
         return meta
 
     def get_columns(self, meta, cols):
-        return {c: self.columns[c] for c in cols}
+        return {c: to_column(c, self.columns[c]) for c in cols}  # Columns, as the client's
 
     def get_batch_columns(self, columns, *args, data_columns=None, **kwargs):  # what a one-rank update reads
         meta = self.get_meta()
