@@ -26,8 +26,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -43,11 +43,11 @@ def instrument(window_path: str, first: int, last: int) -> None:
     import accelerate
     import transformers
     from accelerate.optimizer import AcceleratedOptimizer
+    from thread_cpu import cpu_by_thread
     from transformers.trainer_callback import CallbackHandler
     from trl import GRPOTrainer
 
     from asyncflow import cpu_account
-    from thread_cpu import cpu_by_thread
 
     _charge(GRPOTrainer, "training_step", "update")
     _charge(GRPOTrainer, "_prepare_inputs", "driver_loop")  # generation batches: tokenize, pad, advantages

@@ -88,9 +88,8 @@ def test_on_the_decorator_charges_the_call_and_keeps_the_name(tmp_path, monkeypa
 
 def test_a_span_that_raises_is_still_closed(tmp_path):
     acct = CpuAccount(str(tmp_path), dump_interval_s=3600)
-    with pytest.raises(ValueError):
-        with acct.span("update"):
-            raise ValueError("boom")
+    with pytest.raises(ValueError), acct.span("update"):
+        raise ValueError("boom")
     assert acct.current() is None
     assert "update" in acct.snapshot()["spans"][str(threading.get_native_id())]
 
