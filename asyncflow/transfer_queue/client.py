@@ -263,8 +263,8 @@ class AsyncTransferQueueClient:
         return await self.controller.call("status", partition=partition)
 
     async def unit_stats(self) -> list[dict]:
-        await self._refresh_units()
-        return list(await asyncio.gather(*(u.call("stats") for u in self._endpoints.values())))
+        """Every storage unit's stats, in unit order (gathered by the controller: one request)."""
+        return await self.controller.call("unit_stats")
 
     async def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
                   groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta:
@@ -440,8 +440,8 @@ class TransferQueueClient:
         return self.controller.call("status", partition=partition)
 
     def unit_stats(self) -> list[dict]:
-        self._refresh_units()
-        return [u.call("stats") for u in list(self._endpoints.values())]
+        """Every storage unit's stats, in unit order (gathered by the controller: one request)."""
+        return self.controller.call("unit_stats")
 
     @charged("tq_client")
     def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
