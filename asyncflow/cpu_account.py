@@ -42,10 +42,10 @@ _OFF = nullcontext()
 class _ThreadBook:
     """One thread's spans: the open ones (a stack) and the closed totals per component."""
 
-    __slots__ = ("counts", "name", "stack", "totals")
+    __slots__ = ("counts", "ident", "name", "stack", "totals")
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, ident: int):
+        self.name, self.ident = name, ident
         self.stack: list[list[Any]] = []  # [component, start ns, ns of the spans inside]
         self.totals: dict[str, int] = {}
         self.counts: dict[str, int] = {}  # events counted (a request served, by method)
@@ -89,7 +89,7 @@ class CpuAccount:
     def _book(self) -> _ThreadBook:
         book = getattr(self._local, "book", None)
         if book is None:
-            book = self._local.book = _ThreadBook(threading.current_thread().name)
+            book = self._local.book = _ThreadBook(threading.current_thread().name, threading.get_ident())
             self._books[threading.get_native_id()] = book
         return book
 
@@ -103,19 +103,26 @@ class CpuAccount:
         return stack[-1][0] if stack else None
 
     def snapshot(self) -> dict[str, Any]:
-        """``{"pid", "time", "threads": {tid: name}, "spans": {tid: {component: ns}}, "counts":
-        {what: n}}``; every
+        """``{"pid", "time", "threads": {tid: name}, "cpu": {tid: ns}, "spans": {tid: {component: ns}},
+        "counts": {what: n}}``: each Python thread's CPU clock and its spans read at one moment, the
+        spans still open counted up to now (a long span, an update, is not left out of a window
+        that ends inside it); every
         Python thread is named, spans or not (the OS knows Python's threads by the process's name)."""
         names = {t.native_id: _thread_name(t) for t in threading.enumerate() if t.native_id is not None}
+        cpu = {t.native_id: _thread_cpu_ns(t.ident) for t in threading.enumerate() if t.native_id is not None}
         spans: dict[str, dict[str, int]] = {}
         counts: dict[str, int] = {}
         for tid, book in list(self._books.items()):
             names.setdefault(tid, book.name)
-            spans[str(tid)] = dict(book.totals)  # a C-level copy: atomic under the GIL
+            totals = dict(book.totals)  # a C-level copy: atomic under the GIL
+            now = cpu.get(tid)
+            if now is not None:
+                _add_open_spans(totals, [list(frame) for frame in list(book.stack)], now)
+            spans[str(tid)] = totals
             for what, n in dict(book.counts).items():
                 counts[what] = counts.get(what, 0) + n
         return {"pid": os.getpid(), "time": time.time(), "threads": {str(t): n for t, n in names.items()},
-                "spans": spans, "counts": counts}
+                "cpu": {str(t): ns for t, ns in cpu.items() if ns is not None}, "spans": spans, "counts": counts}
 
     def dump(self) -> None:
         """Write the snapshot (to a temporary file, then renamed: a reader never sees half)."""
@@ -138,6 +145,25 @@ class CpuAccount:
         book.totals["account"] = book.totals.get("account", 0) + spent
         if book.stack:
             book.stack[-1][2] += spent
+
+
+def _thread_cpu_ns(ident: int | None) -> int | None:
+    """CPU time of the thread ``ident`` of this process (any thread's, read from another), or None."""
+    try:
+        return time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
+    except (AttributeError, OSError, TypeError):  # not POSIX, or the thread has ended
+        return None
+
+
+def _add_open_spans(totals: dict[str, int], stack: list[list[Any]], now: int) -> None:
+    """Charge the open spans of a thread (outermost first: [component, start, ns inside]) with
+    their exclusive CPU up to ``now``, as if each closed now."""
+    end = now
+    for component, start, inner in reversed(stack):
+        spent = end - start - inner
+        if spent > 0:
+            totals[component] = totals.get(component, 0) + spent
+        end = start  # the outer span's own time stops where this one began
 
 
 def _thread_name(t: threading.Thread) -> str:

@@ -12,8 +12,10 @@ How CPU is attributed: every thread of every process of the run is read from /pr
 over a window of ``--steps`` RL steps after ``--steps-before``); inside a thread, code under
 an ``asyncflow.cpu_account`` span (enabled by ``ASYNCFLOW_CPU_ACCOUNT``) is charged to the
 span's component, and the rest of the thread to the component its name says
-(``thread_component``). AsyncFlow's processes write their spans to files every 0.5 s; each
-file's change over the window is scaled to the window (``scale_to_window``). TRL's window is
+(``thread_component``). AsyncFlow's processes write their spans, open ones counted up to the
+moment, and their Python threads' CPU clocks to files every 0.5 s; each file's change over the
+window is scaled to the window (``scale_to_window``), so a Python thread's total and its spans
+come from the same moments (other threads, libzmq's and torch's, from /proc). TRL's window is
 read in its process at the steps' ends.
 
 Prints a table per scale (CPU ms per step and per row, by component, both sides), then the
@@ -227,10 +229,14 @@ def account_asyncflow(overrides: list[str], run_dir: Path, before: int, steps: i
         snap = s1.get(pid)
         name = (snap or {}).get("threads", {}).get(str(tid), os_name)
         key = f"{pid}:{tid}"
-        threads[key] = (labels.get(pid, "other"), name, (sec - c0.get((pid, tid), (os_name, 0.0))[1]) * 1e9)
+        total = (sec - c0.get((pid, tid), (os_name, 0.0))[1]) * 1e9
         if snap is not None and pid in s0 and snap["time"] > s0[pid]["time"]:
             factor = (t1 - t0) / (snap["time"] - s0[pid]["time"])
             spans[key] = scale_to_window(s0[pid]["spans"].get(str(tid), {}), snap["spans"].get(str(tid), {}), factor)
+            before, after = s0[pid].get("cpu", {}).get(str(tid)), snap.get("cpu", {}).get(str(tid))
+            if before is not None and after is not None:  # a Python thread: its clock read with its spans
+                total = (after - before) * factor
+        threads[key] = (labels.get(pid, "other"), name, total)
     detail = {k: {"process": p, "thread": n, "ms_per_step": round(ns / max(n1 - n0, 1) / 1e6, 2),
                   "spans_ms_per_step": {c: round(v / max(n1 - n0, 1) / 1e6, 2) for c, v in spans.get(k, {}).items()}}
               for k, (p, n, ns) in threads.items() if ns > 0}

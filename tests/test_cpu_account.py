@@ -103,3 +103,18 @@ def test_counts_of_every_thread_add_up_in_the_snapshot(tmp_path, monkeypatch):
     t.join()
     cpu_account.count("worker-0:call")
     assert acct.snapshot()["counts"] == {"tq-controller:get_meta": 3, "worker-0:call": 1}
+
+
+def test_a_snapshot_counts_the_open_spans_up_to_now_each_exclusive(tmp_path):
+    acct = CpuAccount(str(tmp_path), dump_interval_s=3600)
+    me = str(threading.get_native_id())
+    with acct.span("update"):
+        _burn(3_000_000)
+        with acct.span("tq_client"):
+            _burn(4_000_000)
+            snap = acct.snapshot()  # both spans still open
+    spans, cpu = snap["spans"][me], snap["cpu"][me]
+    assert 3_000_000 <= spans["update"] < 4_000_000 <= spans["tq_client"]
+    assert cpu >= spans["update"] + spans["tq_client"]  # the thread's clock, read at the same moment
+    after = acct.snapshot()["spans"][me]
+    assert after["tq_client"] >= spans["tq_client"] and after["update"] >= spans["update"]
