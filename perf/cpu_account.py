@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,10 @@ PERF = Path(__file__).resolve().parent
 ROOT = PERF.parent
 sys.path.insert(0, str(PERF))
 sys.path.insert(0, str(ROOT))
+
+import bench_e2e  # noqa: E402
+import soak  # noqa: E402
+from thread_cpu import cpu_by_thread  # noqa: E402
 
 FILE_PREFIX = "cpu_account-"  # asyncflow.cpu_account's snapshot files
 TRL_VENV_DEFAULT = Path("/work/trl-venv")
@@ -187,11 +192,6 @@ def _wait_rows(path: Path, n: int, proc: subprocess.Popen, timeout_s: float) -> 
 
 def account_asyncflow(overrides: list[str], run_dir: Path, before: int, steps: int, timeout_s: float) -> dict:
     """One `asyncflow train grpo` with the account on: CPU ns by component over ``steps`` steps."""
-    import shutil
-
-    import soak
-    from thread_cpu import cpu_by_thread
-
     if run_dir.exists():
         shutil.rmtree(run_dir)
     acct_dir = run_dir / "cpu_account"
@@ -250,10 +250,6 @@ def account_asyncflow(overrides: list[str], run_dir: Path, before: int, steps: i
 def account_trl(spec: dict, python: Path, run_dir: Path, before: int, steps: int, threads: int,
                 timeout_s: float) -> dict:
     """TRL's run through perf/_trl_account.py: CPU ns by component over ``steps`` steps."""
-    import shutil
-
-    from bench_e2e import run_group
-
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -262,8 +258,8 @@ def account_trl(spec: dict, python: Path, run_dir: Path, before: int, steps: int
     spec_path, result, window = run_dir / "spec.json", run_dir / "result.json", run_dir / "window.json"
     spec_path.write_text(json.dumps(spec))
     with open(run_dir / "run.log", "w") as log:
-        rc = run_group([str(python), str(PERF / "_trl_account.py"), str(spec_path), str(result), str(window)],
-                       log, timeout_s)
+        rc = bench_e2e.run_group([str(python), str(PERF / "_trl_account.py"), str(spec_path), str(result),
+                                  str(window)], log, timeout_s)
     if rc != 0 or not window.is_file():
         raise RuntimeError(f"the TRL run failed (exit {rc}); see {run_dir / 'run.log'}")
     w = json.loads(window.read_text())
@@ -292,8 +288,6 @@ def main() -> int:
     ap.add_argument("--out", default=str(PERF / "out" / "cpu_account"))
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     a = ap.parse_args()
-
-    import bench_e2e
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
