@@ -29,6 +29,7 @@ ABOVE_RPC = ("asyncflow.transfer_queue", "asyncflow.single_controller")
 # The packages (and top-level modules) of asyncflow, lowest layer first, as the code has them:
 # each imports only from layers before its own. "__init__" is the package itself (its version).
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("cpu_account",),  # the CPU account: the RPC layer and the TransferQueue record spans too
     ("__init__", "algorithm_config", "metrics", "models", "platform", "rewards", "rpc"),  # nothing of asyncflow
     ("algorithms", "planning", "transfer_queue"),
     ("config",),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncflow.cpu_account import charged
 from asyncflow.metrics.logger import to_plain
 
 TIMELINE_FILE = "timeline.jsonl"
@@ -94,6 +95,7 @@ class Timeline:
         """Seconds since t0: the clock that `record`'s start and end are on."""
         return time.perf_counter() - self.t0
 
+    @charged("logging")
     def record(self, lane: str, stage: str, start: float, end: float, **info: Any) -> Span:
         """Record that `lane` ran `stage` from `start` to `end` (seconds since t0)."""
         if end < start:

@@ -13,6 +13,7 @@ from typing import Any
 
 import zmq
 
+from ..cpu_account import charged
 from . import auth, codec
 from .client_replies import check_reply, decode_reply, no_reply_hint, raise_remote
 from .errors import RpcTimeout
@@ -89,6 +90,7 @@ class RpcClient:
             self._loop, self._timer = loop, None
         return loop
 
+    @charged("rpc")
     def start(self, method: str, args: list[Any], timeout: float | None = None) -> tuple[int, asyncio.Future[Any]]:
         """Send a call now; ``(request id, future)``. ``args`` are :meth:`encode_args` frames.
         The future gets the reply message (give it to :meth:`result`) or ``timeout_error``."""
@@ -118,6 +120,7 @@ class RpcClient:
         return rid, fut
 
     @staticmethod
+    @charged("rpc")
     def spin(clients: list[RpcClient], done: Callable[[], bool], budget_s: float) -> bool:
         """Busy-poll the sockets of ``clients`` (:func:`poll_ready`) and take in their replies
         at once, until ``done()`` or ``budget_s`` has passed; True when done. Blocks the event
@@ -188,6 +191,7 @@ class RpcClient:
     def _send(self, frames: list[Any]) -> bool:
         return send_nowait(self._sock, frames)
 
+    @charged("rpc")
     def _on_events(self) -> None:
         """The socket's fd woke up: send what waits for room, hand every reply to its call."""
         sock = self._sock

@@ -10,6 +10,7 @@ from typing import Any
 
 import zmq
 
+from ..cpu_account import charged, span
 from . import auth
 from .server_base import ServerBase, encode_reply, error_reply, no_method, open_request
 from .sockets import EVENTS, POLLIN, drain, send_nowait, unwatch
@@ -120,7 +121,8 @@ class RpcServer(ServerBase):
 
     def _on_request(self, frames: list[Any]) -> None:
         # Checked here, in arrival order on the loop's thread: the replay window is not shared.
-        opened = open_request(self, frames)
+        with span("rpc"):
+            opened = open_request(self, frames)
         if opened is None:
             return
         nonce, req = opened
@@ -170,6 +172,7 @@ class RpcServer(ServerBase):
             self._loop.call_soon(self._on_events)
 
     # ---- replies -------------------------------------------------------------------------
+    @charged("rpc")
     def _reply(self, ident: bytes, nonce: bytes, reply: dict[str, Any]) -> None:
         if self._sock.closed:
             return

@@ -9,6 +9,7 @@ from typing import Any
 
 import zmq
 
+from ..cpu_account import charged
 from . import auth, codec
 from .client_replies import check_reply, decode_reply, no_reply_hint, raise_remote
 from .errors import RpcTimeout
@@ -56,6 +57,7 @@ class BlockingRpcClient:
                 self._sockets.append(st.sock)
         return st
 
+    @charged("rpc")
     def send(self, method: str, /, **args: Any) -> tuple[int, str]:
         st = self._state()
         rid = next(self._ids)
@@ -64,6 +66,7 @@ class BlockingRpcClient:
         st.outstanding.add(rid)
         return rid, method
 
+    @charged("rpc")
     def recv(self, ticket: tuple[int, str], timeout: float | None = None) -> Any:
         rid, method = ticket
         st = self._state()

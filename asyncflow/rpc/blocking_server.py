@@ -7,6 +7,7 @@ from typing import Any
 
 import zmq
 
+from ..cpu_account import span
 from . import auth
 from .server_base import ServerBase, encode_reply, error_reply, no_method, open_request
 
@@ -32,7 +33,8 @@ class BlockingRpcServer(ServerBase):
         purpose: an idle worker waits for work; its liveness is watched elsewhere."""
         while not self.stopping:
             frames = self._sock.recv_multipart(copy=False)
-            opened = open_request(self, frames)
+            with span("rpc"):
+                opened = open_request(self, frames)
             if opened is None:
                 continue
             nonce, req = opened
@@ -43,8 +45,9 @@ class BlockingRpcServer(ServerBase):
                 reply = {"id": rid, "r": fn(**args)}
             except Exception as e:  # noqa: BLE001 - the method's error goes back to the caller
                 reply = error_reply(rid, e)
-            self._sock.send_multipart([frames[0].bytes, *auth.seal(auth.REPLY, nonce, encode_reply(reply), self._key)],
-                                      copy=False)
+            with span("rpc"):
+                self._sock.send_multipart(
+                    [frames[0].bytes, *auth.seal(auth.REPLY, nonce, encode_reply(reply), self._key)], copy=False)
 
     def listen_also(self, address: str) -> str | None:
         """Also take requests at ``address`` (e.g. an ``ipc://`` socket for processes on this

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..cpu_account import charged
+
 _TENSOR_KEY = "__t"
 _TENSOR_MARK = b'"__t":'
 # Tensor (by identity) -> the received zmq.Frame it was decoded from, whole. A side table,
@@ -77,6 +79,7 @@ def _tensor_frame(t: torch.Tensor) -> memoryview:
     return t.numpy().data.cast("B")  # the array's own buffer (ndarray.data), as bytes
 
 
+@charged("serialization")
 def encode(obj: Any) -> list[Any]:
     """Encode ``obj`` into frames: ``[header_bytes, *tensor_buffers]``."""
     buffers: list[Any] = []
@@ -105,6 +108,7 @@ def encode(obj: Any) -> list[Any]:
     return [header, *buffers]
 
 
+@charged("serialization")
 def decode(frames: Sequence[Any]) -> Any:
     """Inverse of :func:`encode`. Frames may be ``bytes`` or ``zmq.Frame`` objects.
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import zmq
 
+from ..cpu_account import count
 from . import auth, codec
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def parse_request(server: Any, frames: list[Any]) -> tuple[Any, str, Any, dict[s
         log.warning("%s: dropped a malformed message: %s", server.name, e)
         return None
     fn = getattr(server.service, f"rpc_{method}", None) if isinstance(method, str) else None
+    count(f"{server.name}:{method}")
     return rid, method, fn, args
 
 

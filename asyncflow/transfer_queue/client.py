@@ -21,6 +21,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from ..cpu_account import charged
 from ..rpc.async_client import RpcClient
 from ..rpc.blocking_client import BlockingRpcClient
 from .columns import Column, column_from_wire, column_to_wire, concat, to_columns, to_tensordict
@@ -45,6 +46,7 @@ _REPLY_MARGIN_S = 10.0
 _UnitCall = tuple[int | None, dict[str, Any]]
 
 
+@charged("tq_client")
 def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequence[int] | None,
               target: int | None = None) -> tuple[list[str], list[_UnitCall]]:
     """Validate a put and split it into unit requests: ``(unit or None for new rows, args)``.
@@ -78,6 +80,7 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequenc
     return names, calls
 
 
+@charged("tq_client")
 def _put_check(meta: BatchMeta | None, calls: list[_UnitCall]) -> dict[str, Any] | None:
     """The controller's ``check_put`` args for a put that adds columns to rows of several
     units, else None. Each unit validates and rolls back only its own part, so such a put is
@@ -114,6 +117,7 @@ def _unlocated(meta: BatchMeta, names: list[str], n_units: int) -> list[str]:
     return [c for c in names if c not in meta.locations and c not in meta.columns]
 
 
+@charged("tq_client")
 def _assemble(names: list[str], requests: list[_Request], replies: list[dict[str, Any]]) -> dict[str, Column]:
     """Unit replies -> columns in the meta's row order."""
     if len(replies) == 1:
@@ -138,6 +142,7 @@ def _batch_names(columns: Sequence[str], data_columns: Sequence[str] | None) -> 
     return names
 
 
+@charged("tq_client")
 def _batch_reply(reply: dict[str, Any], names: list[str]) -> tuple[BatchMeta, dict[str, Column] | None]:
     """A get_batch reply -> (meta, its columns), columns None when the controller could not
     read them itself (a unit in another process): the caller reads as get_columns does."""
@@ -156,6 +161,7 @@ def _unit_timeout(index: int, address: str, e: TransferQueueTimeout) -> Transfer
                                 f"rank) may have died: {e}")
 
 
+@charged("tq_client")
 def _new_rows_meta(partition: str, names: list[str], groups: Any, reply: dict[str, Any]) -> BatchMeta:
     if "first" in reply:  # new rows have consecutive ids
         rows = list(range(reply["first"], reply["first"] + reply["n"]))
@@ -270,8 +276,9 @@ class AsyncTransferQueueClient:
         return reply
 
     async def unit_stats(self) -> list[dict[str, Any]]:
-        await self._refresh_units()
-        return list(await asyncio.gather(*(u.call("stats") for u in self._endpoints.values())))
+        """Every storage unit's stats, in unit order (gathered by the controller: one request)."""
+        reply: list[dict[str, Any]] = await self.controller.call("unit_stats")
+        return reply
 
     async def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
                   groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta:
@@ -423,29 +430,37 @@ class TransferQueueClient:
         got = self.controller.call("locate", partition=meta.partition, rows=ids_to_wire(meta.rows), columns=ask)
         return replace(meta, locations={**meta.locations, **{c: ids_from_wire(u) for c, u in got.items()}})
 
+    @charged("tq_client")
     def create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
         self.controller.call("create_partition", partition=partition, tasks=_task_list(partition, tasks))
 
+    @charged("tq_client")
     def close_partition(self, partition: str) -> None:
         self.controller.call("close_partition", partition=partition)
 
+    @charged("tq_client")
     def clear(self, partition: str) -> int:
         return int(self.controller.call("clear", partition=partition))
 
+    @charged("tq_client")
     def clear_rows(self, meta: BatchMeta) -> int:
         return int(self.controller.call("clear_rows", partition=meta.partition, rows=ids_to_wire(meta.rows)))
 
+    @charged("tq_client")
     def reset_consumption(self, partition: str, task: str) -> None:
         self.controller.call("reset_consumption", partition=partition, task=task)
 
+    @charged("tq_client")
     def status(self, partition: str | None = None) -> dict[str, Any]:
         reply: dict[str, Any] = self.controller.call("status", partition=partition)
         return reply
 
     def unit_stats(self) -> list[dict[str, Any]]:
-        self._refresh_units()
-        return [u.call("stats") for u in list(self._endpoints.values())]
+        """Every storage unit's stats, in unit order (gathered by the controller: one request)."""
+        reply: list[dict[str, Any]] = self.controller.call("unit_stats")
+        return reply
 
+    @charged("tq_client")
     def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
             groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta:
         target = self._units.preferred if meta is not None else None
@@ -467,6 +482,7 @@ class TransferQueueClient:
         out = meta.with_columns(names)
         return out.stored_at(names, target) if target is not None else out
 
+    @charged("tq_client")
     def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                  sampler: SamplerSpec = "sequential", *, allow_partial: bool = False, timeout: float | None = None,
                  dp_group: str | None = None, dp_rank: int = 0, dp_size: int = 1) -> BatchMeta:
@@ -475,10 +491,23 @@ class TransferQueueClient:
                               dp_group, dp_rank, dp_size)
         return BatchMeta.from_wire(self.controller.call("get_meta", _timeout=wait + _REPLY_MARGIN_S, **args))
 
+    @charged("tq_client")
     def get_batch(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                   sampler: SamplerSpec = "sequential", *, data_columns: Sequence[str] | None = None,
                   allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
                   dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, TensorDict | None]:
+        meta, cols = self.get_batch_columns(columns, batch_size, task, partition, sampler, data_columns=data_columns,
+                                            allow_partial=allow_partial, timeout=timeout, dp_group=dp_group,
+                                            dp_rank=dp_rank, dp_size=dp_size)
+        return meta, None if cols is None else to_tensordict(cols, len(meta))
+
+    @charged("tq_client")
+    def get_batch_columns(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
+                          sampler: Any = "sequential", *, data_columns: Sequence[str] | None = None,
+                          allow_partial: bool = False, timeout: float | None = None, dp_group: str | None = None,
+                          dp_rank: int = 0, dp_size: int = 1) -> tuple[BatchMeta, dict[str, Column] | None]:
+        """``get_batch`` with the data as get_columns gives it (a Column per name); None for an
+        empty meta."""
         names = _batch_names(columns, data_columns)
         wait = self.wait_timeout if timeout is None else timeout
         args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
@@ -489,8 +518,9 @@ class TransferQueueClient:
             return meta, None
         if cols is None:
             cols = self.get_columns(meta, names)
-        return meta, to_tensordict(cols, len(meta))
+        return meta, cols
 
+    @charged("tq_client")
     def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]:
         names = _get_names(meta, columns)
         meta = self._located(meta, names)
@@ -502,6 +532,7 @@ class TransferQueueClient:
                                         rows=ids_to_wire([meta.rows[i] for i in pos]), columns=cols)))
         return _assemble(names, requests, [self._recv_unit(u, ep, t) for u, ep, t in sent])
 
+    @charged("tq_client")
     def get_data(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> TensorDict:
         return to_tensordict(self.get_columns(meta, columns), len(meta))
 

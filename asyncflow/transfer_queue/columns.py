@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ..cpu_account import charged
 from ..rpc.codec import CodecError, dtype_name
 
 if TYPE_CHECKING:  # tensordict is imported where a TensorDict is built (a slow import)
@@ -248,6 +249,7 @@ def _of_kind(cols: Sequence[Column], kind: type[_C]) -> list[_C]:
 
 # ---- wire form: nested JSON + tensors for codec.encode ------------------------------
 
+@charged("serialization")
 def column_to_wire(col: Column) -> dict[str, Any]:
     if isinstance(col, FixedColumn):
         return {"k": "fixed", "data": col.data}
@@ -262,6 +264,7 @@ def _unknown_kind(col: Column) -> str:
     return f"a column of unknown kind: {type(col).__name__} (columns are FixedColumn, JaggedColumn, ObjectColumn)"
 
 
+@charged("serialization")
 def column_from_wire(w: Mapping[str, Any], check: bool = False) -> Column:
     """A column from its wire form. ``check``: also refuse a column that is malformed (see
     column_problem), for data about to be stored; replies a unit built from checked columns
@@ -377,17 +380,30 @@ def _from_jagged(nt: torch.Tensor, name: str) -> JaggedColumn:
 def _from_row_list(rows: list[torch.Tensor], name: str) -> JaggedColumn:
     if not rows:
         raise ValueError(f"column {name!r}: an empty list of rows has no dtype; send at least one row")
+    # One pass over the rows (a put of a step's rows runs this per column): each row's dtype,
+    # shape, and whether torch.cat can take it as it is (on the CPU, outside autograd).
+    dtype, tail = rows[0].dtype, rows[0].shape[1:]
+    lens = []
+    as_is = True
+    for r in rows:
+        shape = r.shape
+        if r.dtype != dtype or not shape or shape[1:] != tail:
+            _refuse_row_list(rows, name)
+        lens.append(shape[0])
+        if as_is and (r.requires_grad or not r.is_cpu):
+            as_is = False
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
+    torch.cumsum(torch.tensor(lens, dtype=torch.long), 0, out=offsets[1:])
+    return JaggedColumn(torch.cat(rows if as_is else [r.detach().cpu() for r in rows]), offsets)
+
+
+def _refuse_row_list(rows: list[torch.Tensor], name: str) -> None:
+    """Raise what is wrong with a list of rows that are not one jagged column."""
     dtypes = {r.dtype for r in rows}
     if len(dtypes) > 1:
         raise ValueError(f"column {name!r}: rows have mixed dtypes {sorted(map(str, dtypes))}")
-    tails = {tuple(r.shape[1:]) for r in rows}
-    if len(tails) > 1 or any(r.dim() == 0 for r in rows):
-        raise ValueError(f"column {name!r}: variable-length rows must be tensors of shape [len, *same]; "
-                         f"got shapes {sorted({tuple(r.shape) for r in rows})[:4]}")
-    lens = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
-    offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
-    torch.cumsum(lens, 0, out=offsets[1:])
-    return JaggedColumn(torch.cat([r.detach().cpu() for r in rows]), offsets)
+    raise ValueError(f"column {name!r}: variable-length rows must be tensors of shape [len, *same]; "
+                     f"got shapes {sorted({tuple(r.shape) for r in rows})[:4]}")
 
 
 def to_column(name: str, value: Any) -> Column:
@@ -421,6 +437,7 @@ def to_column(name: str, value: Any) -> Column:
                      "(jagged) tensor, a list of 1-D tensors, or a list of JSON values")
 
 
+@charged("serialization")
 def to_columns(data: Any) -> tuple[dict[str, Column], int]:
     """Normalise a TensorDict or a mapping of columns; check every column has one row count."""
     if _is_tensordict(data):
@@ -463,6 +480,7 @@ except Exception:  # noqa: BLE001
     _NestedTensor = None
 
 
+@charged("serialization")
 def to_tensordict(cols: Mapping[str, Column], n_rows: int) -> TensorDict:
     """Columns -> TensorDict with ``batch_size=[n_rows]``; jagged columns become nested tensors."""
     from tensordict import NonTensorStack, TensorDict  # slow import: only when asked for

@@ -161,6 +161,11 @@ class Controller:
     async def rpc_info(self) -> dict[str, Any]:
         return {"units": {str(i): a for i, a in sorted(self.unit_addresses.items())}}
 
+    async def rpc_unit_stats(self) -> list[dict[str, Any]]:
+        """Every storage unit's stats (``StorageUnit.rpc_stats``), in unit order: one request for
+        a client (asked every step), the units beside the controller answering in process."""
+        return list(await asyncio.gather(*(self._unit_call(i, "stats") for i in sorted(self.units))))
+
     # ---- partitions -------------------------------------------------------------------
 
     async def rpc_create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cpu_account import charged
+
 # A row's global index holds the storage unit that stores it in its high bits, so a
 # client routes a read without asking the controller.
 UNIT_SHIFT = 40
@@ -173,6 +175,7 @@ class BatchMeta:
                        for c in sorted({c for m in metas for c in m.locations})},
         )
 
+    @charged("serialization")
     def to_wire(self) -> dict[str, Any]:
         return {
             "partition": self.partition, "rows": ids_to_wire(self.rows), "columns": self.columns,
@@ -182,6 +185,7 @@ class BatchMeta:
         }
 
     @staticmethod
+    @charged("serialization")
     def from_wire(w: dict[str, Any]) -> BatchMeta:
         return BatchMeta(
             partition=w["partition"], rows=ids_from_wire(w["rows"]), columns=list(w["columns"]),

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
+from ..transfer_queue.row_lists import tensor, values
 from ..workflow.stages import StageIO
 from .actor_loss import RolloutCorr, policy_loss_fn, sft_loss_fn
 from .common import (
@@ -101,6 +103,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         return self.engine.train_step(p, t, fields, sft_loss_fn, temperature=1.0)
 
     @register(Dispatch.ONE_TO_ALL)
+    @charged("old_log_prob")
     def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
         """Log-probs of the responses under the weights held now (proximal log-probs, the
         weights the next update starts from): [prompt, response] -> one per-token column."""
@@ -108,6 +111,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                          lambda p, r: self.engine.compute_log_probs(p, r, temperature=self.temperature)[0])
 
     @register(Dispatch.ONE_TO_ALL)
+    @charged("ref_log_prob")
     def compute_ref_log_probs(self, meta: Any, io: dict | None = None) -> None:
         """LoRA: the reference's log-probs, from this model with its adapters off (no second
         model): [prompt, response] -> one per-token column."""
@@ -116,6 +120,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                                                                     adapters=False)[0])
 
     @register(Dispatch.ONE_TO_ALL)
+    @charged("update")
     def update(self, step: int, batch: dict, io: dict | None = None) -> dict:
         """The policy update of ``step`` on this rank's share of the step's ``batch["rows"]`` rows
         (partition, task, timeout in ``batch``): ``ppo_epochs`` passes, each one optimizer step
@@ -130,13 +135,14 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                 {"name": "token_balanced", "dp_size": self.dp_size})
         dp = {"timeout": float(batch["timeout_s"]), "dp_group": self.role, "dp_rank": self.dp_rank,
               "dp_size": self.dp_size}
+        # The columns themselves (rows() and values() read them), not a TensorDict built to be taken apart
         if self.dp_size == 1:  # the whole step is this rank's: its rows and their data in one request
-            meta, data = self.tq.get_batch(*args, data_columns=have, **dp)
+            meta, data = self.tq.get_batch_columns(*args, data_columns=have, **dp)
             mine = meta
         else:  # every rank samples the same split, then reads only its own part
             meta = self.tq.get_meta(*args, **dp)
             mine = meta.part(self.dp_size, self.dp_rank)
-            data = self.tq.get_data(mine, have) if len(mine) else None
+            data = self.tq.get_columns(mine, have) if len(mine) else None
         prompts = rows(data["prompt_ids"]) if data is not None else []
         responses = rows(data["response_ids"]) if data is not None else []
         fields = {c: ([x.float() for x in rows(data[c])] if data is not None else []) for c in PER_TOKEN if c in have}
@@ -147,7 +153,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
                 fields["token_versions"] = [x.float() for x in rows(data["token_versions"])] if data is not None else []
             elif "gen_version" in have:  # a row's oldest token's version: only rows wholly of one version match
                 fields["token_versions"] = ([torch.full(r.shape, float(v)) for r, v in
-                                             zip(responses, data["gen_version"].tolist())] if data is not None else [])
+                                             zip(responses, values(data["gen_version"]))] if data is not None else [])
         metrics = self._train(step, meta, prompts, responses, fields)
         metrics.update(self._batch_stats(step, data, responses, prompts, fields.get("loss_mask")))
         return metrics
@@ -207,8 +213,8 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         tokens (the trained ones: the engine's ``actor/tokens``)."""
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.float64)
         model_tokens = float(sum(int((m != 0).sum()) for m in loss_masks)) if loss_masks else 0.0
-        scores = data["scores"].double() if data is not None and "scores" in data.keys() else torch.zeros(0)
-        stale = (step - data["gen_version"].double()) if data is not None and "gen_version" in data.keys() \
+        scores = tensor(data["scores"]).double() if data is not None and "scores" in data.keys() else torch.zeros(0)
+        stale = (step - tensor(data["gen_version"]).double()) if data is not None and "gen_version" in data.keys() \
             else torch.zeros(0)
         inf = float("inf")
         sums = torch.tensor([float(len(responses)), float(lengths.sum()), float(sum(len(p) for p in prompts)),
@@ -299,6 +305,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.sender = None
 
     @register(Dispatch.ONE_TO_ALL)
+    @charged("weight_sync")
     def publish_weights(self, version: int) -> dict:
         """Send ``version`` to every rollout instance (all actor ranks, bucket by bucket; the
         receivers must be receiving: ``receive_weights`` first). Returns when this rank's

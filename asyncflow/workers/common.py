@@ -91,7 +91,7 @@ def share_column(worker: Any, meta: Any, io: Any,
                          f"columns first and writes one column; the stage declares {io.inputs} -> {io.outputs}")
     prompt_col, response_col = io.inputs[:2]
     mine = meta.part(worker.dp_size, worker.dp_rank)
-    data = worker.tq.get_data(mine, [prompt_col, response_col]) if len(mine) else None
+    data = worker.tq.get_columns(mine, [prompt_col, response_col]) if len(mine) else None  # rows() reads them
     prompts = rows(data[prompt_col]) if data is not None else []
     responses = rows(data[response_col]) if data is not None else []
     out = compute(prompts, responses)

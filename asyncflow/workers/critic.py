@@ -57,7 +57,7 @@ class CriticWorker(EngineCheckpoints, EngineOffload, Worker):
         p_col, r_col, v_col, ret_col = positional[:4]
         mask_cols = ["loss_mask"] if "loss_mask" in io.inputs else []
         mine = meta.part(self.dp_size, self.dp_rank)
-        data = self.tq.get_data(mine, [p_col, r_col, v_col, ret_col, *mask_cols]) if len(mine) else None
+        data = self.tq.get_columns(mine, [p_col, r_col, v_col, ret_col, *mask_cols]) if len(mine) else None
         pick = (lambda c: [x.float() if c in (v_col, ret_col) else x for x in rows(data[c])]) if data is not None \
             else (lambda c: [])
         a = self.cfg.algorithm

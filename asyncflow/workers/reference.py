@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
 from .common import EngineOffload, config_of, per_token_column, policy_model, setup_rank, train_engine_class
@@ -30,6 +31,7 @@ class ReferenceWorker(EngineOffload, Worker):
         self.engine.load_model_state(load_causal_lm(path).state_dict())
 
     @register(Dispatch.ONE_TO_ALL)
+    @charged("ref_log_prob")
     def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
         """[prompt, response] -> the reference's per-token log-probs."""
         per_token_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["ref_log_probs"]),

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
 from ..transfer_queue.row_lists import rows, values
 from ..workflow.stages import StageIO
@@ -96,6 +97,7 @@ class RewardWorker(Worker):
         self.scorer = RowScorer(c.reward, tokenizer, set(eos_token_ids(c.model.path, tokenizer)))
 
     @register(Dispatch.DP_COMPUTE)
+    @charged("reward")
     def compute(self, data: Any, io: dict | None = None) -> dict:
         """[response, answer, and optionally prompt, metadata] -> one score per row."""
         io = StageIO.of(io, ["response_ids", "answer"], ["scores"])

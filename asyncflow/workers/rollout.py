@@ -27,6 +27,7 @@ import torch
 
 from ..agents.episode import EpisodeLimits
 from ..agents.runner import EpisodeRunner, episode_columns, episode_rows, show_episode
+from ..cpu_account import charged
 from ..engines.rollout import SamplingParams
 from ..engines.rollout.base import GenerationRequest
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
@@ -222,6 +223,7 @@ class RolloutWorker(EngineOffload, Worker):
 
     # ---- rows in, rows out -------------------------------------------------------------------
     @register(Dispatch.RANK_ZERO, concurrent=True)
+    @charged("rollout_submit")
     def submit(self, meta: Any, min_version: int, want_free: int = 1, wait_s: float = 30.0,
                io: dict | None = None) -> dict:
         """Queue the meta's rows (each admitted once the weights held are at least ``min_version``;

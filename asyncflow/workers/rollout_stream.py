@@ -37,14 +37,14 @@ SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "max_new_tokens")
 def row_inputs(data: Any, inputs: list[str] | None = None) -> tuple[list[torch.Tensor], list[int], list[int | None]]:
     """Prompts, seeds and per-row budgets (None: the sampling default) of the rollout stage's
     input columns: [prompt, seed, and optionally a ``max_new_tokens`` column of per-row budgets]."""
-    from ..transfer_queue.row_lists import rows
+    from ..transfer_queue.row_lists import rows, values
     names = ROLLOUT_INPUTS if inputs is None else list(inputs)
     if len(names) < 2:
         raise ValueError(f"a rollout stage reads [prompt, seed] columns first; it declares {names}")
     prompts = rows(data[names[0]])
-    seeds = [int(s) for s in data[names[1]].tolist()]
+    seeds = [int(s) for s in values(data[names[1]])]
     budget = "max_new_tokens" in data.keys()  # the data holds the stage's inputs only
-    budgets = ([int(b) for b in data["max_new_tokens"].tolist()] if budget else [None] * len(prompts))
+    budgets = ([int(b) for b in values(data["max_new_tokens"])] if budget else [None] * len(prompts))
     return prompts, seeds, budgets
 
 
@@ -171,9 +171,9 @@ class RowStream:
             return
         inputs = None if io is None else io.inputs
         options = {} if io is None else io.options
-        data = self._tq().get_data(meta, inputs)
-        if options.get("episode"):
-            return self._submit_episodes(meta, data, min_version, io)
+        if options.get("episode"):  # an episode runner reads the rows as a TensorDict
+            return self._submit_episodes(meta, self._tq().get_data(meta, inputs), min_version, io)
+        data = self._tq().get_columns(meta, inputs)  # the columns themselves: row_inputs reads them
         prompts, seeds, budgets = row_inputs(data, inputs)
         params = stage_params(self.params, options)
         score_into = options.get("score_into")

@@ -13,6 +13,7 @@ import torch
 
 from asyncflow.engines.train import FSDPEngine, OptimConfig
 from asyncflow.engines.train.microbatch import build_micro_batch, pad_right
+from asyncflow.transfer_queue.columns import to_column
 from tests.engines._train_helpers import loss_masks_for, make_batch, ppo_loss, tiny_model, value_loss
 from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
 
@@ -199,12 +200,12 @@ class _FakeQueue:
         meta.groups = list(self.groups)
         return meta
 
-    def get_data(self, meta, cols):
-        return {c: self.columns[c] for c in cols}
+    def get_columns(self, meta, cols):
+        return {c: to_column(c, self.columns[c]) for c in cols}  # Columns, as the client's
 
-    def get_batch(self, columns, *args, data_columns=None, **kwargs):
+    def get_batch_columns(self, columns, *args, data_columns=None, **kwargs):  # what a one-rank update reads
         meta = self.get_meta()
-        return meta, self.get_data(meta, data_columns or columns)
+        return meta, self.get_columns(meta, data_columns or columns)
 
 
 def _bare_actor(engine, queue=None):

@@ -94,6 +94,22 @@ def test_tensorboard_scalars_are_written(tmp_path):
     assert _lines(tmp_path / "metrics.jsonl")[0]["phase"] == "rl"
 
 
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard not installed")
+def test_tensorboard_gets_every_number_of_a_row_in_one_event_at_its_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path, console=False) as logger:
+        logger.log(1, {"reward/mean": 0.5, "phase": "rl", "actor/loss": 2, "flag": True})
+        logger.log(2, {"reward/mean": 0.75, "actor/loss": float("nan")})  # NaN: not sent
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["actor/loss", "reward/mean"]  # no strings, bools, step, time_s
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 0.5), (2, 0.75)]
+    assert [(e.step, e.value) for e in acc.Scalars("actor/loss")] == [(1, 2.0)]
+    # one event per row: both metrics of step 1 share its wall time
+    assert acc.Scalars("reward/mean")[0].wall_time == acc.Scalars("actor/loss")[0].wall_time
+
+
 def test_default_backends_are_jsonl_and_tensorboard_when_installed(tmp_path):
     with MetricsLogger(tmp_path, console=False) as logger:
         tb = importlib.util.find_spec("tensorboard") is not None

@@ -151,6 +151,8 @@ def test_to_column_keeps_column_objects_and_copies_tensors_to_cpu():
     ({"a": [torch.arange(2), torch.arange(2.0)]}, "mixed dtypes"),
     ({"a": [torch.zeros(2, 3), torch.zeros(2, 4)]}, "shape \\[len, \\*same\\]"),
     ({"a": [torch.zeros(2), torch.tensor(1.0)]}, "shape \\[len, \\*same\\]"),
+    ({"a": [torch.tensor(1.0), torch.zeros(2)]}, "shape \\[len, \\*same\\]"),  # the first row 0-d
+    ({"a": [torch.zeros(2), torch.tensor(1)]}, "mixed dtypes"),  # the dtype is told before the shape
     ({"a": [torch.zeros(2), "x"]}, "mixes tensors and other values"),
     ({"a": {1, 2}}, "cannot store a set"),
     ({}, "no columns"),
@@ -279,3 +281,26 @@ def test_object_column_nbytes_counts_content():
     assert ObjectColumn([big]).nbytes == over + 10_000_000
     # what JSON cannot write (tuple keys; only an in-process put carries it) counts its repr
     assert ObjectColumn([{(1, 2): 3}]).nbytes == over + len(repr({(1, 2): 3}))
+
+
+def test_rows_and_values_read_columns_as_they_read_get_data_s_tensordict():
+    from asyncflow.transfer_queue.columns import to_column, to_tensordict
+    from asyncflow.transfer_queue.row_lists import rows, values
+    cols = {"ids": to_column("ids", [torch.tensor([1, 2]), torch.tensor([], dtype=torch.long), torch.tensor([3])]),
+            "seed": to_column("seed", torch.tensor([7, 8, 9])),
+            "answer": to_column("answer", ["a", "b", "c"])}
+    td = to_tensordict(cols, 3)
+    assert [r.tolist() for r in rows(cols["ids"])] == [r.tolist() for r in rows(td["ids"])] == [[1, 2], [], [3]]
+    assert values(cols["seed"]) == values(td["seed"]) == [7, 8, 9]
+    assert values(cols["answer"]) == values(td["answer"]) == ["a", "b", "c"]
+    no_rows = to_column("ids", [torch.tensor([1])]).take([])
+    assert rows(no_rows) == []
+
+
+def test_a_list_of_rows_becomes_one_jagged_column_detached_from_autograd():
+    rows = [torch.tensor([1.0, 2.0], requires_grad=True), torch.zeros(0), torch.tensor([3.0])]
+    col = to_column("x", rows)
+    assert isinstance(col, JaggedColumn) and not col.values.requires_grad
+    assert col.values.tolist() == [1.0, 2.0, 3.0] and col.offsets.tolist() == [0, 2, 2, 3]
+    plain = to_column("y", [torch.tensor([[1, 2]]), torch.tensor([[3, 4], [5, 6]])])  # rows of [len, 2]
+    assert plain.values.tolist() == [[1, 2], [3, 4], [5, 6]] and plain.offsets.tolist() == [0, 1, 3]

@@ -162,3 +162,19 @@ def test_put_and_get_batch_with_rows_ready_never_suspend():
     assert meta.rows == list(range(put["first"], put["first"] + 6))
     assert cols["key"].data.tolist() == list(range(6))
     assert reply["reads"][0]["pos"] is None  # one read of every row: no positions to send
+
+
+def test_the_blocking_client_hands_out_the_columns_themselves_and_rows_reads_them_as_get_data_s(tq):
+    from asyncflow.transfer_queue.columns import JaggedColumn, ObjectColumn
+    from asyncflow.transfer_queue.row_lists import rows, values
+    tq.client.create_partition("p")
+    tq.client.put(_data(5), "p")
+    meta, cols = tq.client.get_batch_columns(["key"], 5, "t", "p", data_columns=["key", "tok", "text"])
+    assert isinstance(cols["tok"], JaggedColumn) and isinstance(cols["text"], ObjectColumn)
+    td = tq.client.get_data(meta, ["key", "tok", "text"])
+    assert [r.tolist() for r in rows(cols["tok"])] == [r.tolist() for r in rows(td["tok"])]
+    assert values(cols["text"]) == values(td["text"]) == [f"t{k}" for k in range(5)]
+    assert values(cols["key"]) == values(td["key"]) == list(range(5))
+    assert [int(r) for r in rows(cols["key"])] == list(range(5))
+    empty, none = tq.client.get_batch_columns(["key"], 5, "t", "p", allow_partial=True)  # all consumed
+    assert not empty.rows and none is None

@@ -186,3 +186,22 @@ def test_off_home_columns_arriving_out_of_row_order(two_nodes):
     td = tq.client.get_data(got)
     for i, k in enumerate(td["key"].tolist()):
         assert td["resp"][i].tolist() == (torch.arange(k % 7 + 1) + 1000 * k).tolist()
+
+
+def test_unit_stats_lists_every_unit_in_order_for_both_clients(two_nodes):
+    from _tq_helpers import run_async
+    tq, node0, node1 = two_nodes
+    node1.put(_prompts([1, 2, 3]), "p")  # three rows in unit 1, none in unit 0
+    stats = tq.client.unit_stats()
+    assert [s["unit"] for s in stats] == [0, 1] and [s["rows"] for s in stats] == [0, 3]
+
+    async def go():
+        c = tq.async_client()
+        try:
+            return await c.unit_stats()
+        finally:
+            await c.close()
+    assert run_async(go()) == stats
+    fresh = tq.new_client()
+    assert fresh.unit_stats() == stats
+    assert not fresh._endpoints  # one request to the controller: no unit was asked, or even connected

@@ -12,6 +12,7 @@ import torch
 
 from asyncflow.config import AlgorithmConfig
 from asyncflow.engines.train import FSDPEngine, OptimConfig
+from asyncflow.transfer_queue.columns import to_column
 from asyncflow.workers.actor_loss import policy_loss_fn
 from tests.engines._train_helpers import make_batch, tiny_model
 from tests.engines._train_helpers import one_thread as _one_thread  # noqa: F401 - autouse
@@ -32,10 +33,10 @@ class _Queue:
     def __init__(self, columns: dict) -> None:
         self.columns = columns
 
-    def get_batch(self, columns, *args, data_columns=None, **kwargs):
+    def get_batch_columns(self, columns, *args, data_columns=None, **kwargs):  # what a one-rank update reads
         meta = self.Meta(range(len(self.columns["response_ids"])))
         meta.groups = list(range(len(meta)))
-        return meta, {c: self.columns[c] for c in data_columns}
+        return meta, {c: to_column(c, self.columns[c]) for c in data_columns}  # Columns, as the client's
 
 
 def _actor(engine, queue, algo):

@@ -1,0 +1,70 @@
+"""perf/cpu_account.py's pure parts: which component a thread is, how spans and remainders
+add up, the fixed and per-row split, the table."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "perf"))
+import cpu_account as bench
+
+
+@pytest.mark.parametrize("process, thread, component", [
+    ("tq_service", "MainThread", "tq_process"),
+    ("tq_service", "ZMQbg/IO/0", "tq_process"),  # the TransferQueue's process is one component, its I/O too
+    ("rank0", "ZMQbg/IO/0", "zmq_io"),
+    ("rank0", "MainThread", "driver_loop"),
+    ("rank1", "MainThread", "rpc"),  # a worker's call loop: its calls' work is in spans
+    ("rank1", "rollout-rank1-service", "generation"),
+    ("rank1", "rollout-rank1-writer", "tq_client"),
+    ("rank1", "reward-number-1", "reward"),
+    ("rank0", "Thread-1 (tensorboard.summary.writer.event_file_writer._AsyncWriterThread)", "logging"),
+    ("rank1", "gloo_tcp_loop", "weight_sync"),
+    ("trl", "MainThread", "driver_loop"),
+    ("rank0", "python", "other"),
+])
+def test_a_thread_goes_to_the_component_its_name_says(process, thread, component):
+    assert bench.thread_component(process, thread) == component
+
+
+def test_spans_take_their_part_and_the_rest_goes_to_the_thread_s_component():
+    threads = {"a": ("rank0", "MainThread", 100.0), "b": ("rank1", "MainThread", 50.0)}
+    spans = {"a": {"serialization": 30.0, "logging": 10.0}, "b": {"reward": 45.0}}
+    assert bench.attribute(threads, spans) == {"serialization": 30.0, "logging": 10.0, "driver_loop": 60.0,
+                                               "reward": 45.0, "rpc": 5.0}
+
+
+def test_spans_over_their_thread_s_cpu_are_scaled_down_to_it():
+    out = bench.attribute({"a": ("rank0", "worker-rank0", 80.0)}, {"a": {"update": 60.0, "rpc": 40.0}})
+    assert out == {"update": 48.0, "rpc": 32.0}  # 100 in spans over 80 on CPU: each x 0.8, no remainder
+
+
+def test_a_snapshot_change_is_scaled_to_the_window():
+    assert bench.scale_to_window({"rpc": 10, "logging": 5}, {"rpc": 30, "logging": 5, "update": 4}, 1.5) == \
+        {"rpc": 30.0, "update": 6.0}  # logging did not change: left out
+
+
+def test_per_step_orders_components_and_sums_the_control_plane():
+    ms = bench.per_step({"rpc": 4e6, "update": 10e6, "serialization": 2e6, "zzz": 2e6}, steps=2)
+    assert list(ms) == ["update", "rpc", "serialization", "zzz", "total", "control_plane"]
+    assert ms["total"] == 9.0 and ms["control_plane"] == 3.0
+
+
+def test_fixed_and_per_row_recovers_a_line():
+    fixed, per_row = bench.fixed_and_per_row([(64, 10 + 0.5 * 64), (256, 10 + 0.5 * 256), (1024, 10 + 0.5 * 1024)])
+    assert fixed == pytest.approx(10.0) and per_row == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="two row counts"):
+        bench.fixed_and_per_row([(64, 1.0), (64, 2.0)])
+
+
+def test_the_table_has_a_row_per_component_and_both_sides():
+    text = bench.table({"ours x1": {"update": 6.4, "total": 6.4, "control_plane": 0.0},
+                        "trl x1": {"generation": 3.2, "total": 3.2, "control_plane": 0.0}},
+                       {"ours x1": 64, "trl x1": 64})
+    lines = text.splitlines()
+    assert lines[0] == "| component | ours x1 ms/step | ours x1 us/row | trl x1 ms/step | trl x1 us/row |"
+    assert "| update | 6.4 | 100 | 0.0 | 0 |" in lines
+    assert "| generation | 0.0 | 0 | 3.2 | 50 |" in lines
+    assert lines[-1] == "| **total** | 6.4 | 100 | 3.2 | 50 |"
