@@ -97,6 +97,7 @@ _LENIENT = {
     "asyncflow/algorithms",
     "asyncflow/training",
     "asyncflow/metrics",
+    "recipes",
 }
 
 
