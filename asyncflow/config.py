@@ -6,7 +6,7 @@ was expected (``ConfigError``), before any process starts.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -645,17 +645,19 @@ def _import_problems(cfg: RunConfig) -> list[str]:
 def _registry_problems(cfg: RunConfig) -> list[str]:
     """Names that must exist in the registries (checked at start, not at the first update)."""
     from .algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES
+    from .algorithms.registry import Registry
     from .rewards import REWARDS
 
     a = cfg.algorithm
-    checks = [("algorithm.advantage", ADVANTAGES, a.advantage), ("algorithm.loss_agg", AGGREGATIONS, a.loss_agg),
-              ("algorithm.kl_estimator", KL_ESTIMATORS, a.kl_estimator),
-              ("algorithm.value_loss", VALUE_LOSSES, a.value_loss), ("reward.name", REWARDS, cfg.reward.name)]
+    checks: list[tuple[str, Registry[Any] | Mapping[str, Any], str]] = [
+        ("algorithm.advantage", ADVANTAGES, a.advantage), ("algorithm.loss_agg", AGGREGATIONS, a.loss_agg),
+        ("algorithm.kl_estimator", KL_ESTIMATORS, a.kl_estimator),
+        ("algorithm.value_loss", VALUE_LOSSES, a.value_loss), ("reward.name", REWARDS, cfg.reward.name)]
     if a.policy_loss != "auto":
         checks.append(("algorithm.policy_loss", POLICY_LOSSES, a.policy_loss))
     out = []
     for key, reg, name in checks:
-        known = list(reg.names()) if hasattr(reg, "names") else list(reg)  # a Registry, or REWARDS (a dict)
+        known = list(reg.names()) if isinstance(reg, Registry) else list(reg)  # a Registry, or REWARDS (a dict)
         if name not in known:
             out.append(f"{key}: {name!r} is not registered; known: {', '.join(sorted(known))}")
     return out
@@ -715,4 +717,7 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     from omegaconf import OmegaConf
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+    out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    if not isinstance(out, dict):  # a structured dataclass config converts to a dict
+        raise TypeError(f"to_dict: OmegaConf turned the RunConfig into a {type(out).__name__}, not a dict")
+    return {str(k): v for k, v in out.items()}  # its keys are the field names

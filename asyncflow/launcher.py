@@ -113,7 +113,8 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
         raise ConfigError(str(e)) from e
     if cfg.model.lora.rank is not None:  # the targets and the rank against the model's layers
         from .engines.train.lora import LoraOptions, model_dir_problems
-        found = model_dir_problems(cfg.model.path, LoraOptions.from_model_config(cfg.model))
+        lora = LoraOptions.from_model_config(cfg.model)  # None only when the rank is
+        found = model_dir_problems(cfg.model.path, lora) if lora is not None else []
         if found:
             raise ConfigError(f"model.lora (model.path={cfg.model.path}):\n  " + "\n  ".join(found))
     if cfg.data.task == "file" and driver_node:

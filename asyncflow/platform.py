@@ -176,7 +176,7 @@ def _unavailable_reason(name: str) -> str | None:
             f"the CANN toolkit and the torch_npu release matching torch {torch.__version__} "
             "(pip install -e '.[npu]'), or use platform 'cpu'"
         )
-    if not torch.npu.is_available():  # torch.npu exists once torch_npu is imported
+    if not torch.npu.is_available():  # type: ignore[attr-defined]  # torch_npu's import adds torch.npu
         return (
             "platform 'npu' requested but torch_npu sees no NPU device: check the Ascend "
             "driver (npu-smi info) and ASCEND_RT_VISIBLE_DEVICES, or use platform 'cpu'"

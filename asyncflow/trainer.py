@@ -144,20 +144,23 @@ class Training:
         self.data = build_prompt_data(self.cfg, self.model_path)
 
     # ---- RL ----------------------------------------------------------------------------------
-    async def rl(self, resume: Path | None = None, state: RunState | None = None) -> None:
-        """RL through the executor, from scratch or from a run checkpoint (``resume``, ``state``)."""
+    async def rl(self, checkpoint: tuple[Path, RunState] | None = None) -> None:
+        """RL through the executor, from scratch or from a run checkpoint (its path and state)."""
         from .metrics import Progress
         from .metrics.logger import keep_rows
         from .training.observers import CheckpointPolicy, EvalSchedule, SampleAudit, StepMetrics, TimeBudget
         from .workflow.executor import Executor, ExecutorConfig
-        from .workflow.source import PromptSource, longtail_budgets, resume_source
+        from .workflow.source import PromptSource, Record, longtail_budgets, resume_source
 
         cfg, roles = self.cfg, self.roles
         for g in roles.with_method("reset_optimizer"):
             await g.reset_optimizer("rl")
-        first, records, replay = 0, self.data.train_records(), []
-        if state is not None:  # the optimizer and schedule of the checkpoint replace the fresh ones
-            await self._load_engines(resume, state)
+        first, records = 0, self.data.train_records()
+        replay: list[tuple[int, Record]] = []
+        state: RunState | None = None
+        if checkpoint is not None:  # the optimizer and schedule of the checkpoint replace the fresh ones
+            path, state = checkpoint
+            await self._load_engines(path, state)
             first = state.steps_done
             records, replay = resume_source(records, state.next_uid, state.in_flight)
             await phases.sync_weights(roles, first)
@@ -179,8 +182,13 @@ class Training:
         metrics = StepMetrics(self.logger, progress, self.tq, cfg.trainer.nproc, first)
         evals = EvalSchedule(cfg.trainer.eval_every, self.evaluate)
         executor: Executor | None = None  # the budget stops the executor built below
+
+        def stop() -> None:  # called by an observer, so from inside the executor's run
+            if executor is None:
+                raise RuntimeError("trainer.time_budget_s: the budget ran out before the executor was built")
+            executor.stop()
         observers = [metrics, CheckpointPolicy(cfg.trainer.save_every, self.save_checkpoint), evals,
-                     TimeBudget(budget, lambda: executor.stop())]
+                     TimeBudget(budget, stop)]
         audit = None
         if cfg.trainer.log_samples:
             if state is not None:  # rows trained after the checkpoint are trained again: drop their lines
@@ -259,7 +267,8 @@ class Training:
         recipe = find_recipe(cfg.recipe)
         self.spec = recipe.build(cfg, source_columns(cfg))  # a wrong recipe fails before anything starts
         resume = ckpts.find_resume(self.out, cfg.trainer.resume)
-        state = ckpts.load_state(resume) if resume is not None else None
+        checkpoint = (resume, ckpts.load_state(resume)) if resume is not None else None
+        state = checkpoint[1] if checkpoint is not None else None
         earlier = ckpts.complete(self.out) if state is None else []
         if earlier:  # a fresh run must not be pruned in favour of an earlier run's later steps
             log.warning("starting afresh in %s: removing the checkpoints of an earlier run there (%s); pass "
@@ -281,7 +290,7 @@ class Training:
             self.roles: RunRoles = await start_roles(self.driver, cfg, self.spec, self.out)
             episode = next((s.options.get("episode", "") for s in self.spec.stages if s.kind == "rollout"), "")
             self.evaluate = phases.Evaluator(cfg, self.roles, self.logger, self.data.eval_records, episode)
-            if state is None:
+            if checkpoint is None:
                 self.warm_steps = await phases.warmup(cfg, self.roles, self.data, self.logger, self.evaluate)
                 refs = self.roles.with_method("load_reference")
                 if refs and self.warm_steps:  # the reference is the policy RL starts from
@@ -292,8 +301,8 @@ class Training:
                 await phases.sync_weights(self.roles, 0)
                 self.before = await self.evaluate(0, "before_rl")
             else:
-                await self._resume_roles(resume, state)
-            await self.rl(resume, state)
+                await self._resume_roles(*checkpoint)
+            await self.rl(checkpoint)
             await phases.sync_weights(self.roles, self.final_version)
             after = await self.evaluate(self.summary["rl_steps"], "after_rl")
             if self.final_version != self.saved_version:

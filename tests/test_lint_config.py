@@ -97,6 +97,13 @@ _LENIENT = {
     "asyncflow/algorithms",
     "asyncflow/training",
     "asyncflow/metrics",
+    "recipes",
+    "asyncflow/config.py",
+    "asyncflow/algorithm_config.py",
+    "asyncflow/platform.py",
+    "asyncflow/cli.py",
+    "asyncflow/launcher.py",
+    "asyncflow/trainer.py",
 }
 
 

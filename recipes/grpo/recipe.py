@@ -8,6 +8,8 @@ this folder to start a new algorithm; the pieces below (``roles``, ``scored_roll
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from asyncflow.algorithms import GROUP_RELATIVE_ADVANTAGES
 from asyncflow.workflow import driver_stages
 from asyncflow.workflow.stages import DRIVER, RecipeSpec, Role, Stage
@@ -101,7 +103,7 @@ def log_prob_stages(cfg, gate: list[str]) -> list[Stage]:
     return out
 
 
-def advantage(cfg, inputs: list[str], outputs: list[str] = ("advantages",), score: str = "scores") -> Stage:
+def advantage(cfg, inputs: list[str], outputs: Sequence[str] = ("advantages",), score: str = "scores") -> Stage:
     """Advantages once per row, in the driver. Group estimators take whole groups as they are
     ready; the others (whitening over the batch) take the whole step."""
     a = cfg.algorithm
@@ -119,7 +121,7 @@ def advantage(cfg, inputs: list[str], outputs: list[str] = ("advantages",), scor
                  fn=driver_stages.advantages(a, score=score))
 
 
-def update(cfg, extra: list[str] = ()) -> Stage:
+def update(cfg, extra: Sequence[str] = ()) -> Stage:
     """The policy update: reads advantages and the log-probs the loss needs (and each token's
     policy version, for the rollout_corr/ mismatch figures on the trainer's own version)."""
     a = cfg.algorithm
