@@ -154,7 +154,7 @@ def test_a_tool_calling_agent_gets_openai_tool_calls_and_trains_its_own_tokens(t
 
 def completion_agent(row, base_url, api_key):
     client = _client(base_url, api_key)
-    out = client.completions.create(model="policy", prompt=row["prompt"], logprobs=1)
+    out = client.completions.create(model="policy", prompt=row["prompt"], logprobs=0)
     SEEN["completion"] = out
     return 0.5
 

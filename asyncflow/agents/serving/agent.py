@@ -24,7 +24,8 @@ async def run_agent(fn: Callable[..., Any], row: dict[str, Any], *, server: Endp
                     tokenizer: Any, chat_format: ChatFormat, params: SamplingParams, limits: EpisodeLimits,
                     min_version: int, request_id: Any) -> Trajectory:
     session = AgentSession(row, service=service, tokenizer=tokenizer, chat_format=chat_format, params=params,
-                           limits=limits, min_version=min_version, request_id=request_id)
+                           limits=limits, min_version=min_version, request_id=request_id,
+                           run_sampling=server.spec.run_sampling)
     key = server.keys.issue(session, limits.max_time_s)
     finish = None
     try:
