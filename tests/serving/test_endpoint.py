@@ -566,3 +566,29 @@ def test_a_stream_from_the_builtin_engine_says_what_the_whole_reply_says(tok, bu
     for s in range(len(prompts)):
         assert STREAM[("stream", s)] == STREAM[("whole", s)]
     assert max(STREAM["pieces"]) > 1  # content went out in several chunks
+
+
+# ---- agents in a process of their own ---------------------------------------------------------
+
+def test_an_agent_in_the_agent_process_records_the_same_episode(tok):
+    """recipes/calc_agent's agent (importable by its path, as the child needs) on the scripted model, on
+    the instance's loop and in the agent process: the same trajectory, the child a process of its own."""
+    import os
+    path = "recipes.calc_agent.episode:calc_agent"
+    out = {}
+    for where, spec in (("loop", EndpointSpec()), ("process", EndpointSpec(agent_process=True))):
+        svc = RolloutService(ScriptedEngine(tok, _calc_reply), name=f"scripted-{where}")
+        runner = EpisodeRunner(svc, tok, EpisodeLimits(3, 40, 60.0), name=f"scripted-{where}", endpoint=spec)
+        try:
+            row = _row(tok, "347+58+906=", seed=3, answer="1311")
+            out[where] = runner.start(path, row, SamplingParams(max_new_tokens=16), 0, ("p", where)).result(120)
+            if where == "process":
+                assert runner.agent_host is not None and runner.agent_host.pid != os.getpid()
+                assert runner.agent_host._proc.is_alive()
+        finally:
+            runner.close()
+            svc.close()
+    a, b = out["loop"], out["process"]
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert b.reward == a.reward == 1.0 and b.response_ids.tolist() == a.response_ids.tolist()
+    assert b.loss_mask.tolist() == a.loss_mask.tolist() and b.metrics == a.metrics

@@ -20,6 +20,7 @@ class EndpointSpec:
     # the run's rollout (temperature, top_p, top_k): values a request may name besides its episode's own
     # (an evaluation episode samples greedily whatever its agent names); None: the episode's only
     run_sampling: tuple[float, float, int] | None = None
+    agent_process: bool = False  # agents run in a child process of their own (agent_host.py)
 
 
 def endpoint_spec(cfg: Any, rank: int) -> EndpointSpec | None:
@@ -30,7 +31,8 @@ def endpoint_spec(cfg: Any, rank: int) -> EndpointSpec | None:
     fmt = e.chat_format if e.chat_format != "auto" else ("template" if cfg.data.chat_template else "plain")
     r = cfg.rollout
     return EndpointSpec(host=e.host, port=e.port + rank if e.port else 0, chat_format=fmt,
-                        run_sampling=(float(r.temperature), float(r.top_p), int(r.top_k)))
+                        run_sampling=(float(r.temperature), float(r.top_p), int(r.top_k)),
+                        agent_process=bool(e.agent_process))
 
 
 def is_agent(fn: Callable[..., Any]) -> bool:
