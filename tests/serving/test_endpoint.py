@@ -584,7 +584,7 @@ def test_an_agent_in_the_agent_process_records_the_same_episode(tok):
             out[where] = runner.start(path, row, SamplingParams(max_new_tokens=16), 0, ("p", where)).result(120)
             if where == "process":
                 assert runner.agent_host is not None and runner.agent_host.pid != os.getpid()
-                assert runner.agent_host._proc.is_alive()
+                assert runner.agent_host.alive
         finally:
             runner.close()
             svc.close()

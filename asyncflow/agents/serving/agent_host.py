@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing
+import os
+import socket
+import subprocess
 import sys
 import threading
 import traceback
+from multiprocessing.connection import Connection
 from typing import Any
 
 __all__ = ["AgentHost"]
@@ -24,14 +27,19 @@ __all__ = ["AgentHost"]
 
 class AgentHost:
     def __init__(self, name: str = "agents", start_timeout_s: float = 120.0) -> None:
-        ctx = multiprocessing.get_context("spawn")  # no copy of the instance's threads and engine
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_host_main, args=(child, list(sys.path)), name=f"{name}-agents", daemon=True)
-        self._proc.start()
-        child.close()
+        # a fresh interpreter (not a fork: no copy of the instance's threads and engine; not
+        # multiprocessing's spawn, which would import the instance's main module again), on its end
+        # of a socket pair, with the instance's import path
+        mine, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                                      env=env)
+        theirs.close()
+        self._conn = Connection(mine.detach())
         if not self._conn.poll(start_timeout_s) or self._conn.recv() != "ready":
             self._proc.kill()
-            raise RuntimeError(f"{name}: the agent process did not start within {start_timeout_s:.0f} s")
+            raise RuntimeError(f"{name}: the agent process did not start within {start_timeout_s:.0f} s "
+                               f"(exit code {self._proc.poll()})")
         self.pid = self._proc.pid
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
@@ -69,7 +77,7 @@ class AgentHost:
             loop, fut = self._pending.pop(cid, (None, None))
             if fut is not None:
                 loop.call_soon_threadsafe(_settle, fut, ok, value)
-        code = self._proc.exitcode if not self._proc.is_alive() else None
+        code = self._proc.poll()
         for loop, fut in list(self._pending.values()):
             loop.call_soon_threadsafe(_settle, fut, False, f"the agent process exited (code {code})")
         self._pending.clear()
@@ -77,11 +85,16 @@ class AgentHost:
     def close(self, timeout_s: float = 10.0) -> None:
         self._send(("stop",))
         self._closed = True
-        self._proc.join(timeout_s)
-        if self._proc.is_alive():
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
             self._proc.kill()
-            self._proc.join(timeout_s)
+            self._proc.wait(timeout_s)
         self._conn.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
 
 
 def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
@@ -95,10 +108,9 @@ def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
 
 # ---- the child ------------------------------------------------------------------------------
 
-def _host_main(conn: Any, path: list[str]) -> None:
-    sys.path[:] = path
-    from ..runner import load_episode
-    from .agent import _on_own_thread
+def _host_main(conn: Connection) -> None:
+    from asyncflow.agents.runner import load_episode
+    from asyncflow.agents.serving.agent import _on_own_thread
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     tasks: dict[int, asyncio.Task] = {}
@@ -143,3 +155,7 @@ def _host_main(conn: Any, path: list[str]) -> None:
     threading.Thread(target=read, name="agent-host-reader", daemon=True).start()
     conn.send("ready")
     loop.run_forever()
+
+
+if __name__ == "__main__":
+    _host_main(Connection(int(sys.argv[1])))
