@@ -12,6 +12,7 @@ instance (its time limit) is cancelled in the child.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import itertools
 import os
 import socket
@@ -108,8 +109,13 @@ def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
 
 # ---- the child ------------------------------------------------------------------------------
 
+def _load(path: str) -> Any:
+    """The agent "package.module:function" (the instance checked the path when it loaded it)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _host_main(conn: Connection) -> None:
-    from asyncflow.agents.runner import load_episode
     from asyncflow.agents.serving.agent import _on_own_thread
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
@@ -118,7 +124,7 @@ def _host_main(conn: Connection) -> None:
 
     async def run_one(cid: int, fn_path: str, row: dict, base_url: str, key: str) -> None:
         try:
-            fn = fns.get(fn_path) or fns.setdefault(fn_path, load_episode(fn_path))
+            fn = fns.get(fn_path) or fns.setdefault(fn_path, _load(fn_path))
             if asyncio.iscoroutinefunction(fn):
                 reward = await fn(row, base_url, key)
             else:
