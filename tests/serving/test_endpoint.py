@@ -542,7 +542,8 @@ def test_request_fields_are_honoured_or_refused_by_name(tok, scripted):
 
 def whole_or_streamed_agent(row, base_url, api_key):
     client = _client(base_url, api_key)
-    kwargs = dict(model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=12, tools=CALC)
+    kwargs = {"model": "policy", "messages": [{"role": "user", "content": row["prompt"]}], "max_tokens": 12,
+              "tools": CALC}
     if row["answer"] == "stream":
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
