@@ -117,6 +117,9 @@ class OpenAIEndpointConfig:
     # messages -> tokens. auto: "template" (the tokenizer's chat template) when data.chat_template, else
     # "plain" (message texts back to back, as the built-in tasks write their prompts)
     chat_format: str = one_of("auto", "plain", "template", default="auto")
+    # agents run in a child process of the instance (the agents' own Python, e.g. the openai client's
+    # request building, then takes another core, not the engine's); off: on the instance's episode loop
+    agent_process: bool = False
 
 
 @dataclass

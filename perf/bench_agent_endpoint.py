@@ -38,6 +38,8 @@ async def by_conversation(row, ctx):
 
 
 CLIENTS: dict = {}
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
 async def by_agent(row, base_url, api_key):
@@ -45,11 +47,13 @@ async def by_agent(row, base_url, api_key):
         CLIENTS[base_url] = openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=60)
     client = CLIENTS[base_url].with_options(api_key=api_key)
     messages = [{"role": "user", "content": row["prompt"]}]
-    first = await client.chat.completions.create(model="policy", messages=messages, stop=[">"], max_tokens=8)
-    text = first.choices[0].message.content or ""
+    # the calculator offered: the plain format stops the turn at '>' and keeps it in the reply (a
+    # request's own stop strings are left out of the text, and the next turn would not extend this one)
+    first = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR], max_tokens=8)
     result = (await call_tool("calculator", row["expr"])).text
-    # the model's text as it wrote it, then the tool's output, as by_conversation appends them
-    messages += [{"role": "assistant", "content": text}, {"role": "tool", "tool_call_id": "c", "content": result}]
+    # the model's reply as it came (content or a call), then the tool's output, as by_conversation appends them
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": "c", "content": result}]
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
     return 0.0
 
@@ -83,6 +87,8 @@ def _run(runner, path, rows, concurrent: int) -> tuple[float, int]:
             t = f.result(300)
             if t.error:
                 raise RuntimeError(t.error)
+            if t.metrics["turns"] != TURNS:  # every request on the episode's chain, in both ways
+                raise RuntimeError(f"{path}: an episode trained {t.metrics['turns']:.0f} turns, not {TURNS}")
             turns += int(t.metrics["turns"])
     return time.perf_counter() - start, turns
 

@@ -76,6 +76,11 @@ class EpisodeContext:
 
     async def generate(self, ids: list[int], max_new_tokens: int, stop: list[int], **sampling: Any) -> RequestResult:
         """One model turn from token ids (the whole conversation so far)."""
+        return await self._generate(self.next_request(ids, max_new_tokens, stop, **sampling))
+
+    def next_request(self, ids: list[int], max_new_tokens: int, stop: list[int], **sampling: Any) -> GenerationRequest:
+        """The generation request of the next model turn: the episode's params, and the seed
+        turn k of the row always gets (so a turn samples the same tokens however it is asked)."""
         import dataclasses
         stop = [*stop, *sampling.pop("stop_token_ids", ())]
         params = dataclasses.replace(self.params, stop_token_ids=tuple(self.params.stop_token_ids) + tuple(stop),
@@ -84,7 +89,7 @@ class EpisodeContext:
         req = GenerationRequest((*self._request_id, self._turn), torch.tensor(ids, dtype=torch.long), params, seed,
                                 max_new_tokens, self._min_version)
         self._turn += 1
-        return await self._generate(req)
+        return req
 
     def token_ids(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -65,6 +65,7 @@ class EpisodeRunner:
         self.service = service
         self.endpoint = endpoint  # a serving.EndpointSpec: agents may run (None: they are refused)
         self.server: Any = None  # the serving.EndpointServer, started with the first agent episode
+        self.agent_host: Any = None  # the serving.AgentHost, with the server where endpoint.agent_process
         self._server_lock: asyncio.Lock | None = None
         self.tokenizer = tokenizer
         self.limits = limits
@@ -97,7 +98,7 @@ class EpisodeRunner:
                                  limits=self.limits, min_version=min_version, request_id=request_id)
             try:
                 if is_agent(fn):
-                    traj = await self._run_agent(fn, row, params, min_version, request_id)
+                    traj = await self._run_agent(fn, path, row, params, min_version, request_id)
                 else:
                     traj = await fn(row, ctx)
                 if not isinstance(traj, Trajectory):
@@ -112,14 +113,15 @@ class EpisodeRunner:
             return traj
         return asyncio.run_coroutine_threadsafe(run(), loop.loop)
 
-    async def _run_agent(self, fn: Callable[..., Any], row: dict[str, Any], params: SamplingParams,
+    async def _run_agent(self, fn: Callable[..., Any], path: str, row: dict[str, Any], params: SamplingParams,
                          min_version: int, request_id: Any) -> Trajectory:
         from .serving.agent import run_agent
         from .serving.chat_format import make_format
         server = await self.start_endpoint()
         return await run_agent(fn, row, server=server, service=self.service, tokenizer=self.tokenizer,
                                chat_format=make_format(self.endpoint.chat_format, self.tokenizer), params=params,
-                               limits=self.limits, min_version=min_version, request_id=request_id)
+                               limits=self.limits, min_version=min_version, request_id=request_id,
+                               host=self.agent_host, path=path)
 
     async def start_endpoint(self) -> Any:
         """The instance's OpenAI-compatible endpoint, started on first use (on the runner's loop)."""
@@ -131,6 +133,9 @@ class EpisodeRunner:
         async with self._server_lock:
             if self.server is None:
                 from .serving.server import EndpointServer
+                if self.endpoint.agent_process and self.agent_host is None:
+                    from .serving.agent_host import AgentHost
+                    self.agent_host = await asyncio.to_thread(AgentHost, self.name)
                 server = EndpointServer(self.endpoint)
                 await server.start()
                 self.server = server
@@ -159,6 +164,9 @@ class EpisodeRunner:
                     log.warning("%s: the OpenAI endpoint did not stop cleanly: %s", self.name, e)
                 self.server = None
             self._loop.stop()
+        if self.agent_host is not None:
+            self.agent_host.close()
+            self.agent_host = None
 
 
 def _failed(error: str) -> Trajectory:

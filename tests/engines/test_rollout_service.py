@@ -1,5 +1,6 @@
 """RolloutService: one thread drives the engine; control calls from other threads are answered
-between engine steps, never after a whole generation; a failing loop fails every waiter."""
+between engine steps, never after a whole generation; a failing loop fails every waiter; a
+streamed request gets its tokens step by step, all of them before its result."""
 from __future__ import annotations
 
 import threading
@@ -75,3 +76,45 @@ def test_bad_swap_mode_is_refused(service):
     with pytest.raises(ValueError, match="swap_mode"):
         RolloutService(service.engine, swap_mode="sideways")
     assert torch.is_tensor(service.engine.model.lm_head.weight)
+
+
+def test_a_streamed_request_gets_its_tokens_as_they_are_sampled_and_all_before_its_result(service):
+    got: list[tuple[list[int], list[float], bool]] = []
+    fut_box: list = []
+    second = threading.Event()
+
+    def on_tokens(ids: list[int], lps: list[float]) -> None:  # on the service thread
+        got.append((ids, lps, fut_box[0].done()))
+        if len(got) == 2:
+            second.set()
+    p = prompts(2, seed=5)
+    fut_box.append(service.submit(GenerationRequest("s", p[0], LONG, seed=3, max_new_tokens=12), on_tokens=on_tokens))
+    plain = service.submit(GenerationRequest("p", p[1], LONG, seed=4, max_new_tokens=12))
+    assert second.wait(60)
+    r = fut_box[0].result(60)
+    plain.result(60)
+    assert all(len(ids) == 1 for ids, _, _ in got)  # one token per decode step, not the whole row at the end
+    assert not any(done for _, _, done in got)  # every token before the result
+    assert [t for ids, _, _ in got for t in ids] == r.response_ids.tolist()
+    assert torch.allclose(torch.tensor([x for _, lps, _ in got for x in lps]), r.log_probs)
+
+
+def test_an_aborted_stream_ends_with_the_tokens_it_had_and_a_failing_listener_ends_only_its_stream(service):
+    got: list[int] = []
+    first = threading.Event()
+
+    def on_tokens(ids: list[int], lps: list[float]) -> None:
+        got.extend(ids)
+        first.set()
+
+    def broken(ids: list[int], lps: list[float]) -> None:
+        raise RuntimeError("listener bug")
+    p = prompts(2, seed=6)
+    fut = service.submit(GenerationRequest("a", p[0], LONG, seed=1, max_new_tokens=100), on_tokens=on_tokens)
+    other = service.submit(GenerationRequest("b", p[1], LONG, seed=2, max_new_tokens=5), on_tokens=broken)
+    assert first.wait(60)
+    assert service.abort("a") is True
+    r = fut.result(60)
+    assert r.finish_reason == "abort" and got == r.response_ids.tolist() and len(got) < 100
+    assert len(other.result(60).response_ids) == 5  # its listener failed; the request and the service did not
+    service.check()

@@ -201,6 +201,20 @@ def vllm_id_of(llm: FakeLLM, prompt_prefix: list[int]) -> list[str]:
 
 # ==== request bookkeeping ==================================================================
 
+def test_new_tokens_are_what_live_requests_absorbed_since_the_count_given():
+    engine, llm = make_engine()
+    engine.add_request(req("a", prompt=(3, 4, 5), budget=4, seed=1))
+    engine.add_request(req("b", prompt=(6, 7), budget=4, seed=2))
+    assert engine.new_tokens({"a": 0, "b": 0}) == {}  # nothing sampled yet
+    run(engine, steps=2)
+    toks, lps = sampled(llm, vllm_id_of(llm, [3, 4, 5]))
+    assert engine.new_tokens({"a": 0}) == {"a": (toks[:2], lps[:2])}
+    assert engine.new_tokens({"a": 1, "b": 2, "nobody": 0}) == {"a": (toks[1:2], lps[1:2])}  # b: nothing new
+    done = run(engine)
+    assert done["a"].response_ids.tolist() == sampled(llm, vllm_id_of(llm, [3, 4, 5]))[0]
+    assert engine.new_tokens({"a": 0, "b": 0}) == {}  # finished requests are no longer live
+
+
 def test_results_carry_the_engines_tokens_log_probs_and_versions():
     engine, llm = make_engine()
     engine.add_request(req("long", prompt=(3, 4, 5), budget=6, seed=1))

@@ -1,6 +1,7 @@
 """The endpoint live, driven by the official ``openai`` client: agents in threads, in asyncio
 and in child processes, through an instance's rollout service (the built-in engine, or a
-scripted one where a test needs a known reply). Keys, refusals, limits, streaming, a client
+scripted one where a test needs a known reply, a gated one where it must see a stream while
+its request runs). Keys, refusals, limits, request fields, streaming token by token, a client
 that goes away, and a trajectory equal to the ``Conversation`` API's on the same episode."""
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("openai")
 import httpx  # openai's own dependency: present once openai is
 import openai
-from _scripted import ScriptedEngine
+from _scripted import GatedEngine, ScriptedEngine
 
 from asyncflow.agents.episode import EpisodeLimits
 from asyncflow.agents.runner import EpisodeRunner
@@ -157,7 +158,7 @@ def test_a_tool_calling_agent_gets_openai_tool_calls_and_trains_its_own_tokens(t
 
 def completion_agent(row, base_url, api_key):
     client = _client(base_url, api_key)
-    out = client.completions.create(model="policy", prompt=row["prompt"], logprobs=1)
+    out = client.completions.create(model="policy", prompt=row["prompt"], logprobs=0)
     SEEN["completion"] = out
     return 0.5
 
@@ -191,7 +192,9 @@ def calc_agent(row, base_url, api_key):
     messages = [{"role": "user", "content": row["prompt"]}]
     while True:  # until the model answers or a limit of the episode refuses the request
         try:
-            reply = client.chat.completions.create(model="policy", messages=messages, tools=CALC).choices[0]
+            # seed: read and not used (every turn samples with its row's and turn's seed)
+            reply = client.chat.completions.create(model="policy", messages=messages, tools=CALC,
+                                                   seed=1234).choices[0]
         except openai.BadRequestError as e:  # the episode's token budget is spent
             assert e.code in ("episode_token_limit", "episode_request_limit"), e
             return 0.0
@@ -388,3 +391,209 @@ def test_agent_episodes_need_the_endpoint(tok, scripted):
     finally:
         runner.close()
     assert t.finish_reason == "error" and "rollout.openai_endpoint.enabled=true" in t.error
+
+
+# ---- streaming token by token (a gated engine: the test releases each token) ---------------------
+
+STREAM: dict = {}
+
+
+@pytest.fixture
+def gated(tok):
+    """A service over an engine that writes "ok<1+2>" (with tools) or "1311<eos>", a token per release."""
+    def make(reply: str):
+        engine = GatedEngine(tok, reply)
+        svc = RolloutService(engine, name="gated-test")
+        runner = EpisodeRunner(svc, tok, EpisodeLimits(3, 40, 60.0), name="gated-test", endpoint=EndpointSpec())
+        made.append((svc, runner))
+        STREAM.clear()
+        STREAM["engine"] = engine
+        return engine, svc, runner
+    made: list = []
+    yield make
+    for svc, runner in made:
+        runner.close()
+        svc.close()
+
+
+def streaming_agent(row, base_url, api_key):
+    engine: GatedEngine = STREAM["engine"]
+    tools = CALC if row["prompt"].startswith("tools") else None
+    stream = _client(base_url, api_key).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}], tools=tools, stream=True,
+        stream_options={"include_usage": True}, logprobs=True)
+    chunks = iter(stream)
+    got = [next(chunks)]  # the role chunk: sent before the engine wrote anything
+    for _ in range(2):  # each token's text arrives while its request is still running
+        engine.release(1)
+        got.append(next(chunks))
+        STREAM.setdefault("running", []).append(engine.running())
+    engine.release(len(engine.reply) - 2)
+    STREAM["chunks"] = got + list(chunks)
+    return 1.0
+
+
+def test_a_stream_sends_each_token_as_the_engine_writes_it(tok, gated):
+    engine, svc, runner = gated("1311<eos>")
+    t, = _run(runner, streaming_agent, [_row(tok, "13+1298=")])
+    chunks = STREAM["chunks"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].delta.content for c in chunks[1:3]] == ["1", "3"]
+    assert all(len(r) == 1 for r in STREAM["running"])  # the request ran on while its first tokens went out
+    body = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in body) == "1311"
+    assert [c.choices[0].delta.content for c in body[1:5]] == ["1", "3", "1", "1"]  # a chunk per token
+    lps = [e.logprob for c in body for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+    assert lps == [-0.5] * 5  # every token's behaviour log-prob, the end-of-sequence token's included
+    assert body[-1].choices[0].finish_reason == "stop" and body[-1].system_fingerprint == "asyncflow-v0"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1])  # include_usage: null on every chunk but the last
+    assert t.error is None and tok.decode(t.response_ids.tolist(), skip_special_tokens=False) == "1311<eos>"
+    assert t.loss_mask.tolist() == [1] * 5
+
+
+def test_a_streamed_tool_call_comes_as_openai_tool_call_chunks(tok, gated):
+    engine, svc, runner = gated("ok<1+2>")
+    t, = _run(runner, streaming_agent, [_row(tok, "tools: 1+2=")])
+    chunks = STREAM["chunks"]
+    assert [c.choices[0].delta.content for c in chunks[1:3]] == ["o", "k"]  # content streams ...
+    assert all(len(r) == 1 for r in STREAM["running"])
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    # ... a call goes out whole once its text is complete: index, id, type, name and arguments
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
+    assert calls[0].type == "function" and calls[0].function.name == "calculator"
+    assert json.loads(calls[0].function.arguments) == {"expression": "1+2"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "ok"  # '<1+2>' never as text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert t.metrics["tool_calls"] == 1 and t.loss_mask.tolist() == [1] * 7
+
+
+def leaving_agent(row, base_url, api_key):
+    """Read the role chunk and one token's chunk, then close the connection with the request running."""
+    engine: GatedEngine = STREAM["engine"]
+    body = {"model": "policy", "messages": [{"role": "user", "content": row["prompt"]}], "stream": True}
+    with httpx.stream("POST", f"{base_url}/chat/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {api_key}"}) as r:
+        lines = (x for x in r.iter_lines() if x)
+        STREAM["role"] = json.loads(next(lines).removeprefix("data: "))
+        engine.release(1)
+        STREAM["first"] = json.loads(next(lines).removeprefix("data: "))
+        STREAM["running"] = engine.running()
+    STREAM["aborted"] = engine.aborted.wait(60)  # set by the engine when it aborts a running request
+    return 0.0
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_running_request(tok, gated):
+    engine, svc, runner = gated("1311<eos>")
+    t, = _run(runner, leaving_agent, [_row(tok, "13+1298=")])
+    assert STREAM["first"]["choices"][0]["delta"]["content"] == "1" and len(STREAM["running"]) == 1
+    assert STREAM["aborted"], "the engine never aborted the request the client left"
+    assert engine.running() == [] and svc.stats()["running"] == 0 and not svc._streams and not svc._futures
+    assert t.finish_reason == "error" and "no request answered" in t.error  # the aborted turn is not recorded
+
+
+# ---- request fields, with the official client -------------------------------------------------
+
+FIELDS: dict = {}
+
+
+def fields_agent(row, base_url, api_key):
+    client = _client(base_url, api_key)
+    msg = [{"role": "user", "content": row["prompt"]}]
+    refused = {}
+    for name, kwargs in [("temperature", {"temperature": 0.7}), ("top_p", {"top_p": 0.5}),
+                         ("top_logprobs", {"logprobs": True, "top_logprobs": 2}), ("n", {"n": 2}),
+                         ("presence_penalty", {"presence_penalty": 1.0}),
+                         ("response_format", {"response_format": {"type": "json_object"}}),
+                         ("repetition_penalty", {"extra_body": {"repetition_penalty": 1.1}})]:
+        try:
+            client.chat.completions.create(model="policy", messages=msg, **kwargs)
+        except openai.BadRequestError as e:
+            refused[name] = (e.param, e.type if hasattr(e, "type") else None, e.message)
+    FIELDS["refused"] = refused
+    # the run's own values, a seed, and fields that change nothing are accepted
+    r = client.chat.completions.create(model="policy", messages=msg, temperature=1.0, top_p=1.0, seed=99, user="u",
+                                       logprobs=True, max_tokens=3, tools=CALC)
+    FIELDS["capped"] = r
+    r = client.chat.completions.create(model="policy", messages=msg, max_completion_tokens=1000, tools=CALC)
+    FIELDS["budget"] = r
+    r = client.completions.create(model="policy", prompt=row["prompt"], stop=["+"])
+    FIELDS["stop"] = r
+    return 1.0
+
+
+def test_request_fields_are_honoured_or_refused_by_name(tok, scripted):
+    _, runner = scripted
+    long_sum = "+".join(["1"] * 30) + "="  # its call '<1+1+...+1>' is 61 tokens: over the episode's 40
+    t, = _run(runner, fields_agent, [_row(tok, long_sum)])
+    refused = FIELDS["refused"]
+    assert sorted(refused) == sorted(["temperature", "top_p", "top_logprobs", "n", "presence_penalty",
+                                      "response_format", "repetition_penalty"])
+    assert all(param == name for name, (param, _, _) in refused.items())
+    assert "rollout.temperature" in refused["temperature"][2]
+    capped = FIELDS["capped"]  # max_tokens honoured: 3 tokens, cut for length, their log-probs
+    assert capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length"
+    assert capped.choices[0].message.content == "<1+" and [e.logprob for e in capped.choices[0].logprobs.content] == [
+        -0.25] * 3
+    budget = FIELDS["budget"]  # asked for 1000: cut to the episode's 40 tokens
+    assert budget.usage.completion_tokens == 40 and budget.choices[0].finish_reason == "length"
+    stop = FIELDS["stop"].choices[0]  # stopped at the request's stop string, which the text leaves out
+    assert stop.text == "<1" and stop.finish_reason == "stop" and FIELDS["stop"].usage.completion_tokens == 3
+    assert t.error is None and t.metrics["requests"] == 3 and t.metrics["requests_refused"] == 0
+
+
+# ---- the built-in engine: a stream says what the whole reply says --------------------------------
+
+def whole_or_streamed_agent(row, base_url, api_key):
+    client = _client(base_url, api_key)
+    kwargs = {"model": "policy", "messages": [{"role": "user", "content": row["prompt"]}], "max_tokens": 12,
+              "tools": CALC}
+    if row["answer"] == "stream":
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls = [(tc.function.name, tc.function.arguments) for c in chunks if c.choices
+                 for tc in c.choices[0].delta.tool_calls or []]
+        STREAM.setdefault("pieces", []).append(sum(bool(c.choices and c.choices[0].delta.content) for c in chunks))
+    else:
+        m = client.chat.completions.create(**kwargs).choices[0].message
+        content, calls = m.content or "", [(tc.function.name, tc.function.arguments) for tc in m.tool_calls or []]
+    STREAM[(row["answer"], row["seed"])] = (content, calls)
+    return 0.0
+
+
+def test_a_stream_from_the_builtin_engine_says_what_the_whole_reply_says(tok, builtin):
+    _, runner = builtin
+    STREAM.clear()
+    prompts = ["<1+2+3=", "1+2+3=<", "12=<", "<9+", "7+7=", "<<"]
+    for how in ("whole", "stream"):
+        _run(runner, whole_or_streamed_agent, [_row(tok, p, seed=s, answer=how) for s, p in enumerate(prompts)],
+             SamplingParams(max_new_tokens=12, temperature=1.0))
+    for s in range(len(prompts)):
+        assert STREAM[("stream", s)] == STREAM[("whole", s)]
+    assert max(STREAM["pieces"]) > 1  # content went out in several chunks
+
+
+# ---- agents in a process of their own ---------------------------------------------------------
+
+def test_an_agent_in_the_agent_process_records_the_same_episode(tok):
+    """recipes/calc_agent's agent (importable by its path, as the child needs) on the scripted model, on
+    the instance's loop and in the agent process: the same trajectory, the child a process of its own."""
+    import os
+    path = "recipes.calc_agent.episode:calc_agent"
+    out = {}
+    for where, spec in (("loop", EndpointSpec()), ("process", EndpointSpec(agent_process=True))):
+        svc = RolloutService(ScriptedEngine(tok, _calc_reply), name=f"scripted-{where}")
+        runner = EpisodeRunner(svc, tok, EpisodeLimits(3, 40, 60.0), name=f"scripted-{where}", endpoint=spec)
+        try:
+            row = _row(tok, "347+58+906=", seed=3, answer="1311")
+            out[where] = runner.start(path, row, SamplingParams(max_new_tokens=16), 0, ("p", where)).result(120)
+            if where == "process":
+                assert runner.agent_host is not None and runner.agent_host.pid != os.getpid()
+                assert runner.agent_host.alive
+        finally:
+            runner.close()
+            svc.close()
+    a, b = out["loop"], out["process"]
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert b.reward == a.reward == 1.0 and b.response_ids.tolist() == a.response_ids.tolist()
+    assert b.loss_mask.tolist() == a.loss_mask.tolist() and b.metrics == a.metrics

@@ -190,3 +190,108 @@ def test_a_request_refused_for_the_token_budget_leaves_its_text_cut_to_the_budge
     assert t.finish_reason == "max_tokens"
     record.tail_ids = [9, 9, 9]  # not this conversation: nothing appended
     assert build_trajectory(record, 0.0, EpisodeLimits(max_turns=4, max_tokens=5)).response_ids.tolist() == [10, 11]
+
+
+def _read_in_pieces(fmt, text: str, tools, size: int = 1):
+    """Feed a reader ``text`` a few characters at a time: what it released after each piece, and the reply."""
+    r = fmt.reader(tools)
+    out = [r.feed(text[i:i + size]) for i in range(0, len(text), size)]
+    *last, reply = r.finish()
+    return out + [tuple(last)], reply
+
+
+@pytest.mark.parametrize("text", ["<347+58+906>", "ok<1+2>", "1311", "a<b<1+2>", "<1+2", ""])
+def test_the_plain_reader_releases_content_before_a_call_and_agrees_with_parse(text):
+    fmt = PlainFormat()
+    pieces, reply = _read_in_pieces(fmt, text, CALC)
+    parsed = fmt.parse(text, CALC)
+    assert reply.content == parsed.content
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [(c.name, c.arguments) for c in parsed.tool_calls]
+    released = "".join(c for c, _ in pieces)
+    assert released == (reply.content or "")
+    calls = [c for _, cs in pieces for c in cs]
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in reply.tool_calls]
+    if "<" in text:  # nothing after the last '<' goes out before the reply ends
+        at = text.rindex("<")
+        assert "".join(c for c, _ in pieces[:-1]) == text[:at]
+
+
+def test_the_template_reader_releases_a_call_when_its_block_closes_and_holds_what_may_open_one():
+    fmt = TemplateFormat(TemplateTok())
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+    text = "let me see " + call + "\n" + call.replace("1+2", "3*4")
+    r = fmt.reader(CALC)
+    assert r.feed("let me see <tool") == ("let me see", [])  # the space and the marker's start are held
+    content, calls = r.feed(text[len("let me see <tool"):len("let me see ") + len(call)])
+    assert content == "" and [json.loads(c.arguments) for c in calls] == [{"expression": "1+2"}]  # mid-reply
+    content, calls = r.feed(text[len("let me see ") + len(call):])
+    assert content == "" and json.loads(calls[0].arguments) == {"expression": "3*4"}
+    *_, reply = r.finish()
+    assert reply.content == "let me see" and len(reply.tool_calls) == 2
+    # whole texts: the same reply either way; a broken block and text without calls are content as written
+    for whole in [text, "  plain answer ", "a <tool_call>not json</tool_call> b", "x <tool_c", call]:
+        pieces, streamed = _read_in_pieces(fmt, whole, CALC, size=3)
+        parsed = fmt.parse(whole, CALC)
+        assert streamed.content == parsed.content and len(streamed.tool_calls) == len(parsed.tool_calls)
+        assert "".join(c for c, _ in pieces) == (parsed.content or "")
+    assert fmt.parse("  plain answer ", CALC).content == "  plain answer "
+    assert fmt.parse(call, CALC).content is None
+
+
+class SplitCharTok:
+    """Decodes 'é' only when both of its halves (ids 1, 2) are present, as a byte-level BPE does."""
+    def decode(self, ids, skip_special_tokens=True):
+        out, i = "", 0
+        while i < len(ids):
+            if ids[i] == 1:
+                out += "é" if i + 1 < len(ids) and ids[i + 1] == 2 else "\ufffd"
+                i += 2 if out.endswith("é") else 1
+            elif ids[i] == 9:  # a special token
+                i += 1
+            else:
+                out += "abc"[ids[i] - 3] if ids[i] in (3, 4, 5) else "?"
+                i += 1
+        return out
+
+
+def test_token_text_holds_half_a_character_and_leaves_out_hidden_stop_tokens():
+    pytest.importorskip("aiohttp")
+    from asyncflow.agents.serving.streaming import TokenText
+    words = TokenText(SplitCharTok(), hidden={5})
+    assert words.feed([3]) == "a"
+    assert words.feed([1]) == ""  # half of 'é'
+    assert words.feed([2, 4]) == "éb"
+    assert words.feed([9]) == ""  # a special token has no text
+    assert words.feed([5]) == "" and words.finish() == ""  # the request's own stop token: not in the text
+    assert TokenText(SplitCharTok()).feed([3, 1]) == "" and TokenText(SplitCharTok()).finish() == ""
+
+
+def test_request_fields_follow_one_rule_each():
+    from asyncflow.agents.serving.bodies import accepted_sampling
+    run = accepted_sampling(0.0, 1.0, 0, (1.0, 1.0, 0))  # an evaluation episode of a run sampling at 1.0
+    msg = [{"role": "user", "content": "1+1="}]
+    # the run's values, the episode's own, or none: accepted (the episode samples with its own)
+    for fields in [{}, {"temperature": 1.0}, {"temperature": 0}, {"top_p": 1}, {"top_k": 0}, {"seed": 7},
+                   {"user": "u", "metadata": {"a": "b"}, "store": False, "parallel_tool_calls": True},
+                   {"n": 1, "top_logprobs": 0, "frequency_penalty": 0, "response_format": {"type": "text"}}]:
+        parse_chat({"messages": msg, **fields}, run)
+    for fields, param in [({"temperature": 0.7}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"top_k": 5}, "top_k"),
+                          ({"temperature": "hot"}, "temperature"), ({"top_logprobs": 3}, "top_logprobs"),
+                          ({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                          ({"logit_bias": {"5": 10}}, "logit_bias"),
+                          ({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"seed": "x"}, "seed"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
+                          ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"functions": []}, "functions"),
+                          ({"stop": [""]}, "stop")]:
+        with pytest.raises(ApiError) as e:
+            parse_chat({"messages": msg, **fields}, run)
+        assert e.value.status == 400 and e.value.param == param, (fields, e.value)
+    assert "rollout.temperature" in str(pytest.raises(ApiError, parse_chat, {"messages": msg, "temperature": 0.5},
+                                                      run).value)
+    assert parse_chat({"messages": msg, "max_tokens": 9, "max_completion_tokens": 4}, run).max_tokens == 4
+    assert parse_completion({"prompt": "1", "logprobs": 0}, run).logprobs
+    for fields, param in [({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+                          ({"suffix": "x"}, "suffix"), ({"messages": msg}, "messages")]:
+        with pytest.raises(ApiError) as e:
+            parse_completion({"prompt": "1", **fields}, run)
+        assert e.value.param == param

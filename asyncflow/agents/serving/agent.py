@@ -2,7 +2,8 @@
 the trajectory from what its requests recorded. The key is revoked when the agent returns,
 raises or passes ``max_time_s`` (then the episode ends with finish reason "time_limit" and
 reward 0: a sync agent's thread cannot be stopped, but nothing it sends is accepted any more);
-requests it left running are aborted."""
+requests it left running are aborted. The agent runs on the instance's episode loop, or in the
+agent process (agent_host.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -23,13 +24,17 @@ __all__ = ["run_agent"]
 
 async def run_agent(fn: Callable[..., Any], row: dict[str, Any], *, server: EndpointServer, service: Any,
                     tokenizer: Any, chat_format: ChatFormat, params: SamplingParams, limits: EpisodeLimits,
-                    min_version: int, request_id: Any) -> Trajectory:
+                    min_version: int, request_id: Any, host: Any = None, path: str = "") -> Trajectory:
+    """``host`` (an AgentHost): the agent ``path`` runs in the agent process, not on this loop."""
     session = AgentSession(row, service=service, tokenizer=tokenizer, chat_format=chat_format, params=params,
-                           limits=limits, min_version=min_version, request_id=request_id)
+                           limits=limits, min_version=min_version, request_id=request_id,
+                           run_sampling=server.spec.run_sampling)
     key = server.keys.issue(session, limits.max_time_s)
     finish = None
     try:
-        if asyncio.iscoroutinefunction(fn):
+        if host is not None:
+            call = host.run(path, row, server.base_url, key)
+        elif asyncio.iscoroutinefunction(fn):
             call = fn(row, server.base_url, key)
         else:
             call = _on_own_thread(fn, row, server.base_url, key)

@@ -3,12 +3,14 @@
 without a valid one the request is refused (401) before its body is read. Errors come back in
 the OpenAI format (errors.py).
 
-A stream sends the role chunk at once, then the completion when the engine has finished it
-(the service returns a request's tokens when it finishes), then ``[DONE]``. A client that goes
-away mid-request cancels its handler (``handler_cancellation``), and the request is aborted on
-the service (session.py)."""
+A stream sends the role chunk at once, then the completion as the engine samples it: content
+as soon as the chat format knows it is not part of a tool call, a tool call once its text is
+complete (streaming.py, chat_format.py), then the finish reason, the usage if asked and
+``[DONE]``. A client that goes away mid-request cancels its handler (``handler_cancellation``),
+or its next write fails, and the request is aborted on the service (session.py)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -16,13 +18,17 @@ from typing import Any
 from aiohttp import web
 
 from .bodies import parse_chat, parse_completion
-from .chat_format import FormatError, Reply
+from .chat_format import FormatError, Reply, ToolCall
 from .errors import ApiError, error_body
 from .keys import EpisodeKeys
 from .limits import MAX_BODY_BYTES, LimitExceeded
+from .recorder import Turn
 from .session import AgentSession
+from .streaming import EventStream, TokenText, turn_tokens
 
 __all__ = ["make_app"]
+
+Stop = tuple[list[int], set[int]]  # a request's stop token ids, and those its text leaves out
 
 KEYS = web.AppKey("keys", EpisodeKeys)
 MODEL = web.AppKey("model", str)
@@ -87,92 +93,114 @@ def _admit(session: AgentSession, prompt_ids: list[int], asked: int | None) -> i
         raise ApiError(400, str(e), code=e.code) from None
 
 
-async def _generate(session: AgentSession, *args: Any) -> tuple[Any, str]:
+def _stop(session: AgentSession, own: list[str], asked: list[str]) -> Stop:
+    """The stop token ids of a request: the chat format's (kept in the text, which the format
+    reads) and the request's (left out of the text, as the OpenAI API does)."""
     try:
-        return await session.generate(*args)
+        own_ids, asked_ids = session.stop_ids(own), session.stop_ids(asked)
     except ValueError as e:  # a stop string of several tokens
         raise ApiError(400, str(e), param="stop") from None
+    return own_ids + asked_ids, set(asked_ids) - set(own_ids)
+
+
+async def _generate(session: AgentSession, *args: Any, on_tokens: Any = None) -> Turn:
+    try:
+        return await session.generate(*args, on_tokens=on_tokens)
     except RuntimeError as e:
         raise ApiError(400, str(e), code="engine_refused") from None
 
 
-def _usage(turn: Any) -> dict[str, int]:
+def _usage(turn: Turn) -> dict[str, int]:
     p, c = len(turn.prompt_ids), len(turn.completion_ids)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _finish(turn: Any, reply: Reply | None = None) -> str:
+def _finish(turn: Turn, reply: Reply | None = None) -> str:
     if reply is not None and reply.tool_calls:
         return "tool_calls"
     return "length" if turn.finish_reason == "length" else "stop"
 
 
-def _fingerprint(turn: Any) -> str:
+def _fingerprint(turn: Turn) -> str:
     return f"asyncflow-v{max(turn.versions) if turn.versions else 0}"  # the policy version that answered
 
 
-def _token_logprobs(session: AgentSession, turn: Any) -> list[dict]:
+def _token_logprobs(session: AgentSession, ids: list[int], log_probs: list[float]) -> list[dict]:
     return [{"token": session.tokenizer.decode([t], skip_special_tokens=False), "logprob": lp, "bytes": None,
-             "top_logprobs": []} for t, lp in zip(turn.completion_ids, turn.log_probs)]
+             "top_logprobs": []} for t, lp in zip(ids, log_probs)]
 
 
-class _Events:
-    """A server-sent-event stream of JSON chunks."""
+def _completion_logprobs(session: AgentSession, ids: list[int], log_probs: list[float]) -> dict:
+    entries = _token_logprobs(session, ids, log_probs)
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": None, "text_offset": None}
 
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
-    async def open(self) -> None:
-        await self.resp.prepare(self.request)
-
-    async def send(self, obj: dict) -> None:
-        await self.resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
-    async def close(self) -> web.StreamResponse:
-        await self.resp.write(b"data: [DONE]\n\n")
-        await self.resp.write_eof()
-        return self.resp
+def _calls(calls: list[ToolCall], first: int) -> list[dict]:
+    return [{"index": first + i, **c.to_openai()} for i, c in enumerate(calls)]
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     session: AgentSession = request["session"]
-    req = parse_chat(await _body(request))
+    req = parse_chat(await _body(request), session.sampling)
     try:
         text, starts = session.format.render(req.messages, req.tools)
+        reader = session.format.reader(req.tools)
     except FormatError as e:
         session.record.refused += 1
         raise ApiError(400, str(e), param="messages") from None
     prompt_ids = session.prompt_ids(text)
+    stop_ids, hidden = _stop(session, session.format.stop(req.tools), req.stop)
     budget = _admit(session, prompt_ids, req.max_tokens)
-    stop = session.format.stop(req.tools) + req.stop
     base = {"id": f"chatcmpl-{session.admitted}-{id(session):x}", "created": int(time.time()),
             "model": request.app[MODEL]}
-    events = None
-    if req.stream:
-        events = _Events(request)
-        await events.open()
-        await events.send({**base, "object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-    turn, out = await _generate(session, prompt_ids, budget, stop, text, starts)
-    reply = session.format.parse(out, req.tools)
-    turn.tool_calls = len(reply.tool_calls)
-    logprobs = {"content": _token_logprobs(session, turn)} if req.logprobs else None
-    calls = [c.to_openai() for c in reply.tool_calls]
-    if events is None:
+    args = (prompt_ids, budget, stop_ids, text, starts)
+    words = TokenText(session.tokenizer, hidden)
+    if not req.stream:
+        turn = await _generate(session, *args)
+        reader.feed(words.feed(turn.completion_ids) + words.finish())
+        reply = reader.finish()[2]
+        logprobs = {"content": _token_logprobs(session, turn.completion_ids, turn.log_probs)} if req.logprobs else None
+        calls = [c.to_openai() for c in reply.tool_calls]
+        turn.tool_calls = len(calls)
         message = {"role": "assistant", "content": reply.content, **({"tool_calls": calls} if calls else {})}
         return web.json_response({**base, "object": "chat.completion", "system_fingerprint": _fingerprint(turn),
                                   "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                                "finish_reason": _finish(turn, reply)}],
                                   "usage": _usage(turn)})
-    chunk = {**base, "object": "chat.completion.chunk", "system_fingerprint": _fingerprint(turn)}
-    if reply.content:
-        await events.send({**chunk, "choices": [{"index": 0, "delta": {"content": reply.content},
-                                                 "logprobs": logprobs, "finish_reason": None}]})
-    if calls:
-        await events.send({**chunk, "choices": [{"index": 0, "delta": {"tool_calls": [
-            {"index": i, **c} for i, c in enumerate(calls)]}, "finish_reason": None}]})
-    await events.send({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish(turn, reply)}]})
+    chunk = {**base, "object": "chat.completion.chunk"}
+    events = EventStream(request, req.include_usage)
+    await events.open()
+    await events.send({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+
+    async def piece(content: str, calls: list[ToolCall], logprobs: list[dict] | None) -> None:
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = _calls(calls, len(reader.calls) - len(calls))
+        if delta or logprobs:
+            await events.send({**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                                     "logprobs": {"content": logprobs} if logprobs else None}]})
+    try:
+        async with contextlib.aclosing(turn_tokens(session, *args)) as tokens:
+            async for item in tokens:
+                if isinstance(item, Turn):
+                    turn = item
+                    break
+                ids, lps = item
+                await piece(*reader.feed(words.feed(ids)), _token_logprobs(session, ids, lps) if req.logprobs else None)
+    except ApiError as e:
+        return await events.fail(e.body())
+    content, calls = reader.feed(words.finish())
+    await piece(content, calls, None)
+    content, calls, reply = reader.finish()
+    await piece(content, calls, None)
+    turn.tool_calls = len(reply.tool_calls)
+    chunk["system_fingerprint"] = _fingerprint(turn)
+    await events.send({**chunk, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                             "finish_reason": _finish(turn, reply)}]})
     if req.include_usage:
         await events.send({**chunk, "choices": [], "usage": _usage(turn)})
     return await events.close()
@@ -180,30 +208,43 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     session: AgentSession = request["session"]
-    req = parse_completion(await _body(request))
+    req = parse_completion(await _body(request), session.sampling)
     if isinstance(req.prompt, str):
         text, prompt_ids = req.prompt, session.prompt_ids(req.prompt)
     else:
         prompt_ids = list(req.prompt)
         text = session.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    stop_ids, hidden = _stop(session, [], req.stop)
     budget = _admit(session, prompt_ids, req.max_tokens)
     base = {"id": f"cmpl-{session.admitted}-{id(session):x}", "created": int(time.time()),
             "model": request.app[MODEL], "object": "text_completion"}
-    events = None
-    if req.stream:
-        events = _Events(request)
-        await events.open()
-    turn, out = await _generate(session, prompt_ids, budget, req.stop, text, [0])
-    logprobs = None
-    if req.logprobs:
-        entries = _token_logprobs(session, turn)
-        logprobs = {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                    "top_logprobs": None, "text_offset": None}
-    choice = {"index": 0, "text": out, "logprobs": logprobs, "finish_reason": _finish(turn)}
-    if events is None:
-        return web.json_response({**base, "system_fingerprint": _fingerprint(turn), "choices": [choice],
-                                  "usage": _usage(turn)})
-    await events.send({**base, "choices": [choice]})
+    args = (prompt_ids, budget, stop_ids, text, [0])
+    words = TokenText(session.tokenizer, hidden)
+    if not req.stream:
+        turn = await _generate(session, *args)
+        out = words.feed(turn.completion_ids) + words.finish()
+        logprobs = _completion_logprobs(session, turn.completion_ids, turn.log_probs) if req.logprobs else None
+        return web.json_response({**base, "system_fingerprint": _fingerprint(turn), "usage": _usage(turn),
+                                  "choices": [{"index": 0, "text": out, "logprobs": logprobs,
+                                               "finish_reason": _finish(turn)}]})
+    events = EventStream(request, req.include_usage)
+    await events.open()
+    try:
+        async with contextlib.aclosing(turn_tokens(session, *args)) as tokens:
+            async for item in tokens:
+                if isinstance(item, Turn):
+                    turn = item
+                    break
+                ids, lps = item
+                piece = words.feed(ids)
+                if piece or req.logprobs:
+                    await events.send({**base, "choices": [{"index": 0, "text": piece, "finish_reason": None,
+                                                            "logprobs": _completion_logprobs(session, ids, lps)
+                                                            if req.logprobs else None}]})
+    except ApiError as e:
+        return await events.fail(e.body())
+    await events.send({**base, "system_fingerprint": _fingerprint(turn), "choices": [
+        {"index": 0, "text": words.finish(), "logprobs": None, "finish_reason": _finish(turn)}]})
     if req.include_usage:
         await events.send({**base, "choices": [], "usage": _usage(turn)})
     return await events.close()

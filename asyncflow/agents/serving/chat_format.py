@@ -12,19 +12,22 @@ with ``tool_calls``. Two formats:
 - "template", for real checkpoints: the tokenizer's chat template (``apply_chat_template``
   with the request's ``tools``, the assistant turn opened), and tool calls in the convention
   most open-weight chat templates teach: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+
+The model's text is read as it grows (``ChatFormat.reader``): content goes out as soon as it
+cannot be part of a tool call, a call once its text is complete; ``parse`` is the same reader
+given the whole text, so a streamed reply and a whole one say the same.
 """
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...data.calc import CALL_CLOSE, CALL_OPEN, RESULT_END
 
-__all__ = ["ChatFormat", "FormatError", "PlainFormat", "Reply", "TemplateFormat", "ToolCall", "make_format",
-           "message_text"]
+__all__ = ["ChatFormat", "FormatError", "PlainFormat", "Reply", "ReplyReader", "TemplateFormat", "ToolCall",
+           "make_format", "message_text"]
 
 
 class FormatError(ValueError):
@@ -75,6 +78,34 @@ def _functions(tools: list[dict] | None) -> list[dict]:
     return out
 
 
+class ReplyReader:
+    """The model's text fed as it grows: ``feed`` returns the content it may release now and the
+    tool calls it completed; ``finish`` the rest and the whole ``Reply``. Released content,
+    joined, is the reply's content (or "" where the reply has none)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[ToolCall] = []
+        self._released: list[str] = []
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.text += text
+        content, calls = self._read(final=False)
+        self._released.append(content)
+        self.calls += calls
+        return content, calls
+
+    def finish(self) -> tuple[str, list[ToolCall], Reply]:
+        content, calls = self._read(final=True)
+        self._released.append(content)
+        self.calls += calls
+        joined = "".join(self._released)
+        return content, calls, Reply(joined if joined or not self.calls else None, list(self.calls))
+
+    def _read(self, final: bool) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+
 class ChatFormat:
     name = ""
 
@@ -87,8 +118,14 @@ class ChatFormat:
         """Stop strings the format adds (one token each)."""
         return []
 
-    def parse(self, text: str, tools: list[dict] | None) -> Reply:
+    def reader(self, tools: list[dict] | None) -> ReplyReader:
         raise NotImplementedError
+
+    def parse(self, text: str, tools: list[dict] | None) -> Reply:
+        """The reply in a whole text (a reader given all of it)."""
+        r = self.reader(tools)
+        r.feed(text)
+        return r.finish()[2]
 
 
 class PlainFormat(ChatFormat):
@@ -116,14 +153,8 @@ class PlainFormat(ChatFormat):
     def stop(self, tools: list[dict] | None) -> list[str]:
         return [CALL_CLOSE] if tools else []
 
-    def parse(self, text: str, tools: list[dict] | None) -> Reply:
-        functions = _functions(tools)
-        if functions and text.endswith(CALL_CLOSE) and CALL_OPEN in text:
-            at = text.rindex(CALL_OPEN)
-            call = self._parse_call(text[at + 1:-1], functions)
-            if call is not None:
-                return Reply(text[:at] or None, [call])
-        return Reply(text, [])
+    def reader(self, tools: list[dict] | None) -> ReplyReader:
+        return _PlainReader(self, _functions(tools))
 
     @staticmethod
     def _first_param(fn: dict) -> str:
@@ -156,9 +187,6 @@ class PlainFormat(ChatFormat):
             raise FormatError(f"tool call arguments are not JSON: {e}") from None
         value = str(args.get(self._first_param(fn), "")) if isinstance(args, dict) else ""
         return CALL_OPEN + (value if len(functions) == 1 else f"{fn['name']}:{value}") + CALL_CLOSE
-
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 class TemplateFormat(ChatFormat):
@@ -197,20 +225,102 @@ class TemplateFormat(ChatFormat):
             raise FormatError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
         return text, starts
 
-    def parse(self, text: str, tools: list[dict] | None) -> Reply:
-        calls = []
-        for body in _TOOL_CALL.findall(text):
-            try:
-                obj = json.loads(body)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(obj, dict) and obj.get("name"):
-                args = obj.get("arguments", {})
-                calls.append(ToolCall(str(obj["name"]), args if isinstance(args, str) else json.dumps(args)))
-        if not calls:
-            return Reply(text, [])
-        rest = _TOOL_CALL.sub("", text).strip()
-        return Reply(rest or None, calls)
+    def reader(self, tools: list[dict] | None) -> ReplyReader:
+        _functions(tools)
+        return _TemplateReader()
+
+
+class _PlainReader(ReplyReader):
+    """With tools offered, a call is the text from the last ``<`` to a closing ``>`` that ends the
+    reply (generation stops there): the text from the last ``<`` on is held until the end."""
+
+    def __init__(self, fmt: PlainFormat, functions: list[dict]) -> None:
+        super().__init__()
+        self.fmt, self.functions, self.sent = fmt, functions, 0
+
+    def _read(self, final: bool) -> tuple[str, list[ToolCall]]:
+        text = self.text
+        at = text.rfind(CALL_OPEN) if self.functions else -1
+        if final and at >= 0 and text.endswith(CALL_CLOSE):
+            call = self.fmt._parse_call(text[at + 1:-1], self.functions)
+            if call is not None:
+                out, self.sent = text[self.sent:at], len(text)
+                return out, [call]
+        end = len(text) if final or at < 0 else at
+        out, self.sent = text[self.sent:end], max(self.sent, end)
+        return out, []
+
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+class _TemplateReader(ReplyReader):
+    """Calls are ``<tool_call>{json}</tool_call>`` blocks, anywhere; a block that does not parse
+    is content. The whitespace around a call is not content; text that may be the start of a
+    block, and whitespace that may precede one, are held until what follows shows which."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = 0  # text before this is released or consumed as a call
+        self.ws = ""  # trailing whitespace of the content, held
+        self.after_call = False  # the whitespace after a call is dropped
+
+    def _content(self, c: str) -> str:
+        if self.after_call:
+            c = c.lstrip()
+            if not c:
+                return ""
+            self.after_call = False
+        c = self.ws + c
+        body = c.rstrip()
+        self.ws = c[len(body):]
+        return body
+
+    def _read(self, final: bool) -> tuple[str, list[ToolCall]]:
+        out, calls = [], []
+        while True:
+            rest = self.text[self.sent:]
+            i = rest.find(_OPEN)
+            if i < 0:
+                keep = 0 if final else _partial_suffix(rest, _OPEN)
+                out.append(self._content(rest[:len(rest) - keep]))
+                self.sent += len(rest) - keep
+                break
+            j = rest.find(_CLOSE, i)
+            if j < 0:  # a block not closed yet (at the end: content)
+                out.append(self._content(rest if final else rest[:i]))
+                self.sent += len(rest) if final else i
+                break
+            call = _json_call(rest[i + len(_OPEN):j])
+            if call is None:
+                out.append(self._content(rest[:j + len(_CLOSE)]))
+            else:
+                out.append(self._content(rest[:i]))
+                self.ws, self.after_call = "", True
+                calls.append(call)
+            self.sent += j + len(_CLOSE)
+        if final and not self.calls and not calls:
+            out.append(self.ws)  # no call: the content is the text as written
+        return "".join(out), calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker``."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _json_call(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body.strip())
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not obj.get("name"):
+        return None
+    args = obj.get("arguments", {})
+    return ToolCall(str(obj["name"]), args if isinstance(args, str) else json.dumps(args))
 
 
 def _arguments(fn: dict) -> Any:

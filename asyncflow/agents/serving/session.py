@@ -12,7 +12,9 @@ import asyncio
 from typing import Any
 
 from ...engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
+from ...engines.rollout.service import TokenListener
 from ..episode import EpisodeContext, EpisodeLimits
+from .bodies import accepted_sampling
 from .chat_format import ChatFormat
 from .limits import LimitExceeded, completion_budget
 from .recorder import EpisodeRecord, Turn
@@ -22,8 +24,11 @@ __all__ = ["AgentSession"]
 
 class AgentSession:
     def __init__(self, row: dict[str, Any], *, service: Any, tokenizer: Any, chat_format: ChatFormat,
-                 params: SamplingParams, limits: EpisodeLimits, min_version: int, request_id: Any) -> None:
+                 params: SamplingParams, limits: EpisodeLimits, min_version: int, request_id: Any,
+                 run_sampling: tuple[float, float, int] | None = None) -> None:
         self.service = service
+        # what a request may name for temperature, top_p, top_k (the episode samples with params)
+        self.sampling = accepted_sampling(params.temperature, params.top_p, params.top_k, run_sampling)
         self.tokenizer = tokenizer
         self.format = chat_format
         self.limits = limits
@@ -59,24 +64,27 @@ class AgentSession:
         return n
 
     # ---- generation ------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], budget: int, stop: list[str], prompt_text: str,
-                       message_starts: list[int]) -> tuple[Turn, str]:
-        """One turn; returns it (recorded unless it was aborted) and its text. Cancelled (the
-        client went away), the request is aborted on the service and nothing is recorded."""
-        r = await self.ctx.generate(prompt_ids, budget, self.ctx.stop_ids(stop))
+    def stop_ids(self, stop: list[str]) -> list[int]:
+        """Stop strings as token ids (ValueError for one that is not a single token)."""
+        return self.ctx.stop_ids(stop)
+
+    async def generate(self, prompt_ids: list[int], budget: int, stop_ids: list[int], prompt_text: str,
+                       message_starts: list[int], on_tokens: TokenListener | None = None) -> Turn:
+        """One turn; returns it (recorded unless it was aborted). ``on_tokens`` (called on the
+        service's thread) gets its tokens as the engine samples them. Cancelled (the client went
+        away), the request is aborted on the service and nothing is recorded."""
+        r = await self._submit(self.ctx.next_request(prompt_ids, budget, stop_ids), on_tokens)
         if r.finish_reason == "error":
             raise RuntimeError(f"the engine refused the request: {r.error}")
-        completion = r.response_ids.tolist()
-        text = self.tokenizer.decode(completion, skip_special_tokens=True)
-        turn = Turn(list(prompt_ids), completion, r.log_probs.float().tolist(), r.token_versions.tolist(),
+        turn = Turn(list(prompt_ids), r.response_ids.tolist(), r.log_probs.float().tolist(), r.token_versions.tolist(),
                     r.finish_reason, prompt_text=prompt_text, message_starts=list(message_starts))
         if r.finish_reason != "abort":
             self.record.turns.append(turn)
             self._texts.append((self.tokenizer.decode(turn.ids, skip_special_tokens=False), turn.ids))
-        return turn, text
+        return turn
 
-    async def _submit(self, req: GenerationRequest) -> RequestResult:
-        fut = asyncio.wrap_future(self.service.submit(req))
+    async def _submit(self, req: GenerationRequest, on_tokens: TokenListener | None = None) -> RequestResult:
+        fut = asyncio.wrap_future(self.service.submit(req, on_tokens=on_tokens))
         self.running.add(req.request_id)
         try:
             # shielded: a cancelled handler must not cancel the service's future under it

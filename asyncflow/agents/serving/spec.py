@@ -18,6 +18,10 @@ class EndpointSpec:
     port: int = 0  # 0: a free port
     chat_format: str = "plain"  # plain | template (chat_format.py)
     model_name: str = "policy"  # what /v1/models lists; a request's "model" field is not checked
+    # the run's rollout (temperature, top_p, top_k): values a request may name besides its episode's own
+    # (an evaluation episode samples greedily whatever its agent names); None: the episode's only
+    run_sampling: tuple[float, float, int] | None = None
+    agent_process: bool = False  # agents run in a child process of their own (agent_host.py)
 
 
 def endpoint_spec(cfg: Any, rank: int) -> EndpointSpec | None:
@@ -26,7 +30,10 @@ def endpoint_spec(cfg: Any, rank: int) -> EndpointSpec | None:
     if not e.enabled:
         return None
     fmt = e.chat_format if e.chat_format != "auto" else ("template" if cfg.data.chat_template else "plain")
-    return EndpointSpec(host=e.host, port=e.port + rank if e.port else 0, chat_format=fmt)
+    r = cfg.rollout
+    return EndpointSpec(host=e.host, port=e.port + rank if e.port else 0, chat_format=fmt,
+                        run_sampling=(float(r.temperature), float(r.top_p), int(r.top_k)),
+                        agent_process=bool(e.agent_process))
 
 
 def is_agent(fn: Callable[..., Any]) -> bool:

@@ -140,6 +140,13 @@ class RequestEngine(ABC):
     def stats(self) -> dict:
         """Counters: running, waiting, finished, aborted, unknown_aborts, errors, swaps, ..."""
 
+    def new_tokens(self, since: Mapping[int | str, int]) -> dict[int | str, tuple[list[int], list[float]]]:
+        """For running requests of ``since`` (request id -> tokens already seen), the tokens they
+        sampled after those and their behaviour log-probs (call between steps). Requests that are
+        not running, or have nothing new, are left out. An engine that cannot tell returns {}: a
+        streamed request then gets its tokens when it finishes."""
+        return {}
+
 
 class RolloutEngine(ABC):
     """A generator of responses whose weights the trainer updates in place."""

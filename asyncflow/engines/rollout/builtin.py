@@ -206,6 +206,18 @@ class BuiltinRolloutEngine(RequestEngine, RolloutEngine):
                 "version": int(self.version), "kv_reserved_tokens": self._reserved_kv,
                 "kv_cache_bytes": self._cache.nbytes}
 
+    def new_tokens(self, since: Mapping[int | str, int]) -> dict[int | str, tuple[list[int], list[float]]]:
+        if not since or not self._rows:
+            return {}
+        steps = self._col["steps"].tolist()
+        out = {}
+        for j, row in enumerate(self._rows):
+            seen = since.get(row.req.request_id)
+            if seen is not None and steps[j] > seen:
+                out[row.req.request_id] = (self._out_tok[j, seen:steps[j]].tolist(),
+                                           self._out_lp[j, seen:steps[j]].tolist())
+        return out
+
     def admit(self, on: bool) -> None:
         """Let waiting requests join the batch (the default), or hold them in the queue (a service
         draining the batch before a weight swap)."""

@@ -6,6 +6,10 @@ step boundary, and get a ``concurrent.futures.Future`` back. Between commands th
 steps the engine while it has work, so generation never waits on a caller and a caller
 never waits behind a whole generation: only behind one engine step.
 
+A request submitted with ``on_tokens`` is streamed: after every step the tokens it sampled
+in that step go to ``on_tokens`` (the engine's ``new_tokens``), and the rest, if any, just
+before its result; so what a stream received, joined, is its result's tokens.
+
 Weights swap in at a step boundary. With ``in_flight`` (partial rollout) running rows
 continue across the swap (``keep`` or ``recompute``, see ``SWAP_MODES``); without it the
 service stops admitting rows and swaps once the running batch has drained, so every
@@ -14,6 +18,7 @@ until generation goes on) is recorded for ``stats()``.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -27,7 +32,12 @@ import torch
 
 from .base import SWAP_MODES, GenerationRequest, RequestEngine, RequestResult
 
-__all__ = ["RolloutService", "ServiceError"]
+__all__ = ["RolloutService", "ServiceError", "TokenListener"]
+
+log = logging.getLogger(__name__)
+
+# on_tokens(token_ids, log_probs): a streamed request's newest tokens, called on the service thread
+TokenListener = Callable[[list[int], list[float]], None]
 
 
 class ServiceError(RuntimeError):
@@ -47,6 +57,7 @@ class RolloutService:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._futures: dict[Any, Future] = {}
         self._listeners: dict[Any, Callable[[RequestResult], None]] = {}
+        self._streams: dict[Any, list] = {}  # request id -> [TokenListener, tokens it was given]
         self._swap: tuple[Mapping[str, torch.Tensor], int, str, Future, float] | None = None
         self._wake = threading.Event()
         self._closed = False
@@ -58,11 +69,13 @@ class RolloutService:
         self._thread.start()
 
     # ---- what other threads call ---------------------------------------------------------
-    def submit(self, request: GenerationRequest,
-               on_done: Callable[[RequestResult], None] | None = None) -> Future:
-        """Queue a request; its future (and ``on_done``, on the service thread) gets the result."""
+    def submit(self, request: GenerationRequest, on_done: Callable[[RequestResult], None] | None = None,
+               on_tokens: TokenListener | None = None) -> Future:
+        """Queue a request; its future (and ``on_done``, on the service thread) gets the result.
+        ``on_tokens`` (on the service thread; it must not block) gets its tokens as they are
+        sampled, all of them before the result is set."""
         fut: Future = Future()
-        self._post(lambda: self._add(request, fut, on_done))
+        self._post(lambda: self._add(request, fut, on_done, on_tokens))
         return fut
 
     def abort(self, request_id: Any, timeout_s: float = 30.0) -> bool:
@@ -147,7 +160,8 @@ class RolloutService:
             raise TimeoutError(f"{self.name} service: {what} got no answer within {timeout_s:.1f} s "
                                f"(the engine loop is stuck in a step?)") from None
 
-    def _add(self, request: GenerationRequest, fut: Future, on_done: Callable | None) -> None:
+    def _add(self, request: GenerationRequest, fut: Future, on_done: Callable | None,
+             on_tokens: TokenListener | None = None) -> None:
         try:
             self.engine.add_request(request)
         except Exception as e:  # noqa: BLE001 - a bad request fails alone
@@ -156,6 +170,8 @@ class RolloutService:
         self._futures[request.request_id] = fut
         if on_done is not None:
             self._listeners[request.request_id] = on_done
+        if on_tokens is not None:
+            self._streams[request.request_id] = [on_tokens, 0]
 
     def _stage_swap(self, load: Callable[[RequestEngine], None], version: int, mode: str, fut: Future,
                     stream: bool = False) -> None:
@@ -210,6 +226,8 @@ class RolloutService:
                     self.steps += 1
                     for r in results:
                         self._finish(r)
+                    if self._streams:
+                        self._stream_tokens()
                 else:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
@@ -222,8 +240,30 @@ class RolloutService:
             if self._swap is not None and not self._swap[3].done():
                 self._swap[3].set_exception(self._error)
             self._futures.clear()
+            self._streams.clear()
+
+    def _stream_tokens(self) -> None:
+        """Hand each streamed request the tokens it sampled since its last call."""
+        fresh = self.engine.new_tokens({rid: s[1] for rid, s in self._streams.items()})
+        for rid, (ids, lps) in fresh.items():
+            self._give(rid, ids, lps)
+
+    def _give(self, rid: Any, ids: list[int], lps: list[float]) -> None:
+        stream = self._streams.get(rid)
+        if stream is None or not ids:
+            return
+        stream[1] += len(ids)
+        try:
+            stream[0](ids, lps)
+        except Exception:
+            log.exception("%s: the token listener of request %r failed; its stream is dropped", self.name, rid)
+            self._streams.pop(rid, None)
 
     def _finish(self, r: RequestResult) -> None:
+        stream = self._streams.get(r.request_id)
+        if stream is not None:  # the tokens the stream has not had yet, before the result
+            self._give(r.request_id, r.response_ids[stream[1]:].tolist(), r.log_probs[stream[1]:].tolist())
+            self._streams.pop(r.request_id, None)
         listener = self._listeners.pop(r.request_id, None)
         fut = self._futures.pop(r.request_id, None)
         if listener is not None:

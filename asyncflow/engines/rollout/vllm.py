@@ -358,6 +358,9 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
     def has_work(self) -> bool:
         return self._requests.has_work()
 
+    def new_tokens(self, since: Mapping[int | str, int]) -> dict[int | str, tuple[list[int], list[float]]]:
+        return self._requests.new_tokens(since)
+
     def stats(self) -> dict:
         return {**self._requests.stats(), "version": int(self.version),
                 "native_recompute": self._requests.native_recompute}

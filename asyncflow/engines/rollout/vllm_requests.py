@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,6 +167,15 @@ class VLLMRequests:
 
     def has_work(self) -> bool:
         return bool(self._held or self._live or self._ready)
+
+    def new_tokens(self, since: Mapping[int | str, int]) -> dict[int | str, tuple[list[int], list[float]]]:
+        """The tokens live requests absorbed after ``since`` of them (RequestEngine.new_tokens)."""
+        out = {}
+        for rid, seen in since.items():
+            row = self._known.get(rid)
+            if row is not None and len(row.tokens) > seen:
+                out[rid] = (row.tokens[seen:], row.log_probs[seen:])
+        return out
 
     def stats(self) -> dict:
         # running: handed to vLLM (its own queue included); waiting: held back for min_version
