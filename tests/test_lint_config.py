@@ -3,11 +3,27 @@ packages, the pinned tools, and .ci/run's lint stage in the first run's venv."""
 from __future__ import annotations
 
 import configparser
+import importlib.util
 import re
 import tomllib
+import types
 from pathlib import Path
 
-from tests.test_packaging import _ci_blocks, _setup_kwargs
+
+def _load_packaging_checks() -> types.ModuleType:
+    """test_packaging.py's readers of .ci/run and setup.py, loaded from its file: beside verl
+    (CI's third stage) verl's own top-level `tests` package hides `tests.test_packaging`."""
+    spec = importlib.util.spec_from_file_location("_asyncflow_packaging_checks",
+                                                  Path(__file__).with_name("test_packaging.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_PACKAGING = _load_packaging_checks()
+_ci_blocks = _PACKAGING._ci_blocks
+_setup_kwargs = _PACKAGING._setup_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 _CI_LINT = "# --- Lint"
