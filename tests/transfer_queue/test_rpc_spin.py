@@ -39,11 +39,19 @@ class Service:
     def __init__(self) -> None:
         self.released: dict[int, threading.Event] = {}
         self.holding: dict[int, threading.Event] = {}
+        self.server: BlockingRpcServer | None = None
 
     def gate(self, x: int) -> None:
         self.released[x], self.holding[x] = threading.Event(), threading.Event()
 
     def rpc_echo(self, x: int) -> int:
+        return x
+
+    def rpc_last(self, x: int) -> int:
+        """The server's last call: a handler sets ``stopping`` (set from outside, the loop may
+        read it before it takes the next call in)."""
+        assert self.server is not None
+        self.server.stopping = True
         return x
 
     def rpc_held(self, x: int) -> int:
@@ -126,6 +134,7 @@ def test_poll_ready_returns_a_waiting_message_before_its_budget(stepped_pair):
 
 def _serve(ctx: zmq.Context, service: Service):
     srv = BlockingRpcServer(service, "tcp://127.0.0.1:0", ctx, "spin-test")
+    service.server = srv
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     return srv, t
@@ -162,8 +171,7 @@ def test_spin_takes_the_reply_or_falls_back_to_the_loop():
             assert not service.released[3].is_set()  # it timed out before any reply existed
             service.released[3].set()  # the held call ends; its late reply is dropped
             assert await client.call("echo", x=4) == 4  # served after the held call: it is over
-            srv.stopping = True  # the server stops after the next reply
-            assert await client.call("echo", x=5) == 5
+            assert await client.call("last", x=5) == 5  # the server stops after this reply
         finally:
             await client.close()
 
