@@ -154,8 +154,7 @@ def check_vllm(cfg: RunConfig, platform: str) -> None:
 def train_main(argv: Sequence[str]) -> int:
     from .platform import get_platform
     from .single_controller.driver import DriverConfig
-    from .single_controller.launch import RunConfig as LaunchConfig
-    from .single_controller.launch import launch_local, ranks_sharing_devices, run_from_env
+    from .single_controller.launch import LaunchConfig, launch_local, ranks_sharing_devices, run_from_env
     from .trainer import CONFIG_ENV
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

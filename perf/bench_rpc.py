@@ -112,13 +112,13 @@ class TorchRpc:
 # ---- both, interleaved ---------------------------------------------------------------------
 
 def bench_pair(n_workers: int, calls: int, warmup: int, blocks: int) -> dict:
-    from asyncflow.single_controller import Driver, DriverConfig, RunConfig
+    from asyncflow.single_controller import Driver, DriverConfig, LaunchConfig
     from asyncflow.single_controller.local import LocalWorkers
 
     per = max(1, calls // blocks)
     torch_rpc = TorchRpc(n_workers)
     try:
-        with LocalWorkers(n_workers, RunConfig(platform="cpu", transfer_queue=False)) as workers:
+        with LocalWorkers(n_workers, LaunchConfig(platform="cpu", transfer_queue=False)) as workers:
             torch_rpc.wait_ready()
 
             async def go() -> dict:

@@ -32,8 +32,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cpu_account",),  # the CPU account: the RPC layer and the TransferQueue record spans too
     ("__init__", "algorithm_config", "metrics", "models", "platform", "rewards", "rpc"),  # nothing of asyncflow
     ("algorithms", "planning", "transfer_queue"),
+    ("single_controller",),  # takes its TransferQueue layout as its own dataclass, nothing of the app's config
     ("config",),
-    ("data", "single_controller"),
+    ("data", "resolved"),  # resolved: the run's config resolved once (derived values), for driver and workers
     ("weight_sync",),  # protocol, send, receive, wire groups, sinks, intake, publish_and_swap
     ("engines",),  # training and rollout engines; vLLM's workers join the weight-sync groups
     ("agents",),
@@ -255,6 +256,17 @@ def test_the_layers_keep_the_architecture():
     assert at["rpc"] < at["transfer_queue"] < at["single_controller"] < at["weight_sync"] < at["engines"]
     assert at["engines"] < at["agents"] < at["workflow"] < at["workers"] < at["simulation"]
     assert at["workflow"] < at["training"] < at["trainer"] < at["launcher"] < at["cli"]
+    assert at["single_controller"] < at["config"] < at["resolved"] < at["workers"]
+
+
+def test_single_controller_imports_nothing_of_the_app_config():
+    """The single controller runs any driver function: the run's config reaches it as values
+    (its own LaunchConfig, TransferQueueLayout), never by importing asyncflow.config."""
+    graph = _graph()
+    bad = [f"{m} ({_modules()[m][0].relative_to(ROOT)}:{graph[m][dep]}) imports {dep}"
+           for m in sorted(graph) if _in(m, "asyncflow.single_controller")
+           for dep in graph[m] if _in(dep, ("asyncflow.config", "asyncflow.resolved"))]
+    assert not bad, "\n".join(bad)
 
 
 def test_no_import_goes_up_or_sideways_across_the_layers():

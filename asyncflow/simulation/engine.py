@@ -34,7 +34,7 @@ _LOGPROBS = -torch.rand(_BUF_TOKENS, generator=torch.Generator().manual_seed(1))
 
 
 @dataclass
-class _Row:
+class _SimulatedRow:
     request: GenerationRequest
     length: int  # tokens to generate
     done: int = 0
@@ -62,14 +62,14 @@ class SimRequestEngine(RequestEngine):
         self._slowdown_of = slowdown or (lambda version: 1.0)
         self.slowdown = self._slowdown_of(0)
         self.waiting: deque[GenerationRequest] = deque()
-        self.running: list[_Row] = []
-        self.joining: list[_Row] = []  # admitted during a decode step: they join when it ends
+        self.running: list[_SimulatedRow] = []
+        self.joining: list[_SimulatedRow] = []  # admitted during a decode step: they join when it ends
         self._admit = True
         self._credit = 0.0  # simulated seconds into the decode step in progress (the running rows')
         self._debt = 0.0  # prefill (and swap) seconds owed before the next decode step
         self._mark = time.monotonic()
         self._nudge = threading.Event()
-        self._finished_rows: list[_Row] = []
+        self._finished_rows: list[_SimulatedRow] = []
         self.counters = {"finished": 0, "tokens": 0, "steps": 0, "aborted": 0, "unknown_aborts": 0, "errors": 0,
                          "swaps": 0, "admitted": 0}
 
@@ -190,7 +190,7 @@ class SimRequestEngine(RequestEngine):
                 kept.append(req)
                 continue
             length = max(1, int(req.budget))
-            self.joining.append(_Row(req, length, 0, [(0, self.version)]))
+            self.joining.append(_SimulatedRow(req, length, 0, [(0, self.version)]))
             self.counters["admitted"] += 1
         self.waiting = kept
         if not self.running or self._credit <= 0:  # idle, or at a step boundary

@@ -9,7 +9,7 @@ from .dispatch import DISPATCH_MODES, Dispatch, DispatchMode, register, register
 from .driver import Driver, DriverConfig, GroupSpec
 from .errors import LaunchError, WorkerCallTimeout, WorkerDiedError, WorkerError
 from .layout import GroupLayout
-from .placement import PlacementConfig
+from .placement import RolePlacement
 from .protocol import Group
 from .runtime import RuntimeConfig
 from .worker import Worker
@@ -17,7 +17,7 @@ from .worker_group import WorkerGroup
 
 
 def __getattr__(name: str) -> Any:  # launch is imported lazily: `python -m ...launch` must not find it loaded
-    if name in ("RunConfig", "launch_local", "run_rank"):
+    if name in ("LaunchConfig", "launch_local", "run_rank"):
         from . import launch
         return getattr(launch, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -25,6 +25,6 @@ def __getattr__(name: str) -> Any:  # launch is imported lazily: `python -m ...l
 
 __all__ = [
     "Dispatch", "DispatchMode", "DISPATCH_MODES", "register", "register_dispatch_mode", "Driver", "DriverConfig",
-    "GroupSpec", "Group", "WorkerGroup", "Worker", "GroupLayout", "PlacementConfig", "RunConfig", "RuntimeConfig",
+    "GroupSpec", "Group", "WorkerGroup", "Worker", "GroupLayout", "RolePlacement", "LaunchConfig", "RuntimeConfig",
     "launch_local", "run_rank", "LaunchError", "WorkerError", "WorkerCallTimeout", "WorkerDiedError",
 ]

@@ -23,7 +23,7 @@ import zmq.asyncio
 from ..rpc.errors import RpcTimeout
 from .errors import WorkerDiedError
 from .layout import GroupLayout
-from .placement import PlacementConfig
+from .placement import RolePlacement
 from .ranks import RankCall, RankEndpoint
 from .runtime import class_path
 from .wire import to_wire
@@ -67,10 +67,10 @@ class Driver:
     algorithm so that a dead worker stops it even when no call is in flight.
     """
 
-    def __init__(self, addresses: list[str], *, placement: PlacementConfig | None = None,
+    def __init__(self, addresses: list[str], *, placement: RolePlacement | None = None,
                  config: DriverConfig | None = None, transfer_queue_address: str | None = None):
         self.addresses = list(addresses)
-        self.placement = placement or PlacementConfig()
+        self.placement = placement or RolePlacement()
         self.config = config or DriverConfig()
         self.transfer_queue_address = transfer_queue_address
         self.ranks: list[RankEndpoint] = []

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 -m asyncflow.single_controller.launch --main pkg.mod:main
     python -m asyncflow.single_controller.launch --nproc 2 --main pkg.mod:main   # self-launch
 
-``main`` is ``async def main(driver: Driver)``. Rank 0 runs it on an asyncio loop in its
+``main`` is ``async def main(driver: Driver, *main_args)``. Rank 0 runs it on an asyncio loop in its
 main thread; rank 0's own worker serves on another thread and is reached through the
 same RPC path as every other rank. Addresses travel through torchrun's TCPStore. The
 process exits non-zero when ``main`` raises or a worker dies.
@@ -29,23 +29,32 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..config import UnitsConfig
 from ..rpc.alloc import freeze_gc_heap
 from .driver import Driver, DriverConfig
 from .errors import LaunchError
-from .placement import PlacementConfig
+from .placement import RolePlacement
 from .rendezvous import SUPERVISED_ENV, connect_store, publish_address, rendezvous_host, share_run_key, wait_addresses
 from .runtime import RuntimeConfig, WorkerRuntime
-from .tq_units import node_from_env, nodes_of_ranks, start_for_rank, wait_for_node_units, write_unit_stats
+from .tq_units import (
+    TransferQueueLayout,
+    node_from_env,
+    nodes_of_ranks,
+    start_for_rank,
+    wait_for_node_units,
+    write_unit_stats,
+)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class RunConfig:
+class LaunchConfig:
     main: str = ""  # "package.module:function", an async function taking the Driver
+    # More arguments of ``main``, after the driver: ``main(driver, *main_args)``. They travel
+    # inside this config, which is pickled into every spawned rank, so they must pickle.
+    main_args: tuple[Any, ...] = ()
     platform: str = "auto"
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    placement: RolePlacement = field(default_factory=RolePlacement)
     driver: DriverConfig = field(default_factory=DriverConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     # Store connection, run key and address exchange. Not init_process_group's timeout: torch
@@ -53,7 +62,8 @@ class RunConfig:
     # runtime.collective_timeout_s, as for the groups that new_group makes.
     rendezvous_timeout_s: float = 120.0
     transfer_queue: bool = True  # rank 0 starts the TransferQueue service and tells the workers
-    tq_units: UnitsConfig = field(default_factory=UnitsConfig)  # where the service and units run (tq_units.py)
+    # where the TransferQueue's service and units run, and their bounds (tq_units.py)
+    tq_units: TransferQueueLayout = field(default_factory=TransferQueueLayout)
     # modules the service imports before serving, as every worker does (the run's imports:
     # samplers registered there are known to the controller wherever it runs)
     tq_imports: list[str] = field(default_factory=list)
@@ -79,7 +89,7 @@ def ranks_sharing_devices(spawning: int = 0) -> int:
     return 1
 
 
-def run_rank(cfg: RunConfig, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
+def run_rank(cfg: LaunchConfig, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
              *, use_agent_store: bool | None = None, with_driver: bool | None = None, node: int = 0,
              restart: int = 0) -> int:
     """Everything one rank does; returns the process exit code. ``node``: the node index.
@@ -216,7 +226,7 @@ def sigterm_report(driver: Driver) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-async def run_driver(cfg: RunConfig, addresses: list[str], host: str, tq: Any = None,
+async def run_driver(cfg: LaunchConfig, addresses: list[str], host: str, tq: Any = None,
                      nodes: list[int] | None = None, *, report_sigterm: bool = False, store: Any = None) -> int:
     """Start the TransferQueue (unless ``tq``, a started service, is given), check every node's
     storage unit is registered (``nodes``: each rank's node), attach to the workers, run
@@ -235,7 +245,7 @@ async def run_driver(cfg: RunConfig, addresses: list[str], host: str, tq: Any = 
             if tq is not None and nodes and cfg.tq_units.per_node:
                 await wait_for_node_units(tq.controller_address, nodes, cfg.tq_units.register_timeout_s)
             await driver.start()
-            await driver.run(main(driver))
+            await driver.run(main(driver, *cfg.main_args))
             return 0
         except Exception as e:  # noqa: BLE001 - the run's failure: print it whole, exit non-zero
             print(f"asyncflow driver failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -265,7 +275,7 @@ def _leave_failure(e: BaseException) -> None:
             pass  # the full traceback is on stderr already
 
 
-def run_from_env(cfg: RunConfig) -> int:
+def run_from_env(cfg: LaunchConfig) -> int:
     """The rank entry under torchrun (or elastic_launch): reads RANK, WORLD_SIZE, ... ."""
     env = os.environ
     try:
@@ -275,7 +285,7 @@ def run_from_env(cfg: RunConfig) -> int:
         raise LaunchError(f"environment variable {e} is not set: start under torchrun, or use --nproc") from None
 
 
-def _elastic_entry(cfg: RunConfig) -> int:
+def _elastic_entry(cfg: LaunchConfig) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     code = run_from_env(cfg)
     if code:
@@ -283,7 +293,7 @@ def _elastic_entry(cfg: RunConfig) -> int:
     return code
 
 
-def launch_local(cfg: RunConfig, nproc: int, *, monitor_interval_s: float = 0.2,
+def launch_local(cfg: LaunchConfig, nproc: int, *, monitor_interval_s: float = 0.2,
                  describe_rank: Callable[[int], str] | None = None) -> int:
     """Start ``nproc`` local ranks through torch's elastic launcher; returns the exit code.
 
@@ -291,9 +301,10 @@ def launch_local(cfg: RunConfig, nproc: int, *, monitor_interval_s: float = 0.2,
     which role was lost: ``describe_rank(rank)`` (e.g. its roles) goes into that message."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
+    from torch.distributed.launcher.api import elastic_launch
 
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"asyncflow-{uuid.uuid4().hex[:8]}",
+    lc = ElasticLaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"asyncflow-{uuid.uuid4().hex[:8]}",
                       rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                       monitor_interval=monitor_interval_s, start_method="spawn")
     # By its importable name, not __main__'s: spawned children unpickle it from there.
@@ -335,7 +346,7 @@ def _parse_ranks(items: list[str], flag: str) -> dict[str, Any]:
     return out
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, int | None]:
+def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, int | None]:
     p = argparse.ArgumentParser(description="Run an AsyncFlow driver with one worker per rank.")
     p.add_argument("--main", required=True, help="package.module:function, an async function taking the Driver")
     p.add_argument("--nproc", type=int, default=None, help="self-launch this many local ranks (not under torchrun)")
@@ -348,7 +359,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, int | None]:
     a = p.parse_args(argv)
     roles = {r: [int(x) for x in v.split(",") if x] for r, v in _parse_ranks(a.role, "--role").items()}
     dp = {r: int(v) for r, v in _parse_ranks(a.dp, "--dp").items()}
-    cfg = RunConfig(main=a.main, platform=a.platform, placement=PlacementConfig(a.placement, roles, dp),
+    cfg = LaunchConfig(main=a.main, platform=a.platform, placement=RolePlacement(a.placement, roles, dp),
                     driver=DriverConfig(call_timeout_s=a.call_timeout), transfer_queue=not a.no_transfer_queue)
     return cfg, a.nproc
 

@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from ..rpc import auth
 from .errors import LaunchError
-from .launch import RunConfig, run_rank
+from .launch import LaunchConfig, run_rank
 from .rendezvous import wait_addresses
 
 
-def _child(cfg: RunConfig, rank: int, world_size: int, port: int, env: dict[str, str]) -> None:
+def _child(cfg: LaunchConfig, rank: int, world_size: int, port: int, env: dict[str, str]) -> None:
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is a stuck rank?
     os.environ.update(env)
@@ -30,7 +30,7 @@ class LocalWorkers:
     """``with LocalWorkers(2) as w: Driver(w.addresses, ...)``; every rank is a worker."""
 
     world_size: int
-    config: RunConfig = field(default_factory=lambda: RunConfig(platform="cpu"))
+    config: LaunchConfig = field(default_factory=lambda: LaunchConfig(platform="cpu"))
     env: dict[str, str] = field(default_factory=lambda: {"OMP_NUM_THREADS": "1"})
 
     def __post_init__(self) -> None:

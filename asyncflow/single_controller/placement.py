@@ -12,7 +12,7 @@ MODES = ("colocated", "disaggregated")
 
 
 @dataclass
-class PlacementConfig:
+class RolePlacement:
     mode: str = "colocated"
     roles: dict[str, list[int]] = field(default_factory=dict)  # role -> ranks (required when disaggregated)
     dp_size: dict[str, int] = field(default_factory=dict)  # role -> data shards (default: one per rank)

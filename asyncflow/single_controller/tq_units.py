@@ -24,11 +24,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import UnitsConfig  # the config tree's transfer_queue section
 from ..rpc.loop_thread import EventLoopThread
 from ..rpc.store_wait import wait_for_value
 from ..transfer_queue import locality
@@ -40,6 +39,36 @@ log = logging.getLogger(__name__)
 STORAGE_UNITS = ("driver", "per_node")
 SERVICE_PLACES = ("own_process", "driver")
 CONTROLLER_KEY = f"{KEY_PREFIX}tq/controller"
+
+
+@dataclass
+class TransferQueueLayout:
+    """Where the TransferQueue's service and storage units run, and their bounds: the run
+    config's ``transfer_queue`` section (defined here, where it is used, so that this package
+    needs nothing of the application's config)."""
+    # driver: one storage unit, beside the controller (see service). per_node: one per node,
+    # hosted by the node's local rank 0; every process writes to its own node's unit (multi-node runs).
+    storage_units: str = field(default="driver", metadata={"choices": STORAGE_UNITS})
+    # Where the controller (and the driver's unit) run. own_process: a child process of the
+    # driver's rank, so that serving requests never takes the GIL from the rank's compute;
+    # driver: threads inside the driver's rank (one process fewer, for the smallest runs).
+    service: str = field(default="own_process", metadata={"choices": SERVICE_PLACES})
+    max_rows_per_unit: int = 0  # backpressure: a put of new rows waits for room (0: unbounded)
+    max_bytes_per_unit: int = 0
+    stats_path: str = ""  # rank 0 writes every unit's stats there as JSON at the end ("": out_dir/tq_units.json)
+    # the service's own process must be serving, and a node's unit registered, within this
+    register_timeout_s: float = 120.0
+
+    @property
+    def per_node(self) -> bool:
+        return self.storage_units == "per_node"
+
+    def validate(self) -> list[str]:
+        """The section's own rules (its choices are checked when the config loads)."""
+        if self.max_rows_per_unit < 0 or self.max_bytes_per_unit < 0:
+            return [(f"transfer_queue.max_rows_per_unit and max_bytes_per_unit must be >= 0 (0: unbounded), "
+                     f"got {self.max_rows_per_unit} and {self.max_bytes_per_unit}")]
+        return []
 
 
 def _node_key(rank: int) -> str:
@@ -59,7 +88,7 @@ def _bound(x: int) -> int | None:
 class NodeUnit:
     """One storage unit served on an event-loop thread of its own inside a worker process."""
 
-    def __init__(self, controller_address: str, index: int, host: str, cfg: UnitsConfig):
+    def __init__(self, controller_address: str, index: int, host: str, cfg: TransferQueueLayout):
         from ..transfer_queue.service import serve_storage_unit
 
         self.index = index
@@ -115,7 +144,7 @@ class RankTransferQueue:
             self.service.stop_in_thread()  # idempotent: run_driver may have stopped it already
 
 
-def check_units(cfg: UnitsConfig) -> None:
+def check_units(cfg: TransferQueueLayout) -> None:
     if cfg.storage_units not in STORAGE_UNITS:
         raise LaunchError(f"transfer_queue.storage_units: expected one of {STORAGE_UNITS}, "
                           f"got {cfg.storage_units!r}")
@@ -123,7 +152,7 @@ def check_units(cfg: UnitsConfig) -> None:
         raise LaunchError(f"transfer_queue.service: expected one of {SERVICE_PLACES}, got {cfg.service!r}")
 
 
-def start_for_rank(cfg: UnitsConfig, store: Any, rank: int, local_rank: int, node: int, host: str,
+def start_for_rank(cfg: TransferQueueLayout, store: Any, rank: int, local_rank: int, node: int, host: str,
                    timeout_s: float, *, driver: bool, imports: Sequence[str] = (),
                    on_service_death: Callable[[str], None] | None = None) -> RankTransferQueue:
     """Before the rank publishes its worker address. The driver's rank starts the controller

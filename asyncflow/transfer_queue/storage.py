@@ -39,7 +39,7 @@ _RUNS_PER_BATCH = 4  # above this many runs per batch touched, gather per batch 
 
 
 @dataclass
-class _Batch:
+class _StoredBatch:
     columns: dict[str, Column]
     nbytes: int
     live: int  # (row, column) cells of this batch still indexed
@@ -128,7 +128,7 @@ class StorageUnit:
         self.put_timeout = put_timeout
         self.parts: dict[str, _PartitionStore] = {}
         self.dropped = RecentSet()
-        self.batches: dict[int, _Batch] = {}
+        self.batches: dict[int, _StoredBatch] = {}
         self._batch_ids = itertools.count()
         self._next_local = 0
         self.used_rows = 0
@@ -296,7 +296,7 @@ class StorageUnit:
         its items: counted once)."""
         n = rows.numel()
         bid = next(self._batch_ids)
-        self.batches[bid] = _Batch(cols, nbytes, n * len(cols))
+        self.batches[bid] = _StoredBatch(cols, nbytes, n * len(cols))
         self.dropped.discard(partition)
         codes = torch.arange(bid << _POS_BITS, (bid << _POS_BITS) + n)
         if new_rows:

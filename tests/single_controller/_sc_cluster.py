@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 
 from asyncflow.rpc.loop_thread import EventLoopThread
-from asyncflow.single_controller import Driver, DriverConfig, PlacementConfig, RunConfig, RuntimeConfig
+from asyncflow.single_controller import Driver, DriverConfig, LaunchConfig, RolePlacement, RuntimeConfig
 from asyncflow.transfer_queue import AsyncTransferQueueClient, TransferQueueService
 
 FAST_DRIVER = DriverConfig(call_timeout_s=30.0, create_timeout_s=60.0, heartbeat_interval_s=0.5,
                            heartbeat_timeout_s=1.5, heartbeat_misses=2, attach_timeout_s=60.0)
 
 
-def run_config(driver_timeout_s: float = 10.0) -> RunConfig:
-    return RunConfig(platform="cpu", rendezvous_timeout_s=60.0,
+def run_config(driver_timeout_s: float = 10.0) -> LaunchConfig:
+    return LaunchConfig(platform="cpu", rendezvous_timeout_s=60.0,
                      runtime=RuntimeConfig(collective_timeout_s=60.0, driver_timeout_s=driver_timeout_s,
                                            attach_timeout_s=60.0))
 
@@ -37,7 +37,7 @@ class Cluster:
         return AsyncTransferQueueClient(self.tq.controller_address, timeout=20, wait_timeout=5)
 
 
-def start_cluster(world_size: int, placement: PlacementConfig | None = None,
+def start_cluster(world_size: int, placement: RolePlacement | None = None,
                   driver_timeout_s: float = 10.0) -> Cluster:
     from asyncflow.single_controller.local import LocalWorkers
 
@@ -59,7 +59,7 @@ def stop_cluster(c: Cluster) -> None:
         c.tq.stop_in_thread()
 
 
-def cluster_fixture(world_size: int, placement: PlacementConfig | None = None, driver_timeout_s: float = 10.0):
+def cluster_fixture(world_size: int, placement: RolePlacement | None = None, driver_timeout_s: float = 10.0):
     """A module-scoped fixture with a cluster of ``world_size`` ranks, stopped after the module's
     tests; its name is the name it is assigned to (``cluster4 = cluster_fixture(4)``)."""
     @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from _sc_cluster import FAST_DRIVER
 
 from asyncflow.rpc.loop_thread import EventLoopThread
-from asyncflow.single_controller import Driver, RunConfig, RuntimeConfig, WorkerError
+from asyncflow.single_controller import Driver, LaunchConfig, RuntimeConfig, WorkerError
 from asyncflow.single_controller.local import LocalWorkers
 
 pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
@@ -22,7 +22,7 @@ COLLECTIVE_TIMEOUT_S = 5.0
 
 def test_collective_entered_by_one_rank_times_out():
     # The driver would wait 20 s for the reply: a failure sooner is the collective's timeout.
-    cfg = RunConfig(platform="cpu", rendezvous_timeout_s=60.0, transfer_queue=False,
+    cfg = LaunchConfig(platform="cpu", rendezvous_timeout_s=60.0, transfer_queue=False,
                     runtime=RuntimeConfig(collective_timeout_s=COLLECTIVE_TIMEOUT_S, driver_timeout_s=10.0,
                                           attach_timeout_s=60.0))
     driver_cfg = replace(FAST_DRIVER, call_timeout_s=20.0)

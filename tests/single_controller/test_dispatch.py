@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncflow.single_controller import DISPATCH_MODES, Dispatch, GroupLayout, PlacementConfig, register
+from asyncflow.single_controller import DISPATCH_MODES, Dispatch, GroupLayout, RolePlacement, register
 from asyncflow.single_controller.dispatch import get_dispatch_mode, method_spec
 from asyncflow.single_controller.wire import from_wire, to_wire
 from asyncflow.transfer_queue import BatchMeta
@@ -64,15 +64,15 @@ def test_register_marks_methods_and_rejects_unknown_modes():
 
 
 def test_placement():
-    assert PlacementConfig().ranks_for("actor", 3) == [0, 1, 2]
-    p = PlacementConfig("disaggregated", roles={"rollout": [0], "actor": [1, 2]}, dp_size={"actor": 1})
+    assert RolePlacement().ranks_for("actor", 3) == [0, 1, 2]
+    p = RolePlacement("disaggregated", roles={"rollout": [0], "actor": [1, 2]}, dp_size={"actor": 1})
     assert p.ranks_for("actor", 3) == [1, 2] and p.dp_size_for("actor", 2) == 1 and p.dp_size_for("rollout", 1) == 1
     with pytest.raises(ValueError, match="no ranks for role 'critic'"):
         p.ranks_for("critic", 3)
     with pytest.raises(ValueError, match=r"placement.roles.actor"):
         p.ranks_for("actor", 2)
     with pytest.raises(ValueError, match="placement.mode"):
-        PlacementConfig("scattered")
+        RolePlacement("scattered")
 
 
 def test_wire_round_trip():

@@ -15,13 +15,13 @@ import _sc_workers as W
 import pytest
 from _sc_cluster import start_cluster, stop_cluster
 
-from asyncflow.single_controller import PlacementConfig, WorkerDiedError
+from asyncflow.single_controller import RolePlacement, WorkerDiedError
 
 pytestmark = pytest.mark.slow
 
 
 def test_worker_killed_mid_call_is_reported_fast():
-    placement = PlacementConfig("disaggregated", roles={"gen": [0], "train": [1]})
+    placement = RolePlacement("disaggregated", roles={"gen": [0], "train": [1]})
     c = start_cluster(2, placement)
     try:
         d = c.driver

@@ -8,11 +8,11 @@ import socket
 import pytest
 import torch
 
-from asyncflow.config import UnitsConfig
 from asyncflow.single_controller.errors import LaunchError
 from asyncflow.single_controller.tq_units import (
     CONTROLLER_KEY,
     NodeUnit,
+    TransferQueueLayout,
     nodes_of_ranks,
     start_for_rank,
     wait_for_node_units,
@@ -65,7 +65,7 @@ def _dead_address() -> str:
 def test_only_local_rank_0_of_other_nodes_hosts_a_unit(service):
     store = _Store()
     store.set(CONTROLLER_KEY, service.controller_address)
-    cfg = UnitsConfig(storage_units="per_node")
+    cfg = TransferQueueLayout(storage_units="per_node")
     others = [start_for_rank(cfg, store, rank, local, node, "127.0.0.1", 5, driver=False)
               for rank, local, node in [(1, 1, 0), (3, 1, 1)]]
     assert all(t.unit is None for t in others)
@@ -79,24 +79,24 @@ def test_only_local_rank_0_of_other_nodes_hosts_a_unit(service):
     finally:
         host.stop()
     # The default keeps one unit: nobody else hosts one, and writers spread nothing.
-    assert start_for_rank(UnitsConfig(), store, 2, 0, 1, "127.0.0.1", 5, driver=False).unit is None
+    assert start_for_rank(TransferQueueLayout(), store, 2, 0, 1, "127.0.0.1", 5, driver=False).unit is None
     assert locality.local_unit() is None and locality.local_node() == 1
 
 
 def test_the_driver_must_be_on_node_0_and_the_storage_units_value_is_checked():
     with pytest.raises(LaunchError, match="must be on node 0"):
-        start_for_rank(UnitsConfig(storage_units="per_node"), _Store(), 0, 0, 1, "127.0.0.1", 5, driver=True)
+        start_for_rank(TransferQueueLayout(storage_units="per_node"), _Store(), 0, 0, 1, "127.0.0.1", 5, driver=True)
     with pytest.raises(LaunchError, match="storage_units"):
-        start_for_rank(UnitsConfig(storage_units="everywhere"), _Store(), 0, 0, 0, "127.0.0.1", 5, driver=True)
+        start_for_rank(TransferQueueLayout(storage_units="everywhere"), _Store(), 0, 0, 0, "127.0.0.1", 5, driver=True)
 
 
 def test_a_node_without_the_controller_address_fails_naming_it():
     with pytest.raises(LaunchError, match=r"rank 2 \(node 1\).*controller's address did not appear"):
-        start_for_rank(UnitsConfig(storage_units="per_node"), _Store(), 2, 0, 1, "127.0.0.1", 0.3, driver=False)
+        start_for_rank(TransferQueueLayout(storage_units="per_node"), _Store(), 2, 0, 1, "127.0.0.1", 0.3, driver=False)
 
 
 def test_a_unit_that_cannot_register_fails_within_its_timeout():
-    cfg = UnitsConfig(storage_units="per_node", register_timeout_s=1.0)
+    cfg = TransferQueueLayout(storage_units="per_node", register_timeout_s=1.0)
     with pytest.raises(LaunchError, match="storage unit 3 \\(node 3\\) did not register"):
         NodeUnit(_dead_address(), 3, "127.0.0.1", cfg)
 
@@ -107,7 +107,7 @@ def test_the_driver_names_nodes_whose_unit_is_missing(service):
 
 
 def test_node_unit_serves_writes_stops_cleanly_and_is_then_named_by_readers(service, tmp_path):
-    unit = NodeUnit(service.controller_address, 1, "127.0.0.1", UnitsConfig(storage_units="per_node"))
+    unit = NodeUnit(service.controller_address, 1, "127.0.0.1", TransferQueueLayout(storage_units="per_node"))
     c = TransferQueueClient(service.controller_address, timeout=1.0, wait_timeout=2.0, preferred_unit=1, node=1)
     try:
         c.create_partition("p")

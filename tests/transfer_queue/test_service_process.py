@@ -13,10 +13,9 @@ import time
 import pytest
 import torch
 
-from asyncflow.config import UnitsConfig
 from asyncflow.rpc import auth
 from asyncflow.single_controller.errors import LaunchError
-from asyncflow.single_controller.tq_units import CONTROLLER_KEY, start_for_rank, write_unit_stats
+from asyncflow.single_controller.tq_units import CONTROLLER_KEY, TransferQueueLayout, start_for_rank, write_unit_stats
 from asyncflow.transfer_queue import TransferQueueClient, TransferQueueConfig, TransferQueueError, locality
 from asyncflow.transfer_queue.service_process import ServiceProcess
 
@@ -55,7 +54,7 @@ def _gone(pid: int, timeout_s: float) -> bool:
 @pytest.mark.both_stacks
 def test_the_driver_rank_starts_the_service_in_a_child_that_serves_and_stops(tmp_path):
     store = _Store()
-    tq = start_for_rank(UnitsConfig(), store, 0, 0, 0, "127.0.0.1", 5, driver=True)
+    tq = start_for_rank(TransferQueueLayout(), store, 0, 0, 0, "127.0.0.1", 5, driver=True)
     service = tq.service
     assert isinstance(service, ServiceProcess) and service.pid != os.getpid()
     assert store.kv[CONTROLLER_KEY].decode() == service.controller_address
@@ -104,7 +103,7 @@ def test_a_service_that_cannot_start_fails_saying_so_and_a_keyless_one_refuses()
     with pytest.raises(TransferQueueError, match=r"exited with code \d+ before serving"):
         ServiceProcess(TransferQueueConfig(host="256.0.0.1"), start_timeout_s=60)
     with pytest.raises(LaunchError, match="transfer_queue.service: expected one of"):
-        start_for_rank(UnitsConfig(service="thread"), _Store(), 0, 0, 0, "127.0.0.1", 5, driver=True)
+        start_for_rank(TransferQueueLayout(service="thread"), _Store(), 0, 0, 0, "127.0.0.1", 5, driver=True)
     env = {k: v for k, v in os.environ.items() if k != auth.ENV_VAR}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, "-m", "asyncflow.transfer_queue.service_process"], env=env,
@@ -143,7 +142,7 @@ def test_the_service_imports_the_runs_modules_and_a_death_under_the_run_is_repor
 
 
 def test_the_service_can_stay_in_the_driver_ranks_threads():
-    tq = start_for_rank(UnitsConfig(service="driver"), _Store(), 0, 0, 0, "127.0.0.1", 5, driver=True)
+    tq = start_for_rank(TransferQueueLayout(service="driver"), _Store(), 0, 0, 0, "127.0.0.1", 5, driver=True)
     try:
         assert not isinstance(tq.service, ServiceProcess) and tq.service.controller is not None
     finally:

@@ -51,7 +51,7 @@ def continuation_seed(seed: int, done: int) -> int:
 
 
 @dataclass
-class _Row:
+class _VllmRow:
     """One request and what it has produced so far, across however many vLLM requests."""
 
     request: GenerationRequest
@@ -108,9 +108,9 @@ class VLLMRequests:
         self.max_model_len = max_model_len
         self.allow_filtered_log_probs = allow_filtered_log_probs
         self.salt_prompts = salt_prompts
-        self._held: dict[int | str, _Row] = {}  # admitted to vLLM at a step once min_version is held
-        self._live: dict[str, _Row] = {}  # vLLM request id -> row
-        self._known: dict[int | str, _Row] = {}  # held or live, by request id
+        self._held: dict[int | str, _VllmRow] = {}  # admitted to vLLM at a step once min_version is held
+        self._live: dict[str, _VllmRow] = {}  # vLLM request id -> row
+        self._known: dict[int | str, _VllmRow] = {}  # held or live, by request id
         self._ready: list[RequestResult] = []  # finished outside a vLLM step: returned by the next step
         self._vllm_ids = itertools.count()
         self.counters = {"finished": 0, "aborted": 0, "unknown_aborts": 0, "errors": 0, "swaps": 0,
@@ -134,7 +134,7 @@ class VLLMRequests:
             self.counters["finished"] += 1
             self._ready.append(_empty_result(rid, "length"))
             return
-        row = _Row(request, [int(t) for t in request.prompt_ids.tolist()])
+        row = _VllmRow(request, [int(t) for t in request.prompt_ids.tolist()])
         self._known[rid] = row
         self._held[rid] = row
 
@@ -244,7 +244,7 @@ class VLLMRequests:
         for rid in [rid for rid, row in self._held.items() if row.request.min_version <= version]:
             self._submit(self._held.pop(rid))
 
-    def _submit(self, row: _Row) -> None:
+    def _submit(self, row: _VllmRow) -> None:
         """Add the row to vLLM: prompt + tokens so far, the budget left, and a fresh seed when
         it continues a row (so its draws don't repeat those of its first tokens)."""
         req = row.request
@@ -266,7 +266,7 @@ class VLLMRequests:
         row.vllm_id = vllm_id
         self._live[vllm_id] = row
 
-    def _refused(self, row: _Row, why: str) -> None:
+    def _refused(self, row: _VllmRow, why: str) -> None:
         message = f"request {row.request.request_id!r}: {why}"
         if row.tokens:
             # It had started (e.g. refused when re-added after a swap): an "error" result has no
