@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["BACKENDS", "Platform", "get_platform"]
+__all__ = ["BACKENDS", "Platform", "get_platform", "resolve_dtype", "threads_per_rank", "usable_cpus"]
 
 # torch.distributed backend of each platform.
 BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -223,3 +223,37 @@ def _too_few_devices(platform: Platform, ranks_per_node: int) -> str | None:
             f"{platform.backend} runs one rank per device: run as many ranks per node as devices "
             "(trainer.nproc; on one device: trainer.nproc=1 placement.mode=colocated), "
             "or use platform 'cpu'")
+
+
+# ---- thread and dtype policy (what a rank takes of its node, by the kind of device) ----------
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, cgroup cpusets, Slurm's
+    binding), not the host's count, which oversubscribes a process confined to a few cores."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity API (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(threads: int, ranks_overlap: bool, ranks_per_node: int, cpus: int | None = None) -> int:
+    """torch threads per rank: ``threads`` when set (> 0); else, where the node's ranks compute
+    at the same time (``ranks_overlap``), its cores shared out among them (``LOCAL_WORLD_SIZE``
+    under torch's elastic agent, else ``ranks_per_node``); else 0 (torch's default: every
+    core), for ranks that take turns. Oversubscribed cores cost more than a second thread gains
+    at small sizes (perf/RESULTS.md)."""
+    if threads > 0:
+        return threads
+    if not ranks_overlap:
+        return 0
+    cpus = cpus or usable_cpus()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or ranks_per_node
+    return max(1, cpus // max(1, per_node))
+
+
+def resolve_dtype(setting: str, accelerator: bool) -> str:
+    """A dtype setting with ``auto`` resolved: bfloat16 on accelerators, float32 on CPU."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if accelerator else "float32"

@@ -114,7 +114,7 @@ _LENIENT = {
     "asyncflow/training",
     "asyncflow/metrics",
     "recipes",
-    "asyncflow/config.py",
+    "asyncflow/config",
     "asyncflow/algorithm_config.py",
     "asyncflow/platform.py",
     "asyncflow/cli.py",

@@ -23,6 +23,7 @@ from ..single_controller import Driver, DriverConfig, Group, GroupSpec
 from ..transfer_queue import AsyncTransferQueueClient, TransferQueueConfig, TransferQueueService
 from ..workflow.executor import Executor, ExecutorConfig, StepObserver, StepReport
 from ..workflow.source import PromptSource, longtail_budgets, row_seed
+from ..workflow.staleness import allowed_lag
 from . import probes
 from .costs import MODELS
 from .driver_data import DriverDataGroup, columns_before
@@ -95,7 +96,7 @@ class ClusterConfig:
     def tail(self) -> int:
         if self.tail_steps is not None:
             return self.tail_steps
-        return self.max_staleness if self.mode == "async" else 0
+        return allowed_lag(self.mode, self.max_staleness)
 
     @property
     def steps(self) -> int:

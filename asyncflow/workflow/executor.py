@@ -43,6 +43,7 @@ from ..weight_sync.publish import publish_and_swap
 from .ledger import Ledger
 from .reissue import RowsInFlight
 from .stages import DRIVER, DriverBatch, Stage
+from .staleness import allowed_lag, min_version
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class ExecutorConfig:
 
     @property
     def lag(self) -> int:
-        return self.max_staleness if self.mode == "async" else 0
+        return allowed_lag(self.mode, self.max_staleness)
 
 
 @dataclass
@@ -322,10 +323,10 @@ class Executor:
                 return
             # Issue step t once its rollout may start: version >= t - lag.
             def issuable(t: int = t) -> bool:
-                return self.actor_version >= t - cfg.lag or self._stop
+                return self.actor_version >= min_version(t, cfg.lag) or self._stop
 
             await self.ledger.wait_for(issuable, cfg.wait_timeout_s * 4,
-                                       f"policy version {t - cfg.lag} to issue step {t}")
+                                       f"policy version {min_version(t, cfg.lag)} to issue step {t}")
             if self._stop:
                 continue
             await self.tq.create_partition(partition_name(t))
@@ -396,7 +397,7 @@ class Executor:
             raise ValueError(f"rollout instance {k} holds at most {free} rows in flight, less than one group "
                              f"({g} rows): raise rollout.max_running_rows")
         def allowed(t: int) -> bool:
-            return self.instance_version[k] >= t - lag
+            return self.instance_version[k] >= min_version(t, lag)
 
         def wake() -> bool:  # lost, or rows given back by a lost instance that this one may take
             return k in self.out_of_service or self.rows_out.pending(allowed)
@@ -418,7 +419,7 @@ class Executor:
                 t, n = work
                 meta = await self._get_meta(stage, t, n)
             self.rows_out.hand_out(k, t, meta)
-            free = self._account(stage, inst, await inst.submit(meta, max(0, t - lag), want_free=g, wait_s=5.0,
+            free = self._account(stage, inst, await inst.submit(meta, min_version(t, lag), want_free=g, wait_s=5.0,
                                                                 io=io))
         if k in self.out_of_service:
             return
@@ -497,11 +498,11 @@ class Executor:
         lag = self.cfg.lag
         # Instances share the stage's row count (they pull from the same rows) but not the
         # weights gate: each takes step t once it holds version >= t - lag.
-        while work := await self._next_work(stage, index, lambda t: self.instance_version[k] >= t - lag):
+        while work := await self._next_work(stage, index, lambda t: self.instance_version[k] >= min_version(t, lag)):
             t, n = work
             meta = await self._get_meta(stage, t, n)
             await self._timed(stage, inst.role, inst.ranks, t, n,
-                              getattr(inst, stage.method)(meta, max(0, t - lag), stage.io.to_wire()))
+                              getattr(inst, stage.method)(meta, min_version(t, lag), stage.io.to_wire()))
 
     async def _map_loop(self, stage: Stage, index: int) -> None:
         group = self.groups[stage.role]
