@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .config import ConfigError, RunConfig, load_config
+from .resolved import ResolvedRun, resolve_run
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,9 @@ def parse_train_args(argv: Sequence[str]) -> tuple[str, list[str]]:
 
 
 def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
-    """Load and check the config, build the tiny model once, write the resolved config."""
+    """Load and check the config, build the recipe (a wrong one fails here), build the tiny model
+    once (``model.path``), write the config the run will use (``run_config.yaml``, for people:
+    the driver receives the resolved run itself, see ``train_main``)."""
     from omegaconf import OmegaConf
 
     from .trainer import resolve_model, source_columns
@@ -126,27 +129,28 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
                                   "answers (docs/configuration.md, section data)")
 
 
-def check_vllm(cfg: RunConfig, platform: str) -> None:
+def check_vllm(run: ResolvedRun) -> None:
     """rollout.engine=vllm: the installed vLLM takes the run's engine arguments, serves the
     model's architecture, runs on the run's platform and, where the placement must free the
-    instance's memory, can sleep. Imports vLLM (seconds), once, before any rank starts."""
+    instance's memory (``offload_idle``), can sleep. Imports vLLM (seconds), once, before any
+    rank starts."""
     import json
 
-    from .config import offload_idle
     from .engines.rollout.vllm_args import probe, problems
 
+    cfg, platform, offload_idle = run.config, run.derived.platform, run.derived.offload_idle
     facts = probe()
     cfg_json = Path(cfg.model.path).expanduser() / "config.json"
     archs = list(json.loads(cfg_json.read_text()).get("architectures") or [])
     found = problems(dict(cfg.rollout.engine_kwargs), facts, platform=platform, architectures=archs,
-                     want_sleep=offload_idle(cfg),
+                     want_sleep=offload_idle,
                      forced_sleep=str(cfg.placement.offload_idle).lower() in ("on", "true"))
     if cfg.model.lora.rank is not None and cfg.model.lora.vllm == "adapters" and not found:
         from .engines.rollout.vllm_lora import vllm_lora_problems
         found = vllm_lora_problems(archs, int(cfg.model.lora.rank))
     if found:
         raise ConfigError("rollout.engine=vllm:\n  " + "\n  ".join(found))
-    if offload_idle(cfg) and not facts.sleep_mode:
+    if offload_idle and not facts.sleep_mode:
         log.info("vLLM has no sleep mode on %s: the colocated rollout instance keeps its memory while the "
                  "training roles run (they still offload)", facts.device_type)
 
@@ -155,15 +159,13 @@ def train_main(argv: Sequence[str]) -> int:
     from .platform import get_platform
     from .single_controller.driver import DriverConfig
     from .single_controller.launch import LaunchConfig, launch_local, ranks_sharing_devices, run_from_env
-    from .trainer import CONFIG_ENV
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        cfg, path = prepare(argv)
+        cfg, _ = prepare(argv)
     except (ConfigError, FileNotFoundError, ImportError, AttributeError, ValueError) as e:
         print(f"asyncflow train: {e}", file=sys.stderr)
         return 2
-    os.environ[CONFIG_ENV] = str(path.resolve())
     if cfg.trainer.threads:
         os.environ["OMP_NUM_THREADS"] = str(cfg.trainer.threads)
     units = dataclasses.replace(cfg.transfer_queue, stats_path=cfg.transfer_queue.stats_path
@@ -175,15 +177,16 @@ def train_main(argv: Sequence[str]) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"asyncflow train: trainer.platform={cfg.trainer.platform}: {e}", file=sys.stderr)
         return 2
+    resolved = resolve_run(cfg, platform)  # once: the driver and every worker read these values
     if cfg.rollout.engine == "vllm":
         try:
-            check_vllm(cfg, platform)
+            check_vllm(resolved)
         except (ConfigError, ImportError) as e:
             print(f"asyncflow train: {e}", file=sys.stderr)
             return 2
-    run = LaunchConfig(main="asyncflow.trainer:driver_main", platform=platform,
-                    driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units,
-                    tq_imports=list(cfg.imports))
+    run = LaunchConfig(main="asyncflow.trainer:driver_main", main_args=(resolved,), platform=platform,
+                       driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units,
+                       tq_imports=list(cfg.imports))
     if "RANK" in os.environ:
         if cfg.fault.rollout_restarts:
             log.warning("fault.rollout_restarts under torchrun: its agent stops every rank when one dies, so a "

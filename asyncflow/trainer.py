@@ -11,19 +11,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig, load_config, to_dict
+from .config import RunConfig, to_dict
+from .resolved import ResolvedRun
 from .training import phases
 from .training.roles import RunRoles, start_roles, write_ranks
 from .workflow import checkpoints as ckpts
 from .workflow.checkpoints import RunState
 
 log = logging.getLogger("asyncflow.trainer")
-CONFIG_ENV = "ASYNCFLOW_CONFIG"
 
 
 def resolve_model(cfg: RunConfig) -> str:
@@ -58,12 +57,13 @@ def episode_summary(instances: list[dict]) -> dict[str, Any]:
 
 
 class Training:
-    def __init__(self, driver: Any, cfg: RunConfig):
+    def __init__(self, driver: Any, run: ResolvedRun):
         self.driver = driver
-        self.cfg = cfg
+        self.run_spec = run  # as the launcher resolved it: model.path and the derived values included
+        self.cfg = cfg = run.config
         self.out = Path(cfg.trainer.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        cfg.model.path = self.model_path = resolve_model(cfg)
+        self.model_path = cfg.model.path
         self.t0 = time.monotonic()
         self.summary: dict[str, Any] = {}
         self.warm_steps = 0
@@ -265,7 +265,9 @@ class Training:
 
         cfg = self.cfg
         recipe = find_recipe(cfg.recipe)
-        self.spec = recipe.build(cfg, source_columns(cfg))  # a wrong recipe fails before anything starts
+        # The launcher built it once to refuse a wrong recipe before any process started; its
+        # driver stages hold functions that need not pickle, so this process builds its own.
+        self.spec = recipe.build(cfg, source_columns(cfg))
         resume = ckpts.find_resume(self.out, cfg.trainer.resume)
         checkpoint = (resume, ckpts.load_state(resume)) if resume is not None else None
         state = checkpoint[1] if checkpoint is not None else None
@@ -287,7 +289,7 @@ class Training:
         self.tq = AsyncTransferQueueClient(self.driver.transfer_queue_address)
         try:
             await asyncio.to_thread(self._data)  # tokenizing the prompts must not stall the driver's heartbeat
-            self.roles: RunRoles = await start_roles(self.driver, cfg, self.spec, self.out)
+            self.roles: RunRoles = await start_roles(self.driver, self.run_spec, self.spec, self.out)
             episode = next((s.options.get("episode", "") for s in self.spec.stages if s.kind == "rollout"), "")
             self.evaluate = phases.Evaluator(cfg, self.roles, self.logger, self.data.eval_records, episode)
             if checkpoint is None:
@@ -330,11 +332,11 @@ class Training:
         return self.summary
 
 
-async def driver_main(driver: Any) -> None:
-    """The launch entry of rank 0 (``RunConfig.main``); the config comes through the environment."""
-    path = os.environ.get(CONFIG_ENV)
-    if not path:
-        raise RuntimeError(f"{CONFIG_ENV} is not set: start runs with `asyncflow train`")
+async def driver_main(driver: Any, run: ResolvedRun | None = None) -> None:
+    """The launch entry of rank 0 (``LaunchConfig.main``); ``run`` is the launcher's resolved run
+    (``LaunchConfig.main_args``), taken as it is: nothing is checked or resolved again."""
+    if not isinstance(run, ResolvedRun):
+        raise RuntimeError("asyncflow.trainer:driver_main needs the run the launcher resolved (its main_args): "
+                           "start runs with `asyncflow train`")
     logging.getLogger("asyncflow").setLevel(logging.INFO)
-    cfg = load_config(path)
-    await Training(driver, cfg).run()
+    await Training(driver, run).run()

@@ -144,3 +144,18 @@ def test_sampling_values_the_engines_refuse_are_config_errors_at_load(override, 
 def test_out_of_range_run_settings_are_config_errors_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, [override])
+
+
+def test_each_section_checks_its_own_values_and_check_gathers_them():
+    """A section's validate() lists its own problems (no other section needed); the loader's
+    check() reports every section's and the cross-section rules together."""
+    from asyncflow.config import RunConfig, TrainerConfig, WorkflowConfig, check
+    assert TrainerConfig().validate() == [] and WorkflowConfig().validate() == []
+    assert TrainerConfig(nproc=0).validate() == ["trainer.nproc: must be >= 1, got 0"]
+    assert WorkflowConfig(max_staleness=-1).validate() == ["workflow.max_staleness: must be >= 0, got -1"]
+    cfg = RunConfig()
+    cfg.trainer.nproc, cfg.workflow.max_staleness = 0, -1
+    cfg.placement.actor_ranks = [5]  # a cross-section rule: ranks within trainer.nproc (here not checked: nproc < 2)
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    assert "trainer.nproc: must be >= 1" in str(e.value) and "workflow.max_staleness: must be >= 0" in str(e.value)

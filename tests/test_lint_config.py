@@ -115,6 +115,7 @@ _LENIENT = {
     "asyncflow/metrics",
     "recipes",
     "asyncflow/config",
+    "asyncflow/resolved.py",
     "asyncflow/algorithm_config.py",
     "asyncflow/platform.py",
     "asyncflow/cli.py",

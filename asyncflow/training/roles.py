@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import RunConfig, to_dict
+from ..config import RunConfig
+from ..resolved import ResolvedRun
 from ..single_controller.driver import GroupSpec
 from ..workflow.stages import RecipeSpec
 
@@ -60,11 +61,13 @@ class RunRoles:
         return [*self.groups.values(), *self.instances]
 
 
-async def start_roles(driver: Any, cfg: RunConfig, spec: RecipeSpec, out: Path) -> RunRoles:
-    """Create every role's group (policy first: its ranks lead), then the weight-sync groups."""
+async def start_roles(driver: Any, run: ResolvedRun, spec: RecipeSpec, out: Path) -> RunRoles:
+    """Create every role's group (policy first: its ranks lead), then the weight-sync groups.
+    Each worker gets the resolved run in its wire form (``cfg``), rebuilt there unchecked."""
+    cfg = run.config
     place = Placement.from_config(cfg)
     roles = RunRoles(spec, place)
-    wire_cfg = to_dict(cfg)
+    wire_cfg = run.to_wire()
     order = sorted(spec.roles, key=lambda r: (r != spec.policy, r))
     for name in order:
         role = spec.roles[name]

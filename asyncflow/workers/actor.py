@@ -24,10 +24,10 @@ from .actor_loss import RolloutCorr, policy_loss_fn, sft_loss_fn
 from .common import (
     EngineCheckpoints,
     EngineOffload,
-    config_of,
     engine_optim,
     per_token_column,
     policy_model,
+    resolved_of,
     rows,
     setup_rank,
     train_engine_class,
@@ -52,14 +52,13 @@ def split_even(items: list, parts: int) -> list[list]:
 
 class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
     def __init__(self, cfg: dict, optim: str = "optim"):
-        from ..config import offload_idle, policy_loss_name
-
-        self.cfg = c = config_of(cfg)
-        setup_rank(c)
+        self.resolved = run = resolved_of(cfg, self.platform.name)
+        self.cfg = c = run.config
+        setup_rank(run)
         torch.manual_seed(c.trainer.seed + self.rank)
         self.optim_key = optim
         self.temperature = c.rollout.temperature
-        self.algo = dataclasses.replace(c.algorithm, policy_loss=policy_loss_name(c))
+        self.algo = dataclasses.replace(c.algorithm, policy_loss=run.derived.policy_loss)
         from ..engines.train.lora import LoraOptions
         lora = LoraOptions.from_model_config(c.model)  # None: every weight trains
         self.engine = train_engine_class(c.model.train_engine)(
@@ -72,7 +71,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.sender: Any = None  # a weight_sync.send.BucketSender once init_weight_sync ran
         self._ws_store = self._ws_addr = None  # this rank's weight-sync group store (open_weight_sync)
         self.published = 0
-        self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
+        self.start_idle(run.derived.offload_idle)  # colocated placement: free the device while other roles run
 
     # ---- optimisation ----------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
@@ -258,7 +257,6 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         """Join this rank's group (member 0; returns once every receiver has joined). An
         instance in this rank's process gets the tensors in process instead; ``gather_all``:
         some training rank has one, so every rank gathers every tensor whole."""
-        from ..config import rollout_dtype
         from ..weight_sync.protocol import torch_dtype
         from ..weight_sync.send import BucketSender
         from ..weight_sync.sinks import local_sinks
@@ -273,7 +271,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.sender = BucketSender(self.rank, self.group_rank, group, local_sinks, timeout_s=w.timeout_s,
                                    max_inflight=w.max_inflight, role=self.role, train_ranks=list(self.layout.ranks),
                                    gather_all=bool(gather_all))
-        self.sync_dtype = torch_dtype(rollout_dtype(self.cfg, self.platform.is_accelerator))
+        self.sync_dtype = torch_dtype(self.resolved.derived.rollout_dtype)
         self.bucket_bytes = int(w.bucket_mb * 2**20)
         # An engine that says before writing its parameters lets publish return before the
         # receivers have read them: the next update overlaps the transfer.

@@ -7,23 +7,45 @@ from typing import Any
 
 import torch
 
+from ..config import RunConfig, from_dict, rank_threads
+from ..resolved import WIRE_KEY, ResolvedRun, is_wire, resolve_run
 from ..single_controller import Dispatch, register
 
-# rows: also the import path docs/recipes.md gives custom workers (with config_of, setup_rank)
+# rows: also the import path docs/recipes.md gives custom workers (with resolved_of, config_of, setup_rank)
 from ..transfer_queue.row_lists import rows
 
 
-def config_of(cfg: Any) -> Any:
+def resolved_of(cfg: Any, platform: str = "cpu") -> ResolvedRun:
+    """The resolved run a worker is built with. The driver sends the launcher's, in its wire
+    form: rebuilt here, nothing checked or resolved again. A worker built by hand (a test, a
+    driver of your own) with a plain config (the tree or its dict) gets its values derived
+    here, on ``platform`` (the worker's ``self.platform.name``)."""
+    if isinstance(cfg, ResolvedRun):
+        return cfg
+    if is_wire(cfg):
+        return ResolvedRun.from_wire(cfg)
+    return resolve_run(cfg if isinstance(cfg, RunConfig) else from_dict(cfg), platform)
+
+
+def config_of(cfg: Any) -> RunConfig:
     """The run's config as the dataclass tree (a worker receives it as a dict)."""
-    from ..config import RunConfig, from_dict
+    if isinstance(cfg, ResolvedRun):
+        return cfg.config
+    if is_wire(cfg):
+        return from_dict(cfg[WIRE_KEY]["config"])
     return cfg if isinstance(cfg, RunConfig) else from_dict(cfg)
 
 
-def setup_rank(cfg: Any) -> None:
-    """What every role worker does first with the run's config: threads, user imports."""
-    from ..config import rank_threads
-    set_threads(rank_threads(cfg))
-    import_modules(list(cfg.imports))
+def setup_rank(run: ResolvedRun | RunConfig) -> None:
+    """What every role worker does first: torch threads (the resolved run's ``rank_threads``),
+    the config's ``imports``. Given a bare config (a custom worker's ``config_of(cfg)``), the
+    threads are derived here by the same rule."""
+    if isinstance(run, ResolvedRun):
+        set_threads(run.derived.rank_threads)
+        import_modules(list(run.config.imports))
+    else:
+        set_threads(rank_threads(run))
+        import_modules(list(run.imports))
 
 
 def policy_model(cfg: Any) -> Any:

@@ -9,10 +9,10 @@ from ..workflow.stages import StageIO
 from .common import (
     EngineCheckpoints,
     EngineOffload,
-    config_of,
     engine_optim,
     per_token_column,
     policy_model,
+    resolved_of,
     rows,
     setup_rank,
     train_engine_class,
@@ -21,15 +21,14 @@ from .common import (
 
 class CriticWorker(EngineCheckpoints, EngineOffload, Worker):
     def __init__(self, cfg: dict, optim: str = "critic_optim"):
-        from ..config import offload_idle
-
-        self.cfg = c = config_of(cfg)
-        setup_rank(c)
+        run = resolved_of(cfg, self.platform.name)
+        self.cfg = c = run.config
+        setup_rank(run)
         self.optim_key = optim
         self.engine = train_engine_class(c.model.train_engine)(
             policy_model(c), engine_optim(c, optim), process_group=self.process_group, platform=self.platform,
             value_head=True)
-        self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
+        self.start_idle(run.derived.offload_idle)  # colocated placement: free the device while other roles run
 
     @register(Dispatch.ONE_TO_ALL)
     def reset_optimizer(self, phase: str = "rl") -> None:

@@ -6,22 +6,22 @@ from typing import Any
 from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
-from .common import EngineOffload, config_of, per_token_column, policy_model, setup_rank, train_engine_class
+from .common import EngineOffload, per_token_column, policy_model, resolved_of, setup_rank, train_engine_class
 
 
 class ReferenceWorker(EngineOffload, Worker):
     def __init__(self, cfg: dict):
-        from ..config import offload_idle
         from ..engines.train import OptimConfig
 
-        c = config_of(cfg)
-        setup_rank(c)
+        run = resolved_of(cfg, self.platform.name)
+        c = run.config
+        setup_rank(run)
         self.temperature = c.rollout.temperature
         # A training engine that never steps (its optimizer is never used): the same sharding
         # and log-prob code as the actor.
         self.engine = train_engine_class(c.model.train_engine)(policy_model(c), OptimConfig(lr=1.0),
                                                                process_group=self.process_group, platform=self.platform)
-        self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
+        self.start_idle(run.derived.offload_idle)  # colocated placement: free the device while other roles run
 
     @register(Dispatch.ONE_TO_ALL)
     def load_reference(self, path: str) -> None:

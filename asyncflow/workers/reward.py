@@ -17,7 +17,7 @@ from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
 from ..transfer_queue.row_lists import rows, values
 from ..workflow.stages import StageIO
-from .common import config_of, setup_rank
+from .common import resolved_of, setup_rank
 
 
 def reward_kwargs(fn: Any, extra: list[dict]) -> list[dict]:
@@ -91,8 +91,9 @@ class RewardWorker(Worker):
     def __init__(self, cfg: dict):
         from ..models.loading import eos_token_ids, load_tokenizer
 
-        c = config_of(cfg)
-        setup_rank(c)
+        run = resolved_of(cfg, self.platform.name)
+        c = run.config
+        setup_rank(run)
         tokenizer = load_tokenizer(c.model.path)
         self.scorer = RowScorer(c.reward, tokenizer, set(eos_token_ids(c.model.path, tokenizer)))
 

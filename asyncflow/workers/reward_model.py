@@ -8,7 +8,7 @@ import torch
 
 from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
-from .common import EngineOffload, config_of, setup_rank, share_column, train_engine_class
+from .common import EngineOffload, resolved_of, setup_rank, share_column, train_engine_class
 
 
 def score_sequences(engine: Any, prompts: list[torch.Tensor], responses: list[torch.Tensor],
@@ -22,12 +22,12 @@ def score_sequences(engine: Any, prompts: list[torch.Tensor], responses: list[to
 
 class RewardModelWorker(EngineOffload, Worker):
     def __init__(self, cfg: dict):
-        from ..config import offload_idle
         from ..engines.train import OptimConfig
         from ..models.loading import load_reward_model, load_tokenizer
 
-        c = config_of(cfg)
-        setup_rank(c)
+        run = resolved_of(cfg, self.platform.name)
+        c = run.config
+        setup_rank(run)
         if not c.reward.model_path:
             raise ValueError("RewardModelWorker: reward.model_path names no reward model checkpoint")
         self.pad_id = int(load_tokenizer(c.model.path).pad_token_id)
@@ -36,7 +36,7 @@ class RewardModelWorker(EngineOffload, Worker):
         self.engine = train_engine_class(c.model.train_engine)(
             lambda: load_reward_model(path, attn_implementation=attn),
             OptimConfig(lr=1.0), process_group=self.process_group, platform=self.platform, value_head=True)
-        self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
+        self.start_idle(run.derived.offload_idle)  # colocated placement: free the device while other roles run
 
     @register(Dispatch.ONE_TO_ALL)
     def compute(self, meta: Any, io: dict | None = None) -> None:

@@ -33,7 +33,7 @@ from ..engines.rollout.base import GenerationRequest
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
-from .common import EngineOffload, config_of, setup_rank
+from .common import EngineOffload, resolved_of, setup_rank
 from .reward import reward_kwargs
 from .rollout_stream import ROLLOUT_INPUTS, RowStream, ScoreContext, row_inputs, scored_columns, stage_params
 
@@ -45,12 +45,12 @@ def lora_scale(lora: Any) -> float | None:
 
 class RolloutWorker(EngineOffload, Worker):
     def __init__(self, cfg: dict, sync_timeout_s: float = 300.0):
-        from ..config import offload_idle
         from ..engines.rollout.service import RolloutService
         from ..models.loading import eos_token_ids, load_tokenizer
 
-        c = config_of(cfg)
-        setup_rank(c)
+        run = resolved_of(cfg, self.platform.name)
+        c = run.config
+        setup_rank(run)
         r = c.rollout
         self.tokenizer = load_tokenizer(c.model.path)
         eos = eos_token_ids(c.model.path, self.tokenizer)
@@ -58,18 +58,17 @@ class RolloutWorker(EngineOffload, Worker):
         self._scorer: Any = None  # a RowScorer, made when a stage first asks for scores
         self._scorer_lock = threading.Lock()
         if r.engine == "builtin":
-            from ..config import rollout_dtype
             from ..engines.rollout.builtin import BuiltinRolloutEngine
             from ..models.loading import load_causal_lm
             model = load_causal_lm(c.model.path, attn_implementation=c.model.attn_implementation or None,
-                                   dtype=rollout_dtype(c, self.platform.is_accelerator),
+                                   dtype=run.derived.rollout_dtype,
                                    device=str(self.device))
             self.engine = BuiltinRolloutEngine(model, eos_token_ids=eos, pad_token_id=self.tokenizer.pad_token_id,
                                                device=self.device, max_running_rows=r.max_running_rows,
                                                max_kv_tokens=r.max_kv_tokens, prefill_chunk=r.prefill_chunk,
                                                lora_scale=lora_scale(c.model.lora))
         elif r.engine == "vllm":
-            self.engine = self._vllm_engine(c)
+            self.engine = self._vllm_engine(run)
         else:
             raise ValueError(f"rollout worker rank {self.rank}: unknown engine {r.engine!r} (builtin | vllm)")
         self.engine.version = 0
@@ -96,20 +95,21 @@ class RolloutWorker(EngineOffload, Worker):
         self.sync_timeout_s = sync_timeout_s
         self.seq = 0  # publish counter of the weights held
         # colocated placement: free the device while other roles run (vLLM: only where it can sleep)
-        self.start_idle(offload_idle(c) and bool(getattr(self.engine, "enable_sleep_mode", True)))
+        self.start_idle(run.derived.offload_idle and bool(getattr(self.engine, "enable_sleep_mode", True)))
 
-    def _vllm_engine(self, c: Any) -> Any:
+    def _vllm_engine(self, run: Any) -> Any:
         """The vLLM instance of this rank: the run's rollout dtype, its devices (tensor parallel
         over several), on CPU its share of the node's cores, and rollout.engine_kwargs."""
         import json
         import os
         from pathlib import Path
 
-        from ..config import offload_idle, rank_threads, rollout_devices, rollout_dtype
+        from ..config import rollout_devices
         from ..engines.rollout.vllm import VLLMRolloutEngine
         from ..engines.rollout.vllm_args import cpu_bind, kv_cache_bytes, usable_cores
         from ..engines.rollout.vllm_lora import LoraSpec
         from ..weight_sync.protocol import torch_dtype
+        c, derived = run.config, run.derived
         r = c.rollout
         extra = dict(r.engine_kwargs)
         tp = extra.pop("tensor_parallel_size", None)
@@ -121,19 +121,19 @@ class RolloutWorker(EngineOffload, Worker):
         if self.device.type == "cpu":
             local = int(os.environ.get("LOCAL_RANK", self.rank))
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or c.trainer.nproc
-            bind = cpu_bind(usable_cores(), local, per_node, rank_threads(c), int(tp or 1))
+            bind = cpu_bind(usable_cores(), local, per_node, derived.rank_threads, int(tp or 1))
             if "kv_cache_memory_bytes" not in extra:
                 hf = json.loads((Path(c.model.path) / "config.json").read_text())
                 longest = int(extra.get("max_model_len") or hf.get("max_position_embeddings") or 4096)
                 extra["kv_cache_memory_bytes"] = kv_cache_bytes(
                     hf, max_rows=r.max_running_rows, max_len=longest,
-                    dtype_bytes=torch_dtype(rollout_dtype(c, False)).itemsize)
+                    dtype_bytes=torch_dtype(derived.rollout_dtype).itemsize)
         lo = c.model.lora  # adapters through vLLM's LoRA support, else the merged weights (plain weights)
         lora = LoraSpec(int(lo.rank), float(lo.alpha)) if lo.rank is not None and lo.vllm == "adapters" else None
         return VLLMRolloutEngine(c.model.path, devices=devices, tensor_parallel_size=tp, lora=lora,
                                  gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_running_rows,
-                                 dtype=rollout_dtype(c, self.platform.is_accelerator), seed=c.trainer.seed,
-                                 enable_sleep_mode=None if offload_idle(c) else False, cpu_bind=bind, **extra)
+                                 dtype=derived.rollout_dtype, seed=c.trainer.seed,
+                                 enable_sleep_mode=None if derived.offload_idle else False, cpu_bind=bind, **extra)
 
     def teardown(self) -> None:
         """Stop the episodes' loop (and endpoint), the service thread, then the engine's own processes."""
