@@ -91,7 +91,7 @@ class RewardWorker(Worker):
     def __init__(self, cfg: dict):
         from ..models.loading import eos_token_ids, load_tokenizer
 
-        run = resolved_of(cfg, self.platform.name)
+        run = resolved_of(cfg)  # (a rule over text: the platform-dependent values are not read here)
         c = run.config
         setup_rank(run)
         tokenizer = load_tokenizer(c.model.path)
