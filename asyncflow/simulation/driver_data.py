@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..transfer_queue.meta import BatchMeta
+from ..workflow.update_request import UpdateRequest
 from .workers import lengths, pack, unpack
 
 
@@ -106,11 +107,12 @@ class DriverDataGroup:
         await self._write(parts, outs)
 
     # ---- the update: the driver samples the step's rows and sends each rank its share ---------------
-    async def update(self, step: int, batch: dict, io: dict) -> list:
+    async def update(self, step: int, request: dict, io: dict) -> list:
         layout = self.group.layout
-        meta = await self.tq.get_meta(list(io["inputs"]), int(batch["rows"]), batch["task"], batch["partition"],
+        req = UpdateRequest.from_wire(request)
+        meta = await self.tq.get_meta(list(io["inputs"]), req.rows, req.task, req.partition,
                                       {"name": "token_balanced", "dp_size": layout.dp_size},
-                                      timeout=float(batch["timeout_s"]))
+                                      timeout=req.timeout_s)
         parts = self._split(meta)
         cols = await self._columns(parts, self._names(io))
         largest = float(max((self._tokens(c) for c in cols), default=0))

@@ -30,6 +30,7 @@ from ..transfer_queue.columns import Column, FixedColumn, JaggedColumn, column_f
 from ..transfer_queue.meta import BatchMeta
 from ..workers.rollout_stream import ROLLOUT_INPUTS, RowStream
 from ..workflow.stages import StageIO
+from ..workflow.update_request import UpdateRequest
 from .engine import SimRequestEngine
 from .spec import SimSpec
 from .stragglers import slowdowns, slowest
@@ -302,11 +303,11 @@ class SimActorWorker(_LogProbs):
         return {"rows": n, "response_tokens": resp, "prompt_tokens": prompt}
 
     @register(Dispatch.ONE_TO_ALL)
-    def update(self, step: int, batch: dict, io: dict | None = None) -> dict:
-        stage = StageIO.of(io)
-        meta = self.tq.get_meta(stage.inputs, int(batch["rows"]), batch["task"], batch["partition"],
+    def update(self, step: int, request: dict, io: dict | None = None) -> dict:
+        req, stage = UpdateRequest.from_wire(request), StageIO.of(io)
+        meta = self.tq.get_meta(stage.inputs, req.rows, req.task, req.partition,
                                 {"name": "token_balanced", "dp_size": self.dp_size},
-                                timeout=float(batch["timeout_s"]), dp_group=self.role,
+                                timeout=req.timeout_s, dp_group=self.role,
                                 dp_rank=self.dp_rank, dp_size=self.dp_size)
         mine = meta.part(self.dp_size, self.dp_rank)
         if not len(mine):
