@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from .. import column_names as col
 from ..workflow.executor import StepObserver, StepReport
 
 
@@ -56,8 +57,8 @@ class StepMetrics(StepObserver):
                 "staleness_mean": t["stale_sum"] / max(t["rows"], 1.0), "staleness_max": t["stale_max"]}
 
 
-AUDIT_COLUMNS = ["prompt_index", "seed", "response_ids", "gen_version", "scores", "token_versions", "loss_mask",
-                 "episode"]
+AUDIT_COLUMNS = [col.PROMPT_INDEX, col.SEED, col.RESPONSE_IDS, col.GEN_VERSION, col.SCORES, col.TOKEN_VERSIONS,
+                 col.LOSS_MASK, col.EPISODE]
 
 
 class SampleAudit(StepObserver):
@@ -70,7 +71,7 @@ class SampleAudit(StepObserver):
     def __init__(self, path: Path, tq: Any, append: bool, columns: list[str], decode: Any = None):
         self.tq = tq
         self.decode = decode  # a tokenizer: episodes (rows with a loss mask) get their text too
-        audit = [*AUDIT_COLUMNS, "prompt"] if decode is not None else AUDIT_COLUMNS  # episodes: with their prompt
+        audit = [*AUDIT_COLUMNS, col.PROMPT] if decode is not None else AUDIT_COLUMNS  # episodes: with their prompt
         self.columns = [c for c in audit if c in set(columns)]
         self.file = open(path, "a" if append else "w")
 
@@ -78,22 +79,22 @@ class SampleAudit(StepObserver):
         cols = await self.tq.get_columns(meta, self.columns)
         lines: list[dict[str, Any]] = [{"step": step, "uid": int(meta.groups[i]) if meta.groups else -1}
                                        for i in range(len(meta))]
-        for name, col in cols.items():
-            key = "score" if name == "scores" else name
-            if col.kind == "object":
-                for line, v in zip(lines, col.items):
+        for name, column in cols.items():
+            key = "score" if name == col.SCORES else name
+            if column.kind == "object":
+                for line, v in zip(lines, column.items):
                     line[key] = v
-            elif col.kind == "jagged":
-                offs, vals = col.offsets.tolist(), col.values.tolist()
+            elif column.kind == "jagged":
+                offs, vals = column.offsets.tolist(), column.values.tolist()
                 for i, line in enumerate(lines):
                     line[key] = vals[offs[i]:offs[i + 1]]
             else:
-                for line, v in zip(lines, col.data.tolist()):
+                for line, v in zip(lines, column.data.tolist()):
                     line[key] = v
-        if self.decode is not None and "loss_mask" in cols:
+        if self.decode is not None and col.LOSS_MASK in cols:
             from ..agents.runner import render_turns
             for line in lines:
-                line["text"] = render_turns(self.decode, line["response_ids"], line["loss_mask"])
+                line["text"] = render_turns(self.decode, line[col.RESPONSE_IDS], line[col.LOSS_MASK])
         for line in lines:
             self.file.write(json.dumps(line) + "\n")
         self.file.flush()

@@ -7,6 +7,7 @@ import logging
 import random
 from typing import Any
 
+from .. import column_names as col
 from ..config import RunConfig
 from ..weight_sync.publish import publish_and_swap
 from .roles import RunRoles
@@ -49,7 +50,7 @@ class Evaluator:
     def __init__(self, cfg: RunConfig, roles: RunRoles, logger: Any, records: list[dict], episode: str = ""):
         self.cfg, self.roles, self.logger = cfg, roles, logger
         self.episode = episode  # multi-turn recipes: each prompt is a greedy episode scored by itself
-        self.prompts = [[int(x) for x in r["prompt_ids"]] for r in records]
+        self.prompts = [[int(x) for x in r[col.PROMPT_IDS]] for r in records]
         self.answers = [str(r["answer"]) for r in records]
         # what a reward function gets besides response and answer, as in training
         self.extra = [{**dict(r.get("metadata") or {}), "prompt": str(r.get("prompt", ""))} for r in records]

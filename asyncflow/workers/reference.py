@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import column_names as col
 from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
 from ..workflow.stages import StageIO
@@ -34,5 +35,5 @@ class ReferenceWorker(EngineOffload, Worker):
     @charged("ref_log_prob")
     def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
         """[prompt, response] -> the reference's per-token log-probs."""
-        per_token_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["ref_log_probs"]),
+        per_token_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.REF_LOG_PROBS]),
                          lambda p, r: self.engine.compute_log_probs(p, r, temperature=self.temperature)[0])

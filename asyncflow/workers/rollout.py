@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .. import column_names as col
 from ..agents.episode import EpisodeLimits
 from ..agents.runner import EpisodeRunner, episode_columns, episode_rows, show_episode
 from ..cpu_account import charged
@@ -368,13 +369,13 @@ class RolloutWorker(EngineOffload, Worker):
         version = int(self.engine.version)
         extra = list(extra) if extra is not None else [{} for _ in prompts]
         # the same shape as a training row: prompt text, answer, seed and the record's metadata
-        rows = [{"prompt_ids": list(p), "answer": a, "seed": i, "prompt": e.get("prompt", ""),
-                 "metadata": {k: v for k, v in e.items() if k != "prompt"}}
+        rows = [{col.PROMPT_IDS: list(p), col.ANSWER: a, col.SEED: i, col.PROMPT: e.get("prompt", ""),
+                 col.METADATA: {k: v for k, v in e.items() if k != "prompt"}}
                 for i, (p, a, e) in enumerate(zip(prompts, answers, extra))]
         call = next(self._call_ids)
         futs = [self.episodes.start(episode, row, params, version, ("eval-episode", call, i), count=False)
                 for i, row in enumerate(rows)]
-        futs += [self.episodes.start(episode, {**rows[i], "seed": seed}, sampled, version,
+        futs += [self.episodes.start(episode, {**rows[i], col.SEED: seed}, sampled, version,
                                      ("eval-episode-sample", call, k), count=False)
                  for k, (i, seed) in enumerate(draws)]
         every = [f.result(self.sync_timeout_s) for f in futs]

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .. import column_names as col
 from ..agents.runner import episode_columns
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import result_columns
@@ -30,8 +31,8 @@ from ..engines.rollout.columns import result_columns
 __all__ = ["RowStream", "ScoreContext", "group_leaders", "row_inputs", "stage_params"]
 
 
-ROLLOUT_INPUTS = ["prompt_ids", "seed"]
-SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "max_new_tokens")
+ROLLOUT_INPUTS = [col.PROMPT_IDS, col.SEED]
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", col.MAX_NEW_TOKENS)
 
 
 def row_inputs(data: Any, inputs: list[str] | None = None) -> tuple[list[torch.Tensor], list[int], list[int | None]]:
@@ -43,8 +44,8 @@ def row_inputs(data: Any, inputs: list[str] | None = None) -> tuple[list[torch.T
         raise ValueError(f"a rollout stage reads [prompt, seed] columns first; it declares {names}")
     prompts = rows(data[names[0]])
     seeds = [int(s) for s in values(data[names[1]])]
-    budget = "max_new_tokens" in data.keys()  # the data holds the stage's inputs only
-    budgets = ([int(b) for b in values(data["max_new_tokens"])] if budget else [None] * len(prompts))
+    budget = col.MAX_NEW_TOKENS in data.keys()  # the data holds the stage's inputs only
+    budgets = ([int(b) for b in values(data[col.MAX_NEW_TOKENS])] if budget else [None] * len(prompts))
     return prompts, seeds, budgets
 
 
@@ -88,11 +89,11 @@ class ScoreContext:
     def of(data: Any, n: int, stage: str) -> ScoreContext:
         from ..transfer_queue.row_lists import values
         keys = set(data.keys())
-        if "answer" not in keys:
+        if col.ANSWER not in keys:
             raise ValueError(f"{stage}: a rollout stage with score_into reads the 'answer' column (and "
                              f"optionally 'prompt' and 'metadata'); it reads {sorted(keys)}")
-        ctx = ScoreContext(values(data["answer"]), values(data["prompt"]) if "prompt" in keys else None,
-                           values(data["metadata"]) if "metadata" in keys else None)
+        ctx = ScoreContext(values(data[col.ANSWER]), values(data[col.PROMPT]) if col.PROMPT in keys else None,
+                           values(data[col.METADATA]) if col.METADATA in keys else None)
         if len(ctx.answers) != n:
             raise ValueError(f"{stage}: {len(ctx.answers)} answers for {n} rows")
         return ctx
