@@ -103,8 +103,7 @@ class SimWorker(Worker):
 
     def _get_columns(self, meta: BatchMeta, names: list[str]) -> dict[str, Column]:
         """Rows ``meta`` of columns ``names`` as Columns, from this rank's blocking client."""
-        # transfer_queue's TransferQueue Protocol (self.tq's type) lists no get_columns; the client has it.
-        return self.tq.get_columns(meta, names)  # type: ignore[attr-defined]  # not in the Protocol
+        return self.tq.get_columns(meta, names)
 
     # colocated placement: the role that goes idle moves its state to host memory and back
     def offload(self) -> None:

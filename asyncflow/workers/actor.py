@@ -12,7 +12,7 @@ import logging
 import math
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ from .common import (
     setup_rank,
     train_engine_class,
 )
+
+if TYPE_CHECKING:  # imported where the group is opened
+    from ..weight_sync.wire_group import WireAddress
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,9 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.lora_sync = "merged" if c.rollout.engine == "vllm" and c.model.lora.vllm == "merged" else "adapters"
         self._merged: Any = None  # the merged tensors of the last publish, alive while they are on the wire
         self.sender: Any = None  # a weight_sync.send.BucketSender once init_weight_sync ran
-        self._ws_store = self._ws_addr = None  # this rank's weight-sync group store (open_weight_sync)
+        # this rank's weight-sync group store and its address (open_weight_sync)
+        self._ws_store: Any = None
+        self._ws_addr: WireAddress | None = None
         self.published = 0
         self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
 
@@ -106,7 +111,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     @charged("old_log_prob")
-    def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
+    def compute_log_probs(self, meta: Any, io: StageIO | dict[str, Any] | None = None) -> None:
         """Log-probs of the responses under the weights held now (proximal log-probs, the
         weights the next update starts from): [prompt, response] -> one per-token column."""
         per_token_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.OLD_LOG_PROBS]),
@@ -114,7 +119,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     @charged("ref_log_prob")
-    def compute_ref_log_probs(self, meta: Any, io: dict | None = None) -> None:
+    def compute_ref_log_probs(self, meta: Any, io: StageIO | dict[str, Any] | None = None) -> None:
         """LoRA: the reference's log-probs, from this model with its adapters off (no second
         model): [prompt, response] -> one per-token column."""
         per_token_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.REF_LOG_PROBS]),
@@ -246,7 +251,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
 
     # ---- weights out -----------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
-    def open_weight_sync(self, members: int) -> Any:
+    def open_weight_sync(self, members: int) -> dict[str, Any] | None:
         """Host the store of this rank's weight-sync group of ``members`` (this rank and every
         receiving endpoint); return its address as a dict (None: no receiver over the wire)."""
         from ..weight_sync.wire_group import open_store

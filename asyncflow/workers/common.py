@@ -124,6 +124,11 @@ class EngineCheckpoints:
     """A worker's training engine (model, optimizer, LR schedule, RNG per rank) into and out
     of a run checkpoint. Mixed into the workers that train (actor, critic)."""
 
+    # A TrainEngine; Any because the actor also calls what only some engines have (the FSDP
+    # engine's model, train_part and base_changed; compute_log_probs' adapters switch), which the
+    # TrainEngine ABC lacks.
+    engine: Any
+
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, extra: dict) -> None:
         self.engine.save_checkpoint(path, extra)

@@ -37,26 +37,26 @@ class CriticWorker(EngineCheckpoints, EngineOffload, Worker):
         self.engine.reset_optimizer(engine_optim(self.cfg, self.optim_key, phase))
 
     @register(Dispatch.ONE_TO_ALL)
-    def compute_values(self, meta: Any, io: dict | None = None) -> None:
+    def compute_values(self, meta: Any, io: StageIO | dict[str, Any] | None = None) -> None:
         """[prompt, response] -> one value per response token."""
         per_token_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.VALUES]),
                          self.engine.compute_values)
 
     @register(Dispatch.ONE_TO_ALL)
-    def update(self, meta: Any, io: dict | None = None) -> dict:
+    def update(self, meta: Any, io: StageIO | dict[str, Any] | None = None) -> dict:
         """One value-loss step on this rank's share: [prompt, response, values, returns], plus a
         ``loss_mask`` column when the stage reads one (multi-turn rows: only model tokens, 1, are
         regressed on and counted; tool/environment tokens, 0, are not)."""
         from ..algorithms import VALUE_LOSSES
         from ..algorithms.aggregate import aggregate
 
-        io = StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS, col.VALUES, col.RETURNS], [])
-        positional = [c for c in io.inputs if c != col.LOSS_MASK]
+        stage = StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS, col.VALUES, col.RETURNS], [])
+        positional = [c for c in stage.inputs if c != col.LOSS_MASK]
         if len(positional) < 4:
             raise ValueError(f"critic rank {self.rank}: update reads [prompt, response, values, returns] "
-                             f"columns (and optionally loss_mask); the stage declares {io.inputs}")
+                             f"columns (and optionally loss_mask); the stage declares {stage.inputs}")
         p_col, r_col, v_col, ret_col = positional[:4]
-        mask_cols = [col.LOSS_MASK] if col.LOSS_MASK in io.inputs else []
+        mask_cols = [col.LOSS_MASK] if col.LOSS_MASK in stage.inputs else []
         mine = meta.part(self.dp_size, self.dp_rank)
         data = self.tq.get_columns(mine, [p_col, r_col, v_col, ret_col, *mask_cols]) if len(mine) else None
         pick = (lambda c: [x.float() if c in (v_col, ret_col) else x for x in rows(data[c])]) if data is not None \

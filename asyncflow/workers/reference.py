@@ -33,7 +33,7 @@ class ReferenceWorker(EngineOffload, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     @charged("ref_log_prob")
-    def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
+    def compute_log_probs(self, meta: Any, io: StageIO | dict[str, Any] | None = None) -> None:
         """[prompt, response] -> the reference's per-token log-probs."""
         per_token_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.REF_LOG_PROBS]),
                          lambda p, r: self.engine.compute_log_probs(p, r, temperature=self.temperature)[0])

@@ -99,13 +99,13 @@ class RewardWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     @charged("reward")
-    def compute(self, data: Any, io: dict | None = None) -> dict:
+    def compute(self, data: Any, io: StageIO | dict[str, Any] | None = None) -> dict:
         """[response, answer, and optionally prompt, metadata] -> one score per row."""
-        io = StageIO.of(io, [col.RESPONSE_IDS, col.ANSWER], [col.SCORES])
-        return {io.outputs[0]: self.scorer.score(
-            rows(data[io.inputs[0]]), values(data[io.inputs[1]]),
-            values(data[col.PROMPT]) if col.PROMPT in io.inputs else None,
-            values(data[col.METADATA]) if col.METADATA in io.inputs else None)}
+        stage = StageIO.of(io, [col.RESPONSE_IDS, col.ANSWER], [col.SCORES])
+        return {stage.outputs[0]: self.scorer.score(
+            rows(data[stage.inputs[0]]), values(data[stage.inputs[1]]),
+            values(data[col.PROMPT]) if col.PROMPT in stage.inputs else None,
+            values(data[col.METADATA]) if col.METADATA in stage.inputs else None)}
 
     @register(Dispatch.ONE_TO_ALL)
     def reward_stats(self) -> dict:

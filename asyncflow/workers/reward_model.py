@@ -40,7 +40,7 @@ class RewardModelWorker(EngineOffload, Worker):
         self.start_idle(offload_idle(c))  # colocated placement: free the device while other roles run
 
     @register(Dispatch.ONE_TO_ALL)
-    def compute(self, meta: Any, io: dict | None = None) -> None:
+    def compute(self, meta: Any, io: StageIO | dict[str, Any] | None = None) -> None:
         """[prompt, response] -> the reward model's score of each whole sequence."""
         share_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.SCORES]),
                      lambda p, r: torch.tensor(score_sequences(self.engine, p, r, self.pad_id), dtype=torch.float32))

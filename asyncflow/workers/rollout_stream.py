@@ -13,6 +13,7 @@ the response: no reward stage, no second read of the rows.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -45,7 +46,8 @@ def row_inputs(data: Any, inputs: list[str] | None = None) -> tuple[list[torch.T
     prompts = rows(data[names[0]])
     seeds = [int(s) for s in values(data[names[1]])]
     budget = col.MAX_NEW_TOKENS in data.keys()  # the data holds the stage's inputs only
-    budgets = ([int(b) for b in values(data[col.MAX_NEW_TOKENS])] if budget else [None] * len(prompts))
+    budgets: list[int | None] = ([int(b) for b in values(data[col.MAX_NEW_TOKENS])] if budget
+                                 else [None] * len(prompts))
     return prompts, seeds, budgets
 
 
@@ -102,7 +104,7 @@ class ScoreContext:
         def pick(xs: list | None) -> list | None:
             return None if xs is None else [xs[i] for i in index]
 
-        return ScoreContext(pick(self.answers), pick(self.prompts), pick(self.metadata))
+        return ScoreContext([self.answers[i] for i in index], pick(self.prompts), pick(self.metadata))
 
     def score(self, scorer: Any, responses: list[torch.Tensor]) -> torch.Tensor:
         return scorer.score(responses, self.answers, self.prompts, self.metadata)
@@ -117,6 +119,9 @@ def scored_columns(columns: Callable[..., dict], results: list, version: int, ou
     rest = [o for o in outputs or () if o != score_into]
     if not rest:
         raise ValueError(f"a rollout stage with score_into={score_into!r} must also write the responses")
+    if context is None:
+        raise ValueError(f"a rollout stage with score_into={score_into!r} needs what the reward reads of each "
+                         "row (ScoreContext.of its input columns)")
     cols = columns(results, version, rest)
     try:
         cols[score_into] = context.score(scorer, [r.response_ids for r in results])
@@ -189,7 +194,12 @@ class RowStream:
         for i, members in fan.items():
             req = GenerationRequest((self.name, next(self._ids)), prompts[i], params, seeds[i], budgets[i],
                                     int(min_version))
-            self.service.submit(req, on_done=lambda r, m=members: [self._done.put((batch, j, r)) for j in m])
+            self.service.submit(req, on_done=functools.partial(self._finished, batch, members))
+
+    def _finished(self, batch: _Batch, members: list[int], result: RequestResult) -> None:
+        """A request's result, for each row it stands for (one_per_group: the whole group)."""
+        for j in members:
+            self._done.put((batch, j, result))
 
     def _submit_episodes(self, meta: Any, data: Any, min_version: int, io: Any) -> None:
         """One episode per row (``io.options["episode"]``, run by the instance's EpisodeRunner);
@@ -305,8 +315,9 @@ class RowStream:
                 meta = metas[0] if len(metas) == 1 else BatchMeta.concat(metas)
                 columns = episode_columns if episodes else result_columns
                 context = _concat_contexts(contexts) if score_into else None
+                scorer = self.scorer() if score_into and self.scorer is not None else None
                 tq.put(scored_columns(columns, results, version, list(outputs) or None, score_into,
-                                      self.scorer() if score_into else None, context, f" of partition {part!r}"),
+                                      scorer, context, f" of partition {part!r}"),
                        part, meta)
             results = [r for _, rows in per_batch.values() for _, r in rows]
             with self._cond:
@@ -319,6 +330,12 @@ class RowStream:
 
 def _concat_contexts(parts: list[ScoreContext]) -> ScoreContext:
     def cat(get: Callable[[ScoreContext], list | None]) -> list | None:
-        lists = [get(p) for p in parts]
-        return None if any(x is None for x in lists) else [v for x in lists for v in x]
-    return ScoreContext(cat(lambda p: p.answers), cat(lambda p: p.prompts), cat(lambda p: p.metadata))
+        """The parts' lists end to end; None when a part has none."""
+        out: list = []
+        for p in parts:
+            x = get(p)
+            if x is None:
+                return None
+            out += x
+        return out
+    return ScoreContext([v for p in parts for v in p.answers], cat(lambda p: p.prompts), cat(lambda p: p.metadata))
