@@ -26,16 +26,17 @@ SEED: Final = "seed"  # the row's sampling seed
 PROMPT_INDEX: Final = "prompt_index"  # the record's index in the data set
 MAX_NEW_TOKENS: Final = "max_new_tokens"  # a per-row token budget (length profiles)
 
-# Written by a rollout stage, in this order (a stage declares its own output names).
+# Written by a rollout stage, in this order (its default names; a stage may declare others).
 RESPONSE_IDS: Final = "response_ids"  # the response's token ids
 BEHAV_LOG_PROBS: Final = "behav_log_probs"  # per token: log-prob under the weights that sampled it
 TOKEN_VERSIONS: Final = "token_versions"  # per token: the policy version that sampled it
 GEN_VERSION: Final = "gen_version"  # per row: its oldest token's policy version
-LOSS_MASK: Final = "loss_mask"  # per token: 1 = model token, 0 = tool/env text (multi-turn rows)
-
-SCORES: Final = "scores"  # per row: the reward
-ACCEPTED: Final = "accepted"  # per row: kept by a filter stage (dynamic sampling)
+# ... and after those four, by an episode (multi-turn) rollout stage:
+LOSS_MASK: Final = "loss_mask"  # per token: 1 = model token, 0 = tool/env text
+SCORES: Final = "scores"  # per row: the reward (also a reward stage's, or an inline-scored rollout's)
 EPISODE: Final = "episode"  # per row: an episode's metrics, finish reason and turn starts
+
+ACCEPTED: Final = "accepted"  # per row: kept by a filter stage (dynamic sampling)
 
 # Per token, from the training side.
 OLD_LOG_PROBS: Final = "old_log_probs"  # proximal: under the weights the update starts from

@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from .. import column_names as col
 from ..transfer_queue.meta import BatchMeta
 from ..workflow.update_request import UpdateRequest
 from .workers import lengths, pack, unpack
@@ -35,8 +36,8 @@ def columns_before(stages: Sequence[Any], source: Sequence[str]) -> dict[tuple[s
     for st in stages:
         have, todo, seen = list(source), list(st.inputs), set()
         while todo:
-            col = todo.pop()
-            up = producer.get(col)
+            column = todo.pop()
+            up = producer.get(column)
             if up is None or id(up) in seen:
                 continue
             seen.add(id(up))
@@ -71,7 +72,7 @@ class DriverDataGroup:
         return list(await asyncio.gather(*(one(m) for m in metas)))
 
     @staticmethod
-    def _tokens(cols: dict, names: tuple[str, ...] = ("prompt_ids", "response_ids")) -> int:
+    def _tokens(cols: dict, names: tuple[str, ...] = (col.PROMPT_IDS, col.RESPONSE_IDS)) -> int:
         return sum(sum(lengths(c)) for k, c in cols.items() if k in names)
 
     async def _write(self, metas: list[BatchMeta], outs: list[dict]) -> None:
