@@ -11,6 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import column_names as col
+from ..metrics.logger import MetricsLogger
+from ..metrics.progress import Progress
+from ..transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn
+from ..transfer_queue.protocol import AsyncTransferQueue
 from ..workflow.executor import StepObserver, StepReport
 
 
@@ -21,7 +25,8 @@ class StepMetrics(StepObserver):
     def holds_training(self, step: int) -> bool:
         return False  # it may report while the next update trains
 
-    def __init__(self, logger: Any, progress: Any, tq: Any, nproc: int, first_step: int):
+    def __init__(self, logger: MetricsLogger, progress: Progress, tq: AsyncTransferQueue, nproc: int,
+                 first_step: int):
         self.logger, self.progress, self.tq, self.nproc, self.first = logger, progress, tq, nproc, first_step
         self.start = self.last = time.monotonic()
         self.totals = {"rows": 0.0, "tokens": 0.0, "stale_sum": 0.0, "stale_max": 0.0}
@@ -68,7 +73,7 @@ class SampleAudit(StepObserver):
     def holds_training(self, step: int) -> bool:
         return False  # it may report while the next update trains
 
-    def __init__(self, path: Path, tq: Any, append: bool, columns: list[str], decode: Any = None):
+    def __init__(self, path: Path, tq: AsyncTransferQueue, append: bool, columns: list[str], decode: Any = None):
         self.tq = tq
         self.decode = decode  # a tokenizer: episodes (rows with a loss mask) get their text too
         audit = [*AUDIT_COLUMNS, col.PROMPT] if decode is not None else AUDIT_COLUMNS  # episodes: with their prompt
@@ -81,16 +86,19 @@ class SampleAudit(StepObserver):
                                        for i in range(len(meta))]
         for name, column in cols.items():
             key = "score" if name == col.SCORES else name
-            if column.kind == "object":
+            if isinstance(column, ObjectColumn):
                 for line, v in zip(lines, column.items):
                     line[key] = v
-            elif column.kind == "jagged":
+            elif isinstance(column, JaggedColumn):
                 offs, vals = column.offsets.tolist(), column.values.tolist()
                 for i, line in enumerate(lines):
                     line[key] = vals[offs[i]:offs[i + 1]]
-            else:
+            elif isinstance(column, FixedColumn):
                 for line, v in zip(lines, column.data.tolist()):
                     line[key] = v
+            else:
+                raise TypeError(f"samples.jsonl: column {name!r} is a {type(column).__name__}, not a fixed, "
+                                "jagged or object column")
         if self.decode is not None and col.LOSS_MASK in cols:
             from ..agents.runner import render_turns
             for line in lines:

@@ -19,6 +19,7 @@ import torch
 from .. import column_names as col
 from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
+from ..transfer_queue.meta import BatchMeta
 from ..transfer_queue.row_lists import tensor, values
 from ..workflow.stages import StageIO
 from ..workflow.update_request import UpdateRequest
@@ -111,7 +112,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     @charged("old_log_prob")
-    def compute_log_probs(self, meta: Any, io: StageIO | dict[str, Any] | None = None) -> None:
+    def compute_log_probs(self, meta: BatchMeta, io: StageIO | dict[str, Any] | None = None) -> None:
         """Log-probs of the responses under the weights held now (proximal log-probs, the
         weights the next update starts from): [prompt, response] -> one per-token column."""
         per_token_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.OLD_LOG_PROBS]),
@@ -119,7 +120,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     @charged("ref_log_prob")
-    def compute_ref_log_probs(self, meta: Any, io: StageIO | dict[str, Any] | None = None) -> None:
+    def compute_ref_log_probs(self, meta: BatchMeta, io: StageIO | dict[str, Any] | None = None) -> None:
         """LoRA: the reference's log-probs, from this model with its adapters off (no second
         model): [prompt, response] -> one per-token column."""
         per_token_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.REF_LOG_PROBS]),
@@ -169,7 +170,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         metrics.update(self._batch_stats(step, data, responses, prompts, fields.get(col.LOSS_MASK)))
         return metrics
 
-    def _train(self, step: int, meta: Any, prompts: list, responses: list, fields: dict) -> dict:
+    def _train(self, step: int, meta: BatchMeta, prompts: list, responses: list, fields: dict) -> dict:
         a = self.algo
         n_prompts = len(set(meta.groups)) if meta.groups else len(meta)
         per_epoch = 1 if a.ppo_mini_batch_size <= 0 else max(1, math.ceil(n_prompts / a.ppo_mini_batch_size))

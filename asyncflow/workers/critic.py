@@ -6,6 +6,7 @@ from typing import Any
 
 from .. import column_names as col
 from ..single_controller import Dispatch, Worker, register
+from ..transfer_queue.meta import BatchMeta
 from ..workflow.stages import StageIO
 from .common import (
     EngineCheckpoints,
@@ -37,13 +38,13 @@ class CriticWorker(EngineCheckpoints, EngineOffload, Worker):
         self.engine.reset_optimizer(engine_optim(self.cfg, self.optim_key, phase))
 
     @register(Dispatch.ONE_TO_ALL)
-    def compute_values(self, meta: Any, io: StageIO | dict[str, Any] | None = None) -> None:
+    def compute_values(self, meta: BatchMeta, io: StageIO | dict[str, Any] | None = None) -> None:
         """[prompt, response] -> one value per response token."""
         per_token_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.VALUES]),
                          self.engine.compute_values)
 
     @register(Dispatch.ONE_TO_ALL)
-    def update(self, meta: Any, io: StageIO | dict[str, Any] | None = None) -> dict:
+    def update(self, meta: BatchMeta, io: StageIO | dict[str, Any] | None = None) -> dict:
         """One value-loss step on this rank's share: [prompt, response, values, returns], plus a
         ``loss_mask`` column when the stage reads one (multi-turn rows: only model tokens, 1, are
         regressed on and counted; tool/environment tokens, 0, are not)."""

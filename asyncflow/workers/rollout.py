@@ -34,6 +34,7 @@ from ..engines.rollout import SamplingParams
 from ..engines.rollout.base import GenerationRequest, RequestEngine, RolloutEngine
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..single_controller import Dispatch, Worker, register
+from ..transfer_queue.meta import BatchMeta
 from ..workflow.stages import StageIO
 from .common import EngineOffload, config_of, setup_rank
 from .reward import reward_kwargs
@@ -226,7 +227,7 @@ class RolloutWorker(EngineOffload, Worker):
     # ---- rows in, rows out -------------------------------------------------------------------
     @register(Dispatch.RANK_ZERO, concurrent=True)
     @charged("rollout_submit")
-    def submit(self, meta: Any, min_version: int, want_free: int = 1, wait_s: float = 30.0,
+    def submit(self, meta: BatchMeta | None, min_version: int, want_free: int = 1, wait_s: float = 30.0,
                io: StageIO | dict[str, Any] | None = None) -> dict:
         """Queue the meta's rows (each admitted once the weights held are at least ``min_version``;
         None: queue nothing, only wait and report) for the stage ``io``; return once ``want_free``

@@ -28,6 +28,10 @@ from .. import column_names as col
 from ..agents.runner import episode_columns
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import result_columns
+from ..engines.rollout.service import RolloutService
+from ..transfer_queue.meta import BatchMeta
+from ..transfer_queue.protocol import TransferQueue
+from ..workflow.stages import StageIO
 
 __all__ = ["RowStream", "ScoreContext", "group_leaders", "row_inputs", "stage_params"]
 
@@ -136,7 +140,7 @@ class _Batch:
     """The rows of one submitted BatchMeta, the columns its stage writes, whether its rows
     are episodes (trajectories) rather than single requests, and with ``score_into`` the
     column of their scores and what the reward reads of each row."""
-    meta: Any
+    meta: BatchMeta
     outputs: list[str] | None = None
     episodes: bool = False
     score_into: str | None = None
@@ -144,8 +148,8 @@ class _Batch:
 
 
 class RowStream:
-    def __init__(self, service: Any, tq: Callable[[], Any], params: SamplingParams, capacity: int,
-                 version: Callable[[], int], name: str = "rollout", timeout_s: float = 600.0) -> None:
+    def __init__(self, service: RolloutService, tq: Callable[[], TransferQueue], params: SamplingParams,
+                 capacity: int, version: Callable[[], int], name: str = "rollout", timeout_s: float = 600.0) -> None:
         self.service = service
         self._tq = tq
         self.params = params
@@ -168,7 +172,7 @@ class RowStream:
         self._writer.start()
 
     # ---- the executor's side ---------------------------------------------------------------
-    def submit(self, meta: Any, min_version: int, io: Any = None) -> None:
+    def submit(self, meta: BatchMeta, min_version: int, io: StageIO | None = None) -> None:
         """Queue the meta's rows on the service (fetching their prompts from the TransferQueue).
         ``io``: the stage's columns and options (sampling overrides; ``one_per_group``: one
         response per group, written to every row of the group, as a greedy baseline wants)."""
@@ -177,7 +181,7 @@ class RowStream:
             return
         inputs = None if io is None else io.inputs
         options = {} if io is None else io.options
-        if options.get("episode"):  # an episode runner reads the rows as a TensorDict
+        if io is not None and options.get("episode"):  # an episode runner reads the rows as a TensorDict
             return self._submit_episodes(meta, self._tq().get_data(meta, inputs), min_version, io)
         data = self._tq().get_columns(meta, inputs)  # the columns themselves: row_inputs reads them
         prompts, seeds, budgets = row_inputs(data, inputs)
@@ -201,7 +205,7 @@ class RowStream:
         for j in members:
             self._done.put((batch, j, result))
 
-    def _submit_episodes(self, meta: Any, data: Any, min_version: int, io: Any) -> None:
+    def _submit_episodes(self, meta: BatchMeta, data: Any, min_version: int, io: StageIO) -> None:
         """One episode per row (``io.options["episode"]``, run by the instance's EpisodeRunner);
         each row is written when its episode ends."""
         from ..agents.runner import episode_rows
@@ -287,8 +291,6 @@ class RowStream:
     def _write(self, finished: list[tuple[_Batch, int, RequestResult]]) -> None:
         """One put per partition for everything that finished since the last write (rows of
         several submitted batches of a step go out together)."""
-        from ..transfer_queue.meta import BatchMeta
-
         by_part: dict[str, list[tuple[_Batch, int, RequestResult]]] = {}
         for batch, i, r in finished:
             if r.finish_reason == "error":
