@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunConfig, load_config, to_dict
+from .single_controller.driver import Driver
 from .training import phases
 from .training.roles import RunRoles, start_roles, write_ranks
 from .workflow import checkpoints as ckpts
@@ -58,7 +59,7 @@ def episode_summary(instances: list[dict]) -> dict[str, Any]:
 
 
 class Training:
-    def __init__(self, driver: Any, cfg: RunConfig):
+    def __init__(self, driver: Driver, cfg: RunConfig):
         self.driver = driver
         self.cfg = cfg
         self.out = Path(cfg.trainer.out_dir)
@@ -284,6 +285,9 @@ class Training:
         self.logger = MetricsLogger(self.out, t0=self.timeline.t0 - resumed_at, console=not cfg.trainer.progress,
                                     append=state is not None, backends=cfg.trainer.loggers,
                                     wandb_init={"config": to_dict(cfg), **cfg.trainer.wandb})
+        if self.driver.transfer_queue_address is None:
+            raise RuntimeError("the driver has no TransferQueue (the launch config turned it off): the trainer "
+                               "needs one")
         self.tq = AsyncTransferQueueClient(self.driver.transfer_queue_address)
         try:
             await asyncio.to_thread(self._data)  # tokenizing the prompts must not stall the driver's heartbeat
@@ -330,7 +334,7 @@ class Training:
         return self.summary
 
 
-async def driver_main(driver: Any) -> None:
+async def driver_main(driver: Driver) -> None:
     """The launch entry of rank 0 (``RunConfig.main``); the config comes through the environment."""
     path = os.environ.get(CONFIG_ENV)
     if not path:
