@@ -250,7 +250,8 @@ def test_ci_installs_asyncflow_beside_verl_and_hydra_and_trains():
     assert any('s["rl_steps"] == 3' in c for c in verl), "the RL steps ran"
     assert verl[-1].startswith('python -m pytest -q tests -m "not slow"')
     dev = " ".join((ROOT / "docs" / "development.md").read_text().split())
-    assert "verl" in dev and "hydra-core" in dev and "omegaconf 2.3" in dev, "docs/development.md names the run beside verl"
+    assert "verl" in dev and "hydra-core" in dev and "omegaconf 2.3" in dev, \
+        "docs/development.md names the run beside verl"
 
 
 def test_the_second_stacks_subset_keeps_every_test_folder_and_each_multi_process_kind():
