@@ -384,7 +384,7 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         ids = [f"generate-{call}-{i}" for i in range(len(prompts))]
         for rid, p, seed, budget in zip(ids, prompts, seeds, budgets):
             self.add_request(GenerationRequest(rid, p, params, seed=int(seed), max_new_tokens=budget))
-        results: dict[str, RequestResult] = {}
+        results: dict[int | str, RequestResult] = {}
         while len(results) < len(ids):
             if should_abort is not None and should_abort():
                 for rid in ids:

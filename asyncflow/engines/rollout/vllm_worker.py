@@ -104,6 +104,11 @@ def _has_base(names: Iterable[str]) -> bool:
 class WeightLoaderExtension:
     """Mixed into vLLM's Worker; `self.model_runner` is the worker's."""
 
+    # the Worker's, which this class is mixed into (vLLM's classes are untyped here)
+    model_runner: Any
+    vllm_config: Any
+    _asyncflow_staged: _Staged | None
+
     def _asyncflow_model(self) -> Any:
         return self.model_runner.model
 

@@ -206,7 +206,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
         raise RuntimeError(f"load_checkpoint({target}) failed: " + "; ".join(errors))
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     with _quiet_single_process(process_group):
         dcp.load(state, checkpoint_id=str(target / "dcp"), process_group=process_group,
                  no_dist=process_group is None)

@@ -37,7 +37,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,9 @@ from asyncflow.engines.train.schedule import build_scheduler
 from asyncflow.models.loading import record_attn_implementation
 from asyncflow.platform import Platform, get_platform
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = ["FSDPEngine", "adapter_path", "decoder_layers"]
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         if isinstance(module, nn.ModuleList) and name.split(".")[-1] == "layers":
             return list(module)
     raise ValueError(f"{type(model).__name__} has no ModuleList named '*layers' to shard per layer")
+
+
+def _tensors(state: dict[str, Any]) -> dict[str, Tensor]:
+    """A model state dict (torch's ValueType) as the tensors it holds; raise for anything else."""
+    odd = [k for k, v in state.items() if not isinstance(v, Tensor)]
+    if odd:
+        raise TypeError(f"model state dict: {odd[:3]} hold no tensor ({type(state[odd[0]]).__name__})")
+    return state
 
 
 def adapter_path(model_path: str | Path) -> Path:
@@ -192,7 +203,8 @@ class FSDPEngine(TrainEngine):
             raise TypeError("load_model_state on a LoRA engine: its names are PEFT's; load a checkpoint instead")
         self._weights_change()
         self.base_changed = True
-        set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True))
+        full: dict[str, Any] = dict(state_dict)  # torch's ValueType admits tensors among other values
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
 
     def _weights_change(self) -> None:
         """The parameters' memory is about to be written: whoever reads it still is done first."""
@@ -218,7 +230,7 @@ class FSDPEngine(TrainEngine):
         if self.options.activation_checkpointing:
             checkpoint_layers(decoder_layers(model))
         if self.process_group is not None:
-            model = self._shard(model)
+            model = self._shard(model, self.process_group)
         # With CPU offload the shards live in host memory; FSDP2 moves them for compute.
         materialize(model, torch.device("cpu") if self.options.cpu_offload else self.device)
         with source.weights() as reader:
@@ -230,11 +242,11 @@ class FSDPEngine(TrainEngine):
                  counts["read"], counts["broadcast"])
         return model
 
-    def _shard(self, model: nn.Module) -> nn.Module:
+    def _shard(self, model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        mesh = DeviceMesh.from_group(self.process_group, device_type=self.device.type)
+        mesh = DeviceMesh.from_group(group, device_type=self.device.type)
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         offload = (CPUOffloadPolicy(pin_memory=self.platform.is_accelerator) if self.options.cpu_offload
                    else OffloadPolicy())
@@ -341,7 +353,11 @@ class FSDPEngine(TrainEngine):
             return self._infer(prompts, responses, temperature, with_entropy)
         if self.lora is None:
             raise TypeError("compute_log_probs(adapters=False) needs a LoRA engine (lora=LoraOptions(...))")
-        with self.model.disable_adapter():
+        disable_adapter = getattr(self.model, "disable_adapter", None)  # PEFT's wrapper has it
+        if disable_adapter is None:
+            raise TypeError(f"compute_log_probs(adapters=False): the model ({type(self.model).__name__}) is not "
+                            "PEFT-wrapped")
+        with disable_adapter():
             return self._infer(prompts, responses, temperature, with_entropy)
 
     def fold_adapters(self) -> int:
@@ -510,12 +526,13 @@ class FSDPEngine(TrainEngine):
         if self.process_group is None:  # one rank, nothing to gather: a detached CPU copy
             # (not cpu_offload=True: that keeps the tensors on GLOBAL rank 0 only, and this rank
             # may be another, e.g. an actor placed on rank 1)
-            return {k: v.detach().to("cpu", copy=True) for k, v in get_model_state_dict(self.model).items()}
+            return {k: v.detach().to("cpu", copy=True) for k, v in _tensors(get_model_state_dict(self.model)).items()}
         if dist.get_global_rank(self.process_group, 0) == 0:
-            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return _tensors(get_model_state_dict(self.model,
+                                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
         # The group does not hold global rank 0, which is where cpu_offload puts the tensors:
         # gather on every rank of the group, keep a CPU copy on its first rank.
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        state = _tensors(get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True)))
         if dist.get_rank(self.process_group) != 0:
             return {}
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
@@ -553,7 +570,8 @@ class FSDPEngine(TrainEngine):
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 with torch.device("meta"):
-                    model = self.hf_class(self.hf_config)
+                    # the class of the model the source built: a transformers PreTrainedModel
+                    model = cast("PreTrainedModel", self.hf_class(self.hf_config))
                 if self.lora is not None:
                     from asyncflow.engines.train.lora import merge_state_dict, save_adapter
                     adapter = adapter_path(target)

@@ -18,7 +18,7 @@ that are trained on: with per-sequence ``loss_masks`` (multi-turn rows, see base
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -112,9 +112,11 @@ class MicroBatch:
         return int(self.input_ids.numel())
 
     def to(self, device: torch.device) -> MicroBatch:
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, Tensor) else v)
-                 for k, v in self.__dict__.items()}
-        return MicroBatch(**moved)
+        moved = replace(self)  # every tensor field moved, whatever fields the batch has
+        for k, v in list(vars(moved).items()):
+            if isinstance(v, Tensor):
+                setattr(moved, k, v.to(device, non_blocking=True))
+        return moved
 
 
 def joined_sequences(prompts: list[Tensor], responses: list[Tensor],
