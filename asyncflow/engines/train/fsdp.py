@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from asyncflow.engines.train import checkpoint as ckpt
 from asyncflow.engines.train.activation_checkpoint import checkpoint_layers
@@ -57,7 +58,16 @@ from asyncflow.engines.train.base import (
     response_loss_masks,
 )
 from asyncflow.engines.train.critic_init import critic_model
-from asyncflow.engines.train.lora import LoraOptions
+from asyncflow.engines.train.lora import (
+    LoraOptions,
+    fold_adapters,
+    hf_name,
+    initial_adapters,
+    is_adapter,
+    merge_state_dict,
+    save_adapter,
+    wrap,
+)
 from asyncflow.engines.train.meta_init import fill, materialize, real_tensors
 from asyncflow.engines.train.microbatch import (
     MicroBatch,
@@ -179,7 +189,6 @@ class FSDPEngine(TrainEngine):
         or "base" (every base weight, the adapters frozen: a supervised stage that makes the
         base, as the SFT that precedes LoRA RL would). Takes effect with the next
         ``reset_optimizer``, whose AdamW holds only the weights that train."""
-        from asyncflow.engines.train.lora import is_adapter
         if self.lora is None:
             raise TypeError("train_part needs a LoRA engine (lora=LoraOptions(...))")
         if part not in ("adapters", "base"):
@@ -198,6 +207,7 @@ class FSDPEngine(TrainEngine):
 
     def load_model_state(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the weights with a full (unsharded, HF-named) state dict, on every rank."""
+        # torch.distributed.checkpoint is slow to import: only runs that load a state pay for it
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         if self.lora is not None:
             raise TypeError("load_model_state on a LoRA engine: its names are PEFT's; load a checkpoint instead")
@@ -222,7 +232,6 @@ class FSDPEngine(TrainEngine):
         if self.value_head:
             model, source_names, initial = critic_model(model)
         if self.lora is not None:  # before sharding: FSDP2 shards the frozen base and the adapters alike
-            from asyncflow.engines.train.lora import hf_name, initial_adapters, wrap
             model = wrap(model, self.lora)
             source_names = {name: hf_name(name) for name, _ in model.named_parameters()}
             initial = initial_adapters(model, seed=0) if self.rank == 0 else {}
@@ -243,7 +252,7 @@ class FSDPEngine(TrainEngine):
         return model
 
     def _shard(self, model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
-        from torch.distributed.device_mesh import DeviceMesh
+        # torch.distributed.fsdp is slow to import: only sharded runs pay for it
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         mesh = DeviceMesh.from_group(group, device_type=self.device.type)
@@ -364,7 +373,6 @@ class FSDPEngine(TrainEngine):
         """LoRA: merge the adapters into the base and zero them (lora.fold_adapters): the policy
         is unchanged, and the base, so the reference, is now it (RL after a supervised warm-up).
         The next weight sync sends the base too. Collective with FSDP."""
-        from asyncflow.engines.train.lora import fold_adapters
         if self.lora is None:
             raise TypeError("fold_adapters needs a LoRA engine")
         self._weights_change()
@@ -520,7 +528,7 @@ class FSDPEngine(TrainEngine):
         """Full fp32/param-dtype weights on CPU under the HF names, on RANK 0 ONLY (the other
         ranks of the group get {}). Collective with FSDP. For a critic the names are
         ValueModel's ('backbone.*', 'value_head.*')."""
-        import torch.distributed as dist
+        # torch.distributed.checkpoint is slow to import: only a weight sync or an export pays for it
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self.process_group is None:  # one rank, nothing to gather: a detached CPU copy
@@ -573,7 +581,6 @@ class FSDPEngine(TrainEngine):
                     # the class of the model the source built: a transformers PreTrainedModel
                     model = cast("PreTrainedModel", self.hf_class(self.hf_config))
                 if self.lora is not None:
-                    from asyncflow.engines.train.lora import merge_state_dict, save_adapter
                     adapter = adapter_path(target)
                     if adapter.exists():
                         raise FileExistsError(f"{adapter} exists")

@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
+
+from asyncflow.engines.train.meta_init import parameters_on_meta
+from asyncflow.models.loading import read_causal_lm_config
 
 __all__ = ["ALL_LINEAR", "LoraOptions", "adapter_layers", "fold_adapters", "hf_name", "initial_adapters",
            "is_adapter", "lora_model_problems", "merged_tensors", "save_adapter", "target_layers", "wrap"]
@@ -181,7 +185,7 @@ def merged_tensors(model: nn.Module, named: list[tuple[str, Tensor]], scale: flo
     and in ``named``'s order (the adapters themselves left out): what an engine that takes no
     adapters loads. A sharded weight stays sharded (each rank merges its own rows). A collective
     with FSDP: every rank of the group calls it."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # slow to import: only LoRA runs pay for it
 
     merged = {}
     for _layer, w, a, b in adapter_layers(model):
@@ -209,7 +213,6 @@ def save_adapter(path: str | Path, state: dict[str, Tensor], opts: LoraOptions, 
     state dict of the wrapped model (PEFT's names): ``PeftModel.from_pretrained(base, path)``
     loads it."""
     from peft import LoraConfig
-    from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -242,9 +245,6 @@ def model_dir_problems(path: str | Path, opts: LoraOptions) -> list[str]:
     """lora_model_problems of the causal LM in ``path``, built on the meta device (no weights
     read): what the launcher checks before any rank starts."""
     from transformers import AutoModelForCausalLM
-
-    from asyncflow.engines.train.meta_init import parameters_on_meta
-    from asyncflow.models.loading import read_causal_lm_config
 
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(read_causal_lm_config(path), dtype=torch.float32)

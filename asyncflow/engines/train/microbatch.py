@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -57,8 +58,6 @@ def _cheapest_cuts(desc: list[int], budget: int, overhead: int) -> list[tuple[in
     """Runs ``[a, b)`` of the descending lengths ``desc`` minimising sum((b - a) * desc[a])
     + overhead per run, each run within the budget (or a single sequence). Dynamic
     programming over run ends, the candidate starts of each end scored at once."""
-    import numpy as np
-
     n = len(desc)
     if n == 0:
         return []
