@@ -58,7 +58,7 @@ def gather_errors(error: str | None, group: dist.ProcessGroup | None) -> list[st
 
 
 def capture_rng_state(platform: Platform) -> dict[str, Any]:
-    """The RNG states of python, numpy (if installed), torch CPU and the current device."""
+    """The RNG states of python, numpy, torch CPU and the current device."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     state["numpy"] = np.random.get_state()
     if platform.is_accelerator:
