@@ -468,7 +468,6 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         """A version handed over in process (an instance colocated with a training rank):
         device tensors go to the workers as CUDA IPC handles, host tensors by value, in chunks
         of about ``chunk_bytes``; checked before anything is loaded."""
-
         if mode not in SWAP_MODES:
             raise ValueError(f"load_weights_stream: mode must be one of {SWAP_MODES}, got {mode!r}")
         self.check_weights({sp.name: sp.meta() for sp in specs}, version)
