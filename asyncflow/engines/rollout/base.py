@@ -18,8 +18,9 @@ Every generated token records the policy version of the weights that produced it
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -139,6 +140,13 @@ class RequestEngine(ABC):
         """Swap new weights in now (call between steps); running rows continue (``SWAP_MODES``).
         Wrong names, shapes or dtypes, or a version older than the one held, raise and leave
         the weights held unchanged."""
+
+    def load_weights_stream(self, specs: Sequence[Any], stream: Iterable[tuple[Any, torch.Tensor]], version: int,
+                            mode: str = "keep") -> None:
+        """Swap in a version read tensor by tensor from ``stream`` (``specs``: each one's name,
+        shape and dtype, checked before anything is written); as ``load_weights`` otherwise."""
+        raise NotImplementedError(f"{type(self).__name__} does not load weights from a stream; "
+                                  "send whole state dicts (load_weights)")
 
     @abstractmethod
     def stats(self) -> dict:
