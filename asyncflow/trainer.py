@@ -17,6 +17,7 @@ from typing import Any
 
 from .config import RunConfig, to_dict
 from .resolved import ResolvedRun
+from .single_controller.driver import Driver
 from .training import phases
 from .training.roles import RunRoles, start_roles, write_ranks
 from .workflow import checkpoints as ckpts
@@ -57,7 +58,7 @@ def episode_summary(instances: list[dict]) -> dict[str, Any]:
 
 
 class Training:
-    def __init__(self, driver: Any, run: ResolvedRun):
+    def __init__(self, driver: Driver, run: ResolvedRun):
         self.driver = driver
         self.run_spec = run  # as the launcher resolved it: model.path and the derived values included
         self.cfg = cfg = run.config
@@ -286,6 +287,9 @@ class Training:
         self.logger = MetricsLogger(self.out, t0=self.timeline.t0 - resumed_at, console=not cfg.trainer.progress,
                                     append=state is not None, backends=cfg.trainer.loggers,
                                     wandb_init={"config": to_dict(cfg), **cfg.trainer.wandb})
+        if self.driver.transfer_queue_address is None:
+            raise RuntimeError("the driver has no TransferQueue (the launch config turned it off): the trainer "
+                               "needs one")
         self.tq = AsyncTransferQueueClient(self.driver.transfer_queue_address)
         try:
             await asyncio.to_thread(self._data)  # tokenizing the prompts must not stall the driver's heartbeat
@@ -332,7 +336,7 @@ class Training:
         return self.summary
 
 
-async def driver_main(driver: Any, run: ResolvedRun | None = None) -> None:
+async def driver_main(driver: Driver, run: ResolvedRun | None = None) -> None:
     """The launch entry of rank 0 (``LaunchConfig.main``); ``run`` is the launcher's resolved run
     (``LaunchConfig.main_args``), taken as it is: nothing is checked or resolved again."""
     if not isinstance(run, ResolvedRun):

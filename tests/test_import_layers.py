@@ -30,7 +30,8 @@ ABOVE_RPC = ("asyncflow.transfer_queue", "asyncflow.single_controller")
 # each imports only from layers before its own. "__init__" is the package itself (its version).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cpu_account",),  # the CPU account: the RPC layer and the TransferQueue record spans too
-    ("__init__", "algorithm_config", "metrics", "models", "platform", "rewards", "rpc"),  # nothing of asyncflow
+    # nothing of asyncflow; column_names: the shared column names, for every layer above
+    ("__init__", "algorithm_config", "column_names", "metrics", "models", "platform", "rewards", "rpc"),
     ("algorithms", "planning", "transfer_queue"),
     ("single_controller",),  # takes its TransferQueue layout as its own dataclass, nothing of the app's config
     ("config",),

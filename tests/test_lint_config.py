@@ -112,6 +112,8 @@ _LENIENT = {
     "asyncflow/models",
     "asyncflow/algorithms",
     "asyncflow/training",
+    "asyncflow/workers",
+    "asyncflow/agents",
     "asyncflow/metrics",
     "recipes",
     "asyncflow/config",

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import column_names as col
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 
 __all__ = ["Conversation", "EpisodeContext", "EpisodeLimits", "Trajectory"]
@@ -69,10 +70,10 @@ class EpisodeContext:
 
     @property
     def answer(self) -> str:
-        return str(self.row.get("answer", ""))
+        return str(self.row.get(col.ANSWER, ""))
 
     def start(self) -> Conversation:
-        return Conversation(self, list(self.row["prompt_ids"]))
+        return Conversation(self, list(self.row[col.PROMPT_IDS]))
 
     async def generate(self, ids: list[int], max_new_tokens: int, stop: list[int], **sampling: Any) -> RequestResult:
         """One model turn from token ids (the whole conversation so far)."""
@@ -85,7 +86,7 @@ class EpisodeContext:
         stop = [*stop, *sampling.pop("stop_token_ids", ())]
         params = dataclasses.replace(self.params, stop_token_ids=tuple(self.params.stop_token_ids) + tuple(stop),
                                      **sampling)
-        seed = (int(self.row.get("seed", 0)) * 1_000_003 + self._turn * 7919) % (2 ** 31 - 1)
+        seed = (int(self.row.get(col.SEED, 0)) * 1_000_003 + self._turn * 7919) % (2 ** 31 - 1)
         req = GenerationRequest((*self._request_id, self._turn), torch.tensor(ids, dtype=torch.long), params, seed,
                                 max_new_tokens, self._min_version)
         self._turn += 1

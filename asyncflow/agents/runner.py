@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import column_names as col
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..rpc.loop_thread import EventLoopThread
@@ -27,7 +28,7 @@ from .episode import EpisodeContext, EpisodeLimits, Trajectory
 from .serving.spec import is_agent
 
 log = logging.getLogger(__name__)
-EPISODE_OUTPUTS = [*ROLLOUT_OUTPUTS, "loss_mask", "scores", "episode"]
+EPISODE_OUTPUTS = [*ROLLOUT_OUTPUTS, col.LOSS_MASK, col.SCORES, col.EPISODE]
 STAT_KEYS = ("episodes", "turns", "tool_calls", "tool_errors")
 
 
@@ -178,15 +179,15 @@ def episode_rows(data: Any, n: int) -> list[dict[str, Any]]:
     """One dict per row from a stage's input data (prompt ids as a list of ints)."""
     out: list[dict[str, Any]] = [{} for _ in range(n)]
     for key in data.keys():
-        col = data[key]
-        if key == "prompt_ids":
-            vals = [[int(x) for x in r.tolist()] for r in rows(col)]
-        elif getattr(col, "is_nested", False):
-            vals = [r.tolist() for r in rows(col)]
-        elif isinstance(col, torch.Tensor):
-            vals = col.tolist()
+        column = data[key]
+        if key == col.PROMPT_IDS:
+            vals = [[int(x) for x in r.tolist()] for r in rows(column)]
+        elif getattr(column, "is_nested", False):
+            vals = [r.tolist() for r in rows(column)]
+        elif isinstance(column, torch.Tensor):
+            vals = column.tolist()
         else:
-            vals = values(col)
+            vals = values(column)
         for d, v in zip(out, vals):
             d[key] = v
     return out

@@ -252,7 +252,7 @@ def _too_many_hung(name: str) -> ToolError:
 
 
 # (status "ok"|"error"|"timeout", output or error text, the exception if any)
-_Outcome = tuple[str, str, "BaseException | None"]
+_Outcome = tuple[Literal["ok", "error", "timeout"], str, "BaseException | None"]  # a call before its output is cut
 
 
 async def _call_in_thread(spec: ToolSpec, args: tuple, kwargs: dict) -> _Outcome:
@@ -344,7 +344,7 @@ async def call_tool(name: str, /, *args: Any, **kwargs: Any) -> ToolResult:
         result = ToolResult(name, text, "truncated" if truncated else "ok", None, seconds)
     else:
         shown, _ = _cut(f"error: {text}", spec.max_output_chars)
-        result = ToolResult(name, shown, status, text, seconds, end_episode=spec.on_error == "end")  # type: ignore[arg-type]
+        result = ToolResult(name, shown, status, text, seconds, end_episode=spec.on_error == "end")
     TOOL_STATS.record(result)
     if status == "timeout" and not spec.sandbox and num_hung_threads() > MAX_HUNG_THREADS:
         raise _too_many_hung(name)

@@ -47,7 +47,7 @@ def stage_colors(stages: Iterable[str]) -> dict[str, str]:
 
 
 def _new_figure(width: float, height: float) -> Any:
-    from matplotlib.figure import Figure  # lazy: matplotlib takes ~0.5 s to import
+    from matplotlib.figure import Figure  # lazy: matplotlib is slow to import, only plotting pays for it
 
     return Figure(figsize=(width, height), layout="constrained")
 

@@ -1,7 +1,7 @@
 """Models and tokenizers: the tiny built-in model, and loading local checkpoints.
 
-Nothing here imports transformers at module level (it costs ~7 s); the functions
-import it when called.
+Nothing here imports transformers at module level (it is slow to import, and code that only
+names a model must not pay for it); the functions import it when called.
 """
 
 from asyncflow.models.char_tokenizer import (

@@ -115,8 +115,8 @@ def record_attn_implementation(directory: str | Path, attn_implementation: str |
 
 
 def _default_attn_implementation(p: Path) -> str | None:
-    """The attention kernel a directory records: our tiny models the one they were measured
-    fastest with, an export the one it was trained with."""
+    """The attention kernel a directory records: our tiny models the one that suits their size,
+    an export the one it was trained with."""
     from asyncflow.models.tiny import SPEC_FILE
 
     spec_path = p / SPEC_FILE

@@ -20,7 +20,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from .. import column_names as col
 from ..transfer_queue.meta import BatchMeta
+from ..workflow.update_request import UpdateRequest
 from .workers import lengths, pack, unpack
 
 
@@ -34,8 +36,8 @@ def columns_before(stages: Sequence[Any], source: Sequence[str]) -> dict[tuple[s
     for st in stages:
         have, todo, seen = list(source), list(st.inputs), set()
         while todo:
-            col = todo.pop()
-            up = producer.get(col)
+            column = todo.pop()
+            up = producer.get(column)
             if up is None or id(up) in seen:
                 continue
             seen.add(id(up))
@@ -70,7 +72,7 @@ class DriverDataGroup:
         return list(await asyncio.gather(*(one(m) for m in metas)))
 
     @staticmethod
-    def _tokens(cols: dict, names: tuple[str, ...] = ("prompt_ids", "response_ids")) -> int:
+    def _tokens(cols: dict, names: tuple[str, ...] = (col.PROMPT_IDS, col.RESPONSE_IDS)) -> int:
         return sum(sum(lengths(c)) for k, c in cols.items() if k in names)
 
     async def _write(self, metas: list[BatchMeta], outs: list[dict]) -> None:
@@ -106,11 +108,12 @@ class DriverDataGroup:
         await self._write(parts, outs)
 
     # ---- the update: the driver samples the step's rows and sends each rank its share ---------------
-    async def update(self, step: int, batch: dict, io: dict) -> list:
+    async def update(self, step: int, request: dict, io: dict) -> list:
         layout = self.group.layout
-        meta = await self.tq.get_meta(list(io["inputs"]), int(batch["rows"]), batch["task"], batch["partition"],
+        req = UpdateRequest.from_wire(request)
+        meta = await self.tq.get_meta(list(io["inputs"]), req.rows, req.task, req.partition,
                                       {"name": "token_balanced", "dp_size": layout.dp_size},
-                                      timeout=float(batch["timeout_s"]))
+                                      timeout=req.timeout_s)
         parts = self._split(meta)
         cols = await self._columns(parts, self._names(io))
         largest = float(max((self._tokens(c) for c in cols), default=0))

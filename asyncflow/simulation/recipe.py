@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import column_names as col
 from ..config import AlgorithmConfig
 from ..workflow import driver_stages
 from ..workflow.stages import DRIVER, RecipeSpec, Role, Stage, check_graph, check_roles
 
-SOURCE_COLUMNS = ["prompt_ids", "answer", "seed", "prompt_index", "prompt", "metadata", "max_new_tokens"]
-UPDATE_INPUTS = ["prompt_ids", "response_ids", "advantages", "behav_log_probs", "old_log_probs", "ref_log_probs",
-                 "scores", "gen_version", "seed"]
+SOURCE_COLUMNS = [col.PROMPT_IDS, col.ANSWER, col.SEED, col.PROMPT_INDEX, col.PROMPT, col.METADATA, col.MAX_NEW_TOKENS]
+UPDATE_INPUTS = [col.PROMPT_IDS, col.RESPONSE_IDS, col.ADVANTAGES, col.BEHAV_LOG_PROBS, col.OLD_LOG_PROBS,
+                 col.REF_LOG_PROBS, col.SCORES, col.GEN_VERSION, col.SEED]
 
 
 @dataclass
@@ -34,18 +35,18 @@ def build(sizes: RecipeSizes, where: str = "asyncflow/simulation/recipe.py") -> 
         "reward": Role("asyncflow.simulation.workers:SimRewardWorker", on="rollout"),
         "rollout": Role("asyncflow.simulation.workers:SimRolloutWorker", on="rollout", per_rank=True),
     }
-    pair = ["prompt_ids", "response_ids"]
+    pair = [col.PROMPT_IDS, col.RESPONSE_IDS]
     stages = [
-        Stage("rollout", role="rollout", method="generate", inputs=["prompt_ids", "seed", "max_new_tokens"],
-              outputs=["response_ids", "behav_log_probs", "token_versions", "gen_version"],
+        Stage("rollout", role="rollout", method="generate", inputs=[col.PROMPT_IDS, col.SEED, col.MAX_NEW_TOKENS],
+              outputs=[col.RESPONSE_IDS, col.BEHAV_LOG_PROBS, col.TOKEN_VERSIONS, col.GEN_VERSION],
               batch_rows=sizes.rollout_rows, sampler=group, kind="rollout"),
-        Stage("reward", role="reward", method="compute", inputs=["response_ids", "seed"], outputs=["scores"],
+        Stage("reward", role="reward", method="compute", inputs=[col.RESPONSE_IDS, col.SEED], outputs=[col.SCORES],
               batch_rows=sizes.map_rows),
-        Stage("old_log_prob", role="actor", method="compute_log_probs", inputs=pair, outputs=["old_log_probs"],
+        Stage("old_log_prob", role="actor", method="compute_log_probs", inputs=pair, outputs=[col.OLD_LOG_PROBS],
               batch_rows=sizes.map_rows, on_policy_weights=True),
-        Stage("ref_log_prob", role="ref", method="compute_log_probs", inputs=pair, outputs=["ref_log_probs"],
+        Stage("ref_log_prob", role="ref", method="compute_log_probs", inputs=pair, outputs=[col.REF_LOG_PROBS],
               batch_rows=sizes.map_rows),
-        Stage("advantages", role=DRIVER, method="", inputs=["scores", "response_ids"], outputs=["advantages"],
+        Stage("advantages", role=DRIVER, method="", inputs=[col.SCORES, col.RESPONSE_IDS], outputs=[col.ADVANTAGES],
               batch_rows=sizes.map_rows, sampler=group, fn=driver_stages.advantages(AlgorithmConfig())),
         Stage("update", role="actor", method="update", inputs=UPDATE_INPUTS, kind="update"),
     ]

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .. import column_names as col
 from ..engines.rollout import SamplingParams
 from ..engines.rollout.base import GenerationRequest
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
@@ -30,6 +31,7 @@ from ..transfer_queue.columns import Column, FixedColumn, JaggedColumn, column_f
 from ..transfer_queue.meta import BatchMeta
 from ..workers.rollout_stream import ROLLOUT_INPUTS, RowStream
 from ..workflow.stages import StageIO
+from ..workflow.update_request import UpdateRequest
 from .engine import SimRequestEngine
 from .spec import SimSpec
 from .stragglers import slowdowns, slowest
@@ -46,22 +48,22 @@ def unpack(wire: dict[str, dict]) -> dict[str, Column]:
     return {k: column_from_wire(v) for k, v in wire.items()}
 
 
-def lengths(col: Column) -> list[int]:
-    return col.lengths().tolist() if isinstance(col, JaggedColumn) else [1] * len(col)
+def lengths(column: Column) -> list[int]:
+    return column.lengths().tolist() if isinstance(column, JaggedColumn) else [1] * len(column)
 
 
-def jagged(col: Column, name: str) -> JaggedColumn:
+def jagged(column: Column, name: str) -> JaggedColumn:
     """Column ``name`` as the row-per-tensor column it must be (token ids)."""
-    if not isinstance(col, JaggedColumn):
-        raise TypeError(f"column {name!r}: expected a jagged column (a tensor per row), got {type(col).__name__}")
-    return col
+    if not isinstance(column, JaggedColumn):
+        raise TypeError(f"column {name!r}: expected a jagged column (a tensor per row), got {type(column).__name__}")
+    return column
 
 
-def fixed(col: Column, name: str) -> torch.Tensor:
+def fixed(column: Column, name: str) -> torch.Tensor:
     """Column ``name``'s tensor, one value per row (seeds, budgets)."""
-    if not isinstance(col, FixedColumn):
-        raise TypeError(f"column {name!r}: expected a fixed column (one value per row), got {type(col).__name__}")
-    return col.data
+    if not isinstance(column, FixedColumn):
+        raise TypeError(f"column {name!r}: expected a fixed column (one value per row), got {type(column).__name__}")
+    return column.data
 
 
 def largest_share(meta: BatchMeta, dp_size: int, mine: BatchMeta, my_tokens: int) -> float:
@@ -102,8 +104,7 @@ class SimWorker(Worker):
 
     def _get_columns(self, meta: BatchMeta, names: list[str]) -> dict[str, Column]:
         """Rows ``meta`` of columns ``names`` as Columns, from this rank's blocking client."""
-        # transfer_queue's TransferQueue Protocol (self.tq's type) lists no get_columns; the client has it.
-        return self.tq.get_columns(meta, names)  # type: ignore[attr-defined]  # not in the Protocol
+        return self.tq.get_columns(meta, names)
 
     # colocated placement: the role that goes idle moves its state to host memory and back
     def offload(self) -> None:
@@ -253,7 +254,7 @@ class _LogProbs(SimWorker):
 
     @register(Dispatch.ONE_TO_ALL)
     def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
-        stage = StageIO.of(io, ["prompt_ids", "response_ids"], ["old_log_probs"])
+        stage = StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.OLD_LOG_PROBS])
         prompt, response = stage.inputs[:2]
         mine = meta.part(self.dp_size, self.dp_rank)
         if not len(mine):  # a rank with no rows still waits for the others (the forward is collective)
@@ -292,27 +293,27 @@ class SimActorWorker(_LogProbs):
         return self.costs.train_s(tokens) * self._straggle("train") + self.costs.grad_sync_s(self.spec.train_devices)
 
     def _train(self, cols: dict[str, Column], largest: float) -> dict:
-        n = len(cols["response_ids"]) if "response_ids" in cols else 0
+        n = len(cols[col.RESPONSE_IDS]) if col.RESPONSE_IDS in cols else 0
         self._count("update", n)
         self.clock.hold(self._train_s(largest))
-        if "seed" in cols:
-            self.seeds.append(fixed(cols["seed"], "seed").clone())
-        resp = sum(lengths(cols["response_ids"])) if n else 0
-        prompt = sum(lengths(cols["prompt_ids"])) if n else 0
+        if col.SEED in cols:
+            self.seeds.append(fixed(cols[col.SEED], col.SEED).clone())
+        resp = sum(lengths(cols[col.RESPONSE_IDS])) if n else 0
+        prompt = sum(lengths(cols[col.PROMPT_IDS])) if n else 0
         return {"rows": n, "response_tokens": resp, "prompt_tokens": prompt}
 
     @register(Dispatch.ONE_TO_ALL)
-    def update(self, step: int, batch: dict, io: dict | None = None) -> dict:
-        stage = StageIO.of(io)
-        meta = self.tq.get_meta(stage.inputs, int(batch["rows"]), batch["task"], batch["partition"],
+    def update(self, step: int, request: dict, io: dict | None = None) -> dict:
+        req, stage = UpdateRequest.from_wire(request), StageIO.of(io)
+        meta = self.tq.get_meta(stage.inputs, req.rows, req.task, req.partition,
                                 {"name": "token_balanced", "dp_size": self.dp_size},
-                                timeout=float(batch["timeout_s"]), dp_group=self.role,
+                                timeout=req.timeout_s, dp_group=self.role,
                                 dp_rank=self.dp_rank, dp_size=self.dp_size)
         mine = meta.part(self.dp_size, self.dp_rank)
         if not len(mine):
             return {**self._train({}, largest_share(meta, self.dp_size, mine, 0)), "step": step}
         cols = self._get_columns(mine, list(stage.inputs))
-        tokens = sum(lengths(cols["prompt_ids"])) + sum(lengths(cols["response_ids"]))
+        tokens = sum(lengths(cols[col.PROMPT_IDS])) + sum(lengths(cols[col.RESPONSE_IDS]))
         return {**self._train(cols, largest_share(meta, self.dp_size, mine, tokens)), "step": step}
 
     @register(Dispatch.ALL_TO_ALL)
@@ -346,7 +347,7 @@ class SimRewardWorker(SimWorker):
 
     @register(Dispatch.DP_COMPUTE)
     def compute(self, data: Any, io: dict | None = None) -> dict:
-        stage = StageIO.of(io, ["response_ids", "seed"], ["scores"])
+        stage = StageIO.of(io, [col.RESPONSE_IDS, col.SEED], [col.SCORES])
         cols = {c: to_column(c, data[c]) for c in stage.inputs if c in data.keys()}
         return {stage.outputs[0]: self._score(cols, stage.inputs[-1])}
 

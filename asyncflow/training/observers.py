@@ -10,6 +10,11 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from .. import column_names as col
+from ..metrics.logger import MetricsLogger
+from ..metrics.progress import Progress
+from ..transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn
+from ..transfer_queue.protocol import AsyncTransferQueue
 from ..workflow.executor import StepObserver, StepReport
 
 
@@ -20,7 +25,8 @@ class StepMetrics(StepObserver):
     def holds_training(self, step: int) -> bool:
         return False  # it may report while the next update trains
 
-    def __init__(self, logger: Any, progress: Any, tq: Any, nproc: int, first_step: int):
+    def __init__(self, logger: MetricsLogger, progress: Progress, tq: AsyncTransferQueue, nproc: int,
+                 first_step: int):
         self.logger, self.progress, self.tq, self.nproc, self.first = logger, progress, tq, nproc, first_step
         self.start = self.last = time.monotonic()
         self.totals = {"rows": 0.0, "tokens": 0.0, "stale_sum": 0.0, "stale_max": 0.0}
@@ -56,8 +62,8 @@ class StepMetrics(StepObserver):
                 "staleness_mean": t["stale_sum"] / max(t["rows"], 1.0), "staleness_max": t["stale_max"]}
 
 
-AUDIT_COLUMNS = ["prompt_index", "seed", "response_ids", "gen_version", "scores", "token_versions", "loss_mask",
-                 "episode"]
+AUDIT_COLUMNS = [col.PROMPT_INDEX, col.SEED, col.RESPONSE_IDS, col.GEN_VERSION, col.SCORES, col.TOKEN_VERSIONS,
+                 col.LOSS_MASK, col.EPISODE]
 
 
 class SampleAudit(StepObserver):
@@ -67,10 +73,10 @@ class SampleAudit(StepObserver):
     def holds_training(self, step: int) -> bool:
         return False  # it may report while the next update trains
 
-    def __init__(self, path: Path, tq: Any, append: bool, columns: list[str], decode: Any = None):
+    def __init__(self, path: Path, tq: AsyncTransferQueue, append: bool, columns: list[str], decode: Any = None):
         self.tq = tq
         self.decode = decode  # a tokenizer: episodes (rows with a loss mask) get their text too
-        audit = [*AUDIT_COLUMNS, "prompt"] if decode is not None else AUDIT_COLUMNS  # episodes: with their prompt
+        audit = [*AUDIT_COLUMNS, col.PROMPT] if decode is not None else AUDIT_COLUMNS  # episodes: with their prompt
         self.columns = [c for c in audit if c in set(columns)]
         self.file = open(path, "a" if append else "w")
 
@@ -78,22 +84,25 @@ class SampleAudit(StepObserver):
         cols = await self.tq.get_columns(meta, self.columns)
         lines: list[dict[str, Any]] = [{"step": step, "uid": int(meta.groups[i]) if meta.groups else -1}
                                        for i in range(len(meta))]
-        for name, col in cols.items():
-            key = "score" if name == "scores" else name
-            if col.kind == "object":
-                for line, v in zip(lines, col.items):
+        for name, column in cols.items():
+            key = "score" if name == col.SCORES else name
+            if isinstance(column, ObjectColumn):
+                for line, v in zip(lines, column.items):
                     line[key] = v
-            elif col.kind == "jagged":
-                offs, vals = col.offsets.tolist(), col.values.tolist()
+            elif isinstance(column, JaggedColumn):
+                offs, vals = column.offsets.tolist(), column.values.tolist()
                 for i, line in enumerate(lines):
                     line[key] = vals[offs[i]:offs[i + 1]]
-            else:
-                for line, v in zip(lines, col.data.tolist()):
+            elif isinstance(column, FixedColumn):
+                for line, v in zip(lines, column.data.tolist()):
                     line[key] = v
-        if self.decode is not None and "loss_mask" in cols:
+            else:
+                raise TypeError(f"samples.jsonl: column {name!r} is a {type(column).__name__}, not a fixed, "
+                                "jagged or object column")
+        if self.decode is not None and col.LOSS_MASK in cols:
             from ..agents.runner import render_turns
             for line in lines:
-                line["text"] = render_turns(self.decode, line["response_ids"], line["loss_mask"])
+                line["text"] = render_turns(self.decode, line[col.RESPONSE_IDS], line[col.LOSS_MASK])
         for line in lines:
             self.file.write(json.dumps(line) + "\n")
         self.file.flush()

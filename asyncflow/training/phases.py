@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any
 
+from .. import column_names as col
 from ..config import RunConfig
+from ..data.run_data import RunData
+from ..metrics.logger import MetricsLogger
 from ..weight_sync.publish import publish_and_swap
 from .roles import RunRoles
 
@@ -46,10 +48,10 @@ class Evaluator:
     mean@n of sampled responses; the prompts are split over every rollout instance (each
     evaluates its share concurrently) and the replies merged (asyncflow.training.eval_merge)."""
 
-    def __init__(self, cfg: RunConfig, roles: RunRoles, logger: Any, records: list[dict], episode: str = ""):
+    def __init__(self, cfg: RunConfig, roles: RunRoles, logger: MetricsLogger, records: list[dict], episode: str = ""):
         self.cfg, self.roles, self.logger = cfg, roles, logger
         self.episode = episode  # multi-turn recipes: each prompt is a greedy episode scored by itself
-        self.prompts = [[int(x) for x in r["prompt_ids"]] for r in records]
+        self.prompts = [[int(x) for x in r[col.PROMPT_IDS]] for r in records]
         self.answers = [str(r["answer"]) for r in records]
         # what a reward function gets besides response and answer, as in training
         self.extra = [{**dict(r.get("metadata") or {}), "prompt": str(r.get("prompt", ""))} for r in records]
@@ -102,7 +104,7 @@ class Evaluator:
                 for k, v in self.sampled.get(phase, {}).items()}
 
 
-async def warmup(cfg: RunConfig, roles: RunRoles, data: Any, logger: Any, evaluate: Evaluator) -> int:
+async def warmup(cfg: RunConfig, roles: RunRoles, data: RunData, logger: MetricsLogger, evaluate: Evaluator) -> int:
     """Supervised steps on the task's answers until the held-out check passes; returns the steps."""
     w = cfg.warmup
     if not w.enabled or data.sft_examples is None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..config import RunConfig
 from ..resolved import ResolvedRun
-from ..single_controller.driver import GroupSpec
+from ..single_controller.driver import Driver, GroupSpec
+from ..single_controller.protocol import Group
 from ..workflow.stages import RecipeSpec
 
 
@@ -44,24 +45,24 @@ class RunRoles:
     """The started worker groups of a run."""
     spec: RecipeSpec
     placement: Placement
-    groups: dict[str, Any] = field(default_factory=dict)  # role -> group (not the per-rank roles)
-    instances: list[Any] = field(default_factory=list)  # the rollout role's groups, one per rank
+    groups: dict[str, Group] = field(default_factory=dict)  # role -> group (not the per-rank roles)
+    instances: list[Group] = field(default_factory=list)  # the rollout role's groups, one per rank
 
     @property
-    def policy(self) -> Any:
+    def policy(self) -> Group:
         return self.groups[self.spec.policy]
 
-    def with_method(self, name: str, instances: bool = False) -> list[Any]:
+    def with_method(self, name: str, instances: bool = False) -> list[Group]:
         """The groups whose worker class defines ``name`` (e.g. save_checkpoint, load_reference);
         with ``instances``, the rollout instances' groups too."""
         pool = self.all_groups() if instances else self.groups.values()
         return [g for g in pool if callable(getattr(g.cls, name, None))]
 
-    def all_groups(self) -> list[Any]:
+    def all_groups(self) -> list[Group]:
         return [*self.groups.values(), *self.instances]
 
 
-async def start_roles(driver: Any, run: ResolvedRun, spec: RecipeSpec, out: Path) -> RunRoles:
+async def start_roles(driver: Driver, run: ResolvedRun, spec: RecipeSpec, out: Path) -> RunRoles:
     """Create every role's group (policy first: its ranks lead), then the weight-sync groups.
     Each worker gets the resolved run in its wire form (``cfg``), rebuilt there unchecked."""
     cfg = run.config
@@ -87,7 +88,7 @@ async def start_roles(driver: Any, run: ResolvedRun, spec: RecipeSpec, out: Path
     return roles
 
 
-async def init_weight_sync(policy: Any, instances: list) -> None:
+async def init_weight_sync(policy: Group, instances: Sequence[Group]) -> None:
     """One weight-sync group per training rank, its members that rank and every receiving
     endpoint of the instances outside the training ranks' processes (weight_sync/wire_group.py);
     all of them join together."""
@@ -99,7 +100,7 @@ async def init_weight_sync(policy: Any, instances: list) -> None:
                          *(inst.init_weight_sync(train, addrs, base) for inst, base in zip(instances, bases)))
 
 
-def write_ranks(driver: Any, roles: RunRoles, out: Path) -> None:
+def write_ranks(driver: Driver, roles: RunRoles, out: Path) -> None:
     """ranks.json: which process (host, pid) serves which roles, for operators (and fault tests)."""
     by_rank: dict[int, list[str]] = {}
     for g in roles.all_groups():

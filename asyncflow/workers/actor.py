@@ -12,14 +12,17 @@ import logging
 import math
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import column_names as col
 from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
+from ..transfer_queue.meta import BatchMeta
 from ..transfer_queue.row_lists import tensor, values
 from ..workflow.stages import StageIO
+from ..workflow.update_request import UpdateRequest
 from .actor_loss import RolloutCorr, policy_loss_fn, sft_loss_fn
 from .common import (
     EngineCheckpoints,
@@ -33,10 +36,13 @@ from .common import (
     train_engine_class,
 )
 
+if TYPE_CHECKING:  # imported where the group is opened
+    from ..weight_sync.wire_group import WireAddress
+
 log = logging.getLogger(__name__)
 
-UPDATE_INPUTS = ["prompt_ids", "response_ids", "advantages", "behav_log_probs", "scores", "gen_version"]
-PER_TOKEN = ("advantages", "behav_log_probs", "old_log_probs", "ref_log_probs")
+UPDATE_INPUTS = [col.PROMPT_IDS, col.RESPONSE_IDS, col.ADVANTAGES, col.BEHAV_LOG_PROBS, col.SCORES, col.GEN_VERSION]
+PER_TOKEN = (col.ADVANTAGES, col.BEHAV_LOG_PROBS, col.OLD_LOG_PROBS, col.REF_LOG_PROBS)
 
 
 def _share(n: int, dp_rank: int, dp_size: int) -> range:
@@ -69,7 +75,9 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.lora_sync = "merged" if c.rollout.engine == "vllm" and c.model.lora.vllm == "merged" else "adapters"
         self._merged: Any = None  # the merged tensors of the last publish, alive while they are on the wire
         self.sender: Any = None  # a weight_sync.send.BucketSender once init_weight_sync ran
-        self._ws_store = self._ws_addr = None  # this rank's weight-sync group store (open_weight_sync)
+        # this rank's weight-sync group store and its address (open_weight_sync)
+        self._ws_store: Any = None
+        self._ws_addr: WireAddress | None = None
         self.published = 0
         self.start_idle(run.derived.offload_idle)  # colocated placement: free the device while other roles run
 
@@ -98,82 +106,86 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         p = [torch.tensor(prompts[i], dtype=torch.long) for i in mine]
         t = [torch.tensor(targets[i], dtype=torch.long) for i in mine]
         # the engine checks each mask's length and that it holds only 0/1
-        fields = {} if masks is None else {"loss_mask": [torch.tensor(masks[i]).reshape(-1) for i in mine]}
+        fields = {} if masks is None else {col.LOSS_MASK: [torch.tensor(masks[i]).reshape(-1) for i in mine]}
         return self.engine.train_step(p, t, fields, sft_loss_fn, temperature=1.0)
 
     @register(Dispatch.ONE_TO_ALL)
     @charged("old_log_prob")
-    def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
+    def compute_log_probs(self, meta: BatchMeta, io: StageIO | dict[str, Any] | None = None) -> None:
         """Log-probs of the responses under the weights held now (proximal log-probs, the
         weights the next update starts from): [prompt, response] -> one per-token column."""
-        per_token_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["old_log_probs"]),
+        per_token_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.OLD_LOG_PROBS]),
                          lambda p, r: self.engine.compute_log_probs(p, r, temperature=self.temperature)[0])
 
     @register(Dispatch.ONE_TO_ALL)
     @charged("ref_log_prob")
-    def compute_ref_log_probs(self, meta: Any, io: dict | None = None) -> None:
+    def compute_ref_log_probs(self, meta: BatchMeta, io: StageIO | dict[str, Any] | None = None) -> None:
         """LoRA: the reference's log-probs, from this model with its adapters off (no second
         model): [prompt, response] -> one per-token column."""
-        per_token_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["ref_log_probs"]),
+        per_token_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.REF_LOG_PROBS]),
                          lambda p, r: self.engine.compute_log_probs(p, r, temperature=self.temperature,
                                                                     adapters=False)[0])
 
     @register(Dispatch.ONE_TO_ALL)
     @charged("update")
-    def update(self, step: int, batch: dict, io: dict | None = None) -> dict:
-        """The policy update of ``step`` on this rank's share of the step's ``batch["rows"]`` rows
-        (partition, task, timeout in ``batch``): ``ppo_epochs`` passes, each one optimizer step
-        per mini-batch. Returns the step's metrics (the same on every rank)."""
-        io = StageIO.of(io, UPDATE_INPUTS, [])
-        have = [c for c in (*PER_TOKEN, "loss_mask", "prompt_ids", "response_ids", "scores", "gen_version",
-                            "token_versions") if c in io.inputs]
-        if "advantages" not in have:
-            raise ValueError(f"actor rank {self.rank}: the update stage must read an 'advantages' column "
-                             f"(the recipe's advantage stage writes it); it reads {io.inputs}")
-        args = (io.inputs, int(batch["rows"]), batch["task"], batch["partition"],
-                {"name": "token_balanced", "dp_size": self.dp_size})
-        dp = {"timeout": float(batch["timeout_s"]), "dp_group": self.role, "dp_rank": self.dp_rank,
-              "dp_size": self.dp_size}
+    def update(self, step: int, request: UpdateRequest | dict[str, Any],
+               io: StageIO | dict[str, Any] | None = None) -> dict[str, float]:
+        """The policy update of ``step`` on this rank's share of the step's ``request.rows`` rows
+        (``request``: an UpdateRequest, or its wire dict): ``ppo_epochs`` passes, each one
+        optimizer step per mini-batch. Returns the step's metrics (the same on every rank)."""
+        req = UpdateRequest.from_wire(request)
+        stage = StageIO.of(io, UPDATE_INPUTS, [])
+        have = [c for c in (*PER_TOKEN, col.LOSS_MASK, col.PROMPT_IDS, col.RESPONSE_IDS, col.SCORES, col.GEN_VERSION,
+                            col.TOKEN_VERSIONS) if c in stage.inputs]
+        if col.ADVANTAGES not in have:
+            raise ValueError(f"actor rank {self.rank}: the update stage must read an {col.ADVANTAGES!r} column "
+                             f"(the recipe's advantage stage writes it); it reads {stage.inputs}")
+        sampler = {"name": "token_balanced", "dp_size": self.dp_size}
         # The columns themselves (rows() and values() read them), not a TensorDict built to be taken apart
         if self.dp_size == 1:  # the whole step is this rank's: its rows and their data in one request
-            meta, data = self.tq.get_batch_columns(*args, data_columns=have, **dp)
+            meta, data = self.tq.get_batch_columns(
+                stage.inputs, req.rows, req.task, req.partition, sampler, data_columns=have,
+                timeout=req.timeout_s, dp_group=self.role, dp_rank=self.dp_rank, dp_size=self.dp_size)
             mine = meta
         else:  # every rank samples the same split, then reads only its own part
-            meta = self.tq.get_meta(*args, **dp)
+            meta = self.tq.get_meta(stage.inputs, req.rows, req.task, req.partition, sampler,
+                                    timeout=req.timeout_s, dp_group=self.role, dp_rank=self.dp_rank,
+                                    dp_size=self.dp_size)
             mine = meta.part(self.dp_size, self.dp_rank)
             data = self.tq.get_columns(mine, have) if len(mine) else None
-        prompts = rows(data["prompt_ids"]) if data is not None else []
-        responses = rows(data["response_ids"]) if data is not None else []
+        prompts = rows(data[col.PROMPT_IDS]) if data is not None else []
+        responses = rows(data[col.RESPONSE_IDS]) if data is not None else []
         fields = {c: ([x.float() for x in rows(data[c])] if data is not None else []) for c in PER_TOKEN if c in have}
-        if "loss_mask" in have:  # multi-turn rows: 1 = model token; tool/env tokens get no gradient
-            fields["loss_mask"] = rows(data["loss_mask"]) if data is not None else []  # engine checks 0/1
-        if "behav_log_probs" in fields:  # the version that sampled each token: rollout_corr's same-version figures
-            if "token_versions" in have:
-                fields["token_versions"] = [x.float() for x in rows(data["token_versions"])] if data is not None else []
-            elif "gen_version" in have:  # a row's oldest token's version: only rows wholly of one version match
-                fields["token_versions"] = ([torch.full(r.shape, float(v)) for r, v in
-                                             zip(responses, values(data["gen_version"]))] if data is not None else [])
+        if col.LOSS_MASK in have:  # multi-turn rows: 1 = model token; tool/env tokens get no gradient
+            fields[col.LOSS_MASK] = rows(data[col.LOSS_MASK]) if data is not None else []  # engine checks 0/1
+        if col.BEHAV_LOG_PROBS in fields:  # the version that sampled each token: rollout_corr's same-version figures
+            if col.TOKEN_VERSIONS in have:
+                fields[col.TOKEN_VERSIONS] = ([x.float() for x in rows(data[col.TOKEN_VERSIONS])]
+                                              if data is not None else [])
+            elif col.GEN_VERSION in have:  # a row's oldest token's version: only rows wholly of one version match
+                fields[col.TOKEN_VERSIONS] = ([torch.full(r.shape, float(v)) for r, v in
+                                             zip(responses, values(data[col.GEN_VERSION]))] if data is not None else [])
         metrics = self._train(step, meta, prompts, responses, fields)
-        metrics.update(self._batch_stats(step, data, responses, prompts, fields.get("loss_mask")))
+        metrics.update(self._batch_stats(step, data, responses, prompts, fields.get(col.LOSS_MASK)))
         return metrics
 
-    def _train(self, step: int, meta: Any, prompts: list, responses: list, fields: dict) -> dict:
+    def _train(self, step: int, meta: BatchMeta, prompts: list, responses: list, fields: dict) -> dict:
         a = self.algo
         n_prompts = len(set(meta.groups)) if meta.groups else len(meta)
         per_epoch = 1 if a.ppo_mini_batch_size <= 0 else max(1, math.ceil(n_prompts / a.ppo_mini_batch_size))
         steps = a.ppo_epochs * per_epoch
-        behav = "behav_log_probs" in fields
+        behav = col.BEHAV_LOG_PROBS in fields
         if (a.rollout_is or a.rollout_mask) and not behav:
             raise ValueError(f"actor rank {self.rank}: algorithm.rollout_is / rollout_mask ({a.rollout_is!r} / "
                              f"{a.rollout_mask!r}) need the behaviour log-probs: the update stage must read the "
                              f"behav_log_probs column")
         # Several optimizer steps: the ratio is against the weights the update starts from. A
         # rollout mask: the tokens it drops must be known before the loss's token counts.
-        if (steps > 1 or (a.rollout_mask and behav)) and "old_log_probs" not in fields:
-            fields["old_log_probs"] = [x.float() for x in self.engine.compute_log_probs(
+        if (steps > 1 or (a.rollout_mask and behav)) and col.OLD_LOG_PROBS not in fields:
+            fields[col.OLD_LOG_PROBS] = [x.float() for x in self.engine.compute_log_probs(
                 prompts, responses, temperature=self.temperature)[0]]
         corr = RolloutCorr(a, version=step)  # the proximal log-probs are version `step`'s (update t: t -> t + 1)
-        if behav and "old_log_probs" in fields:
+        if behav and col.OLD_LOG_PROBS in fields:
             fields = corr.prepare(fields)  # a new dict: the caller's loss_mask stays the rows' own
         loss = policy_loss_fn(a, corr)
         rng = random.Random(self.cfg.trainer.seed * 1_000_003 + step)
@@ -212,8 +224,8 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         tokens (the trained ones: the engine's ``actor/tokens``)."""
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.float64)
         model_tokens = float(sum(int((m != 0).sum()) for m in loss_masks)) if loss_masks else 0.0
-        scores = tensor(data["scores"]).double() if data is not None and "scores" in data.keys() else torch.zeros(0)
-        stale = (step - tensor(data["gen_version"]).double()) if data is not None and "gen_version" in data.keys() \
+        scores = tensor(data[col.SCORES]).double() if data is not None and col.SCORES in data.keys() else torch.zeros(0)
+        stale = (step - tensor(data[col.GEN_VERSION]).double()) if data is not None and col.GEN_VERSION in data.keys() \
             else torch.zeros(0)
         inf = float("inf")
         sums = torch.tensor([float(len(responses)), float(lengths.sum()), float(sum(len(p) for p in prompts)),
@@ -239,7 +251,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
 
     # ---- weights out -----------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
-    def open_weight_sync(self, members: int) -> Any:
+    def open_weight_sync(self, members: int) -> dict[str, Any] | None:
         """Host the store of this rank's weight-sync group of ``members`` (this rank and every
         receiving endpoint); return its address as a dict (None: no receiver over the wire)."""
         from ..weight_sync.wire_group import open_store

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import column_names as col
+
 # rollout_corr/ metrics: exact means over tokens (or sequences) and maxima over the whole update.
 _MEANS = ("logp_abs_diff_mean", "prob_abs_diff_mean", "kl", "k3_kl", "same_version_frac",
           "logp_abs_diff_mean_same_version", "prob_abs_diff_mean_same_version", "is_weight_mean", "is_capped_frac",
@@ -99,7 +101,7 @@ class RolloutCorr:
 
         self.prepared = True
         out = dict(fields)
-        old, behav = fields["old_log_probs"], fields["behav_log_probs"]
+        old, behav = fields[col.OLD_LOG_PROBS], fields[col.BEHAV_LOG_PROBS]
         if not old:  # no rows on this rank
             if self.algo.rollout_is:
                 out["rollout_is_weights"] = []
@@ -110,16 +112,16 @@ class RolloutCorr:
             return pad_sequence([x.reshape(-1) for x in rows], batch_first=True, padding_value=value)
 
         mask = pad([torch.ones(n, dtype=torch.bool) for n in lengths], False)
-        if "loss_mask" in fields:  # multi-turn rows: tool tokens have no behaviour log-prob to compare
-            mask &= pad([x.reshape(-1) != 0 for x in fields["loss_mask"]], False)
+        if col.LOSS_MASK in fields:  # multi-turn rows: tool tokens have no behaviour log-prob to compare
+            mask &= pad([x.reshape(-1) != 0 for x in fields[col.LOSS_MASK]], False)
         o, b = pad([x.float() for x in old]), pad([x.float() for x in behav])
-        versions = pad([x.float() for x in fields["token_versions"]]) if "token_versions" in fields else None
+        versions = pad([x.float() for x in fields[col.TOKEN_VERSIONS]]) if col.TOKEN_VERSIONS in fields else None
         corr = rollout_correction(o, b, mask, self.algo)
         self._take(o, b, mask, versions, corr)
         if corr.weights is not None:
             out["rollout_is_weights"] = [corr.weights[i, :n] for i, n in enumerate(lengths)]
         if corr.keep is not None:  # the engine's loss mask: a dropped token becomes like padding
-            out["loss_mask"] = [corr.keep[i, :n].to(torch.int8) for i, n in enumerate(lengths)]
+            out[col.LOSS_MASK] = [corr.keep[i, :n].to(torch.int8) for i, n in enumerate(lengths)]
         return out
 
     def weights_in_loss(self, old: Tensor, behav: Tensor, mask: Tensor, fields: dict[str, Tensor]) -> Tensor | None:
@@ -137,7 +139,7 @@ class RolloutCorr:
         from ..algorithms.rollout_corr import rollout_correction
 
         corr = rollout_correction(old, behav, mask, self.algo)
-        self._take(old, behav, mask, fields.get("token_versions"), corr)
+        self._take(old, behav, mask, fields.get(col.TOKEN_VERSIONS), corr)
         return corr.weights
 
     # ---- results -----------------------------------------------------------------------------
@@ -174,11 +176,11 @@ def policy_loss_fn(algo: Any, corr: RolloutCorr | None = None) -> Callable[..., 
         return aggregate(x, mask, algo.loss_agg, num_tokens=norm.num_tokens, num_seqs=norm.num_seqs)
 
     def loss_fn(log_probs, entropy, mask, fields, norm):
-        behav = fields.get("behav_log_probs")
+        behav = fields.get(col.BEHAV_LOG_PROBS)
         # Proximal log-probs: recomputed by an old_log_prob stage, or else (one optimizer step
         # per batch) the current weights' own, which is what that stage would have computed.
-        old = fields["old_log_probs"] if "old_log_probs" in fields else log_probs.detach()
-        per_token, diag = policy(log_probs, old, fields["advantages"], mask, algo, behav_log_probs=behav)
+        old = fields[col.OLD_LOG_PROBS] if col.OLD_LOG_PROBS in fields else log_probs.detach()
+        per_token, diag = policy(log_probs, old, fields[col.ADVANTAGES], mask, algo, behav_log_probs=behav)
         if behav is not None:
             weights = corr.weights_in_loss(old, behav, mask, fields)
             if weights is not None:  # rollout_is: detached, 0 at padding
@@ -193,7 +195,7 @@ def policy_loss_fn(algo: Any, corr: RolloutCorr | None = None) -> Callable[..., 
         denom = m.sum().clamp(min=1)
         metrics = {f"actor/{k}": float((v.float() * m).sum() / denom) for k, v in diag.items()}
         if kl_fn is not None:
-            kl = kl_fn(log_probs, fields["ref_log_probs"], mask)
+            kl = kl_fn(log_probs, fields[col.REF_LOG_PROBS], mask)
             loss = loss + algo.kl_coef * agg(kl, mask, norm)
             metrics["actor/kl_loss"] = float((kl.detach() * m).sum() / denom)
         if entropy is not None:

@@ -9,10 +9,12 @@ import torch
 
 from ..config import RunConfig, from_dict, rank_threads
 from ..resolved import WIRE_KEY, ResolvedRun, is_wire, resolve_run
-from ..single_controller import Dispatch, register
+from ..single_controller import Dispatch, Worker, register
+from ..transfer_queue.meta import BatchMeta
 
 # rows: also the import path docs/recipes.md gives custom workers (with resolved_of, config_of, setup_rank)
 from ..transfer_queue.row_lists import rows
+from ..workflow.stages import StageIO
 
 
 def resolved_of(cfg: Any, platform: str = "cpu") -> ResolvedRun:
@@ -96,13 +98,13 @@ def train_engine_class(name: str) -> type:
     return engines[name]
 
 
-def share_of(meta: Any, dp_rank: int, dp_size: int) -> Any:
+def share_of(meta: BatchMeta, dp_rank: int, dp_size: int) -> BatchMeta:
     """This data-parallel rank's part of a batch (ranks that get no rows still take part in
     the collectives of the step)."""
     return meta.part(dp_size, dp_rank)
 
 
-def share_column(worker: Any, meta: Any, io: Any,
+def share_column(worker: Worker, meta: BatchMeta, io: StageIO,
                  compute: Callable[[list[torch.Tensor], list[torch.Tensor]], Any]) -> None:
     """This rank's share of ``meta``: fetch its prompts and responses (the stage's first two
     input columns), compute the stage's output column from them, write it to those rows. A
@@ -121,7 +123,7 @@ def share_column(worker: Any, meta: Any, io: Any,
         worker.tq.put({io.outputs[0]: out}, mine.partition, mine)
 
 
-def per_token_column(worker: Any, meta: Any, io: Any,
+def per_token_column(worker: Worker, meta: BatchMeta, io: StageIO,
                      compute: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]) -> None:
     """``share_column`` for one float32 value per response token."""
     share_column(worker, meta, io, lambda p, r: [x.float() for x in compute(p, r)])
@@ -145,6 +147,11 @@ def unpad(x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
 class EngineCheckpoints:
     """A worker's training engine (model, optimizer, LR schedule, RNG per rank) into and out
     of a run checkpoint. Mixed into the workers that train (actor, critic)."""
+
+    # A TrainEngine; Any because the actor also calls what only some engines have (the FSDP
+    # engine's model, train_part and base_changed; compute_log_probs' adapters switch), which the
+    # TrainEngine ABC lacks.
+    engine: Any
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, extra: dict) -> None:

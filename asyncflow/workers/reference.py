@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import column_names as col
 from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
+from ..transfer_queue.meta import BatchMeta
 from ..workflow.stages import StageIO
 from .common import EngineOffload, per_token_column, policy_model, resolved_of, setup_rank, train_engine_class
 
@@ -32,7 +34,7 @@ class ReferenceWorker(EngineOffload, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     @charged("ref_log_prob")
-    def compute_log_probs(self, meta: Any, io: dict | None = None) -> None:
+    def compute_log_probs(self, meta: BatchMeta, io: StageIO | dict[str, Any] | None = None) -> None:
         """[prompt, response] -> the reference's per-token log-probs."""
-        per_token_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["ref_log_probs"]),
+        per_token_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.REF_LOG_PROBS]),
                          lambda p, r: self.engine.compute_log_probs(p, r, temperature=self.temperature)[0])

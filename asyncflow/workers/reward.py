@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import column_names as col
 from ..cpu_account import charged
 from ..single_controller import Dispatch, Worker, register
 from ..transfer_queue.row_lists import rows, values
@@ -99,13 +100,13 @@ class RewardWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     @charged("reward")
-    def compute(self, data: Any, io: dict | None = None) -> dict:
+    def compute(self, data: Any, io: StageIO | dict[str, Any] | None = None) -> dict:
         """[response, answer, and optionally prompt, metadata] -> one score per row."""
-        io = StageIO.of(io, ["response_ids", "answer"], ["scores"])
-        return {io.outputs[0]: self.scorer.score(
-            rows(data[io.inputs[0]]), values(data[io.inputs[1]]),
-            values(data["prompt"]) if "prompt" in io.inputs else None,
-            values(data["metadata"]) if "metadata" in io.inputs else None)}
+        stage = StageIO.of(io, [col.RESPONSE_IDS, col.ANSWER], [col.SCORES])
+        return {stage.outputs[0]: self.scorer.score(
+            rows(data[stage.inputs[0]]), values(data[stage.inputs[1]]),
+            values(data[col.PROMPT]) if col.PROMPT in stage.inputs else None,
+            values(data[col.METADATA]) if col.METADATA in stage.inputs else None)}
 
     @register(Dispatch.ONE_TO_ALL)
     def reward_stats(self) -> dict:

@@ -6,7 +6,9 @@ from typing import Any
 
 import torch
 
+from .. import column_names as col
 from ..single_controller import Dispatch, Worker, register
+from ..transfer_queue.meta import BatchMeta
 from ..workflow.stages import StageIO
 from .common import EngineOffload, resolved_of, setup_rank, share_column, train_engine_class
 
@@ -39,7 +41,7 @@ class RewardModelWorker(EngineOffload, Worker):
         self.start_idle(run.derived.offload_idle)  # colocated placement: free the device while other roles run
 
     @register(Dispatch.ONE_TO_ALL)
-    def compute(self, meta: Any, io: dict | None = None) -> None:
+    def compute(self, meta: BatchMeta, io: StageIO | dict[str, Any] | None = None) -> None:
         """[prompt, response] -> the reward model's score of each whole sequence."""
-        share_column(self, meta, StageIO.of(io, ["prompt_ids", "response_ids"], ["scores"]),
+        share_column(self, meta, StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS], [col.SCORES]),
                      lambda p, r: torch.tensor(score_sequences(self.engine, p, r, self.pad_id), dtype=torch.float32))

@@ -21,17 +21,20 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 
+from .. import column_names as col
 from ..agents.episode import EpisodeLimits
 from ..agents.runner import EpisodeRunner, episode_columns, episode_rows, show_episode
 from ..cpu_account import charged
 from ..engines.rollout import SamplingParams
-from ..engines.rollout.base import GenerationRequest
+from ..engines.rollout.base import GenerationRequest, RequestEngine, RolloutEngine
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..single_controller import Dispatch, Worker, register
+from ..transfer_queue.meta import BatchMeta
 from ..workflow.stages import StageIO
 from .common import EngineOffload, resolved_of, setup_rank
 from .reward import reward_kwargs
@@ -147,10 +150,10 @@ class RolloutWorker(EngineOffload, Worker):
     def _free_engine(self) -> None:
         """The engine's generation memory (the builtin engine's cache buffers, and on an
         accelerator its weights to host; vLLM's sleep). Weights are kept: swaps still work."""
-        self.service.call(lambda e: e.release_memory(), self.sync_timeout_s, "release_memory")
+        self.service.call(lambda e: _generator(e).release_memory(), self.sync_timeout_s, "release_memory")
 
     def _restore_engine(self) -> None:
-        self.service.call(lambda e: e.resume_memory(), self.sync_timeout_s, "resume_memory")
+        self.service.call(lambda e: _generator(e).resume_memory(), self.sync_timeout_s, "resume_memory")
 
     # ---- weights in --------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
@@ -224,8 +227,8 @@ class RolloutWorker(EngineOffload, Worker):
     # ---- rows in, rows out -------------------------------------------------------------------
     @register(Dispatch.RANK_ZERO, concurrent=True)
     @charged("rollout_submit")
-    def submit(self, meta: Any, min_version: int, want_free: int = 1, wait_s: float = 30.0,
-               io: dict | None = None) -> dict:
+    def submit(self, meta: BatchMeta | None, min_version: int, want_free: int = 1, wait_s: float = 30.0,
+               io: StageIO | dict[str, Any] | None = None) -> dict:
         """Queue the meta's rows (each admitted once the weights held are at least ``min_version``;
         None: queue nothing, only wait and report) for the stage ``io``; return once ``want_free``
         more rows fit, with what was written to the TransferQueue since the last report (rows and
@@ -245,17 +248,17 @@ class RolloutWorker(EngineOffload, Worker):
         return self.stream.rows_written
 
     @register(Dispatch.DP_COMPUTE)
-    def generate(self, data: Any, min_version: int, io: dict | None = None) -> dict:
+    def generate(self, data: Any, min_version: int, io: StageIO | dict[str, Any] | None = None) -> dict:
         """All rows of one call, through the service (the colocated path: the call holds the rank)."""
-        io = StageIO.of(io, ROLLOUT_INPUTS, ROLLOUT_OUTPUTS)
-        if io.options.get("episode"):
-            return self._run_episodes(data, min_version, io)
-        prompts, seeds, budgets = row_inputs(data, io.inputs)
-        params = stage_params(self.params, io.options)
+        stage = StageIO.of(io, ROLLOUT_INPUTS, ROLLOUT_OUTPUTS)
+        if stage.options.get("episode"):
+            return self._run_episodes(data, min_version, stage)
+        prompts, seeds, budgets = row_inputs(data, stage.inputs)
+        params = stage_params(self.params, stage.options)
         # one_per_group: rows of a group share their prompt, so one response per distinct prompt
         # (the data of a call carries no group ids)
         pick = list(range(len(prompts)))
-        if io.options.get("one_per_group"):
+        if stage.options.get("one_per_group"):
             first: dict[tuple, int] = {}
             pick = [first.setdefault(tuple(p.tolist()), i) for i, p in enumerate(prompts)]
         lead = sorted(set(pick))
@@ -266,9 +269,9 @@ class RolloutWorker(EngineOffload, Worker):
         for r in results:
             if r.finish_reason == "error":
                 raise ValueError(f"rollout rank {self.rank}: a row was refused: {r.error}")
-        score_into = io.options.get("score_into")
+        score_into = stage.options.get("score_into")
         context = ScoreContext.of(data, len(results), f"rollout rank {self.rank}") if score_into else None
-        return scored_columns(result_columns, results, int(self.engine.version), io.outputs, score_into,
+        return scored_columns(result_columns, results, int(self.engine.version), stage.outputs, score_into,
                               self.scorer() if score_into else None, context)
 
     def _run_episodes(self, data: Any, min_version: int, io: StageIO) -> dict:
@@ -304,7 +307,7 @@ class RolloutWorker(EngineOffload, Worker):
     @register(Dispatch.RANK_ZERO)
     def evaluate(self, prompts: list[list[int]], answers: list[str], reward: str = "number",
                  max_new_tokens: int = 8, samples: int = 4, timeout_s: float = 10.0,
-                 on_error: str = "zero", extra: list[dict] | None = None, episode: str = "",
+                 on_error: Literal["zero", "fail"] = "zero", extra: list[dict] | None = None, episode: str = "",
                  n_samples: int = 0, temperature: float = 1.0, seeds: list[int] | None = None) -> dict:
         """Greedy accuracy on held-out prompts with the weights held now (its rows join the
         running batch). The reward runs under the same per-call timeout and error policy as in
@@ -364,17 +367,17 @@ class RolloutWorker(EngineOffload, Worker):
 
     def _evaluate_episodes(self, prompts: list[list[int]], answers: list[str], extra: list[dict] | None,
                            params: Any, episode: str, samples: int, start: float, sampled: Any = None,
-                           draws: list[tuple[int, int]] = ()) -> dict:
+                           draws: Sequence[tuple[int, int]] = ()) -> dict:
         version = int(self.engine.version)
         extra = list(extra) if extra is not None else [{} for _ in prompts]
         # the same shape as a training row: prompt text, answer, seed and the record's metadata
-        rows = [{"prompt_ids": list(p), "answer": a, "seed": i, "prompt": e.get("prompt", ""),
-                 "metadata": {k: v for k, v in e.items() if k != "prompt"}}
+        rows = [{col.PROMPT_IDS: list(p), col.ANSWER: a, col.SEED: i, col.PROMPT: e.get("prompt", ""),
+                 col.METADATA: {k: v for k, v in e.items() if k != "prompt"}}
                 for i, (p, a, e) in enumerate(zip(prompts, answers, extra))]
         call = next(self._call_ids)
         futs = [self.episodes.start(episode, row, params, version, ("eval-episode", call, i), count=False)
                 for i, row in enumerate(rows)]
-        futs += [self.episodes.start(episode, {**rows[i], "seed": seed}, sampled, version,
+        futs += [self.episodes.start(episode, {**rows[i], col.SEED: seed}, sampled, version,
                                      ("eval-episode-sample", call, k), count=False)
                  for k, (i, seed) in enumerate(draws)]
         every = [f.result(self.sync_timeout_s) for f in futs]
@@ -398,3 +401,11 @@ class RolloutWorker(EngineOffload, Worker):
         s = self.service.stats(self.sync_timeout_s)
         return {**s, "aborts": s.get("aborted", 0), "rows_written": self.stream.rows_written,
                 "episodes": self.episodes.snapshot()}
+
+
+def _generator(engine: RequestEngine) -> RolloutEngine:
+    """The instance's engine as the generator it also is (both engines are): the one that
+    frees and restores its memory."""
+    if not isinstance(engine, RolloutEngine):
+        raise TypeError(f"{type(engine).__name__} cannot release its memory (it is no RolloutEngine)")
+    return engine

@@ -13,6 +13,7 @@ the response: no reward stage, no second read of the rows.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -23,15 +24,20 @@ from typing import Any
 
 import torch
 
+from .. import column_names as col
 from ..agents.runner import episode_columns
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import result_columns
+from ..engines.rollout.service import RolloutService
+from ..transfer_queue.meta import BatchMeta
+from ..transfer_queue.protocol import TransferQueue
+from ..workflow.stages import StageIO
 
 __all__ = ["RowStream", "ScoreContext", "group_leaders", "row_inputs", "stage_params"]
 
 
-ROLLOUT_INPUTS = ["prompt_ids", "seed"]
-SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "max_new_tokens")
+ROLLOUT_INPUTS = [col.PROMPT_IDS, col.SEED]
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", col.MAX_NEW_TOKENS)
 
 
 def row_inputs(data: Any, inputs: list[str] | None = None) -> tuple[list[torch.Tensor], list[int], list[int | None]]:
@@ -43,8 +49,9 @@ def row_inputs(data: Any, inputs: list[str] | None = None) -> tuple[list[torch.T
         raise ValueError(f"a rollout stage reads [prompt, seed] columns first; it declares {names}")
     prompts = rows(data[names[0]])
     seeds = [int(s) for s in values(data[names[1]])]
-    budget = "max_new_tokens" in data.keys()  # the data holds the stage's inputs only
-    budgets = ([int(b) for b in values(data["max_new_tokens"])] if budget else [None] * len(prompts))
+    budget = col.MAX_NEW_TOKENS in data.keys()  # the data holds the stage's inputs only
+    budgets: list[int | None] = ([int(b) for b in values(data[col.MAX_NEW_TOKENS])] if budget
+                                 else [None] * len(prompts))
     return prompts, seeds, budgets
 
 
@@ -88,11 +95,11 @@ class ScoreContext:
     def of(data: Any, n: int, stage: str) -> ScoreContext:
         from ..transfer_queue.row_lists import values
         keys = set(data.keys())
-        if "answer" not in keys:
+        if col.ANSWER not in keys:
             raise ValueError(f"{stage}: a rollout stage with score_into reads the 'answer' column (and "
                              f"optionally 'prompt' and 'metadata'); it reads {sorted(keys)}")
-        ctx = ScoreContext(values(data["answer"]), values(data["prompt"]) if "prompt" in keys else None,
-                           values(data["metadata"]) if "metadata" in keys else None)
+        ctx = ScoreContext(values(data[col.ANSWER]), values(data[col.PROMPT]) if col.PROMPT in keys else None,
+                           values(data[col.METADATA]) if col.METADATA in keys else None)
         if len(ctx.answers) != n:
             raise ValueError(f"{stage}: {len(ctx.answers)} answers for {n} rows")
         return ctx
@@ -101,7 +108,7 @@ class ScoreContext:
         def pick(xs: list | None) -> list | None:
             return None if xs is None else [xs[i] for i in index]
 
-        return ScoreContext(pick(self.answers), pick(self.prompts), pick(self.metadata))
+        return ScoreContext([self.answers[i] for i in index], pick(self.prompts), pick(self.metadata))
 
     def score(self, scorer: Any, responses: list[torch.Tensor]) -> torch.Tensor:
         return scorer.score(responses, self.answers, self.prompts, self.metadata)
@@ -116,6 +123,9 @@ def scored_columns(columns: Callable[..., dict], results: list, version: int, ou
     rest = [o for o in outputs or () if o != score_into]
     if not rest:
         raise ValueError(f"a rollout stage with score_into={score_into!r} must also write the responses")
+    if context is None:
+        raise ValueError(f"a rollout stage with score_into={score_into!r} needs what the reward reads of each "
+                         "row (ScoreContext.of its input columns)")
     cols = columns(results, version, rest)
     try:
         cols[score_into] = context.score(scorer, [r.response_ids for r in results])
@@ -130,7 +140,7 @@ class _Batch:
     """The rows of one submitted BatchMeta, the columns its stage writes, whether its rows
     are episodes (trajectories) rather than single requests, and with ``score_into`` the
     column of their scores and what the reward reads of each row."""
-    meta: Any
+    meta: BatchMeta
     outputs: list[str] | None = None
     episodes: bool = False
     score_into: str | None = None
@@ -138,8 +148,8 @@ class _Batch:
 
 
 class RowStream:
-    def __init__(self, service: Any, tq: Callable[[], Any], params: SamplingParams, capacity: int,
-                 version: Callable[[], int], name: str = "rollout", timeout_s: float = 600.0) -> None:
+    def __init__(self, service: RolloutService, tq: Callable[[], TransferQueue], params: SamplingParams,
+                 capacity: int, version: Callable[[], int], name: str = "rollout", timeout_s: float = 600.0) -> None:
         self.service = service
         self._tq = tq
         self.params = params
@@ -162,7 +172,7 @@ class RowStream:
         self._writer.start()
 
     # ---- the executor's side ---------------------------------------------------------------
-    def submit(self, meta: Any, min_version: int, io: Any = None) -> None:
+    def submit(self, meta: BatchMeta, min_version: int, io: StageIO | None = None) -> None:
         """Queue the meta's rows on the service (fetching their prompts from the TransferQueue).
         ``io``: the stage's columns and options (sampling overrides; ``one_per_group``: one
         response per group, written to every row of the group, as a greedy baseline wants)."""
@@ -171,7 +181,7 @@ class RowStream:
             return
         inputs = None if io is None else io.inputs
         options = {} if io is None else io.options
-        if options.get("episode"):  # an episode runner reads the rows as a TensorDict
+        if io is not None and options.get("episode"):  # an episode runner reads the rows as a TensorDict
             return self._submit_episodes(meta, self._tq().get_data(meta, inputs), min_version, io)
         data = self._tq().get_columns(meta, inputs)  # the columns themselves: row_inputs reads them
         prompts, seeds, budgets = row_inputs(data, inputs)
@@ -188,9 +198,14 @@ class RowStream:
         for i, members in fan.items():
             req = GenerationRequest((self.name, next(self._ids)), prompts[i], params, seeds[i], budgets[i],
                                     int(min_version))
-            self.service.submit(req, on_done=lambda r, m=members: [self._done.put((batch, j, r)) for j in m])
+            self.service.submit(req, on_done=functools.partial(self._finished, batch, members))
 
-    def _submit_episodes(self, meta: Any, data: Any, min_version: int, io: Any) -> None:
+    def _finished(self, batch: _Batch, members: list[int], result: RequestResult) -> None:
+        """A request's result, for each row it stands for (one_per_group: the whole group)."""
+        for j in members:
+            self._done.put((batch, j, result))
+
+    def _submit_episodes(self, meta: BatchMeta, data: Any, min_version: int, io: StageIO) -> None:
         """One episode per row (``io.options["episode"]``, run by the instance's EpisodeRunner);
         each row is written when its episode ends."""
         from ..agents.runner import episode_rows
@@ -276,8 +291,6 @@ class RowStream:
     def _write(self, finished: list[tuple[_Batch, int, RequestResult]]) -> None:
         """One put per partition for everything that finished since the last write (rows of
         several submitted batches of a step go out together)."""
-        from ..transfer_queue.meta import BatchMeta
-
         by_part: dict[str, list[tuple[_Batch, int, RequestResult]]] = {}
         for batch, i, r in finished:
             if r.finish_reason == "error":
@@ -304,8 +317,9 @@ class RowStream:
                 meta = metas[0] if len(metas) == 1 else BatchMeta.concat(metas)
                 columns = episode_columns if episodes else result_columns
                 context = _concat_contexts(contexts) if score_into else None
+                scorer = self.scorer() if score_into and self.scorer is not None else None
                 tq.put(scored_columns(columns, results, version, list(outputs) or None, score_into,
-                                      self.scorer() if score_into else None, context, f" of partition {part!r}"),
+                                      scorer, context, f" of partition {part!r}"),
                        part, meta)
             results = [r for _, rows in per_batch.values() for _, r in rows]
             with self._cond:
@@ -318,6 +332,12 @@ class RowStream:
 
 def _concat_contexts(parts: list[ScoreContext]) -> ScoreContext:
     def cat(get: Callable[[ScoreContext], list | None]) -> list | None:
-        lists = [get(p) for p in parts]
-        return None if any(x is None for x in lists) else [v for x in lists for v in x]
-    return ScoreContext(cat(lambda p: p.answers), cat(lambda p: p.prompts), cat(lambda p: p.metadata))
+        """The parts' lists end to end; None when a part has none."""
+        out: list = []
+        for p in parts:
+            x = get(p)
+            if x is None:
+                return None
+            out += x
+        return out
+    return ScoreContext([v for p in parts for v in p.answers], cat(lambda p: p.prompts), cat(lambda p: p.metadata))

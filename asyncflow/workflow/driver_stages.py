@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .. import column_names as col
 from .stages import DriverBatch
 
 __all__ = ["advantages", "equal_score_filter", "overlong_shaping", "pad_rows", "unpad_rows"]
@@ -32,8 +33,8 @@ def unpad_rows(x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     return [x[i][mask[i]].float().contiguous() for i in range(x.shape[0])]
 
 
-def advantages(algo: Any, score: str = "scores", response: str = "response_ids",
-               loss_mask: str = "loss_mask") -> Callable[[DriverBatch], dict[str, Any]]:
+def advantages(algo: Any, score: str = col.SCORES, response: str = col.RESPONSE_IDS,
+               loss_mask: str = col.LOSS_MASK) -> Callable[[DriverBatch], dict[str, Any]]:
     """The step's per-token advantages and returns, once, from outcome scores (with critic
     ``values`` for GAE, and the KL to a reference folded into the reward with
     ``algo.kl_in_reward``). Group estimators need whole groups in the batch (a group sampler).
@@ -60,19 +61,19 @@ def advantages(algo: Any, score: str = "scores", response: str = "response_ids",
                 if loss_mask in batch.columns else rows_mask)
         token_rewards = outcome_to_token_rewards(batch[score].float(), mask)
         if algo.kl_in_reward and algo.kl_coef > 0:
-            proximal = batch.columns.get("old_log_probs", batch.columns.get("behav_log_probs"))
-            if proximal is None or "ref_log_probs" not in batch.columns:
+            proximal = batch.columns.get(col.OLD_LOG_PROBS, batch.columns.get(col.BEHAV_LOG_PROBS))
+            if proximal is None or col.REF_LOG_PROBS not in batch.columns:
                 raise ValueError("algorithm.kl_in_reward: the advantage stage must read ref_log_probs and "
                                  "old_log_probs (or behav_log_probs)")
             token_rewards = kl_penalty_to_reward(token_rewards, _fit(pad_rows(proximal)[0], mask),
-                                                 _fit(pad_rows(batch["ref_log_probs"])[0], mask), mask,
+                                                 _fit(pad_rows(batch[col.REF_LOG_PROBS])[0], mask), mask,
                                                  algo.kl_coef, algo.kl_estimator)
-        values = _fit(pad_rows(batch["values"])[0], mask) if "values" in batch.columns else None
+        values = _fit(pad_rows(batch[col.VALUES])[0], mask) if col.VALUES in batch.columns else None
         groups = torch.tensor(batch.groups, dtype=torch.long)
         adv, ret = estimator(token_rewards, mask, group_ids=groups, values=values, cfg=algo)
         # 0 on tool tokens whatever the estimator (a recipe's own may not promise it); full-length rows
         adv, ret = adv.masked_fill(~mask, 0.0), ret.masked_fill(~mask, 0.0)
-        return {"advantages": unpad_rows(adv, rows_mask), "returns": unpad_rows(ret, rows_mask)}
+        return {col.ADVANTAGES: unpad_rows(adv, rows_mask), col.RETURNS: unpad_rows(ret, rows_mask)}
     return compute
 
 
@@ -103,7 +104,7 @@ def _fit(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def equal_score_filter(score: str = "scores") -> Callable[[DriverBatch], torch.Tensor]:
+def equal_score_filter(score: str = col.SCORES) -> Callable[[DriverBatch], torch.Tensor]:
     """Dynamic sampling (DAPO): keep the groups whose scores are not all equal (a group of
     equal rewards has zero advantage everywhere: no learning signal)."""
     def keep(batch: DriverBatch) -> torch.Tensor:
@@ -116,8 +117,8 @@ def equal_score_filter(score: str = "scores") -> Callable[[DriverBatch], torch.T
     return keep
 
 
-def overlong_shaping(max_new_tokens: int, buffer: int, penalty: float, score: str = "scores",
-                     response: str = "response_ids") -> Callable[[DriverBatch], torch.Tensor]:
+def overlong_shaping(max_new_tokens: int, buffer: int, penalty: float, score: str = col.SCORES,
+                     response: str = col.RESPONSE_IDS) -> Callable[[DriverBatch], torch.Tensor]:
     """DAPO's soft overlong punishment: a response longer than ``max_new_tokens - buffer``
     loses ``penalty * excess / buffer`` of its score (at most ``penalty``, reached at the cap)."""
     if buffer < 1 or buffer > max_new_tokens:

@@ -44,6 +44,7 @@ from .ledger import Ledger
 from .reissue import RowsInFlight
 from .stages import DRIVER, DriverBatch, Stage
 from .staleness import allowed_lag, min_version
+from .update_request import UpdateRequest
 
 log = logging.getLogger(__name__)
 
@@ -596,8 +597,7 @@ class Executor:
                 # ranks fetch their own shares of the rows (token-balanced, sampled once for all).
                 meta = await self.tq.get_meta(stage.inputs, n, f"{stage.name}.ready", partition_name(t),
                                               timeout=self.cfg.wait_timeout_s)
-                batch = {"partition": partition_name(t), "task": stage.name, "rows": n,
-                         "timeout_s": self.cfg.wait_timeout_s}
+                request = UpdateRequest(partition_name(t), stage.name, n, self.cfg.wait_timeout_s)
                 # The actor's ranks take one call at a time: version t's publish goes before
                 # update t, else the rollout waits a whole update for the weights it needs.
                 def published(t: int = t) -> bool:
@@ -606,7 +606,7 @@ class Executor:
                 await self.ledger.wait_for(published, self.cfg.wait_timeout_s * 4,
                                            f"policy version {t} to be published before update {t}")
                 results = await self._timed(stage, group.role, group.ranks, t, n,
-                                            getattr(group, stage.method)(t, batch, stage.io.to_wire()))
+                                            getattr(group, stage.method)(t, request.to_wire(), stage.io.to_wire()))
                 metrics = {**self.step_metrics.get(t, {}),
                            **(dict(results[0]) if isinstance(results, list) else dict(results))}
                 if self.faults is not None:  # the run's lost instances so far

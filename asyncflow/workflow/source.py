@@ -19,6 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .. import column_names as col
+
 
 def row_seed(run_seed: int, prompt_uid: int, j: int) -> int:
     return (run_seed * 1_000_003 + prompt_uid * 8191 + j * 131 + 1) % (2 ** 31 - 1)
@@ -101,7 +103,7 @@ class PromptSource:
                 rec = next(self.records)
                 uid = self.next_uid
                 self.next_uid += 1
-            ids = torch.as_tensor(rec["prompt_ids"], dtype=torch.long)
+            ids = torch.as_tensor(rec[col.PROMPT_IDS], dtype=torch.long)
             text, meta = str(rec.get("prompt", "")), dict(rec.get("metadata") or {})
             for j in range(self.group_size):
                 prompt_ids.append(ids)
@@ -113,9 +115,9 @@ class PromptSource:
                 groups.append(uid)
                 if self.budget_fn is not None:
                     budgets.append(int(self.budget_fn(uid, j)))
-        cols = {"prompt_ids": prompt_ids, "answer": answers, "seed": torch.tensor(seeds, dtype=torch.long),
-                "prompt_index": torch.tensor(index, dtype=torch.long), "prompt": texts, "metadata": metas,
+        cols = {col.PROMPT_IDS: prompt_ids, col.ANSWER: answers, col.SEED: torch.tensor(seeds, dtype=torch.long),
+                col.PROMPT_INDEX: torch.tensor(index, dtype=torch.long), col.PROMPT: texts, col.METADATA: metas,
                 "__groups__": groups}
         if self.budget_fn is not None:
-            cols["max_new_tokens"] = torch.tensor(budgets, dtype=torch.long)
+            cols[col.MAX_NEW_TOKENS] = torch.tensor(budgets, dtype=torch.long)
         return cols

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .. import column_names as col
+
 if TYPE_CHECKING:
     from ..transfer_queue.samplers import SamplerSpec
 
@@ -200,10 +202,10 @@ def _check_loss_mask(stages: list[Stage], where: str) -> None:
     """Rows with a loss mask (episodes: tool text in the response) must be trained by it: the
     stages that compute advantages and the update read it, or tool text would be trained as
     the model's own."""
-    if not any("loss_mask" in s.outputs for s in stages):
+    if not any(col.LOSS_MASK in s.outputs for s in stages):
         return
     for s in stages:
-        if (s.kind == "update" or "advantages" in s.outputs) and "loss_mask" not in s.inputs:
+        if (s.kind == "update" or col.ADVANTAGES in s.outputs) and col.LOSS_MASK not in s.inputs:
             raise ValueError(f"{where}: stage {s.name!r} must read 'loss_mask' (a stage writes it: the rows hold "
                              "text the model did not write, which must not be trained)")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from asyncflow import column_names as col
 from asyncflow.algorithms import GROUP_RELATIVE_ADVANTAGES
 from asyncflow.workflow import driver_stages
 from asyncflow.workflow.stages import DRIVER, RecipeSpec, Role, Stage
@@ -56,24 +57,24 @@ def reward_inline(cfg) -> bool:
 
 
 def rollout(cfg, name: str = "rollout", outputs: list[str] | None = None, options: dict | None = None) -> Stage:
-    budget = ["max_new_tokens"] if cfg.rollout.length_profile else []  # per-row token budgets (benchmarks)
-    return Stage(name, role="rollout", method="generate", inputs=["prompt_ids", "seed", *budget],
-                 outputs=outputs or ["response_ids", "behav_log_probs", "token_versions", "gen_version"],
+    budget = [col.MAX_NEW_TOKENS] if cfg.rollout.length_profile else []  # per-row token budgets (benchmarks)
+    return Stage(name, role="rollout", method="generate", inputs=[col.PROMPT_IDS, col.SEED, *budget],
+                 outputs=outputs or [col.RESPONSE_IDS, col.BEHAV_LOG_PROBS, col.TOKEN_VERSIONS, col.GEN_VERSION],
                  batch_rows=batch_rows(cfg), sampler=groups(cfg), kind="rollout", options=options or {})
 
 
-def reward(cfg, name: str = "reward", response: str = "response_ids", output: str = "scores") -> Stage:
+def reward(cfg, name: str = "reward", response: str = col.RESPONSE_IDS, output: str = col.SCORES) -> Stage:
     """Scores of ``response``: the rule sees the decoded text, the answer, the prompt text and
     the record's metadata; a reward model sees prompt and response tokens."""
     if reward_inline(cfg):
         raise ValueError(f"stage {name!r}: placement.reward_with=inline has no reward stage; build the "
                          "rollout and its scores with scored_rollout(cfg, ...)")
-    inputs = ["prompt_ids", response] if cfg.reward.model_path else [response, "answer", "prompt", "metadata"]
+    inputs = [col.PROMPT_IDS, response] if cfg.reward.model_path else [response, col.ANSWER, col.PROMPT, col.METADATA]
     return Stage(name, role="reward", method="compute", inputs=inputs, outputs=[output], batch_rows=batch_rows(cfg))
 
 
 def scored_rollout(cfg, name: str = "rollout", outputs: list[str] | None = None, options: dict | None = None,
-                   score: str = "scores", reward_name: str = "") -> list[Stage]:
+                   score: str = col.SCORES, reward_name: str = "") -> list[Stage]:
     """A rollout stage and the scores of its responses (column ``score``): one stage that
     scores each row as it finishes when the reward is inline, else the rollout and a reward
     stage (named ``reward_name``, default "reward" for the main rollout, "<name>_reward")."""
@@ -81,7 +82,7 @@ def scored_rollout(cfg, name: str = "rollout", outputs: list[str] | None = None,
     if not reward_inline(cfg):
         return [gen, reward(cfg, reward_name or ("reward" if name == "rollout" else f"{name}_reward"),
                             response=gen.outputs[0], output=score)]
-    gen.inputs = [*gen.inputs, "answer", "prompt", "metadata"]
+    gen.inputs = [*gen.inputs, col.ANSWER, col.PROMPT, col.METADATA]
     gen.outputs = [*gen.outputs, score]
     gen.options = {**gen.options, "score_into": score}
     return [gen]
@@ -92,18 +93,18 @@ def log_prob_stages(cfg, gate: list[str]) -> list[Stage]:
     out = []
     if cfg.algorithm.recompute_proximal:
         out.append(Stage("old_log_prob", role="actor", method="compute_log_probs",
-                         inputs=["prompt_ids", "response_ids", *gate], outputs=["old_log_probs"],
+                         inputs=[col.PROMPT_IDS, col.RESPONSE_IDS, *gate], outputs=[col.OLD_LOG_PROBS],
                          batch_rows=batch_rows(cfg), on_policy_weights=True))
     if cfg.algorithm.kl_coef > 0:
         lora = cfg.model.lora.rank is not None  # the actor's model with its adapters off (reference_role)
         out.append(Stage("ref_log_prob", role="actor" if lora else "ref",
                          method="compute_ref_log_probs" if lora else "compute_log_probs",
-                         inputs=["prompt_ids", "response_ids", *gate], outputs=["ref_log_probs"],
+                         inputs=[col.PROMPT_IDS, col.RESPONSE_IDS, *gate], outputs=[col.REF_LOG_PROBS],
                          batch_rows=batch_rows(cfg)))
     return out
 
 
-def advantage(cfg, inputs: list[str], outputs: Sequence[str] = ("advantages",), score: str = "scores") -> Stage:
+def advantage(cfg, inputs: list[str], outputs: Sequence[str] = (col.ADVANTAGES,), score: str = col.SCORES) -> Stage:
     """Advantages once per row, in the driver. Group estimators take whole groups as they are
     ready; the others (whitening over the batch) take the whole step."""
     a = cfg.algorithm
@@ -114,7 +115,7 @@ def advantage(cfg, inputs: list[str], outputs: Sequence[str] = ("advantages",), 
                          "that needs no group (reinforce_pp, gae)")
     extra = []
     if a.kl_in_reward and a.kl_coef > 0:
-        extra = ["ref_log_probs", "old_log_probs" if a.recompute_proximal else "behav_log_probs"]
+        extra = [col.REF_LOG_PROBS, col.OLD_LOG_PROBS if a.recompute_proximal else col.BEHAV_LOG_PROBS]
     grouped = a.advantage in GROUP_RELATIVE_ADVANTAGES
     return Stage("advantages", role=DRIVER, method="", inputs=[*inputs, *extra], outputs=list(outputs),
                  batch_rows=batch_rows(cfg) if grouped else 0, sampler=groups(cfg) if grouped else "sequential",
@@ -125,11 +126,12 @@ def update(cfg, extra: Sequence[str] = ()) -> Stage:
     """The policy update: reads advantages and the log-probs the loss needs (and each token's
     policy version, for the rollout_corr/ mismatch figures on the trainer's own version)."""
     a = cfg.algorithm
-    cols = ["prompt_ids", "response_ids", "advantages", "behav_log_probs", "scores", "gen_version", "token_versions"]
+    cols = [col.PROMPT_IDS, col.RESPONSE_IDS, col.ADVANTAGES, col.BEHAV_LOG_PROBS, col.SCORES, col.GEN_VERSION,
+            col.TOKEN_VERSIONS]
     if a.recompute_proximal:
-        cols.append("old_log_probs")
+        cols.append(col.OLD_LOG_PROBS)
     if a.kl_coef > 0 and not a.kl_in_reward:
-        cols.append("ref_log_probs")
+        cols.append(col.REF_LOG_PROBS)
     return Stage("update", role="actor", method="update", inputs=[*cols, *extra], kind="update")
 
 
@@ -137,11 +139,11 @@ def build(cfg) -> RecipeSpec:
     stages = scored_rollout(cfg)
     gate = []  # with dynamic sampling, later stages see only the groups the filter kept
     if cfg.algorithm.dynamic_sampling:
-        stages.append(Stage("filter", role=DRIVER, method="", inputs=["scores"], outputs=["accepted"],
+        stages.append(Stage("filter", role=DRIVER, method="", inputs=[col.SCORES], outputs=[col.ACCEPTED],
                             batch_rows=batch_rows(cfg), sampler=groups(cfg), kind="filter",
-                            fn=driver_stages.equal_score_filter("scores")))
-        gate = ["accepted"]
+                            fn=driver_stages.equal_score_filter(col.SCORES)))
+        gate = [col.ACCEPTED]
     stages += log_prob_stages(cfg, gate)
-    stages.append(advantage(cfg, ["scores", "response_ids", *gate]))
+    stages.append(advantage(cfg, [col.SCORES, col.RESPONSE_IDS, *gate]))
     stages.append(update(cfg))
     return RecipeSpec(roles(cfg), stages)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from asyncflow import column_names as col
 from asyncflow.workflow.stages import DRIVER, DriverBatch, RecipeSpec, Stage
 from recipes.grpo import recipe as grpo
 
 
 def remax_advantages(batch: DriverBatch) -> dict:
     """Outcome reward minus the greedy baseline's, on every token of the response."""
-    gap = batch["scores"].float() - batch["baseline_scores"].float()
-    return {"advantages": [torch.full((len(r),), float(g)) for r, g in zip(batch["response_ids"], gap.tolist())]}
+    gap = batch[col.SCORES].float() - batch["baseline_scores"].float()
+    return {col.ADVANTAGES: [torch.full((len(r),), float(g)) for r, g in zip(batch[col.RESPONSE_IDS], gap.tolist())]}
 
 
 def build(cfg) -> RecipeSpec:
@@ -31,8 +32,8 @@ def build(cfg) -> RecipeSpec:
         *grpo.scored_rollout(cfg, name="baseline", outputs=["baseline_ids"], score="baseline_scores",
                              options={"temperature": 0.0, "one_per_group": True}),
         *grpo.log_prob_stages(cfg, []),
-        Stage("advantages", role=DRIVER, method="", inputs=["scores", "baseline_scores", "response_ids"],
-              outputs=["advantages"], batch_rows=grpo.batch_rows(cfg), fn=remax_advantages),
+        Stage("advantages", role=DRIVER, method="", inputs=[col.SCORES, "baseline_scores", col.RESPONSE_IDS],
+              outputs=[col.ADVANTAGES], batch_rows=grpo.batch_rows(cfg), fn=remax_advantages),
         grpo.update(cfg),
     ]
     return RecipeSpec(grpo.roles(cfg), stages)

@@ -256,7 +256,7 @@ def test_release_frees_the_kv_cache_and_resume_gives_the_same_samples(engine):
     assert polls[0] == 0  # before the first step no cache exists
     assert polls[1] == per_row * len(prompts)  # one slot per row, all admitted in step 1
     assert engine.memory_held()["kv_cache"] == polls[1]  # kept for the next rows
-    buffers = [weakref.ref(t) for t in (*engine._cache.keys, *engine._cache.values)]
+    buffers = [weakref.ref(t) for t in (*engine.batch.cache.keys, *engine.batch.cache.values)]
     weights = engine.memory_held()["weights"]
     assert weights == sum(p.numel() * 4 for p in engine.model.parameters()) + sum(
         b.numel() * b.element_size() for b in engine.model.buffers())

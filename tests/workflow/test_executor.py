@@ -18,6 +18,7 @@ from asyncflow.workflow.driver_stages import equal_score_filter
 from asyncflow.workflow.executor import Executor, ExecutorConfig, StepObserver
 from asyncflow.workflow.source import PromptSource
 from asyncflow.workflow.stages import Stage
+from asyncflow.workflow.update_request import UpdateRequest
 
 G = 4  # group size
 
@@ -125,10 +126,11 @@ class Actor(Group):
         await self.tq.put({"old_log_probs": [torch.zeros(3) for _ in range(n)]}, meta.partition, meta)
         return meta
 
-    async def update(self, step, batch, io):
+    async def update(self, step, request, io):
         # as the real actor: the group's ranks fetch the step's rows themselves
-        meta = await self.tq.get_meta(io["inputs"], batch["rows"], batch["task"], batch["partition"],
-                                      {"name": "token_balanced", "dp_size": 1}, timeout=batch["timeout_s"],
+        req = UpdateRequest.from_wire(request)  # what the executor sends is a valid request
+        meta = await self.tq.get_meta(io["inputs"], req.rows, req.task, req.partition,
+                                      {"name": "token_balanced", "dp_size": 1}, timeout=req.timeout_s,
                                       dp_group=self.role, dp_rank=0, dp_size=1)
         self.log.append(("update_start", meta.partition, asyncio.get_running_loop().time()))
         data = await self.tq.get_data(meta, ["gen_version", "prompt_index"])

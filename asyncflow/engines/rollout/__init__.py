@@ -6,6 +6,7 @@ resolved lazily so that importing this package costs only `base` (torch + datacl
 """
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from asyncflow.engines.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
@@ -25,6 +26,5 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     # PEP 562: import the engine module only when its class is first asked for.
     if name in _LAZY:
-        import importlib
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

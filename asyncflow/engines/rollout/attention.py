@@ -42,4 +42,8 @@ def use_grouped_attention(model: torch.nn.Module) -> None:
         AttentionInterface.register(GROUPED, grouped_attention)
     if GROUPED not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         AttentionMaskInterface.register(GROUPED, eager_mask)
-    model.set_attn_implementation(GROUPED)
+    set_implementation = getattr(model, "set_attn_implementation", None)
+    if not callable(set_implementation):
+        raise TypeError(f"{type(model).__name__} is not a Hugging Face model (no set_attn_implementation); "
+                        "the built-in engine runs transformers' causal LMs")
+    set_implementation(GROUPED)

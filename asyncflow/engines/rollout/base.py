@@ -18,13 +18,18 @@ Every generated token records the policy version of the weights that produced it
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 __all__ = ["FINISH_REASONS", "GenerationOutput", "GenerationRequest", "RequestEngine", "RequestResult",
-           "RolloutEngine", "SamplingParams", "SWAP_MODES", "check_generate_args"]
+           "RequestId", "RolloutEngine", "SamplingParams", "SWAP_MODES", "check_generate_args"]
+
+# A request's id: any hashable value, unique among the engine's queued and running requests.
+# The rollout workers use tuples (instance, counter[, turn]) so that their ids never collide.
+RequestId = Hashable
 
 FINISH_REASONS = ("stop", "length", "abort", "error")  # "error": that request alone was refused
 # How running rows continue after new weights are swapped in mid-generation:
@@ -76,7 +81,7 @@ class GenerationRequest:
     ``min_version``: the row is admitted only once the engine holds weights of at least this
     policy version (the staleness bound, enforced per row at admission)."""
 
-    request_id: int | str
+    request_id: RequestId
     prompt_ids: torch.Tensor  # 1-D int64
     params: SamplingParams
     seed: int = 0
@@ -93,7 +98,7 @@ class RequestResult:
     """A finished request. ``token_versions[i]`` is the policy version that sampled token i;
     ``error`` says why a request was refused (finish_reason "error", no tokens)."""
 
-    request_id: int | str
+    request_id: RequestId
     response_ids: torch.Tensor  # 1-D int64
     log_probs: torch.Tensor  # 1-D float32, behaviour log-probs
     token_versions: torch.Tensor  # 1-D int64
@@ -118,7 +123,7 @@ class RequestEngine(ABC):
         not raised: its result comes back from the next ``step`` with finish reason "error"."""
 
     @abstractmethod
-    def abort(self, request_id: int | str) -> bool:
+    def abort(self, request_id: RequestId) -> bool:
         """Finish a queued or running request at the next step with what it has ("abort").
         An unknown id is a no-op that returns False (and is counted in ``stats``)."""
 
@@ -136,11 +141,18 @@ class RequestEngine(ABC):
         Wrong names, shapes or dtypes, or a version older than the one held, raise and leave
         the weights held unchanged."""
 
+    def load_weights_stream(self, specs: Sequence[Any], stream: Iterable[tuple[Any, torch.Tensor]], version: int,
+                            mode: str = "keep") -> None:
+        """Swap in a version read tensor by tensor from ``stream`` (``specs``: each one's name,
+        shape and dtype, checked before anything is written); as ``load_weights`` otherwise."""
+        raise NotImplementedError(f"{type(self).__name__} does not load weights from a stream; "
+                                  "send whole state dicts (load_weights)")
+
     @abstractmethod
     def stats(self) -> dict:
         """Counters: running, waiting, finished, aborted, unknown_aborts, errors, swaps, ..."""
 
-    def new_tokens(self, since: Mapping[int | str, int]) -> dict[int | str, tuple[list[int], list[float]]]:
+    def new_tokens(self, since: Mapping[RequestId, int]) -> dict[RequestId, tuple[list[int], list[float]]]:
         """For running requests of ``since`` (request id -> tokens already seen), the tokens they
         sampled after those and their behaviour log-probs (call between steps). Requests that are
         not running, or have nothing new, are left out. An engine that cannot tell returns {}: a

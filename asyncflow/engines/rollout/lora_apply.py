@@ -45,8 +45,9 @@ class AdapterMerge:
         """Raise (naming the tensor) for adapters this model cannot take; changes nothing."""
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
-            layer, kind = adapter_layer(name) or (None, None)
-            if layer is not None:
+            found = adapter_layer(name)
+            if found is not None:
+                layer, kind = found
                 pairs.setdefault(layer, {})[kind] = t
         for layer, ab in pairs.items():
             weight = target.get(layer + ".weight")

@@ -26,6 +26,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,17 @@ log = logging.getLogger(__name__)
 
 # on_tokens(token_ids, log_probs): a streamed request's newest tokens, called on the service thread
 TokenListener = Callable[[list[int], list[float]], None]
+
+
+@dataclass
+class _PendingSwap:
+    """A version staged to swap in at the next step boundary the batch allows."""
+    load: Callable[[RequestEngine], Any]  # loads the version into the engine
+    version: int
+    mode: str  # a SWAP_MODES entry
+    fut: Future  # answered with the swap's outcome
+    due: float  # time.monotonic() when it was staged: the pause is counted from here
+    stream: bool  # loaded from a stream, which must be read to its end (never superseded)
 
 
 class ServiceError(RuntimeError):
@@ -58,7 +70,7 @@ class RolloutService:
         self._futures: dict[Any, Future] = {}
         self._listeners: dict[Any, Callable[[RequestResult], None]] = {}
         self._streams: dict[Any, list] = {}  # request id -> [TokenListener, tokens it was given]
-        self._swap: tuple[Mapping[str, torch.Tensor], int, str, Future, float] | None = None
+        self._swap: _PendingSwap | None = None
         self._wake = threading.Event()
         self._closed = False
         self._error: ServiceError | None = None
@@ -176,18 +188,22 @@ class RolloutService:
     def _stage_swap(self, load: Callable[[RequestEngine], None], version: int, mode: str, fut: Future,
                     stream: bool = False) -> None:
         if self._swap is not None:  # a newer publish replaces one not yet swapped in: it goes in instead
-            if self._swap[5] or stream:
+            if self._swap.stream or stream:
                 fut.set_exception(ServiceError(f"{self.name}: version {version} arrived while version "
-                                               f"{self._swap[1]} waits to be loaded from a stream (one at a time)"))
+                                               f"{self._swap.version} waits to be loaded from a stream "
+                                               "(one at a time)"))
                 return
-            self._swap[3].set_result({"version": self._swap[1], "superseded_by": int(version), "pause_s": 0.0})
-        self._swap = (load, int(version), mode, fut, time.monotonic(), stream)
+            self._swap.fut.set_result({"version": self._swap.version, "superseded_by": int(version), "pause_s": 0.0})
+        self._swap = _PendingSwap(load, int(version), mode, fut, time.monotonic(), stream)
         gate = getattr(self.engine, "admit", None)
         if not self.in_flight and gate is not None:
             gate(False)  # drain: no new rows until the swap
 
     def _maybe_swap(self) -> None:
-        load, version, mode, fut, due, _ = self._swap
+        swap = self._swap
+        if swap is None:
+            return
+        load, version, fut, due = swap.load, swap.version, swap.fut, swap.due
         if not self.in_flight:
             s = self.engine.stats()
             if s["running"] + s.get("prefilling", 0) > 0:
@@ -237,8 +253,8 @@ class RolloutService:
             for fut in list(self._futures.values()):
                 if not fut.done():
                     fut.set_exception(self._error)
-            if self._swap is not None and not self._swap[3].done():
-                self._swap[3].set_exception(self._error)
+            if self._swap is not None and not self._swap.fut.done():
+                self._swap.fut.set_exception(self._error)
             self._futures.clear()
             self._streams.clear()
 

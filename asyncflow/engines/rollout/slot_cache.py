@@ -24,6 +24,14 @@ import torch
 __all__ = ["PrefillCache", "SlotKVCache"]
 
 
+def _layer(store: list[torch.Tensor | None], i: int, what: str) -> torch.Tensor:
+    """Layer ``i``'s buffer of ``store``; raise when none is allocated (nothing was written yet)."""
+    t = store[i]
+    if t is None:
+        raise RuntimeError(f"{what}: layer {i} has no buffer (no prefill has written to it)")
+    return t
+
+
 class PrefillCache:
     """Staging cache: writes at positions [offset, offset + q) for all its rows."""
 
@@ -36,11 +44,11 @@ class PrefillCache:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        if k is None:
+        if k is None or v is None:
             _, h, _, d = key_states.shape
-            k = self.keys[layer_idx] = key_states.new_zeros((self.rows, h, self.capacity, d))
-            v = self.values[layer_idx] = value_states.new_zeros((self.rows, value_states.shape[1], self.capacity,
-                                                                 value_states.shape[3]))
+            k = key_states.new_zeros((self.rows, h, self.capacity, d))
+            v = value_states.new_zeros((self.rows, value_states.shape[1], self.capacity, value_states.shape[3]))
+            self.keys[layer_idx], self.values[layer_idx] = k, v
         end = self.offset + key_states.shape[2]
         if end > self.capacity:
             raise RuntimeError(f"prefill cache overflow in layer {layer_idx}: {end} positions > {self.capacity}")
@@ -62,6 +70,13 @@ class SlotKVCache:
         self.n = 0  # running rows (slots [0, n))
         self.lens: torch.Tensor | None = None  # int64 [n], on the cache's device
         self._rows_idx: torch.Tensor | None = None  # arange(n), for the decode write
+
+    @property
+    def row_lens(self) -> torch.Tensor:
+        """``lens`` of the running rows; raise when there are none."""
+        if self.lens is None:
+            raise RuntimeError("SlotKVCache: no running rows (append() first)")
+        return self.lens
 
     @property
     def slots(self) -> int:
@@ -87,6 +102,8 @@ class SlotKVCache:
             for store, src in ((self.keys, like.keys[i]), (self.values, like.values[i])):
                 old = store[i]
                 proto = old if old is not None else src
+                if proto is None:
+                    raise RuntimeError(f"SlotKVCache.reserve: the staging cache has no layer {i} to size the slots by")
                 buf = proto.new_zeros((new_slots, proto.shape[1], new_cap, proto.shape[3]))
                 if old is not None and self.n:
                     buf[:self.n, :, :old.shape[2]] = old[:self.n]
@@ -98,7 +115,7 @@ class SlotKVCache:
         at ``places[j] = (staging cache, row, offset)`` (packed rows hold several sequences)."""
         m = len(places)
         self._copy_in(range(self.n, self.n + m), places, lengths)
-        lens = torch.tensor(lengths, dtype=torch.int64, device=self.keys[0].device)
+        lens = torch.tensor(lengths, dtype=torch.int64, device=_layer(self.keys, 0, "SlotKVCache.append").device)
         self.lens = lens if self.lens is None or self.n == 0 else torch.cat([self.lens[:self.n], lens])
         self.n += m
         self._rows_idx = None
@@ -106,8 +123,8 @@ class SlotKVCache:
     def overwrite(self, slots: list[int], places: list[tuple[PrefillCache, int, int]], lengths: list[int]) -> None:
         """Replace the cache of running rows ``slots`` with prefilled sequences (recompute after a swap)."""
         self._copy_in(slots, places, lengths)
-        self.lens[torch.tensor(slots, device=self.lens.device)] = torch.tensor(lengths, dtype=torch.int64,
-                                                                                 device=self.lens.device)
+        lens = self.row_lens
+        lens[torch.tensor(slots, device=lens.device)] = torch.tensor(lengths, dtype=torch.int64, device=lens.device)
 
     def _copy_in(self, slots: Iterable[int], places: list[tuple[PrefillCache, int, int]], lengths: list[int]) -> None:
         """One gather and one scatter per layer per staging cache (not one copy per sequence: on
@@ -117,14 +134,16 @@ class SlotKVCache:
         groups: dict[int, tuple[PrefillCache, list[tuple[int, int, int, int]]]] = {}
         for slot, (staged, row, start), n in zip(slots, places, lengths):
             groups.setdefault(id(staged), (staged, []))[1].append((slot, row, start, n))
-        dev = self.keys[0].device
+        dev = _layer(self.keys, 0, "SlotKVCache").device
         for staged, members in groups.values():
             dst, rows, starts, ns = (torch.tensor(c, device=dev) for c in zip(*members))
             t = torch.arange(int(ns.max()), device=dev)[None, :]
-            src_pos = (starts[:, None] + t).clamp(max=staged.keys[0].shape[2] - 1)
+            src_pos = (starts[:, None] + t).clamp(max=_layer(staged.keys, 0, "PrefillCache").shape[2] - 1)
             for i in range(self.num_layers):
-                self.keys[i][dst[:, None], :, t] = staged.keys[i][rows[:, None], :, src_pos]
-                self.values[i][dst[:, None], :, t] = staged.values[i][rows[:, None], :, src_pos]
+                _layer(self.keys, i, "SlotKVCache")[dst[:, None], :, t] = \
+                    _layer(staged.keys, i, "PrefillCache")[rows[:, None], :, src_pos]
+                _layer(self.values, i, "SlotKVCache")[dst[:, None], :, t] = \
+                    _layer(staged.values, i, "PrefillCache")[rows[:, None], :, src_pos]
 
     def compact(self, keep: torch.Tensor) -> torch.Tensor:
         """Keep the rows where bool ``keep`` [n] is set; return ``order``: new slot j holds the row
@@ -135,16 +154,18 @@ class SlotKVCache:
         n_new = int(keep_cpu.sum())
         holes = (~keep_cpu[:n_new]).nonzero().squeeze(1)  # finished rows inside the new range
         movers = n_new + keep_cpu[n_new:].nonzero().squeeze(1)  # survivors past it
+        lens = self.row_lens
         if holes.numel():
-            dev = self.keys[0].device
+            dev = _layer(self.keys, 0, "SlotKVCache.compact").device
             h, mv = holes.to(dev), movers.to(dev)
             for store in (self.keys, self.values):
                 for i in range(self.num_layers):
-                    store[i].index_copy_(0, h, store[i].index_select(0, mv))
-            self.lens[h] = self.lens[mv]
+                    buf = _layer(store, i, "SlotKVCache.compact")
+                    buf.index_copy_(0, h, buf.index_select(0, mv))
+            lens[h] = lens[mv]
             order[holes] = movers
         self.n = n_new
-        self.lens = self.lens[:n_new]
+        self.lens = lens[:n_new]
         self._rows_idx = None
         return order[:n_new]
 
@@ -168,9 +189,11 @@ class SlotKVCache:
         n = self.n
         if self._rows_idx is None or self._rows_idx.numel() != n:
             self._rows_idx = torch.arange(n, device=key_states.device)
-        k, v = self.keys[layer_idx], self.values[layer_idx]
-        k[self._rows_idx, :, self.lens] = key_states[:, :, 0]
-        v[self._rows_idx, :, self.lens] = value_states[:, :, 0]
+        k, v, lens = self.keys[layer_idx], self.values[layer_idx], self.lens
+        if k is None or v is None or lens is None:
+            raise RuntimeError(f"SlotKVCache.update: layer {layer_idx} decoded with no running rows in the cache")
+        k[self._rows_idx, :, lens] = key_states[:, :, 0]
+        v[self._rows_idx, :, lens] = value_states[:, :, 0]
         end = self.decode_width
         return k[:n, :, :end], v[:n, :, :end]
 
@@ -181,13 +204,13 @@ class SlotKVCache:
 
     def begin_decode(self) -> int:
         """Fix the width of this decode step (before the forward) and return it."""
-        self._width = int(self.lens.max()) + 1
+        self._width = int(self.row_lens.max()) + 1
         if self._width > self.capacity:
             raise RuntimeError(f"KV cache overflow: a row needs {self._width} positions, capacity {self.capacity}")
         return self._width
 
     def end_decode(self) -> None:
-        self.lens = self.lens + 1
+        self.lens = self.row_lens + 1
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.lens is None or self.n == 0 else int(self.lens.max())

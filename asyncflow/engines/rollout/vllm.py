@@ -37,20 +37,25 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 from asyncflow.engines.rollout.base import (
     SWAP_MODES,
     GenerationOutput,
     GenerationRequest,
     RequestEngine,
+    RequestId,
     RequestResult,
     RolloutEngine,
     SamplingParams,
     check_generate_args,
 )
 from asyncflow.engines.rollout.lora_apply import adapter_layer
-from asyncflow.engines.rollout.vllm_lora import LoraSpec, check_lora_version
+from asyncflow.engines.rollout.vllm_args import RESERVED, engine_kwargs
+from asyncflow.engines.rollout.vllm_lora import LoraSpec, check_lora_version, engine_lora_args
+from asyncflow.engines.rollout.vllm_lora import lora_request as policy_request
 from asyncflow.engines.rollout.vllm_requests import ParamsFactory, VLLMRequests, filtered_log_probs_problem
+from asyncflow.weight_sync.protocol import TensorSpec
 
 __all__ = ["VLLMRolloutEngine", "WeightSpec", "check_weights", "resolve_devices", "visible_devices"]
 
@@ -254,7 +259,6 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
-        from asyncflow.engines.rollout.vllm_args import RESERVED, engine_kwargs
         devs, tp = resolve_devices(devices, tensor_parallel_size)
         sleep_ok = bool(current_platform.is_sleep_mode_available())
         if enable_sleep_mode and not sleep_ok:
@@ -270,7 +274,6 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
                                arg_names=frozenset(_engine_arg_names()))
         kwargs.update(model=model_path, logprobs_mode="processed_logprobs", worker_extension_cls=_EXTENSION)
         if lora is not None:
-            from asyncflow.engines.rollout.vllm_lora import engine_lora_args
             kwargs.update(engine_lora_args(lora))
         if kwargs.get("async_scheduling"):
             raise ValueError("VLLMRolloutEngine: async_scheduling=True returns a step's tokens one step late, "
@@ -330,7 +333,6 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         engine = llm.llm_engine
         if lora is not None:
             if lora_request is None:
-                from asyncflow.engines.rollout.vllm_lora import lora_request as policy_request
                 lora_request = policy_request()
             # every worker's adapter slot, holding a zero adapter until the first version
             llm.collective_rpc("asyncflow_lora_init", args=(int(lora.rank), float(lora.alpha)))
@@ -345,7 +347,7 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
     def add_request(self, request: GenerationRequest) -> None:
         self._requests.add(request)
 
-    def abort(self, request_id: int | str) -> bool:
+    def abort(self, request_id: RequestId) -> bool:
         return self._requests.abort(request_id)
 
     def step(self) -> list[RequestResult]:
@@ -358,7 +360,7 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
     def has_work(self) -> bool:
         return self._requests.has_work()
 
-    def new_tokens(self, since: Mapping[int | str, int]) -> dict[int | str, tuple[list[int], list[float]]]:
+    def new_tokens(self, since: Mapping[RequestId, int]) -> dict[RequestId, tuple[list[int], list[float]]]:
         return self._requests.new_tokens(since)
 
     def stats(self) -> dict:
@@ -384,7 +386,7 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         ids = [f"generate-{call}-{i}" for i in range(len(prompts))]
         for rid, p, seed, budget in zip(ids, prompts, seeds, budgets):
             self.add_request(GenerationRequest(rid, p, params, seed=int(seed), max_new_tokens=budget))
-        results: dict[str, RequestResult] = {}
+        results: dict[RequestId, RequestResult] = {}
         while len(results) < len(ids):
             if should_abort is not None and should_abort():
                 for rid in ids:
@@ -467,8 +469,6 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         """A version handed over in process (an instance colocated with a training rank):
         device tensors go to the workers as CUDA IPC handles, host tensors by value, in chunks
         of about ``chunk_bytes``; checked before anything is loaded."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
         if mode not in SWAP_MODES:
             raise ValueError(f"load_weights_stream: mode must be one of {SWAP_MODES}, got {mode!r}")
         self.check_weights({sp.name: sp.meta() for sp in specs}, version)
@@ -529,7 +529,6 @@ class VLLMRolloutEngine(RequestEngine, RolloutEngine):
         """A version whose header the workers hold (``head``): check it, then ``finish(True)`` has
         the workers load it; a refused one is ``finish(False)``-ed (dropped) and the engine keeps
         its weights; a load failing midway leaves the engine refusing to run (``torn``)."""
-        from asyncflow.weight_sync.protocol import TensorSpec
         specs = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in head["specs"]]
         try:
             self.check_weights({sp.name: sp.meta() for sp in specs}, head["version"])

@@ -175,7 +175,7 @@ class AdapterSlot:
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
-        layers = sorted({adapter_layer(n)[0] for n in tensors if is_adapter_name(n)})
+        layers = sorted({found[0] for found in map(adapter_layer, tensors) if found is not None})
         helper = PEFTHelper.from_dict({"r": self.spec.rank, "lora_alpha": self.spec.alpha,
                                        "target_modules": [x.rsplit(".", 1)[-1] for x in layers]})
         helper.validate_legal(self.runner.lora_config)

@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 __all__ = ["Reload"]
+
+
+class VLLMModel(Protocol):
+    """What a reload calls on vLLM's model: its own loader of (HF name, tensor) pairs."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any: ...
 
 
 def _layerwise() -> tuple[Any, Any] | None:
@@ -42,7 +48,7 @@ def _config_scope(vllm_config: Any) -> Any:
 class Reload:
     """One version at a time into ``model`` (a vLLM worker's model) through vLLM's reload path."""
 
-    def __init__(self, model: torch.nn.Module, runner: Any, vllm_config: Any) -> None:
+    def __init__(self, model: VLLMModel, runner: Any, vllm_config: Any) -> None:
         self.model, self.runner, self.vllm_config = model, runner, vllm_config
         self.api = _layerwise() if vllm_config is not None else None
         self.open = False

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncflow.engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
+from asyncflow.engines.rollout.base import GenerationRequest, RequestId, RequestResult, SamplingParams
 
 __all__ = ["VLLMRequests", "continuation_seed", "filtered_log_probs_problem"]
 
@@ -78,7 +78,7 @@ def _accepts_keyword(fn: Callable, name: str) -> bool:
         return False
 
 
-def _empty_result(request_id: int | str, reason: str, error: str | None = None) -> RequestResult:
+def _empty_result(request_id: RequestId, reason: str, error: str | None = None) -> RequestResult:
     return RequestResult(request_id, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32),
                          torch.empty(0, dtype=torch.int64), reason, error)
 
@@ -108,9 +108,9 @@ class VLLMRequests:
         self.max_model_len = max_model_len
         self.allow_filtered_log_probs = allow_filtered_log_probs
         self.salt_prompts = salt_prompts
-        self._held: dict[int | str, _VllmRow] = {}  # admitted to vLLM at a step once min_version is held
+        self._held: dict[RequestId, _VllmRow] = {}  # admitted to vLLM at a step once min_version is held
         self._live: dict[str, _VllmRow] = {}  # vLLM request id -> row
-        self._known: dict[int | str, _VllmRow] = {}  # held or live, by request id
+        self._known: dict[RequestId, _VllmRow] = {}  # held or live, by request id
         self._ready: list[RequestResult] = []  # finished outside a vLLM step: returned by the next step
         self._vllm_ids = itertools.count()
         self.counters = {"finished": 0, "aborted": 0, "unknown_aborts": 0, "errors": 0, "swaps": 0,
@@ -138,7 +138,7 @@ class VLLMRequests:
         self._known[rid] = row
         self._held[rid] = row
 
-    def abort(self, request_id: int | str) -> bool:
+    def abort(self, request_id: RequestId) -> bool:
         row = self._known.pop(request_id, None)
         if row is None:
             self.counters["unknown_aborts"] += 1
@@ -168,7 +168,7 @@ class VLLMRequests:
     def has_work(self) -> bool:
         return bool(self._held or self._live or self._ready)
 
-    def new_tokens(self, since: Mapping[int | str, int]) -> dict[int | str, tuple[list[int], list[float]]]:
+    def new_tokens(self, since: Mapping[RequestId, int]) -> dict[RequestId, tuple[list[int], list[float]]]:
         """The tokens live requests absorbed after ``since`` of them (RequestEngine.new_tokens)."""
         out = {}
         for rid, seen in since.items():

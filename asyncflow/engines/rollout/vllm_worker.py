@@ -36,7 +36,11 @@ from typing import Any
 import torch
 
 from asyncflow.engines.rollout.lora_apply import is_adapter_name
+from asyncflow.engines.rollout.vllm_lora import AdapterSlot, LoraSpec
 from asyncflow.engines.rollout.vllm_reload import Reload
+from asyncflow.weight_sync.protocol import views
+from asyncflow.weight_sync.receive import finish_bucket, post_bucket
+from asyncflow.weight_sync.wire_group import WireGroup
 
 
 def ipc_args_on(args: tuple, device_index: int) -> tuple:
@@ -104,6 +108,11 @@ def _has_base(names: Iterable[str]) -> bool:
 class WeightLoaderExtension:
     """Mixed into vLLM's Worker; `self.model_runner` is the worker's."""
 
+    # the Worker's, which this class is mixed into (vLLM's classes are untyped here)
+    model_runner: Any
+    vllm_config: Any
+    _asyncflow_staged: _Staged | None
+
     def _asyncflow_model(self) -> Any:
         return self.model_runner.model
 
@@ -132,7 +141,6 @@ class WeightLoaderExtension:
     def asyncflow_lora_init(self, rank: int, alpha: float) -> int:
         """LoRA through vLLM's own support: the policy's adapter slot, holding a zero adapter
         (version 0 is the base) until the first version's adapters arrive."""
-        from asyncflow.engines.rollout.vllm_lora import AdapterSlot, LoraSpec
         self._asyncflow_reload()  # the device, before any reload
         self._asyncflow_slot = AdapterSlot(self.model_runner, LoraSpec(int(rank), float(alpha)))
         self._asyncflow_slot.install_zero()
@@ -187,7 +195,6 @@ class WeightLoaderExtension:
     def asyncflow_join_weight_groups(self, addrs: list[dict], base: int, timeout_s: float) -> int:
         """Join each training rank's group as member ``base + this worker's rank`` (one member
         per tensor-parallel worker); returns that index."""
-        from asyncflow.weight_sync.wire_group import WireGroup
         index = int(base) + int(getattr(self, "rank", 0))
         device = self._asyncflow_device()
         self._asyncflow_groups = {k: WireGroup(a, index, timeout_s, device=device) for k, a in enumerate(addrs)}
@@ -208,7 +215,6 @@ class WeightLoaderExtension:
         """Receive the header's buckets in order, each into a buffer of its own (``fresh``: the
         layer-wise reload keeps views of a layer's tensors until the layer is complete, which
         may be in a later bucket) or into one reused buffer (draining refused weights)."""
-        from asyncflow.weight_sync.receive import finish_bucket, post_bucket
         groups, device = self._asyncflow_groups, self._asyncflow_device()
         n = len(header.buckets)
         shared = None if fresh else torch.empty(max(header.bucket_nbytes(b) for b in range(n)),
@@ -231,7 +237,6 @@ class WeightLoaderExtension:
     def asyncflow_receive_buckets(self, load: bool) -> int:
         """In place: receive every bucket of the header's version and (``load``) feed each to
         vLLM's reload as it arrives; with load False only drain (refused weights)."""
-        from asyncflow.weight_sync.protocol import views
         header = self._asyncflow_header
         if not load:
             return sum(1 for _ in self._asyncflow_buckets(header, fresh=False))
@@ -286,7 +291,6 @@ class WeightLoaderExtension:
     def asyncflow_load_staged(self, load: bool, timeout_s: float) -> int:
         """Staged: wait until the whole version is here, then (``load``) put it in through vLLM's
         reload path; either way the staged copy is freed. Returns the buckets received."""
-        from asyncflow.weight_sync.protocol import views
         st = self._asyncflow_wait_staged(timeout_s, "version")
         self._asyncflow_staged = None
         if load:

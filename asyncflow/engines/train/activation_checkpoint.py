@@ -10,16 +10,21 @@ checkpointing.
 
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["checkpoint_layers"]
 
+# The layers wrapped so far: a layer wrapped twice would recompute its activations twice.
+_CHECKPOINTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
 
 def checkpoint_layers(layers: list[nn.Module]) -> None:
     """Make each layer recompute its activations in backward (non-reentrant checkpointing)."""
     for i, layer in enumerate(layers):
-        if getattr(layer, "_asyncflow_checkpointed", False):
+        if layer in _CHECKPOINTED:
             raise RuntimeError(f"decoder layer {i} ({type(layer).__name__}) is already checkpointed")
         forward = layer.forward
 
@@ -27,4 +32,4 @@ def checkpoint_layers(layers: list[nn.Module]) -> None:
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
         layer.forward = checkpointed
-        layer._asyncflow_checkpointed = True
+        _CHECKPOINTED.add(layer)

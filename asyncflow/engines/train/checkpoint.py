@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -57,13 +58,9 @@ def gather_errors(error: str | None, group: dist.ProcessGroup | None) -> list[st
 
 
 def capture_rng_state(platform: Platform) -> dict[str, Any]:
-    """The RNG states of python, numpy (if installed), torch CPU and the current device."""
+    """The RNG states of python, numpy, torch CPU and the current device."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
+    state["numpy"] = np.random.get_state()
     if platform.is_accelerator:
         state["device"] = getattr(torch, platform.name).get_rng_state()
     return state
@@ -73,7 +70,6 @@ def restore_rng_state(state: dict[str, Any], platform: Platform) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        import numpy as np
         np.random.set_state(state["numpy"])
     if platform.is_accelerator and "device" in state:
         getattr(torch, platform.name).set_rng_state(state["device"])
@@ -127,7 +123,8 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
                     process_group: dist.ProcessGroup | None, platform: Platform) -> None:
     """Save atomically (see module docstring). Collective: every rank of the group calls it
     with the same path."""
-    import torch.distributed.checkpoint as dcp  # ~1.5 s to import: only when used
+    # torch.distributed.checkpoint is slow to import: only runs that save or load pay for it
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -182,7 +179,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     """Restore model, optimizer, scheduler and this rank's RNG in place; returns
     (step, extra). Collective. The group must have the world size it was saved with
     (RNG states are per rank)."""
-    import torch.distributed.checkpoint as dcp  # ~1.5 s to import: only when used
+    import torch.distributed.checkpoint as dcp  # slow to import: only when used (see save_checkpoint)
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     rank, world = _rank_world(process_group)
@@ -206,7 +203,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
         raise RuntimeError(f"load_checkpoint({target}) failed: " + "; ".join(errors))
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     with _quiet_single_process(process_group):
         dcp.load(state, checkpoint_id=str(target / "dcp"), process_group=process_group,
                  no_dist=process_group is None)

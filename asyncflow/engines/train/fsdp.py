@@ -37,12 +37,13 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from asyncflow.engines.train import checkpoint as ckpt
 from asyncflow.engines.train.activation_checkpoint import checkpoint_layers
@@ -57,7 +58,16 @@ from asyncflow.engines.train.base import (
     response_loss_masks,
 )
 from asyncflow.engines.train.critic_init import critic_model
-from asyncflow.engines.train.lora import LoraOptions
+from asyncflow.engines.train.lora import (
+    LoraOptions,
+    fold_adapters,
+    hf_name,
+    initial_adapters,
+    is_adapter,
+    merge_state_dict,
+    save_adapter,
+    wrap,
+)
 from asyncflow.engines.train.meta_init import fill, materialize, real_tensors
 from asyncflow.engines.train.microbatch import (
     MicroBatch,
@@ -79,6 +89,9 @@ from asyncflow.engines.train.schedule import build_scheduler
 from asyncflow.models.loading import record_attn_implementation
 from asyncflow.platform import Platform, get_platform
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = ["FSDPEngine", "adapter_path", "decoder_layers"]
 
 log = logging.getLogger(__name__)
@@ -90,6 +103,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         if isinstance(module, nn.ModuleList) and name.split(".")[-1] == "layers":
             return list(module)
     raise ValueError(f"{type(model).__name__} has no ModuleList named '*layers' to shard per layer")
+
+
+def _tensors(state: dict[str, Any]) -> dict[str, Tensor]:
+    """A model state dict (torch's ValueType) as the tensors it holds; raise for anything else."""
+    odd = [k for k, v in state.items() if not isinstance(v, Tensor)]
+    if odd:
+        raise TypeError(f"model state dict: {odd[:3]} hold no tensor ({type(state[odd[0]]).__name__})")
+    return state
 
 
 def adapter_path(model_path: str | Path) -> Path:
@@ -168,7 +189,6 @@ class FSDPEngine(TrainEngine):
         or "base" (every base weight, the adapters frozen: a supervised stage that makes the
         base, as the SFT that precedes LoRA RL would). Takes effect with the next
         ``reset_optimizer``, whose AdamW holds only the weights that train."""
-        from asyncflow.engines.train.lora import is_adapter
         if self.lora is None:
             raise TypeError("train_part needs a LoRA engine (lora=LoraOptions(...))")
         if part not in ("adapters", "base"):
@@ -187,12 +207,14 @@ class FSDPEngine(TrainEngine):
 
     def load_model_state(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the weights with a full (unsharded, HF-named) state dict, on every rank."""
+        # torch.distributed.checkpoint is slow to import: only runs that load a state pay for it
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         if self.lora is not None:
             raise TypeError("load_model_state on a LoRA engine: its names are PEFT's; load a checkpoint instead")
         self._weights_change()
         self.base_changed = True
-        set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True))
+        full: dict[str, Any] = dict(state_dict)  # torch's ValueType admits tensors among other values
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
 
     def _weights_change(self) -> None:
         """The parameters' memory is about to be written: whoever reads it still is done first."""
@@ -210,7 +232,6 @@ class FSDPEngine(TrainEngine):
         if self.value_head:
             model, source_names, initial = critic_model(model)
         if self.lora is not None:  # before sharding: FSDP2 shards the frozen base and the adapters alike
-            from asyncflow.engines.train.lora import hf_name, initial_adapters, wrap
             model = wrap(model, self.lora)
             source_names = {name: hf_name(name) for name, _ in model.named_parameters()}
             initial = initial_adapters(model, seed=0) if self.rank == 0 else {}
@@ -218,7 +239,7 @@ class FSDPEngine(TrainEngine):
         if self.options.activation_checkpointing:
             checkpoint_layers(decoder_layers(model))
         if self.process_group is not None:
-            model = self._shard(model)
+            model = self._shard(model, self.process_group)
         # With CPU offload the shards live in host memory; FSDP2 moves them for compute.
         materialize(model, torch.device("cpu") if self.options.cpu_offload else self.device)
         with source.weights() as reader:
@@ -230,11 +251,11 @@ class FSDPEngine(TrainEngine):
                  counts["read"], counts["broadcast"])
         return model
 
-    def _shard(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import DeviceMesh
+    def _shard(self, model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+        # torch.distributed.fsdp is slow to import: only sharded runs pay for it
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        mesh = DeviceMesh.from_group(self.process_group, device_type=self.device.type)
+        mesh = DeviceMesh.from_group(group, device_type=self.device.type)
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         offload = (CPUOffloadPolicy(pin_memory=self.platform.is_accelerator) if self.options.cpu_offload
                    else OffloadPolicy())
@@ -341,14 +362,17 @@ class FSDPEngine(TrainEngine):
             return self._infer(prompts, responses, temperature, with_entropy)
         if self.lora is None:
             raise TypeError("compute_log_probs(adapters=False) needs a LoRA engine (lora=LoraOptions(...))")
-        with self.model.disable_adapter():
+        disable_adapter = getattr(self.model, "disable_adapter", None)  # PEFT's wrapper has it
+        if disable_adapter is None:
+            raise TypeError(f"compute_log_probs(adapters=False): the model ({type(self.model).__name__}) is not "
+                            "PEFT-wrapped")
+        with disable_adapter():
             return self._infer(prompts, responses, temperature, with_entropy)
 
     def fold_adapters(self) -> int:
         """LoRA: merge the adapters into the base and zero them (lora.fold_adapters): the policy
         is unchanged, and the base, so the reference, is now it (RL after a supervised warm-up).
         The next weight sync sends the base too. Collective with FSDP."""
-        from asyncflow.engines.train.lora import fold_adapters
         if self.lora is None:
             raise TypeError("fold_adapters needs a LoRA engine")
         self._weights_change()
@@ -504,18 +528,19 @@ class FSDPEngine(TrainEngine):
         """Full fp32/param-dtype weights on CPU under the HF names, on RANK 0 ONLY (the other
         ranks of the group get {}). Collective with FSDP. For a critic the names are
         ValueModel's ('backbone.*', 'value_head.*')."""
-        import torch.distributed as dist
+        # torch.distributed.checkpoint is slow to import: only a weight sync or an export pays for it
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self.process_group is None:  # one rank, nothing to gather: a detached CPU copy
             # (not cpu_offload=True: that keeps the tensors on GLOBAL rank 0 only, and this rank
             # may be another, e.g. an actor placed on rank 1)
-            return {k: v.detach().to("cpu", copy=True) for k, v in get_model_state_dict(self.model).items()}
+            return {k: v.detach().to("cpu", copy=True) for k, v in _tensors(get_model_state_dict(self.model)).items()}
         if dist.get_global_rank(self.process_group, 0) == 0:
-            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return _tensors(get_model_state_dict(self.model,
+                                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
         # The group does not hold global rank 0, which is where cpu_offload puts the tensors:
         # gather on every rank of the group, keep a CPU copy on its first rank.
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        state = _tensors(get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True)))
         if dist.get_rank(self.process_group) != 0:
             return {}
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
@@ -553,9 +578,9 @@ class FSDPEngine(TrainEngine):
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 with torch.device("meta"):
-                    model = self.hf_class(self.hf_config)
+                    # the class of the model the source built: a transformers PreTrainedModel
+                    model = cast("PreTrainedModel", self.hf_class(self.hf_config))
                 if self.lora is not None:
-                    from asyncflow.engines.train.lora import merge_state_dict, save_adapter
                     adapter = adapter_path(target)
                     if adapter.exists():
                         raise FileExistsError(f"{adapter} exists")

@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
+
+from asyncflow.engines.train.meta_init import parameters_on_meta
+from asyncflow.models.loading import read_causal_lm_config
 
 __all__ = ["ALL_LINEAR", "LoraOptions", "adapter_layers", "fold_adapters", "hf_name", "initial_adapters",
            "is_adapter", "lora_model_problems", "merged_tensors", "save_adapter", "target_layers", "wrap"]
@@ -67,10 +71,24 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The LM head of a Hugging Face model (never adapted); None for a model without one."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else None
+
+
+def _weight(module: object, what: str) -> Tensor:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"LoRA layer {what}: {type(module).__name__} has no weight tensor")
+    return weight
+
+
 def target_layers(model: nn.Module, targets: tuple[str, ...] | list[str]) -> dict[str, nn.Linear]:
     """The linear layers ``targets`` name: a target matches a layer whose dotted name is it or
     ends in ``.<target>``; all-linear matches every linear layer but the LM head."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_embeddings(model)
     out = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module is head:
@@ -83,7 +101,7 @@ def target_layers(model: nn.Module, targets: tuple[str, ...] | list[str]) -> dic
 def lora_model_problems(model: nn.Module, opts: LoraOptions) -> list[str]:
     """What ``model.lora`` asks that this model cannot have, each naming the key to fix."""
     layers = target_layers(model, opts.target_modules)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_embeddings(model)
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                      if isinstance(m, nn.Linear) and m is not head})
     out = []
@@ -111,17 +129,20 @@ def wrap(model: nn.Module, opts: LoraOptions) -> nn.Module:
     if problems:
         raise ValueError("; ".join(problems))
     names = sorted(target_layers(model, opts.target_modules))
-    config = LoraConfig(r=opts.rank, lora_alpha=opts.alpha, lora_dropout=opts.dropout, target_modules=names)
+    config = LoraConfig(r=opts.rank, lora_alpha=opts.alpha,  # type: ignore[arg-type]  # peft annotates int, only divides it by r
+                        lora_dropout=opts.dropout, target_modules=names)
     return get_peft_model(model, config)
 
 
 def adapter_layers(model: nn.Module) -> Iterator[tuple[str, Tensor, Tensor, Tensor]]:
     """(layer's HF name, base weight, A, B) of every adapted layer, in module order."""
     for name, module in model.named_modules():
-        lora_a = getattr(module, "lora_A", None)
+        lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
         if isinstance(lora_a, nn.ModuleDict) and ADAPTER in lora_a:
-            yield (hf_name(name + ".").rstrip("."), module.base_layer.weight, lora_a[ADAPTER].weight,
-                   module.lora_B[ADAPTER].weight)
+            if not isinstance(lora_b, nn.ModuleDict):
+                raise TypeError(f"LoRA layer {name}: lora_A comes without a lora_B ModuleDict")
+            yield (hf_name(name + ".").rstrip("."), _weight(module.base_layer, name),
+                   _weight(lora_a[ADAPTER], name), _weight(lora_b[ADAPTER], name))
 
 
 @torch.no_grad()
@@ -164,7 +185,7 @@ def merged_tensors(model: nn.Module, named: list[tuple[str, Tensor]], scale: flo
     and in ``named``'s order (the adapters themselves left out): what an engine that takes no
     adapters loads. A sharded weight stays sharded (each rank merges its own rows). A collective
     with FSDP: every rank of the group calls it."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # slow to import: only LoRA runs pay for it
 
     merged = {}
     for _layer, w, a, b in adapter_layers(model):
@@ -192,12 +213,12 @@ def save_adapter(path: str | Path, state: dict[str, Tensor], opts: LoraOptions, 
     state dict of the wrapped model (PEFT's names): ``PeftModel.from_pretrained(base, path)``
     loads it."""
     from peft import LoraConfig
-    from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     layers = sorted({hf_name(k).rsplit(".lora_", 1)[0] for k in state if is_adapter(k)})
-    LoraConfig(r=opts.rank, lora_alpha=opts.alpha, lora_dropout=opts.dropout, target_modules=layers,
+    LoraConfig(r=opts.rank, lora_alpha=opts.alpha,  # type: ignore[arg-type]  # peft annotates int, only divides it by r
+               lora_dropout=opts.dropout, target_modules=layers,
                base_model_name_or_path=base_model or None).save_pretrained(str(path))
     tensors = {k.replace(f".{ADAPTER}.", "."): v.contiguous() for k, v in state.items() if is_adapter(k)}
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -224,9 +245,6 @@ def model_dir_problems(path: str | Path, opts: LoraOptions) -> list[str]:
     """lora_model_problems of the causal LM in ``path``, built on the meta device (no weights
     read): what the launcher checks before any rank starts."""
     from transformers import AutoModelForCausalLM
-
-    from asyncflow.engines.train.meta_init import parameters_on_meta
-    from asyncflow.models.loading import read_causal_lm_config
 
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(read_causal_lm_config(path), dtype=torch.float32)

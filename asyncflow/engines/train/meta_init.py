@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -39,10 +39,10 @@ def parameters_on_meta() -> Iterator[None]:
 
     It patches ``nn.Module.register_parameter`` for the duration, process-wide: build nothing
     else on another thread meanwhile (a lock keeps two builds of this kind apart)."""
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
             param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
+        original(self, name, param)
 
     if not _patch_lock.acquire(timeout=_PATCH_WAIT_S):
         raise TimeoutError(f"parameters_on_meta: another thread has been building a model on the meta device for "
@@ -56,6 +56,17 @@ def parameters_on_meta() -> Iterator[None]:
             nn.Module.register_parameter = original  # type: ignore[method-assign]
     finally:
         _patch_lock.release()
+
+
+@runtime_checkable
+class _ShardedTensor(Protocol):
+    """What ``shard_rows`` reads of a DTensor (not imported: torch.distributed.tensor is slow to
+    import, and a plain tensor is told apart by these attributes alone)."""
+
+    placements: Any
+    device_mesh: Any
+
+    def to_local(self) -> Tensor: ...
 
 
 class WeightReader(Protocol):
@@ -113,9 +124,9 @@ def shard_rows(tensor: Tensor) -> tuple[int, int] | None:
     """The rows [start, stop) of dim 0 this rank holds of a parameter that FSDP2 sharded on
     dim 0 over a 1-D mesh (torch.chunk's split: ceil(n / world) rows each, the last ranks
     fewer or none); None for a tensor held whole (plain, or replicated)."""
-    placements = getattr(tensor, "placements", None)
-    if placements is None:
+    if not isinstance(tensor, _ShardedTensor):
         return None
+    placements = tensor.placements
     if len(placements) != 1:
         raise NotImplementedError(f"a parameter on a {len(placements)}-D mesh: only 1-D (FSDP) sharding is loaded")
     placement = placements[0]

@@ -18,8 +18,9 @@ that are trained on: with per-sequence ``loss_masks`` (multi-turn rows, see base
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -57,8 +58,6 @@ def _cheapest_cuts(desc: list[int], budget: int, overhead: int) -> list[tuple[in
     """Runs ``[a, b)`` of the descending lengths ``desc`` minimising sum((b - a) * desc[a])
     + overhead per run, each run within the budget (or a single sequence). Dynamic
     programming over run ends, the candidate starts of each end scored at once."""
-    import numpy as np
-
     n = len(desc)
     if n == 0:
         return []
@@ -112,9 +111,11 @@ class MicroBatch:
         return int(self.input_ids.numel())
 
     def to(self, device: torch.device) -> MicroBatch:
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, Tensor) else v)
-                 for k, v in self.__dict__.items()}
-        return MicroBatch(**moved)
+        moved = replace(self)  # every tensor field moved, whatever fields the batch has
+        for k, v in list(vars(moved).items()):
+            if isinstance(v, Tensor):
+                setattr(moved, k, v.to(device, non_blocking=True))
+        return moved
 
 
 def joined_sequences(prompts: list[Tensor], responses: list[Tensor],

@@ -23,6 +23,7 @@ from torch import nn
 
 from asyncflow.engines.train.meta_init import WeightReader, parameters_on_meta
 from asyncflow.engines.train.options import EngineOptions
+from asyncflow.models.loading import SafetensorsWeights, read_causal_lm_config
 
 __all__ = ["FactorySource", "ModelSource", "PretrainedModel", "as_model_source"]
 
@@ -70,14 +71,11 @@ class PretrainedModel:
     def build(self, rank: int) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        from asyncflow.models.loading import read_causal_lm_config
-
         config = read_causal_lm_config(self.path, attn_implementation=self.attn_implementation)
         with parameters_on_meta():
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
     def weights(self) -> contextlib.AbstractContextManager[WeightReader | None]:
-        from asyncflow.models.loading import SafetensorsWeights
         return SafetensorsWeights(self.path)
 
 
