@@ -295,7 +295,7 @@ class Executor:
                     break  # later steps need at least as much
                 left = self.ledger.expected(t, after) - st.taken.get(t, 0)
                 if left > 0:
-                    n = self._batch(stage, t, left, after)
+                    n = left if self._coalesces(stage) else self._batch(stage, t, left, after)
                     found.append((t, min(n, cap) if cap else n))
                     return True
             return False
@@ -310,6 +310,24 @@ class Executor:
     async def _get_meta(self, stage: Stage, t: int, n: int) -> BatchMeta:
         return await self.tq.get_meta(stage.inputs, n, stage.name, partition_name(t), stage.sampler,
                                       timeout=self.cfg.wait_timeout_s)
+
+    def _coalesces(self, stage: Stage) -> bool:
+        """A streaming stage that may take more than its batch in one call: every row of the
+        step that is ready once its batch is (what piled up while it worked). The rollout
+        keeps its batches (they are the engine's), the update takes the whole step anyway."""
+        return self.cfg.mode != "sync" and stage.batch_rows > 0 and stage.kind in ("map", "filter")
+
+    def _work_size(self, stage: Stage, n: int) -> tuple[int, int]:
+        """(rows at most, rows at least) of one call given ``n`` rows of the step left to it."""
+        if self._coalesces(stage):
+            return n, min(n, stage.batch_rows)
+        return n, 0
+
+    def _took(self, stage: Stage, t: int, asked: int, got: int) -> None:
+        """A coalescing call took ``got`` of the ``asked`` rows booked for it: the rest stay to come."""
+        if got < asked:
+            st = self.state[stage.name]
+            st.taken[t] = st.taken.get(t, 0) - (asked - got)
 
     # ---- the feeder: prompts in, steps closed ------------------------------------------------
     async def _feeder(self) -> None:
@@ -508,8 +526,12 @@ class Executor:
         # proximal log-probs (on_policy_weights): the weights that update t starts from
         allowed = (lambda t: self.actor_version >= t) if stage.on_policy_weights else (lambda t: True)
         while work := await self._next_work(stage, index, allowed):
-            t, n = work
-            meta = await self._get_meta(stage, t, n)
+            t, asked = work
+            most, least = self._work_size(stage, asked)
+            meta = await self.tq.get_meta(stage.inputs, most, stage.name, partition_name(t), stage.sampler,
+                                          timeout=self.cfg.wait_timeout_s, min_rows=least)
+            n = len(meta)
+            self._took(stage, t, asked, n)
             out = await self._timed(stage, group.role, group.ranks, t, n,
                                     getattr(group, stage.method)(meta, stage.io.to_wire()))
             self._keep_metrics(t, out)
@@ -517,11 +539,13 @@ class Executor:
             done[t] = done.get(t, 0) + n
             await self.ledger.notify()
 
-    async def _driver_batch(self, stage: Stage, t: int, n: int) -> tuple[Any, DriverBatch]:
-        """The stage's next ``n`` rows of step ``t`` and their columns: one TransferQueue request
-        (get_batch) where the service holds the rows, as a driver stage reads what it takes."""
-        meta, cols = await self.tq.get_batch_columns(stage.inputs, n, stage.name, partition_name(t), stage.sampler,
-                                                     timeout=self.cfg.wait_timeout_s)
+    async def _driver_batch(self, stage: Stage, t: int, asked: int) -> tuple[Any, DriverBatch]:
+        """The stage's next rows of step ``t`` (``asked`` booked) and their columns: one TransferQueue
+        request (get_batch) where the service holds the rows, as a driver stage reads what it takes."""
+        most, least = self._work_size(stage, asked)
+        meta, cols = await self.tq.get_batch_columns(stage.inputs, most, stage.name, partition_name(t), stage.sampler,
+                                                     timeout=self.cfg.wait_timeout_s, min_rows=least)
+        self._took(stage, t, asked, len(meta))
         if cols is None:  # no rows: the columns of none
             cols = await self.tq.get_columns(meta, list(stage.inputs))
         return meta, DriverBatch(t, {c: _plain(col) for c, col in cols.items()},
