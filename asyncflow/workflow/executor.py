@@ -5,7 +5,9 @@ step's prompts; every stage takes the step's rows as they become ready (``stream
 ``async``) or all at once (``sync``), calls its worker group, and the worker writes
 the new columns back. Overlap follows from the data alone. The mode decides only:
 
-- batch size: ``sync`` takes the whole step per call, the others ``stage.batch_rows``;
+- batch size: ``sync`` takes the whole step per call; in the others the rollout takes
+  ``stage.batch_rows`` and every other stage at least that, with every row of the step ready
+  by then (a stage that fell behind takes what piled up in one call, never past its step);
 - weights: rollout of step ``t`` needs policy version ``>= t - k`` with ``k = 0`` for
   ``sync``/``stream`` (on-policy) and ``k = max_staleness`` for ``async``. Version ``v``
   is the policy after ``v`` updates; update ``t`` turns version ``t`` into ``t + 1``, so
