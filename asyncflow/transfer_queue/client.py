@@ -173,10 +173,13 @@ def _new_rows_meta(partition: str, names: list[str], groups: Any, reply: dict[st
 
 def _get_meta_args(columns: Sequence[str], batch_size: int, task: str, partition: str, sampler: SamplerSpec,
                    allow_partial: bool, timeout: float, dp_group: str | None, dp_rank: int,
-                   dp_size: int) -> dict[str, Any]:
-    return {"partition": partition, "task": task, "columns": list(columns), "batch_size": batch_size,
+                   dp_size: int, min_rows: int = 0) -> dict[str, Any]:
+    args = {"partition": partition, "task": task, "columns": list(columns), "batch_size": batch_size,
             "sampler": sampler, "allow_partial": allow_partial, "timeout": timeout,
             "dp_group": dp_group, "dp_rank": dp_rank, "dp_size": dp_size}
+    if min_rows:
+        args["min_rows"] = min_rows
+    return args
 
 
 class _Units:
@@ -308,13 +311,14 @@ class AsyncTransferQueueClient:
     async def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                        sampler: SamplerSpec = "sequential", *, allow_partial: bool = False,
                        timeout: float | None = None, dp_group: str | None = None, dp_rank: int = 0,
-                       dp_size: int = 1) -> BatchMeta:
+                       dp_size: int = 1, min_rows: int = 0) -> BatchMeta:
         """Rows whose ``columns`` are all written and that ``task`` has not consumed; marks them
         consumed. Waits up to ``timeout`` for ``batch_size`` rows (``allow_partial``: return what
-        is ready). An empty meta with ``end_of_stream`` means the closed partition is drained."""
+        is ready; ``min_rows``: go once that many are ready, with every ready row up to
+        ``batch_size``). An empty meta with ``end_of_stream`` means the closed partition is drained."""
         wait = self.wait_timeout if timeout is None else timeout
         args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
-                              dp_group, dp_rank, dp_size)
+                              dp_group, dp_rank, dp_size, min_rows)
         return BatchMeta.from_wire(await self.controller.call("get_meta", _timeout=wait + _REPLY_MARGIN_S,
                                                               **args))
 
@@ -335,14 +339,14 @@ class AsyncTransferQueueClient:
     async def get_batch_columns(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                                 sampler: SamplerSpec = "sequential", *, data_columns: Sequence[str] | None = None,
                                 allow_partial: bool = False, timeout: float | None = None,
-                                dp_group: str | None = None, dp_rank: int = 0,
-                                dp_size: int = 1) -> tuple[BatchMeta, dict[str, Column] | None]:
+                                dp_group: str | None = None, dp_rank: int = 0, dp_size: int = 1,
+                                min_rows: int = 0) -> tuple[BatchMeta, dict[str, Column] | None]:
         """``get_batch`` with the data as get_columns gives it (a Column per name), for readers
-        that want the columns themselves (the driver's stage functions)."""
+        that want the columns themselves (the driver's stage functions); ``min_rows`` as in get_meta."""
         names = _batch_names(columns, data_columns)
         wait = self.wait_timeout if timeout is None else timeout
         args = _get_meta_args(columns, batch_size, task, partition, sampler, allow_partial, wait,
-                              dp_group, dp_rank, dp_size)
+                              dp_group, dp_rank, dp_size, min_rows)
         reply = await self.controller.call("get_batch", _timeout=wait + _REPLY_MARGIN_S, data_columns=names, **args)
         meta, cols = _batch_reply(reply, names)
         if not meta.rows:

@@ -433,27 +433,32 @@ class Controller:
     async def rpc_get_meta(self, partition: str, task: str, columns: Sequence[str], batch_size: int,
                            sampler: SamplerSpec = "sequential", allow_partial: bool = False,
                            timeout: float | None = None, dp_group: str | None = None,
-                           dp_rank: int = 0, dp_size: int = 1) -> dict[str, Any]:
+                           dp_rank: int = 0, dp_size: int = 1, min_rows: int = 0) -> dict[str, Any]:
         return (await self._get_meta(partition, task, columns, batch_size, sampler, allow_partial, timeout,
-                                     dp_group, dp_rank, dp_size))[1]
+                                     dp_group, dp_rank, dp_size, min_rows))[1]
 
     async def _get_meta(self, partition: str, task: str, columns: Sequence[str], batch_size: int,
                         sampler: SamplerSpec, allow_partial: bool, timeout: float | None, dp_group: str | None,
-                        dp_rank: int, dp_size: int) -> tuple[BatchMeta | None, dict[str, Any]]:
-        """get_meta's ``(meta, wire)``; meta None when only the wire form is at hand (a DP share)."""
+                        dp_rank: int, dp_size: int, min_rows: int = 0) -> tuple[BatchMeta | None, dict[str, Any]]:
+        """get_meta's ``(meta, wire)``; meta None when only the wire form is at hand (a DP share).
+        ``min_rows`` (0: ``batch_size``): the batch may go once that many rows are ready, with
+        every ready row up to ``batch_size`` (a reader that fell behind takes what piled up in one)."""
         if not isinstance(task, str) or not task:
             raise ValueError(f"task must be a non-empty string, got {task!r}")
         if not columns or not all(isinstance(c, str) for c in columns):
             raise ValueError(f"get_meta needs a non-empty list of column names, got {columns!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if not isinstance(min_rows, int) or not 0 <= min_rows <= batch_size:
+            raise ValueError(f"min_rows must be an integer within 0..batch_size ({batch_size}), got {min_rows!r}")
         p = self._partition(partition)
         self._check_task(p, task)  # before anything is consumed
         self.tasks.add(task)
         self.stats["get_meta"] += 1
         cols = tuple(sorted(set(columns)))
         if dp_group is None:
-            meta = await self._next_batch(p, task, cols, batch_size, sampler, allow_partial, timeout)
+            meta = await self._next_batch(p, task, cols, batch_size, sampler, allow_partial, timeout,
+                                          min_rows=min_rows)
             meta.columns = list(columns)
             return meta, meta.to_wire()
         # Data-parallel representative: the first member to ask samples; the others get the same.
@@ -467,7 +472,8 @@ class Controller:
             if seq - share.base == len(share.batches):
                 # Stop waiting as soon as another member samples this batch for the group.
                 sampled = await self._next_batch(p, task, cols, batch_size, sampler, allow_partial, timeout,
-                                                 done=lambda: seq - share.base < len(share.batches))
+                                                 done=lambda: seq - share.base < len(share.batches),
+                                                 min_rows=min_rows)
                 if sampled is None:
                     continue
                 sampled.columns = list(columns)
@@ -490,7 +496,7 @@ class Controller:
                             sampler: SamplerSpec = "sequential", allow_partial: bool = False,
                             timeout: float | None = None, dp_group: str | None = None,
                             dp_rank: int = 0, dp_size: int = 1,
-                            data_columns: Sequence[str] | None = None) -> dict[str, Any]:
+                            data_columns: Sequence[str] | None = None, min_rows: int = 0) -> dict[str, Any]:
         """get_meta plus, in the same reply, the data of its rows when every unit holding them
         runs in this process (the in-process default): one hop instead of two for a reader
         that wants the bytes at once. ``reads`` (absent otherwise: the client then reads as
@@ -498,7 +504,7 @@ class Controller:
         The rows are consumed exactly as by get_meta; the bytes are views of the units'
         buffers passed through, never kept here."""
         meta, wire = await self._get_meta(partition, task, columns, batch_size, sampler, allow_partial, timeout,
-                                          dp_group, dp_rank, dp_size)
+                                          dp_group, dp_rank, dp_size, min_rows)
         names = list(columns if data_columns is None else data_columns)
         if not len(wire["rows"]) or not names or not all(isinstance(c, str) for c in names):
             return {"meta": wire}  # nothing to read, or names get_data would refuse: the client says why
@@ -542,17 +548,18 @@ class Controller:
     @overload
     async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,
                           sampler_spec: SamplerSpec, allow_partial: bool, timeout: float | None,
-                          done: None = None) -> BatchMeta: ...
+                          done: None = None, min_rows: int = 0) -> BatchMeta: ...
 
     @overload
     async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,
                           sampler_spec: SamplerSpec, allow_partial: bool, timeout: float | None,
-                          done: Callable[[], bool]) -> BatchMeta | None: ...
+                          done: Callable[[], bool], min_rows: int = 0) -> BatchMeta | None: ...
 
     async def _next_batch(self, p: _Partition, task: str, cols: tuple[str, ...], batch_size: int,
                           sampler_spec: SamplerSpec, allow_partial: bool, timeout: float | None,
-                          done: Callable[[], bool] | None = None) -> BatchMeta | None:
-        """The next batch for ``task``; None once ``done()`` is true (a DP peer sampled it)."""
+                          done: Callable[[], bool] | None = None, min_rows: int = 0) -> BatchMeta | None:
+        """The next batch for ``task``; None once ``done()`` is true (a DP peer sampled it).
+        ``min_rows``: a batch of at least that many ready rows goes (up to ``batch_size``)."""
         sampler = self._sampler(sampler_spec)
         timeout = self.default_timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
@@ -566,7 +573,10 @@ class Controller:
             pending = len(p.rows) - len(p.consumed.get(task, ()))
             # End of stream: no new rows, and every row this task has yet to see is ready.
             ended = p.closed and pending == len(sub.ready)
-            got = sampler.sample(sub.ready, batch_size, p, partial=allow_partial, ended=ended)
+            some = bool(min_rows) and len(sub.ready) >= min_rows  # enough may be ready for a smaller batch
+            got = sampler.sample(sub.ready, batch_size, p, partial=allow_partial or some, ended=ended)
+            if got is not None and some and not allow_partial and not ended and len(got.rows) < min_rows:
+                got = None  # fewer whole groups than asked for: wait for more
             if got is not None and got.rows:
                 self._consume(p, task, got.rows)
                 self.stats["rows_ready"] += len(got.rows)

@@ -39,13 +39,13 @@ class AsyncTransferQueue(Protocol):
     async def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                        sampler: SamplerSpec = "sequential", *, allow_partial: bool = False,
                        timeout: float | None = None, dp_group: str | None = None, dp_rank: int = 0,
-                       dp_size: int = 1) -> BatchMeta: ...
+                       dp_size: int = 1, min_rows: int = 0) -> BatchMeta: ...
 
     async def get_batch_columns(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                                 sampler: SamplerSpec = "sequential", *, data_columns: Sequence[str] | None = None,
                                 allow_partial: bool = False, timeout: float | None = None,
-                                dp_group: str | None = None, dp_rank: int = 0,
-                                dp_size: int = 1) -> tuple[BatchMeta, dict[str, Column] | None]: ...
+                                dp_group: str | None = None, dp_rank: int = 0, dp_size: int = 1,
+                                min_rows: int = 0) -> tuple[BatchMeta, dict[str, Column] | None]: ...
 
     async def get_columns(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> dict[str, Column]: ...
 

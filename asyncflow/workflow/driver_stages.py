@@ -7,15 +7,47 @@ one line in a recipe; the function itself is pure tensor math over the batch.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, overload
 
 import torch
 
 from .. import column_names as col
+from ..transfer_queue.columns import JaggedColumn
 from .stages import DriverBatch
 
-__all__ = ["advantages", "equal_score_filter", "overlong_shaping", "pad_rows", "unpad_rows"]
+__all__ = ["JaggedRows", "advantages", "equal_score_filter", "jagged_rows", "overlong_shaping", "pad_rows",
+           "unpad_rows"]
+
+
+class JaggedRows(JaggedColumn):
+    """Rows of different lengths as one flat tensor and offsets, read as a sequence of 1-D
+    tensors (``rows[i]``, iteration, ``len``); the TransferQueue stores it as it is (one
+    column, no per-row copies)."""
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(i, slice):
+            return [self.row(j) for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        return self.row(i % len(self))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.split(self.values, self.lengths().tolist()))
+
+
+def jagged_rows(x: torch.Tensor, mask: torch.Tensor) -> JaggedRows:
+    """``unpad_rows`` as one column: the entries of ``x`` [B, T] where ``mask`` is true, row by
+    row, as float32 (each row's mask a prefix: its length)."""
+    offsets = torch.zeros(x.shape[0] + 1, dtype=torch.long)
+    torch.cumsum(mask.sum(1), 0, out=offsets[1:])
+    return JaggedRows(x[mask].float().contiguous(), offsets)
 
 
 def pad_rows(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,9 +86,8 @@ def advantages(algo: Any, score: str = col.SCORES, response: str = col.RESPONSE_
 
     def compute(batch: DriverBatch) -> dict[str, Any]:
         lengths = [len(r) for r in batch[response]]
-        rows_mask = torch.zeros(len(lengths), max(lengths, default=1) or 1, dtype=torch.bool)
-        for i, n in enumerate(lengths):
-            rows_mask[i, :n] = True
+        width = max(lengths, default=1) or 1
+        rows_mask = torch.arange(width)[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
         mask = (_model_tokens(batch[loss_mask], lengths, rows_mask.shape[1], loss_mask)
                 if loss_mask in batch.columns else rows_mask)
         token_rewards = outcome_to_token_rewards(batch[score].float(), mask)
@@ -73,7 +104,7 @@ def advantages(algo: Any, score: str = col.SCORES, response: str = col.RESPONSE_
         adv, ret = estimator(token_rewards, mask, group_ids=groups, values=values, cfg=algo)
         # 0 on tool tokens whatever the estimator (a recipe's own may not promise it); full-length rows
         adv, ret = adv.masked_fill(~mask, 0.0), ret.masked_fill(~mask, 0.0)
-        return {col.ADVANTAGES: unpad_rows(adv, rows_mask), col.RETURNS: unpad_rows(ret, rows_mask)}
+        return {col.ADVANTAGES: jagged_rows(adv, rows_mask), col.RETURNS: jagged_rows(ret, rows_mask)}
     return compute
 
 

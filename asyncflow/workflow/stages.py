@@ -54,7 +54,9 @@ class Stage:
     method: str  # the worker method (registered with a dispatch mode); "" for a driver stage
     inputs: list[str]
     outputs: list[str] = field(default_factory=list)
-    batch_rows: int = 0  # rows per call in stream/async mode (0: the whole step); sync: always the whole step
+    # rows per call in stream/async mode (0: the whole step; a map or filter stage takes at least
+    # this many, and every row of the step ready by then); sync: always the whole step
+    batch_rows: int = 0
     sampler: SamplerSpec = "sequential"
     kind: str = "map"  # map | rollout (gated by weights version) | filter (keeps or drops groups) | update
     on_policy_weights: bool = False  # map stage on the policy: needs the weights of the step's version

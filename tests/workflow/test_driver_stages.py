@@ -151,3 +151,19 @@ def test_loss_mask_ignores_values_at_tool_tokens():
 def test_bad_loss_mask_column_raises(bad, match):
     with pytest.raises(ValueError, match=match):
         advantages(AlgorithmConfig())(_batch([1.0, 0.0], [3, 2], [0, 0], loss_mask=bad))
+
+
+def test_jagged_rows_read_as_unpad_rows_and_store_as_one_column():
+    from asyncflow.transfer_queue.columns import to_column
+    from asyncflow.workflow.driver_stages import jagged_rows, unpad_rows
+    x = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    mask = torch.arange(4)[None, :] < torch.tensor([2, 0, 4])[:, None]
+    rows = jagged_rows(x, mask)
+    want = unpad_rows(x, mask)
+    assert len(rows) == 3 and [r.tolist() for r in rows] == [w.tolist() for w in want]
+    assert rows[-1].tolist() == [8.0, 9.0, 10.0, 11.0]
+    assert [r.tolist() for r in rows[1:]] == [[], [8.0, 9.0, 10.0, 11.0]]
+    assert rows.values.dtype == torch.float32
+    with pytest.raises(IndexError):
+        rows[3]
+    assert to_column("advantages", rows) is rows  # the TransferQueue takes it as it is

@@ -104,11 +104,14 @@ class ServiceRollout(Rollout):
 
 
 class Reward(Group):
-    def __init__(self, tq, score_fn):
-        super().__init__(tq, "reward", [1])
+    def __init__(self, tq, score_fn, delay=0.0):
+        super().__init__(tq, "reward", [1], delay)
         self.score_fn = score_fn
+        self.sizes = []  # rows per call
 
     async def compute(self, meta, io=None):
+        self.sizes.append(len(meta))
+        await asyncio.sleep(self.delay)
         data = await self.tq.get_data(meta, ["seed"])
         scores = [self.score_fn(int(s), g) for s, g in zip(data["seed"].tolist(), meta.groups)]
         await self.tq.put({"scores": torch.tensor(scores, dtype=torch.float32)}, meta.partition, meta)
@@ -185,7 +188,7 @@ def stages(dynamic: bool):
 
 def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, instances=1, dynamic=False,
         score_fn=lambda seed, g: float(seed % 2), service=False, delays=None, critic_delay=None, swaps_at_once=0,
-        observers=lambda tq, log: [], wait_timeout_s=20.0):
+        observers=lambda tq, log: [], wait_timeout_s=20.0, reward_delay=0.0):
     async def main():
         svc = await TransferQueueService(TransferQueueConfig()).start()
         tq = AsyncTransferQueueClient(svc.controller_address, ctx=zmq.asyncio.Context(), wait_timeout=wait_timeout_s)
@@ -193,7 +196,7 @@ def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, ins
         cls = ServiceRollout if service else Rollout
         insts = [cls(tq, k, (delays or [rollout_delay] * instances)[k], log) for k in range(instances)]
         actor = Actor(tq, train_delay, log)
-        groups = {"actor": actor, "reward": Reward(tq, score_fn)}
+        groups = {"actor": actor, "reward": Reward(tq, score_fn, reward_delay)}
         plan = stages(dynamic)
         if critic_delay is not None:
             groups["critic"] = Critic(tq, critic_delay)
@@ -260,6 +263,23 @@ def test_async_overlaps_rollout_with_update():
     ends = {p: t for e, p, t in log if e == "update_end"}
     gen_next = [t for e, p, t in log if e == "gen" and p == "step2"]
     assert gen_next and min(gen_next) < ends["step1"]  # step 2 generates while update 1 runs
+
+
+def test_a_stage_behind_takes_the_rows_that_piled_up_in_one_call_within_its_step():
+    # The reward is slow and the rollout fast (async: the next step generates meanwhile):
+    # while the reward works on one batch the next ones are ready, and its next call takes
+    # them together, never rows of two steps.
+    ex, actor, _, reports = run("async", steps=4, rollout_delay=0.0, reward_delay=0.2)
+    sizes = ex.test_groups["reward"].sizes
+    assert len(reports) == 4 and len(actor.trained) == 4 * 4 * G
+    assert sum(sizes) == 4 * 4 * G
+    assert all(2 * G <= n <= 4 * G for n in sizes)  # at least its batch, at most the step
+    assert max(sizes) == 4 * G and len(sizes) < 4 * 2  # fewer calls than batches
+
+
+def test_sync_takes_the_whole_step_per_call():
+    ex, *_ = run("sync", steps=3, reward_delay=0.05)
+    assert ex.test_groups["reward"].sizes == [4 * G] * 3
 
 
 def test_sync_rollout_waits_for_the_update():

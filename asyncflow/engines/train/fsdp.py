@@ -349,7 +349,10 @@ class FSDPEngine(TrainEngine):
                         ent[idx] = entropy[row, :n].cpu()
         finally:
             self.model.train(was_training)
-        return out, (ent if with_entropy else None)  # type: ignore[return-value]
+        missing = [i for i, t in enumerate(out) if t is None]
+        if missing:
+            raise RuntimeError(f"_infer: rows {missing[:5]} of {len(out)} were in no micro-batch of the plan")
+        return [t for t in out if t is not None], ([t for t in ent if t is not None] if with_entropy else None)
 
     def compute_log_probs(self, prompts: list[Tensor], responses: list[Tensor], *,
                           temperature: float = 1.0, with_entropy: bool = False,

@@ -49,11 +49,11 @@ def parameters_on_meta() -> Iterator[None]:
                            f"over {_PATCH_WAIT_S:.0f} s")
     try:
         original = nn.Module.register_parameter  # (inside the lock: what an enclosing build installed)
-        nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+        nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]  # patched for this build only
         try:
             yield
         finally:
-            nn.Module.register_parameter = original  # type: ignore[method-assign]
+            nn.Module.register_parameter = original  # type: ignore[method-assign]  # the build's patch undone
     finally:
         _patch_lock.release()
 
