@@ -41,7 +41,7 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
     the driver receives the resolved run itself, see ``train_main``)."""
     from omegaconf import OmegaConf
 
-    from .trainer import resolve_model, source_columns
+    from .training.trainer import resolve_model, source_columns
     from .workflow.recipe import find_recipe
 
     name, overrides = parse_train_args(argv)
@@ -184,7 +184,7 @@ def train_main(argv: Sequence[str]) -> int:
         except (ConfigError, ImportError) as e:
             print(f"asyncflow train: {e}", file=sys.stderr)
             return 2
-    run = LaunchConfig(main="asyncflow.trainer:driver_main", main_args=(resolved,), platform=platform,
+    run = LaunchConfig(main="asyncflow.training.trainer:driver_main", main_args=(resolved,), platform=platform,
                        driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units,
                        tq_imports=list(cfg.imports))
     if "RANK" in os.environ:

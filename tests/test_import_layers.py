@@ -40,8 +40,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engines",),  # training and rollout engines; vLLM's workers join the weight-sync groups
     ("agents",),
     ("workflow",),  # stages, recipes, the executor
-    ("training", "workers"),  # the driver's phases and roles; the role workers
-    ("simulation", "trainer"),
+    ("training", "workers"),  # the trainer, its phases and roles; the role workers
+    ("simulation",),
     ("launcher",),
     ("cli",),
 )
@@ -256,7 +256,7 @@ def test_the_layers_keep_the_architecture():
     at = {p: i for i, names in enumerate(LAYERS) for p in names}
     assert at["rpc"] < at["transfer_queue"] < at["single_controller"] < at["weight_sync"] < at["engines"]
     assert at["engines"] < at["agents"] < at["workflow"] < at["workers"] < at["simulation"]
-    assert at["workflow"] < at["training"] < at["trainer"] < at["launcher"] < at["cli"]
+    assert at["workflow"] < at["training"] < at["launcher"] < at["cli"]
     assert at["single_controller"] < at["config"] < at["resolved"] < at["workers"]
 
 

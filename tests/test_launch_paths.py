@@ -30,7 +30,7 @@ def test_a_missing_prompt_file_exits_2_naming_the_key(tmp_path, capsys):
 
 
 def test_a_reward_model_path_that_is_no_reward_model_exits_2(tmp_path, capsys):
-    from asyncflow.trainer import resolve_model
+    from asyncflow.training.trainer import resolve_model
     policy = resolve_model(load_config(None, []))  # the built-in tiny causal LM
     assert _train(tmp_path, f"reward.model_path={policy}") == 2
     err = capsys.readouterr().err
@@ -41,7 +41,7 @@ def test_under_torchrun_a_node_checks_only_what_it_reads(tmp_path):
     """Every node loads model.path; prompt files are read on the driver's node; the reward
     model's node depends on the placement, so only a local launch checks it."""
     from asyncflow.launcher import check_paths
-    from asyncflow.trainer import resolve_model
+    from asyncflow.training.trainer import resolve_model
     cfg = load_config(None, ["data.task=file", f"data.path={tmp_path / 'none.jsonl'}",
                              f"reward.model_path={tmp_path / 'no_rm'}"])
     cfg.model.path = resolve_model(cfg)

@@ -123,7 +123,6 @@ _LENIENT = {
     "asyncflow/platform.py",
     "asyncflow/cli.py",
     "asyncflow/launcher.py",
-    "asyncflow/trainer.py",
 }
 
 

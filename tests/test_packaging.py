@@ -276,7 +276,7 @@ def test_core_imports_no_optional_or_heavy_package():
     """A CPU-only box without the accelerator extras can import and start the framework;
     transformers, tensordict and matplotlib take seconds and load only when used."""
     mods = ["asyncflow", "asyncflow.platform", "asyncflow.transfer_queue", "asyncflow.single_controller",
-            "asyncflow.cli", "asyncflow.trainer"]
+            "asyncflow.cli", "asyncflow.training.trainer"]
     banned = ["torch_npu", "vllm", "vllm_ascend", "mindspeed", "transformers", "tensordict", "matplotlib"]
     code = (f"import sys\nfor m in {mods!r}: __import__(m)\n"
             f"print(','.join(b for b in {banned!r} if b in sys.modules))")

@@ -64,7 +64,7 @@ def test_the_launcher_hands_the_driver_the_resolved_run(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "launch_local", lambda cfg, nproc, **kw: seen.append(cfg) or 0)
     assert train_main(["grpo", f"trainer.out_dir={tmp_path}", "trainer.platform=cpu", "workflow.mode=sync"]) == 0
     (lc,) = seen
-    assert lc.main == "asyncflow.trainer:driver_main"
+    assert lc.main == "asyncflow.training.trainer:driver_main"
     (run,) = lc.main_args
     assert isinstance(run, ResolvedRun) and run.derived.platform == "cpu" and run.derived.policy_loss == "ppo_clip"
     assert run.config.model.path  # the tiny model, resolved by the launcher
@@ -75,6 +75,6 @@ def test_the_launcher_hands_the_driver_the_resolved_run(tmp_path, monkeypatch):
 def test_the_driver_refuses_to_start_without_a_resolved_run():
     import asyncio
 
-    from asyncflow.trainer import driver_main
+    from asyncflow.training.trainer import driver_main
     with pytest.raises(RuntimeError, match="asyncflow train"):
         asyncio.run(driver_main(object()))

@@ -11,7 +11,7 @@ import pytest
 from asyncflow.config import load_config
 from asyncflow.data.dataset import DataError
 from asyncflow.data.run_data import build_prompt_data
-from asyncflow.trainer import resolve_model
+from asyncflow.training.trainer import resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,7 @@ def test_the_launcher_checks_the_reward_file_before_any_rank_starts(tmp_path, re
 
 def test_under_torchrun_the_reward_file_is_checked_only_where_every_role_runs(tmp_path):
     from asyncflow.launcher import check_paths
-    from asyncflow.trainer import resolve_model
+    from asyncflow.training.trainer import resolve_model
     cfg = load_config(None, [f"reward.custom_path={tmp_path / 'nope.py'}"])
     cfg.model.path = resolve_model(cfg)
     check_paths(cfg, driver_node=True, every_role_here=False)
@@ -143,7 +143,7 @@ def test_the_reward_stage_scores_with_the_file_and_keeps_the_extras(tmp_path, re
     import torch
 
     from asyncflow.models import load_tokenizer
-    from asyncflow.trainer import resolve_model
+    from asyncflow.training.trainer import resolve_model
     from asyncflow.workers.reward import RowScorer
     cfg = load_config(None, [f"reward.custom_path={reward_file}"])
     path = resolve_model(cfg)

@@ -18,7 +18,7 @@ cluster2 = cluster_fixture(2)
 
 def _model_path() -> str:
     from asyncflow.config import load_config
-    from asyncflow.trainer import resolve_model
+    from asyncflow.training.trainer import resolve_model
     return resolve_model(load_config())
 
 

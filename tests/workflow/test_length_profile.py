@@ -52,7 +52,7 @@ def test_config_key_is_checked_and_the_recipe_reads_the_column():
     with pytest.raises(ConfigError, match="rollout.length_profile"):
         load_config(overrides=["rollout.length_profile=bogus"])
     grpo = find_recipe("grpo")
-    from asyncflow.trainer import source_columns
+    from asyncflow.training.trainer import source_columns
     on_cfg, off_cfg = load_config(overrides=["rollout.length_profile=longtail"]), load_config()
     on = grpo.build(on_cfg, source_columns(on_cfg)).stages
     off = grpo.build(off_cfg, source_columns(off_cfg)).stages

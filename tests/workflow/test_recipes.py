@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from asyncflow.config import ConfigError, load_config
-from asyncflow.trainer import source_columns
+from asyncflow.training.trainer import source_columns
 from asyncflow.workflow.recipe import available, find_recipe
 
 

@@ -4,7 +4,7 @@ Runs in the driver (rank 0) as ``driver_main(driver)``; the worker groups do the
 Phases: start the recipe's roles -> supervised warm-up (built-in task) until a held-out
 accuracy check passes -> evaluation -> RL through the workflow executor until
 ``trainer.steps`` or ``trainer.time_budget_s`` -> evaluation -> checkpoint, Hugging Face
-export, ``summary.json`` and the report. The parts live in ``asyncflow.training``.
+export, ``summary.json`` and the report. The parts live beside it in ``asyncflow.training``.
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig, to_dict
-from .resolved import ResolvedRun
-from .single_controller.driver import Driver
-from .training import phases
-from .training.roles import RunRoles, start_roles, write_ranks
-from .workflow import checkpoints as ckpts
-from .workflow.checkpoints import RunState
+from ..config import RunConfig, to_dict
+from ..resolved import ResolvedRun
+from ..single_controller.driver import Driver
+from ..workflow import checkpoints as ckpts
+from ..workflow.checkpoints import RunState
+from . import phases
+from .roles import RunRoles, start_roles, write_ranks
 
 log = logging.getLogger("asyncflow.trainer")
 
@@ -30,7 +30,7 @@ def resolve_model(cfg: RunConfig) -> str:
     """The model directory: the user's, or the built-in tiny model (built once, cached)."""
     if cfg.model.path:
         return cfg.model.path
-    from .models.tiny import TinyModelSpec, ensure_tiny_model
+    from ..models.tiny import TinyModelSpec, ensure_tiny_model
     t = cfg.model.tiny
     spec = TinyModelSpec(hidden_size=t.hidden, num_hidden_layers=t.layers, num_attention_heads=t.heads,
                          num_key_value_heads=t.kv_heads, intermediate_size=t.ffn,
@@ -141,17 +141,17 @@ class Training:
 
     # ---- data --------------------------------------------------------------------------------
     def _data(self) -> None:
-        from .data.run_data import build_prompt_data
+        from ..data.run_data import build_prompt_data
         self.data = build_prompt_data(self.cfg, self.model_path)
 
     # ---- RL ----------------------------------------------------------------------------------
     async def rl(self, checkpoint: tuple[Path, RunState] | None = None) -> None:
         """RL through the executor, from scratch or from a run checkpoint (its path and state)."""
-        from .metrics import Progress
-        from .metrics.logger import keep_rows
-        from .training.observers import CheckpointPolicy, EvalSchedule, SampleAudit, StepMetrics, TimeBudget
-        from .workflow.executor import Executor, ExecutorConfig
-        from .workflow.source import PromptSource, Record, longtail_budgets, resume_source
+        from ..metrics import Progress
+        from ..metrics.logger import keep_rows
+        from ..workflow.executor import Executor, ExecutorConfig
+        from ..workflow.source import PromptSource, Record, longtail_budgets, resume_source
+        from .observers import CheckpointPolicy, EvalSchedule, SampleAudit, StepMetrics, TimeBudget
 
         cfg, roles = self.cfg, self.roles
         for g in roles.with_method("reset_optimizer"):
@@ -197,14 +197,14 @@ class Training:
             written = [*source_columns(cfg), *(c for s in self.spec.stages for c in s.outputs)]
             decode = None
             if "loss_mask" in written:  # episodes: the audit shows their turns as text
-                from .models.loading import load_tokenizer
+                from ..models.loading import load_tokenizer
                 decode = load_tokenizer(self.model_path)
             audit = SampleAudit(self.out / "samples.jsonl", self.tq, append=state is not None, columns=written,
                                 decode=decode)
             observers.insert(0, audit)
         faults = None
         if cfg.fault.rollout_restarts:  # a lost rollout instance is replaced, the run goes on
-            from .training.instance_faults import InstanceFaults
+            from .instance_faults import InstanceFaults
             faults = InstanceFaults(self.driver, cfg.fault, roles.policy, roles.instances)
             faults.on_back = lambda: write_ranks(self.driver, roles, self.out)  # the new process's pid
         executor = Executor(ecfg, self.spec.stages, roles.groups, roles.instances, self.tq, self.source,
@@ -237,7 +237,7 @@ class Training:
     async def _after_faults(self, executor: Any) -> None:
         """After RL with lost instances: the evaluation and the last sync use the instances in
         service, in weight-sync groups of their own."""
-        from .training.roles import init_weight_sync
+        from .roles import init_weight_sync
         roles = self.roles
         serving = [inst for k, inst in enumerate(roles.instances) if k not in executor.out_of_service]
         if len(serving) < len(roles.instances):
@@ -259,10 +259,10 @@ class Training:
 
     # ---- the whole run -------------------------------------------------------------------------
     async def run(self) -> dict:
-        from .metrics import MetricsLogger, Timeline, build_report
-        from .metrics.logger import METRICS_FILE, keep_rows
-        from .transfer_queue import AsyncTransferQueueClient
-        from .workflow.recipe import find_recipe
+        from ..metrics import MetricsLogger, Timeline, build_report
+        from ..metrics.logger import METRICS_FILE, keep_rows
+        from ..transfer_queue import AsyncTransferQueueClient
+        from ..workflow.recipe import find_recipe
 
         cfg = self.cfg
         recipe = find_recipe(cfg.recipe)
@@ -340,7 +340,7 @@ async def driver_main(driver: Driver, run: ResolvedRun | None = None) -> None:
     """The launch entry of rank 0 (``LaunchConfig.main``); ``run`` is the launcher's resolved run
     (``LaunchConfig.main_args``), taken as it is: nothing is checked or resolved again."""
     if not isinstance(run, ResolvedRun):
-        raise RuntimeError("asyncflow.trainer:driver_main needs the run the launcher resolved (its main_args): "
-                           "start runs with `asyncflow train`")
+        raise RuntimeError("asyncflow.training.trainer:driver_main needs the run the launcher resolved "
+                           "(its main_args): start runs with `asyncflow train`")
     logging.getLogger("asyncflow").setLevel(logging.INFO)
     await Training(driver, run).run()
