@@ -11,17 +11,29 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, to_dict
+from ..data.run_data import build_prompt_data
+from ..metrics import MetricsLogger, Progress, Timeline, build_report
+from ..metrics.logger import METRICS_FILE, keep_rows
+from ..models.loading import load_tokenizer
+from ..models.tiny import TinyModelSpec, ensure_tiny_model
 from ..resolved import ResolvedRun
 from ..single_controller.driver import Driver
+from ..transfer_queue import AsyncTransferQueueClient
 from ..workflow import checkpoints as ckpts
 from ..workflow.checkpoints import RunState
+from ..workflow.executor import Executor, ExecutorConfig
+from ..workflow.recipe import find_recipe
+from ..workflow.source import PromptSource, Record, longtail_budgets, resume_source
 from . import phases
-from .roles import RunRoles, start_roles, write_ranks
+from .instance_faults import InstanceFaults
+from .observers import CheckpointPolicy, EvalSchedule, SampleAudit, StepMetrics, TimeBudget
+from .roles import RunRoles, init_weight_sync, start_roles, write_ranks
 
 log = logging.getLogger("asyncflow.trainer")
 
@@ -30,7 +42,6 @@ def resolve_model(cfg: RunConfig) -> str:
     """The model directory: the user's, or the built-in tiny model (built once, cached)."""
     if cfg.model.path:
         return cfg.model.path
-    from ..models.tiny import TinyModelSpec, ensure_tiny_model
     t = cfg.model.tiny
     spec = TinyModelSpec(hidden_size=t.hidden, num_hidden_layers=t.layers, num_attention_heads=t.heads,
                          num_key_value_heads=t.kv_heads, intermediate_size=t.ffn,
@@ -135,24 +146,16 @@ class Training:
 
     async def _export(self, path: Path) -> None:
         if path.exists():  # a rerun into the same out_dir replaces the previous export
-            import shutil
             shutil.rmtree(path)
         await self.roles.policy.export_hf(str(path))
 
     # ---- data --------------------------------------------------------------------------------
     def _data(self) -> None:
-        from ..data.run_data import build_prompt_data
         self.data = build_prompt_data(self.cfg, self.model_path)
 
     # ---- RL ----------------------------------------------------------------------------------
     async def rl(self, checkpoint: tuple[Path, RunState] | None = None) -> None:
         """RL through the executor, from scratch or from a run checkpoint (its path and state)."""
-        from ..metrics import Progress
-        from ..metrics.logger import keep_rows
-        from ..workflow.executor import Executor, ExecutorConfig
-        from ..workflow.source import PromptSource, Record, longtail_budgets, resume_source
-        from .observers import CheckpointPolicy, EvalSchedule, SampleAudit, StepMetrics, TimeBudget
-
         cfg, roles = self.cfg, self.roles
         for g in roles.with_method("reset_optimizer"):
             await g.reset_optimizer("rl")
@@ -197,14 +200,12 @@ class Training:
             written = [*source_columns(cfg), *(c for s in self.spec.stages for c in s.outputs)]
             decode = None
             if "loss_mask" in written:  # episodes: the audit shows their turns as text
-                from ..models.loading import load_tokenizer
                 decode = load_tokenizer(self.model_path)
             audit = SampleAudit(self.out / "samples.jsonl", self.tq, append=state is not None, columns=written,
                                 decode=decode)
             observers.insert(0, audit)
         faults = None
         if cfg.fault.rollout_restarts:  # a lost rollout instance is replaced, the run goes on
-            from .instance_faults import InstanceFaults
             faults = InstanceFaults(self.driver, cfg.fault, roles.policy, roles.instances)
             faults.on_back = lambda: write_ranks(self.driver, roles, self.out)  # the new process's pid
         executor = Executor(ecfg, self.spec.stages, roles.groups, roles.instances, self.tq, self.source,
@@ -237,7 +238,6 @@ class Training:
     async def _after_faults(self, executor: Any) -> None:
         """After RL with lost instances: the evaluation and the last sync use the instances in
         service, in weight-sync groups of their own."""
-        from .roles import init_weight_sync
         roles = self.roles
         serving = [inst for k, inst in enumerate(roles.instances) if k not in executor.out_of_service]
         if len(serving) < len(roles.instances):
@@ -259,11 +259,6 @@ class Training:
 
     # ---- the whole run -------------------------------------------------------------------------
     async def run(self) -> dict:
-        from ..metrics import MetricsLogger, Timeline, build_report
-        from ..metrics.logger import METRICS_FILE, keep_rows
-        from ..transfer_queue import AsyncTransferQueueClient
-        from ..workflow.recipe import find_recipe
-
         cfg = self.cfg
         recipe = find_recipe(cfg.recipe)
         # The launcher built it once to refuse a wrong recipe before any process started; its
