@@ -8,11 +8,17 @@ the scripts of the checkout's perf/ directory (they are not part of the installe
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from asyncflow import __version__
+from asyncflow.metrics.report import JsonlError, build_report
+from asyncflow.planning.command import add_arguments as add_plan_arguments
+from asyncflow.planning.command import run as run_plan
+from asyncflow.workflow.recipe import available
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
@@ -26,8 +32,6 @@ def _add_version(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from asyncflow.metrics.report import JsonlError, build_report
-
     try:
         paths = build_report(args.output_dir)
     except FileNotFoundError as err:  # no such run: a usage error, like argparse's exit 2
@@ -43,7 +47,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from asyncflow.launcher import train_main
+    from asyncflow.launcher import train_main  # slow: the launcher imports torch; the other commands stay fast
     return train_main([*([args.recipe] if args.recipe else []), *args.overrides])
 
 
@@ -51,7 +55,6 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train", help="run a recipe (default: GRPO, async, 2 CPU ranks, built-in tiny model and task)",
         description="asyncflow train [RECIPE] [key=value ...]  e.g. asyncflow train grpo workflow.mode=sync")
-    from .workflow.recipe import available  # (a directory listing: the help stays fast)
     parser.add_argument("recipe", nargs="?", default=None,
                         help=f"a recipe name in recipes/ ({', '.join(available())}) or a recipe directory")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value (see docs/configuration.md)")
@@ -75,9 +78,6 @@ def perf_scripts(perf_dir: Path) -> dict[str, Path]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import os
-    import subprocess
-
     repo = Path(__file__).resolve().parents[1]
     scripts = perf_scripts(repo / "perf")
     if not scripts:
@@ -104,16 +104,14 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from asyncflow.planning.command import run
-    return run(args)
+    return run_plan(args)
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
-    from asyncflow.planning.command import add_arguments  # stdlib only: cheap at parser build
     parser = subparsers.add_parser(
         "plan", help="memory per device and role, and the fastest rollout/training split, for a model",
         description="asyncflow plan [CONFIG.JSON | MODEL_DIR] --devices N ...  (see docs/plan.md)")
-    add_arguments(parser)
+    add_plan_arguments(parser)
     parser.set_defaults(func=_cmd_plan)
 
 
