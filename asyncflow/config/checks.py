@@ -3,10 +3,14 @@ section's own ``validate()`` first, then what no one section can decide alone (r
 trainer.nproc, names in the registries, a placement where a feature can work)."""
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+from ..algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES, algorithm_config_problems
+from ..algorithms.registry import Registry
+from ..rewards import REWARDS
 from .fields import ConfigError
 from .run import RunConfig
 
@@ -46,7 +50,6 @@ def cross_section_problems(cfg: RunConfig) -> list[str]:
     if t.nproc == 1 and p.mode == "disaggregated":
         problems.append("placement.mode: trainer.nproc=1 runs every role on rank 0: set placement.mode=colocated")
     problems += _import_problems(cfg) or _registry_problems(cfg)
-    from ..algorithms import algorithm_config_problems  # the rules the algorithm functions enforce
     problems += algorithm_config_problems(cfg.algorithm)
     if t.prompts_per_step < 1 or r.batch_prompts < 1:
         problems.append("trainer.prompts_per_step and rollout.batch_prompts must be >= 1")
@@ -101,7 +104,6 @@ def _restart_problems(cfg: RunConfig) -> list[str]:
 def _import_problems(cfg: RunConfig) -> list[str]:
     """The run's ``imports`` (where user rewards, estimators and losses register), imported
     here too, so that the names they register are checked like the built-in ones."""
-    import importlib
     out = []
     for name in cfg.imports:
         try:
@@ -113,10 +115,6 @@ def _import_problems(cfg: RunConfig) -> list[str]:
 
 def _registry_problems(cfg: RunConfig) -> list[str]:
     """Names that must exist in the registries (checked at start, not at the first update)."""
-    from ..algorithms import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES
-    from ..algorithms.registry import Registry
-    from ..rewards import REWARDS
-
     a = cfg.algorithm
     checks: list[tuple[str, Registry[Any] | Mapping[str, Any], str]] = [
         ("algorithm.advantage", ADVANTAGES, a.advantage), ("algorithm.loss_agg", AGGREGATIONS, a.loss_agg),

@@ -3,6 +3,7 @@ checking its own values in ``validate()`` (a list of problems, empty when the se
 sound). Rules that tie sections together live in checks.py."""
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,7 +123,6 @@ class OpenAIEndpointConfig:
 
     def validate(self) -> list[str]:
         """The endpoint binds to the loopback, or to the one interface ``allow_interface`` names."""
-        import ipaddress
         problems = []
         if not 0 <= self.port <= 65535:
             problems.append(f"rollout.openai_endpoint.port: must lie in 0..65535 (0: a free port), got {self.port}")

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..models.loading import load_tokenizer
+from ..rewards.data_source import SCORERS, unrouted
 from .addition import AdditionTask
+from .calc import CalcTask, demonstration
 from .dataset import BUILTIN_ADDITION, DataError, PromptDataset, addition_dataset
 
 log = logging.getLogger(__name__)
@@ -31,8 +34,6 @@ class RunData:
 def _calc_data(d: Any, tok: Any, seed: int) -> RunData:
     """The tool task: its sums, held-out sums, and tool-using demonstrations whose calculator
     output is masked out of the supervised loss."""
-    from .calc import CalcTask, demonstration
-
     task = CalcTask(seed=seed, num_eval=d.num_eval)
     records = task.all_train_records()
     train = PromptDataset.from_records(records, tok, dataclasses.replace(d, path="builtin:calc"),
@@ -111,7 +112,6 @@ def _check_reward_fits(cfg: Any, datasets: list[PromptDataset]) -> None:
     if r.custom_path:
         return
     if r.name == "data_source":
-        from ..rewards.data_source import SCORERS, unrouted
         for ds in datasets:
             for k, meta in enumerate(ds._meta):
                 if unrouted([meta.get("data_source")]):
@@ -130,8 +130,6 @@ def build_prompt_data(cfg: Any, model_path: str) -> RunData:
     """``cfg`` is the run's RunConfig; the tokenizer is the model's. Every prompt leaves room
     for ``rollout.max_new_tokens`` in the model's context: a prompt file's longer prompts are
     dropped (counted), a built-in task whose prompts do not fit is refused."""
-    from ..models.loading import load_tokenizer
-
     tok = load_tokenizer(model_path)
     seed = cfg.data.seed if cfg.data.seed >= 0 else cfg.trainer.seed
     d = dataclasses.replace(cfg.data, seed=seed)

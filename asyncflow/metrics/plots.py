@@ -201,6 +201,7 @@ def _draw_lanes(ax: Any, lanes: list[tuple[str, list[tuple[Span, int]], int]],
     This is what `broken_barh` draws, but as one PolyCollection for the whole axes: one
     collection per (lane, track, stage) made a few thousand spans take seconds.
     """
+    # drawing only, beside matplotlib (heavy): `import asyncflow.cli` (the report command) loads neither
     import numpy as np
     from matplotlib.collections import PolyCollection
 

@@ -20,6 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+
 if TYPE_CHECKING:  # transformers is imported lazily: it costs seconds
     from transformers import PreTrainedTokenizerFast
 
@@ -62,8 +65,6 @@ CHAT_TEMPLATE = (
 
 def _byte_level_spelling() -> dict[str, str]:
     """Map each character of CHARS to the string ByteLevel turns it into."""
-    from tokenizers import pre_tokenizers
-
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     spelling: dict[str, str] = {}
     for ch in CHARS:
@@ -89,9 +90,6 @@ def unsupported_chars(text: str) -> set[str]:
 
 def _backend_tokenizer():
     """The `tokenizers.Tokenizer`, with the same pipeline Qwen2Tokenizer imposes."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
-    from tokenizers.models import BPE
-
     # A BPE model with no merges is a fixed character vocabulary.
     tok = Tokenizer(BPE(vocab=char_vocab(), merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()

@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
+
+from asyncflow.models.tiny import SPEC_FILE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -108,8 +111,6 @@ def record_attn_implementation(directory: str | Path, attn_implementation: str |
     """Note in a model directory the attention kernel its weights were trained with, so that
     load_causal_lm picks it again (config.json does not carry it). A kernel that only some
     devices have is not recorded."""
-    from asyncflow.models.tiny import SPEC_FILE
-
     if attn_implementation in _PORTABLE_ATTN:
         (Path(directory) / SPEC_FILE).write_text(json.dumps({"attn_implementation": attn_implementation}))
 
@@ -117,8 +118,6 @@ def record_attn_implementation(directory: str | Path, attn_implementation: str |
 def _default_attn_implementation(p: Path) -> str | None:
     """The attention kernel a directory records: our tiny models the one that suits their size,
     an export the one it was trained with."""
-    from asyncflow.models.tiny import SPEC_FILE
-
     spec_path = p / SPEC_FILE
     if spec_path.is_file():
         try:
@@ -204,7 +203,6 @@ class SafetensorsWeights:
                     f"{self.path}: no *.safetensors weights; the training engines load safetensors only "
                     f"(convert a pytorch_model.bin with save_pretrained(..., safe_serialization=True))")
             self.files = {}
-            from safetensors import safe_open
             for file in found:
                 with safe_open(str(file), framework="pt") as handle:
                     self.files.update(dict.fromkeys(handle.keys(), file))
@@ -220,7 +218,6 @@ class SafetensorsWeights:
         return set(self.files)
 
     def _handle(self, name: str) -> Any:
-        from safetensors import safe_open
         file = self.files[name]
         if file not in self._open:
             if not file.is_file():

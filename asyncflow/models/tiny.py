@@ -16,7 +16,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncflow.models.char_tokenizer import CHARS, CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, char_vocab
+import torch
+
+from asyncflow.models.char_tokenizer import CHARS, CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, char_vocab, save_char_tokenizer
 
 __all__ = ["SPEC_FILE", "TinyModelSpec", "build_tiny_model", "default_cache_root", "ensure_tiny_model"]
 
@@ -98,10 +100,8 @@ def _qwen2_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Write a Hugging Face model directory (config, safetensors weights, tokenizer,
     generation config) into out_dir, which must not hold a model already."""
-    import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    from asyncflow.models.char_tokenizer import save_char_tokenizer
 
     spec = spec or TinyModelSpec()
     out = Path(out_dir)

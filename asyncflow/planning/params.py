@@ -173,6 +173,7 @@ def load_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
 
 def tiny_model_config() -> dict[str, Any]:
     """The built-in tiny model's config (asyncflow.models.tiny), without building it."""
+    # slow: asyncflow.models imports torch; `asyncflow plan` and `import asyncflow.cli` load none
     from asyncflow.models.char_tokenizer import char_vocab
     from asyncflow.models.tiny import TinyModelSpec
 
