@@ -8,6 +8,7 @@ the run's key, which the hosts take from the environment as any process the run 
 """
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import threading
@@ -15,17 +16,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from ..platform import get_platform
 from ..rpc import auth
+from ..single_controller.runtime import RuntimeConfig, WorkerRuntime
+from ..transfer_queue import locality
+from ..transfer_queue.service import serve_storage_unit
+from ..transfer_queue.unit_process import prepare_unit_process
 
 
 def _unit_main(index: int, controller: str, conn: Any, parent: int) -> None:
     """A node's storage unit in a process of its own: on a cluster it shares its process with one
     worker (a node's local rank 0), not with the hundred ranks of a simulated host."""
-    import asyncio
-
-    from ..transfer_queue.service import serve_storage_unit
-    from ..transfer_queue.unit_process import prepare_unit_process
-
     def watch() -> None:  # go with the process that started us
         while os.getppid() == parent:
             time.sleep(1.0)
@@ -52,12 +55,6 @@ def _host_main(ranks: list[int], world: int, unit: int | None, controller: str |
                parent: int) -> None:
     """One host process: start the runtimes, send their addresses, serve. ``unit``: the storage
     unit (already registered) that this host's ranks write to."""
-    import torch
-
-    from ..platform import get_platform
-    from ..single_controller.runtime import RuntimeConfig, WorkerRuntime
-    from ..transfer_queue import locality
-
     try:
         if unit is not None:
             locality.set_locality(unit, unit)  # this node's ranks write their rows here

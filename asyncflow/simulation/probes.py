@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+from ..transfer_queue import TransferQueueClient
+
 
 def thread_cpu_s(name: str) -> float:
     """CPU seconds of this process's thread called ``name`` so far."""
@@ -51,7 +53,6 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def _latency_probe(address: str, interval_s: float, conn: Any) -> None:
-    from ..transfer_queue import TransferQueueClient
     tq = TransferQueueClient(address, timeout=30.0)
     tq.create_partition("probe")
     out: list[float] = []

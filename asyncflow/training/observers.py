@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import column_names as col
+from ..agents.runner import render_turns
 from ..metrics.logger import MetricsLogger
 from ..metrics.progress import Progress
 from ..transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn
@@ -100,7 +101,6 @@ class SampleAudit(StepObserver):
                 raise TypeError(f"samples.jsonl: column {name!r} is a {type(column).__name__}, not a fixed, "
                                 "jagged or object column")
         if self.decode is not None and col.LOSS_MASK in cols:
-            from ..agents.runner import render_turns
             for line in lines:
                 line["text"] = render_turns(self.decode, line[col.RESPONSE_IDS], line[col.LOSS_MASK])
         for line in lines:

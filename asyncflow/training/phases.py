@@ -10,7 +10,10 @@ from .. import column_names as col
 from ..config import RunConfig
 from ..data.run_data import RunData
 from ..metrics.logger import MetricsLogger
+from ..rewards.custom import reward_ref
+from ..rewards.runner import extra_means
 from ..weight_sync.publish import publish_and_swap
+from .eval_merge import merge_evaluations, split_prompts
 from .roles import RunRoles
 
 log = logging.getLogger("asyncflow.trainer")
@@ -65,10 +68,6 @@ class Evaluator:
         return [(self.cfg.trainer.seed * len(self.prompts) + i) * n for i in ids]
 
     async def __call__(self, step: int, phase: str) -> float:
-        from ..rewards.custom import reward_ref
-        from ..rewards.runner import extra_means
-        from .eval_merge import merge_evaluations, split_prompts
-
         rc, t = self.cfg.reward, self.cfg.trainer
         parts = split_prompts(len(self.prompts), len(self.roles.instances))
         busy = [(inst, part) for inst, part in zip(self.roles.instances, parts) if part]

@@ -13,6 +13,9 @@ from typing import Any, overload
 import torch
 
 from .. import column_names as col
+from ..algorithms import ADVANTAGES
+from ..algorithms.advantages import outcome_to_token_rewards
+from ..algorithms.kl import kl_penalty_to_reward
 from ..transfer_queue.columns import JaggedColumn
 from .stages import DriverBatch
 
@@ -78,10 +81,6 @@ def advantages(algo: Any, score: str = col.SCORES, response: str = col.RESPONSE_
     as if they were cut out), whitening counts model tokens only, and the advantages and
     returns written are 0 on tool tokens. Rows keep their response length. A row without any
     model token gets no reward (the group estimators then take its score as 0)."""
-    from ..algorithms import ADVANTAGES
-    from ..algorithms.advantages import outcome_to_token_rewards
-    from ..algorithms.kl import kl_penalty_to_reward
-
     estimator = ADVANTAGES.get(algo.advantage)
 
     def compute(batch: DriverBatch) -> dict[str, Any]:

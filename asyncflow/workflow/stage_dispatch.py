@@ -3,8 +3,11 @@ reads its rows and writes the new columns) or run the driver function and write 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from typing import Any
+
+import torch
 
 from .executor_config import partition_name
 from .scheduling import Scheduling
@@ -82,7 +85,6 @@ class StageDispatch(Scheduling):
                 await self.tq.clear_rows(meta.select(rows_drop))
             s.accepted += len(rows_keep)
             if rows_keep and stage.outputs:
-                import torch
                 await self.tq.put({stage.outputs[0]: torch.ones(len(rows_keep), dtype=torch.int8)},
                                   partition_name(t), meta.select(rows_keep))
             s.accepted_groups += len(keep)
@@ -101,7 +103,6 @@ def _plain(col: Any) -> Any:
 
 def _fn_name(fn: Any) -> str:
     """The function's name and the file that defines it (the recipe's, usually)."""
-    import inspect
     name = getattr(fn, "__qualname__", None) or repr(fn)
     try:
         return f"{name} in {inspect.getsourcefile(fn)}"

@@ -12,6 +12,7 @@ compute log-probs; a second rollout stage writes a baseline's responses).
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -100,7 +101,6 @@ class Role:
     def worker_class(self) -> type:
         if isinstance(self.worker, type):
             return self.worker
-        import importlib
         mod, _, name = str(self.worker).partition(":")
         if not mod or not name:
             raise ValueError(f"worker {self.worker!r}: expected a class or 'package.module:Class'")
@@ -247,7 +247,9 @@ def check_roles(spec: RecipeSpec, where: str = "recipe") -> None:
                              "declared per_rank=True (each rollout instance swaps weights on its own)")
     for s in spec.stages:
         if s.kind == "rollout" and s.options.get("episode"):
-            from ..agents.runner import load_episode  # a wrong path fails here, not on a worker mid-run
+            # a wrong path fails here, not on a worker mid-run; lazy: agents.runner imports torch, and
+            # `import asyncflow.cli` reads this module (the recipe listing)
+            from ..agents.runner import load_episode
             try:
                 load_episode(s.options["episode"])
             except ValueError as e:
