@@ -15,12 +15,16 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from .. import column_names as col
 from ..cpu_account import charged
+from ..engines.train.lora import LoraOptions, hf_name, is_adapter, merged_tensors
+from ..models.loading import load_tokenizer
 from ..single_controller import Dispatch, Worker, register
 from ..transfer_queue.meta import BatchMeta
 from ..transfer_queue.row_lists import tensor, values
+from ..weight_sync.wire_group import WireGroup, open_store
 from ..workflow.stages import StageIO
 from ..workflow.update_request import UpdateRequest
 from .actor_loss import RolloutCorr, policy_loss_fn, sft_loss_fn
@@ -65,7 +69,6 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         self.optim_key = optim
         self.temperature = c.rollout.temperature
         self.algo = dataclasses.replace(c.algorithm, policy_loss=run.derived.policy_loss)
-        from ..engines.train.lora import LoraOptions
         lora = LoraOptions.from_model_config(c.model)  # None: every weight trains
         self.engine = train_engine_class(c.model.train_engine)(
             policy_model(c), engine_optim(c, optim), process_group=self.process_group, platform=self.platform,
@@ -208,7 +211,6 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         out["actor/optimizer_steps"] = float(len(results))
         sums, maxes = corr.totals()
         if self.dp_size > 1:  # every rank has the same keys in the same order, rows or not
-            import torch.distributed as dist
             dist.all_reduce(sums, group=self.process_group)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.process_group)
         out.update(corr.metrics(sums, maxes))
@@ -234,7 +236,6 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         maxes = torch.tensor([float(scores.max()) if len(scores) else -inf, float(stale.max()) if len(stale) else -inf,
                               float(-scores.min()) if len(scores) else -inf], dtype=torch.float64)
         if self.dp_size > 1:
-            import torch.distributed as dist
             dist.all_reduce(sums, group=self.process_group)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.process_group)
         n, resp_tokens, prompt_tokens, score_sum, n_scores, stale_sum, n_stale, model = sums.tolist()
@@ -254,8 +255,6 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
     def open_weight_sync(self, members: int) -> dict[str, Any] | None:
         """Host the store of this rank's weight-sync group of ``members`` (this rank and every
         receiving endpoint); return its address as a dict (None: no receiver over the wire)."""
-        from ..weight_sync.wire_group import open_store
-
         if members < 2:
             self._ws_store = self._ws_addr = None
             return None
@@ -269,10 +268,10 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         """Join this rank's group (member 0; returns once every receiver has joined). An
         instance in this rank's process gets the tensors in process instead; ``gather_all``:
         some training rank has one, so every rank gathers every tensor whole."""
+        # slow: weight_sync imports torch.distributed.tensor, and the driver imports this module to check the recipe
         from ..weight_sync.protocol import torch_dtype
         from ..weight_sync.send import BucketSender
         from ..weight_sync.sinks import local_sinks
-        from ..weight_sync.wire_group import WireGroup
 
         w = self.cfg.weight_sync
         if self.sender is not None:  # groups made again around a lost (or new) rollout instance
@@ -322,6 +321,7 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         buckets are posted; the engine's next write of the parameters (optimizer step,
         offload, loading) first waits until the receivers have them, and so does the next
         publish."""
+        # slow: weight_sync imports torch.distributed.tensor, and the driver imports this module to check the recipe
         from ..weight_sync.protocol import make_header
         from ..weight_sync.shards import local_tensors
 
@@ -343,7 +343,6 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
         vLLM: the merged weights, built here (lora.merged_tensors)."""
         if self.lora is None:
             return named
-        from ..engines.train.lora import hf_name, is_adapter, merged_tensors
         if self.lora_sync == "merged":
             self._merged = merged_tensors(self.engine.model, named, self.lora.scale)
             return self._merged
@@ -360,7 +359,6 @@ class ActorWorker(EngineCheckpoints, EngineOffload, Worker):
     # ---- export ----------------------------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, path: str) -> None:
-        from ..models.loading import load_tokenizer
         self.engine.export_hf(path, tokenizer=load_tokenizer(self.cfg.model.path))
 
     @register(Dispatch.ONE_TO_ALL)

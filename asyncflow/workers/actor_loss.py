@@ -8,8 +8,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from .. import column_names as col
+from ..algorithms import KL_ESTIMATORS, POLICY_LOSSES
+from ..algorithms.aggregate import aggregate
+from ..algorithms.rollout_corr import mismatch_terms, rollout_correction
 
 # rollout_corr/ metrics: exact means over tokens (or sequences) and maxima over the whole update.
 _MEANS = ("logp_abs_diff_mean", "prob_abs_diff_mean", "kl", "k3_kl", "same_version_frac",
@@ -63,8 +67,6 @@ class RolloutCorr:
 
     def _take(self, old: Tensor, behav: Tensor, mask: Tensor, versions: Tensor | None, corr: Any) -> None:
         """Metrics of one padded batch [B, T] (``mask``: the model tokens) and its correction."""
-        from ..algorithms.rollout_corr import mismatch_terms
-
         mask = mask if mask.dtype == torch.bool else mask != 0
         terms = mismatch_terms(old, behav, mask, self.algo.max_log_ratio)
         for k in ("logp_abs_diff", "prob_abs_diff"):
@@ -95,10 +97,6 @@ class RolloutCorr:
     def prepare(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Before train_step, with ``old_log_probs`` and ``behav_log_probs`` per row (1-D, the
         response's length): the fields to train with (``fields`` itself is left as it is)."""
-        from torch.nn.utils.rnn import pad_sequence
-
-        from ..algorithms.rollout_corr import rollout_correction
-
         self.prepared = True
         out = dict(fields)
         old, behav = fields[col.OLD_LOG_PROBS], fields[col.BEHAV_LOG_PROBS]
@@ -136,7 +134,6 @@ class RolloutCorr:
             raise ValueError(f"algorithm.rollout_mask={self.algo.rollout_mask!r}: the mask changes the loss's token "
                              "counts, so it is applied before train_step (RolloutCorr.prepare on fields holding "
                              "old_log_probs), not inside the loss")
-        from ..algorithms.rollout_corr import rollout_correction
 
         corr = rollout_correction(old, behav, mask, self.algo)
         self._take(old, behav, mask, fields.get(col.TOKEN_VERSIONS), corr)
@@ -165,9 +162,6 @@ def policy_loss_fn(algo: Any, corr: RolloutCorr | None = None) -> Callable[..., 
 
     ``corr``: the update's rollout correction (its metrics are read from it afterwards); None:
     a private one (the correction still applies, its metrics go nowhere)."""
-    from ..algorithms import KL_ESTIMATORS, POLICY_LOSSES
-    from ..algorithms.aggregate import aggregate
-
     corr = RolloutCorr(algo) if corr is None else corr
     policy = POLICY_LOSSES.get(algo.policy_loss)
     kl_fn = KL_ESTIMATORS.get(algo.kl_estimator) if algo.kl_coef > 0 and not algo.kl_in_reward else None

@@ -1,6 +1,8 @@
 """Helpers shared by the role workers: columns <-> lists of tensors, model loading, shares."""
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -8,6 +10,9 @@ from typing import Any
 import torch
 
 from ..config import RunConfig, from_dict, rank_threads
+from ..engines.train import FSDPEngine, MindSpeedEngine
+from ..engines.train.model_source import PretrainedModel
+from ..engines.train.options import EngineOptions
 from ..resolved import WIRE_KEY, ResolvedRun, is_wire, resolve_run
 from ..single_controller import Dispatch, Worker, register
 from ..transfer_queue.meta import BatchMeta
@@ -53,8 +58,6 @@ def setup_rank(run: ResolvedRun | RunConfig) -> None:
 def policy_model(cfg: Any) -> Any:
     """The policy's model for a training engine (``model.path``, set by the launcher, its attention
     and the engine keys of the ``model`` section): built on the meta device, loaded shard by shard."""
-    from ..engines.train.model_source import PretrainedModel
-    from ..engines.train.options import EngineOptions
     return PretrainedModel(cfg.model.path, cfg.model.attn_implementation or None,
                            options=EngineOptions.from_model_config(cfg.model))
 
@@ -64,7 +67,6 @@ def engine_optim(cfg: Any, section: str = "optim", phase: str = "rl") -> Any:
     "critic_optim"); for RL the cosine (min_lr_ratio < 1) spans trainer.steps unless the
     section sets total_steps; the supervised warm-up takes warmup.lr at a constant rate after
     its own warm-up steps."""
-    import dataclasses
     o = getattr(cfg, section)
     if phase == "warmup":
         w = cfg.warmup
@@ -82,7 +84,6 @@ def set_threads(threads: int) -> None:
 
 def import_modules(names: list[str]) -> None:
     """The run's ``imports``: user modules that register rewards, advantages, losses."""
-    import importlib
     for name in names:
         try:
             importlib.import_module(name)
@@ -91,7 +92,6 @@ def import_modules(names: list[str]) -> None:
 
 
 def train_engine_class(name: str) -> type:
-    from ..engines.train import FSDPEngine, MindSpeedEngine
     engines = {"fsdp": FSDPEngine, "mindspeed": MindSpeedEngine}
     if name not in engines:
         raise ValueError(f"model.train_engine {name!r}: expected one of {sorted(engines)}")

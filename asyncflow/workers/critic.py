@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from .. import column_names as col
+from ..algorithms import VALUE_LOSSES
+from ..algorithms.aggregate import aggregate
 from ..single_controller import Dispatch, Worker, register
 from ..transfer_queue.meta import BatchMeta
 from ..workflow.stages import StageIO
@@ -47,9 +49,6 @@ class CriticWorker(EngineCheckpoints, EngineOffload, Worker):
         """One value-loss step on this rank's share: [prompt, response, values, returns], plus a
         ``loss_mask`` column when the stage reads one (multi-turn rows: only model tokens, 1, are
         regressed on and counted; tool/environment tokens, 0, are not)."""
-        from ..algorithms import VALUE_LOSSES
-        from ..algorithms.aggregate import aggregate
-
         stage = StageIO.of(io, [col.PROMPT_IDS, col.RESPONSE_IDS, col.VALUES, col.RETURNS], [])
         positional = [c for c in stage.inputs if c != col.LOSS_MASK]
         if len(positional) < 4:

@@ -5,6 +5,8 @@ from typing import Any
 
 from .. import column_names as col
 from ..cpu_account import charged
+from ..engines.train import OptimConfig
+from ..models.loading import load_causal_lm
 from ..single_controller import Dispatch, Worker, register
 from ..transfer_queue.meta import BatchMeta
 from ..workflow.stages import StageIO
@@ -13,8 +15,6 @@ from .common import EngineOffload, per_token_column, policy_model, resolved_of, 
 
 class ReferenceWorker(EngineOffload, Worker):
     def __init__(self, cfg: dict):
-        from ..engines.train import OptimConfig
-
         run = resolved_of(cfg, self.platform.name)
         c = run.config
         setup_rank(run)
@@ -29,7 +29,6 @@ class ReferenceWorker(EngineOffload, Worker):
     def load_reference(self, path: str) -> None:
         """Take the weights of an HF directory (the warmed-up policy's export) as the reference:
         the trainer calls this on every role that defines it once warm-up is done."""
-        from ..models.loading import load_causal_lm
         self.engine.load_model_state(load_causal_lm(path).state_dict())
 
     @register(Dispatch.ONE_TO_ALL)

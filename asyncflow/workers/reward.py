@@ -15,6 +15,9 @@ import torch
 
 from .. import column_names as col
 from ..cpu_account import charged
+from ..models.loading import eos_token_ids, load_tokenizer
+from ..rewards.custom import reward_ref
+from ..rewards.runner import RewardRunner
 from ..single_controller import Dispatch, Worker, register
 from ..transfer_queue.row_lists import rows, values
 from ..workflow.stages import StageIO
@@ -45,8 +48,6 @@ class RowScorer:
     both score through it, so the two give the same scores."""
 
     def __init__(self, reward: Any, tokenizer: Any, eos: set[int]):
-        from ..rewards.custom import reward_ref
-        from ..rewards.runner import RewardRunner
         self.tokenizer = tokenizer
         self._lock = threading.Lock()  # one RewardRunner: a call at a time (writer thread, call queue)
         self.eos = set(eos)
@@ -90,8 +91,6 @@ class RewardWorker(Worker):
     needs_device = False  # a rule over decoded text: the roles beside it stay loaded
 
     def __init__(self, cfg: dict):
-        from ..models.loading import eos_token_ids, load_tokenizer
-
         run = resolved_of(cfg)  # (a rule over text: the platform-dependent values are not read here)
         c = run.config
         setup_rank(run)

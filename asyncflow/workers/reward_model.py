@@ -7,6 +7,8 @@ from typing import Any
 import torch
 
 from .. import column_names as col
+from ..engines.train import OptimConfig
+from ..models.loading import load_reward_model, load_tokenizer
 from ..single_controller import Dispatch, Worker, register
 from ..transfer_queue.meta import BatchMeta
 from ..workflow.stages import StageIO
@@ -24,9 +26,6 @@ def score_sequences(engine: Any, prompts: list[torch.Tensor], responses: list[to
 
 class RewardModelWorker(EngineOffload, Worker):
     def __init__(self, cfg: dict):
-        from ..engines.train import OptimConfig
-        from ..models.loading import load_reward_model, load_tokenizer
-
         run = resolved_of(cfg, self.platform.name)
         c = run.config
         setup_rank(run)

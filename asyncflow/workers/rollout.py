@@ -19,9 +19,12 @@ has the service swap the weights in at the next decode-step boundary (mid-genera
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -29,15 +32,23 @@ import torch
 from .. import column_names as col
 from ..agents.episode import EpisodeLimits
 from ..agents.runner import EpisodeRunner, episode_columns, episode_rows, show_episode
+from ..agents.serving.spec import endpoint_spec
+from ..config import rollout_devices
 from ..cpu_account import charged
 from ..engines.rollout import SamplingParams
 from ..engines.rollout.base import GenerationRequest, RequestEngine, RolloutEngine
+from ..engines.rollout.builtin import BuiltinRolloutEngine
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
+from ..engines.rollout.service import RolloutService
+from ..engines.rollout.vllm_args import cpu_bind, kv_cache_bytes, usable_cores
+from ..engines.rollout.vllm_lora import LoraSpec
+from ..models.loading import eos_token_ids, load_causal_lm, load_tokenizer
+from ..rewards.runner import RewardRunner, extra_means
 from ..single_controller import Dispatch, Worker, register
 from ..transfer_queue.meta import BatchMeta
 from ..workflow.stages import StageIO
 from .common import EngineOffload, resolved_of, setup_rank
-from .reward import reward_kwargs
+from .reward import RowScorer, reward_kwargs
 from .rollout_stream import ROLLOUT_INPUTS, RowStream, ScoreContext, row_inputs, scored_columns, stage_params
 
 
@@ -48,9 +59,6 @@ def lora_scale(lora: Any) -> float | None:
 
 class RolloutWorker(EngineOffload, Worker):
     def __init__(self, cfg: dict, sync_timeout_s: float = 300.0):
-        from ..engines.rollout.service import RolloutService
-        from ..models.loading import eos_token_ids, load_tokenizer
-
         run = resolved_of(cfg, self.platform.name)
         c = run.config
         setup_rank(run)
@@ -61,8 +69,6 @@ class RolloutWorker(EngineOffload, Worker):
         self._scorer: Any = None  # a RowScorer, made when a stage first asks for scores
         self._scorer_lock = threading.Lock()
         if r.engine == "builtin":
-            from ..engines.rollout.builtin import BuiltinRolloutEngine
-            from ..models.loading import load_causal_lm
             model = load_causal_lm(c.model.path, attn_implementation=c.model.attn_implementation or None,
                                    dtype=run.derived.rollout_dtype,
                                    device=str(self.device))
@@ -83,7 +89,6 @@ class RolloutWorker(EngineOffload, Worker):
                                 capacity=r.max_running_rows + max(1, r.max_running_rows // 4),
                                 version=lambda: int(self.engine.version), name=f"rollout-rank{self.rank}")
         # multi-turn episodes (a stage option "episode"): run on their own loop, turns through the service
-        from ..agents.serving.spec import endpoint_spec  # agent episodes: an OpenAI endpoint (rollout.openai_endpoint)
         self.episodes = EpisodeRunner(self.service, self.tokenizer,
                                       EpisodeLimits(c.agent.max_turns, c.agent.max_tokens, c.agent.max_time_s),
                                       name=f"rollout-rank{self.rank}", endpoint=endpoint_spec(c, self.rank))
@@ -103,14 +108,9 @@ class RolloutWorker(EngineOffload, Worker):
     def _vllm_engine(self, run: Any) -> Any:
         """The vLLM instance of this rank: the run's rollout dtype, its devices (tensor parallel
         over several), on CPU its share of the node's cores, and rollout.engine_kwargs."""
-        import json
-        import os
-        from pathlib import Path
-
-        from ..config import rollout_devices
+        # the vLLM backend only; slow: both import torch.distributed.tensor, and the driver imports this module
+        # to check the recipe
         from ..engines.rollout.vllm import VLLMRolloutEngine
-        from ..engines.rollout.vllm_args import cpu_bind, kv_cache_bytes, usable_cores
-        from ..engines.rollout.vllm_lora import LoraSpec
         from ..weight_sync.protocol import torch_dtype
         c, derived = run.config, run.derived
         r = c.rollout
@@ -170,6 +170,7 @@ class RolloutWorker(EngineOffload, Worker):
         them (colocated), else by joining each one's group (``addrs``, from the actor's
         ``open_weight_sync``) as member ``index``; returns once every group is complete. The
         way versions come in is chosen here, once (weight_sync/intake.py)."""
+        # slow: weight_sync imports torch.distributed.tensor, and the driver imports this module to check the recipe
         from ..weight_sync.intake import IntakeContext, choose_intake
 
         w = self.sync_cfg
@@ -210,7 +211,6 @@ class RolloutWorker(EngineOffload, Worker):
         """The rule reward of ``score_into`` stages (one RowScorer, made on first use)."""
         with self._scorer_lock:
             if self._scorer is None:
-                from .reward import RowScorer
                 self._scorer = RowScorer(self._reward_cfg, self.tokenizer, self._eos)
             return self._scorer
 
@@ -319,8 +319,6 @@ class RolloutWorker(EngineOffload, Worker):
         ``seeds[i] + j`` (the caller's: a prompt draws the same samples on any instance).
         ``correct`` counts each prompt's samples scoring >= 1 (a rule reward's full mark),
         ``sample_score_sums`` adds up their scores; ``samples`` is the number of greedy examples shown."""
-        from ..rewards.runner import RewardRunner, extra_means
-
         start = time.monotonic()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature) if n_samples else None

@@ -13,6 +13,7 @@ the response: no reward stage, no second read of the rows.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import queue
@@ -25,10 +26,11 @@ from typing import Any
 import torch
 
 from .. import column_names as col
-from ..agents.runner import episode_columns
+from ..agents.runner import episode_columns, episode_rows
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import result_columns
 from ..engines.rollout.service import RolloutService
+from ..transfer_queue import row_lists
 from ..transfer_queue.meta import BatchMeta
 from ..transfer_queue.protocol import TransferQueue
 from ..workflow.stages import StageIO
@@ -43,14 +45,13 @@ SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", col.MAX_NEW_TOKENS)
 def row_inputs(data: Any, inputs: list[str] | None = None) -> tuple[list[torch.Tensor], list[int], list[int | None]]:
     """Prompts, seeds and per-row budgets (None: the sampling default) of the rollout stage's
     input columns: [prompt, seed, and optionally a ``max_new_tokens`` column of per-row budgets]."""
-    from ..transfer_queue.row_lists import rows, values
     names = ROLLOUT_INPUTS if inputs is None else list(inputs)
     if len(names) < 2:
         raise ValueError(f"a rollout stage reads [prompt, seed] columns first; it declares {names}")
-    prompts = rows(data[names[0]])
-    seeds = [int(s) for s in values(data[names[1]])]
+    prompts = row_lists.rows(data[names[0]])
+    seeds = [int(s) for s in row_lists.values(data[names[1]])]
     budget = col.MAX_NEW_TOKENS in data.keys()  # the data holds the stage's inputs only
-    budgets: list[int | None] = ([int(b) for b in values(data[col.MAX_NEW_TOKENS])] if budget
+    budgets: list[int | None] = ([int(b) for b in row_lists.values(data[col.MAX_NEW_TOKENS])] if budget
                                  else [None] * len(prompts))
     return prompts, seeds, budgets
 
@@ -58,7 +59,6 @@ def row_inputs(data: Any, inputs: list[str] | None = None) -> tuple[list[torch.T
 def stage_params(params: SamplingParams, options: dict) -> SamplingParams:
     """The instance's sampling parameters with a stage's overrides (e.g. temperature 0 for a
     greedy baseline rollout)."""
-    import dataclasses
     known = [*SAMPLING_OPTIONS, "one_per_group", "episode", "score_into"]
     bad = sorted(set(options) - set(known))
     if bad:
@@ -93,13 +93,13 @@ class ScoreContext:
 
     @staticmethod
     def of(data: Any, n: int, stage: str) -> ScoreContext:
-        from ..transfer_queue.row_lists import values
         keys = set(data.keys())
         if col.ANSWER not in keys:
             raise ValueError(f"{stage}: a rollout stage with score_into reads the 'answer' column (and "
                              f"optionally 'prompt' and 'metadata'); it reads {sorted(keys)}")
-        ctx = ScoreContext(values(data[col.ANSWER]), values(data[col.PROMPT]) if col.PROMPT in keys else None,
-                           values(data[col.METADATA]) if col.METADATA in keys else None)
+        ctx = ScoreContext(row_lists.values(data[col.ANSWER]),
+                           row_lists.values(data[col.PROMPT]) if col.PROMPT in keys else None,
+                           row_lists.values(data[col.METADATA]) if col.METADATA in keys else None)
         if len(ctx.answers) != n:
             raise ValueError(f"{stage}: {len(ctx.answers)} answers for {n} rows")
         return ctx
@@ -208,7 +208,6 @@ class RowStream:
     def _submit_episodes(self, meta: BatchMeta, data: Any, min_version: int, io: StageIO) -> None:
         """One episode per row (``io.options["episode"]``, run by the instance's EpisodeRunner);
         each row is written when its episode ends."""
-        from ..agents.runner import episode_rows
         if self.episodes is None:
             raise RuntimeError(f"{self.name}: this instance runs no episodes (no EpisodeRunner)")
         params = stage_params(self.params, {k: v for k, v in io.options.items() if k != "episode"})
