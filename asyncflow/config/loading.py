@@ -6,6 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from .checks import check
 from .fields import ConfigError, choice_error
 from .run import RunConfig
@@ -13,9 +16,6 @@ from .run import RunConfig
 
 def load_config(yaml_path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Defaults <- recipe yaml <- ``key=value`` overrides; typed and checked."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     base = OmegaConf.structured(RunConfig)
     layers = []
     try:
@@ -46,7 +46,6 @@ def load_config(yaml_path: str | Path | None = None, overrides: Sequence[str] = 
 
 def _failing_section(merged: Any) -> str:
     """``"<section>: "`` of the first top-level section whose dataclass refuses its values."""
-    from omegaconf import OmegaConf
     for name in merged:
         try:
             OmegaConf.to_object(merged[name]) if OmegaConf.is_config(merged[name]) else None
@@ -57,14 +56,12 @@ def _failing_section(merged: Any) -> str:
 
 def from_dict(d: dict[str, Any]) -> RunConfig:
     """A config sent as a dict (to a worker) back as the dataclass tree (already checked)."""
-    from omegaconf import OmegaConf
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), d))
     assert isinstance(cfg, RunConfig)
     return cfg
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
-    from omegaconf import OmegaConf
     out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     if not isinstance(out, dict):  # a structured dataclass config converts to a dict
         raise TypeError(f"to_dict: OmegaConf turned the RunConfig into a {type(out).__name__}, not a dict")

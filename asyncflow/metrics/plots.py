@@ -249,7 +249,7 @@ def plot_timeline(spans: Iterable[Span | Mapping[str, Any]], out_png: str | Path
     a close-up of a short window in the middle of the run, where single steps are visible.
     Lane labels give the fraction of the run each worker was busy.
     """
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # heavy: matplotlib, only when drawing
 
     all_spans = [as_span(s) for s in spans]
     by_lane: dict[str, list[Span]] = {}

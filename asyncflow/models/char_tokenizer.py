@@ -105,6 +105,7 @@ def _backend_tokenizer():
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    # heavy: transformers, on first use
     """The character tokenizer as a transformers tokenizer, pad and eos set, with a chat template."""
     from transformers import PreTrainedTokenizerFast
 

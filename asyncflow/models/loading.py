@@ -150,6 +150,7 @@ def load_causal_lm(
         dtype = resolved
     attn = attn_implementation or _default_attn_implementation(p)
 
+    # heavy: transformers, on first use
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
@@ -169,7 +170,7 @@ def read_causal_lm_config(path: str | Path, *, attn_implementation: str | None =
     p = _model_dir(path, "read_causal_lm_config")
     _check_architecture(_read_config(p, "read_causal_lm_config"), p / "config.json")
     _check_weights(p)
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy: transformers, on first use
 
     try:
         config = AutoConfig.from_pretrained(str(p), local_files_only=True)
@@ -270,6 +271,7 @@ def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     p = _model_dir(path, "load_reward_model")
     _check_reward_model(p, _read_config(p, "load_reward_model"))
     _check_weights(p)
+    # heavy: transformers, on first use
     from transformers import AutoModelForSequenceClassification
 
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
@@ -324,7 +326,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
             f"load_tokenizer: no tokenizer files in {p}; expected one of {', '.join(_TOKENIZER_FILES)}"
         )
 
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: transformers, on first use
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)

@@ -76,7 +76,7 @@ class TinyModelSpec:
 
 
 def _qwen2_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
-    from transformers import Qwen2Config
+    from transformers import Qwen2Config  # heavy: transformers, on first use
 
     return Qwen2Config(  # type: ignore[call-arg]  # rope_theta, attn_implementation: **kwargs it does not annotate
         vocab_size=vocab_size,
@@ -100,6 +100,7 @@ def _qwen2_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Write a Hugging Face model directory (config, safetensors weights, tokenizer,
     generation config) into out_dir, which must not hold a model already."""
+    # heavy: transformers, on first use
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
 
