@@ -47,6 +47,10 @@ class TokenText:
     def finish(self) -> str:
         return self.feed([], final=True)
 
+    def whole(self, ids: list[int]) -> str:
+        """The text of a whole completion: what ``feed(ids)`` then ``finish()`` give, in one decode."""
+        return self._decode([t for t in ids if t not in self.hidden])
+
 
 async def turn_tokens(session: AgentSession, *args: Any) -> AsyncIterator[tuple[list[int], list[float]] | Turn]:
     """``session.generate(*args)`` streamed: (token ids, log-probs) batches, then the Turn.
