@@ -77,7 +77,7 @@ class AgentHost:
             except (EOFError, OSError):
                 break
             loop, fut = self._pending.pop(cid, (None, None))
-            if fut is not None:
+            if loop is not None and fut is not None:
                 loop.call_soon_threadsafe(_settle, fut, ok, value)
         code = self._proc.poll()
         for loop, fut in list(self._pending.values()):

@@ -180,9 +180,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         reader.feed(words.whole(turn.completion_ids))
         reply = reader.finish()[2]
         logprobs = {"content": _token_logprobs(session, turn.completion_ids, turn.log_probs)} if req.logprobs else None
-        calls = [c.to_openai() for c in reply.tool_calls]
-        turn.tool_calls = len(calls)
-        message = {"role": "assistant", "content": reply.content, **({"tool_calls": calls} if calls else {})}
+        openai_calls = [c.to_openai() for c in reply.tool_calls]
+        turn.tool_calls = len(openai_calls)
+        message = {"role": "assistant", "content": reply.content,
+                   **({"tool_calls": openai_calls} if openai_calls else {})}
         return web.json_response({**base, "object": "chat.completion", "system_fingerprint": _fingerprint(turn),
                                   "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                                "finish_reason": _finish(turn, reply)}],
@@ -205,9 +206,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     async def tokens(text: str, ids: list[int], lps: list[float]) -> None:
         await piece(*reader.feed(text), _token_logprobs(session, ids, lps) if req.logprobs else None)
-    turn = await _streamed(session, args, words, events, tokens)
-    if turn is None:
+    streamed = await _streamed(session, args, words, events, tokens)
+    if streamed is None:
         return events.resp
+    turn = streamed
     content, calls = reader.feed(words.finish())
     await piece(content, calls, None)
     content, calls, reply = reader.finish()
@@ -250,9 +252,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
             logprobs = _completion_logprobs(session, ids, lps) if req.logprobs else None
             await events.send({**base, "choices": [{"index": 0, "text": text, "finish_reason": None,
                                                     "logprobs": logprobs}]})
-    turn = await _streamed(session, args, words, events, piece)
-    if turn is None:
+    streamed = await _streamed(session, args, words, events, piece)
+    if streamed is None:
         return events.resp
+    turn = streamed
     await events.send({**base, "system_fingerprint": _fingerprint(turn), "choices": [
         {"index": 0, "text": words.finish(), "logprobs": None, "finish_reason": _finish(turn)}]})
     if req.include_usage:

@@ -81,7 +81,7 @@ class AgentSession:
         return out
 
     async def generate(self, prompt_ids: list[int], budget: int, stop_ids: list[int], prompt_text: str,
-                       message_starts: list[int], on_tokens: TokenListener | None = None) -> Turn:
+                       message_starts: list[int], *, on_tokens: TokenListener | None = None) -> Turn:
         """One turn; returns it (recorded unless it was aborted). ``on_tokens`` (called on the
         service's thread) gets its tokens as the engine samples them. Cancelled (the client went
         away), the request is aborted on the service and nothing is recorded."""
