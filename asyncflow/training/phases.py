@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..config import RunConfig
+from ..single_controller.errors import WorkerDiedError
 from ..weight_sync.publish import publish_and_swap
 from .roles import RunRoles
 
@@ -70,12 +72,17 @@ class Evaluator:
         rc, t = self.cfg.reward, self.cfg.trainer
         parts = split_prompts(len(self.prompts), len(self.roles.instances))
         busy = [(inst, part) for inst, part in zip(self.roles.instances, parts) if part]
-        replies = await asyncio.gather(*(
-            inst.evaluate([self.prompts[i] for i in part], [self.answers[i] for i in part], reward=reward_ref(rc),
-                          max_new_tokens=self.cfg.rollout.max_new_tokens, timeout_s=rc.timeout_s,
-                          on_error=rc.on_error, extra=[self.extra[i] for i in part], episode=self.episode,
-                          n_samples=t.eval_samples, temperature=t.eval_temperature, seeds=self._seeds(part))
-            for inst, part in busy))
+
+        def evaluate(inst: Any, part: list[int]) -> Any:
+            return inst.evaluate([self.prompts[i] for i in part], [self.answers[i] for i in part],
+                                 reward=reward_ref(rc), max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                 timeout_s=rc.timeout_s, on_error=rc.on_error, extra=[self.extra[i] for i in part],
+                                 episode=self.episode, n_samples=t.eval_samples, temperature=t.eval_temperature,
+                                 seeds=self._seeds(part))
+        if self.cfg.fault.rollout_restarts:
+            replies = await evaluate_surviving_loss(busy, evaluate)
+        else:
+            replies = await asyncio.gather(*(evaluate(inst, part) for inst, part in busy))
         r = merge_evaluations([part for _, part in busy], replies, t.eval_samples, t.eval_k)
         failures, extra = await reward_totals(self.roles)
         # a dict-returning reward's other keys: over the training rows scored since the last evaluation,
@@ -100,6 +107,36 @@ class Evaluator:
         (``eval_pass@1_before_rl``, ``eval_mean@4_after_rl``, ...)."""
         return {f"eval_{k[5:]}_{phase}": v for phase in ("before_rl", "after_rl")
                 for k, v in self.sampled.get(phase, {}).items()}
+
+
+async def evaluate_surviving_loss(busy: list[tuple[Any, list[int]]],
+                                  evaluate: Callable[[Any, list[int]], Awaitable[Any]]) -> list[Any]:
+    """Each (instance, prompt share) of ``busy`` evaluated; a share whose instance is lost
+    meanwhile (fault.rollout_restarts: WorkerDiedError) is evaluated again on an instance that
+    answered, so that an evaluation covers every held-out prompt whichever instance dies.
+    Raises the first loss when no instance answered, and any other error as it is."""
+    replies: list[Any] = list(await asyncio.gather(*(evaluate(inst, part) for inst, part in busy),
+                                                   return_exceptions=True))
+    gone = {id(busy[j][0]) for j, r in enumerate(replies) if isinstance(r, WorkerDiedError)}
+    while True:
+        for r in replies:
+            if isinstance(r, BaseException) and not isinstance(r, WorkerDiedError):
+                raise r
+        lost = [j for j, r in enumerate(replies) if isinstance(r, WorkerDiedError)]
+        if not lost:
+            return replies
+        answered = [inst for inst, _ in busy if id(inst) not in gone]
+        if not answered:
+            raise replies[lost[0]]
+        log.warning("evaluation: %d share(s) of the held-out prompts were on a lost rollout instance; evaluating "
+                    "them again on the %d that answered", len(lost), len(answered))
+        on = [answered[n % len(answered)] for n in range(len(lost))]
+        again = await asyncio.gather(*(evaluate(inst, busy[j][1]) for inst, j in zip(on, lost)),
+                                     return_exceptions=True)
+        for j, inst, r in zip(lost, on, again):
+            replies[j] = r
+            if isinstance(r, WorkerDiedError):
+                gone.add(id(inst))
 
 
 async def warmup(cfg: RunConfig, roles: RunRoles, data: Any, logger: Any, evaluate: Evaluator) -> int:

@@ -99,6 +99,20 @@ def test_a_killed_rollout_instance_is_replaced_and_every_prompt_trains_once(tmp_
     _lost_and_back(tmp_path / "run", tmp_path / "stderr.log", lambda pid: os.kill(pid, signal.SIGKILL))
 
 
+def test_a_killed_instance_with_the_reward_beside_it_is_replaced_and_every_row_is_scored_once(tmp_path):
+    """placement.reward_with=rollout (GRPO's own placement): one reward worker per rollout rank;
+    the killed process took its reward worker with it, the rows of a reward share it had not
+    written are scored on the other rank, and the new process serves both roles again."""
+    out = tmp_path / "run"
+    summary = _lost_and_back(out, tmp_path / "stderr.log", lambda pid: os.kill(pid, signal.SIGKILL),
+                             "placement.reward_with=rollout")
+    roles = {w["rank"]: set(w["roles"]) for w in json.loads((out / "ranks.json").read_text())}
+    assert {"rollout1", "reward"} <= roles[2] and {"rollout0", "reward"} <= roles[1], roles
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert all(isinstance(r.get("score"), float) for r in rows), [r for r in rows if "score" not in r][:3]
+    assert "rows_recomputed" in summary["faults"], summary["faults"]  # a share in flight when killed, or none
+
+
 def test_a_hung_rollout_instance_is_replaced_and_every_prompt_trains_once(tmp_path):
     """SIGSTOP: the process lives but answers nothing; the driver's heartbeats find it, it is
     killed (no late row may come from it) and replaced."""

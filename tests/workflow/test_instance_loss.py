@@ -240,6 +240,8 @@ def _faults(**policy):
 
     class _Exec:
         lost = []
+        groups: dict = {}  # no role beside the instances (training/replicas.py)
+        tq = None
 
         def instance_lost(self, k):
             self.lost.append(k)
