@@ -9,8 +9,8 @@ import pytest
 
 from asyncflow.single_controller.dispatch import MethodSpec
 from asyncflow.single_controller.errors import WorkerDiedError
-from asyncflow.transfer_queue.meta import BatchMeta
 from asyncflow.training.replicas import ReplicatedRole
+from asyncflow.transfer_queue.meta import BatchMeta
 
 IO = {"inputs": ["response_ids"], "outputs": ["scores"], "options": {}}
 
