@@ -22,13 +22,20 @@ async def sync_weights(roles: RunRoles, version: int) -> None:
     await publish_and_swap(roles.policy, roles.instances, version, wave=1)
 
 
-async def reward_totals(roles: RunRoles) -> tuple[dict[str, float], dict[str, list[float]]]:
+async def reward_totals(roles: RunRoles, lost_ok: bool = False) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Reward calls that raised or timed out so far, and the sums of the reward's extras so far
-    ({key: [sum, rows]}), over every role that counts them."""
+    ({key: [sum, rows]}), over every role that counts them. ``lost_ok`` (fault.rollout_restarts):
+    a lost rollout instance is left out (its counts went with its process)."""
     total = {"reward/errors": 0.0, "reward/timeouts": 0.0}
     extra: dict[str, list[float]] = {}
     for g in roles.with_method("reward_stats", instances=True):
-        for s in await g.reward_stats():
+        try:
+            stats = await g.reward_stats()
+        except WorkerDiedError:
+            if not (lost_ok and g in roles.instances):
+                raise
+            continue
+        for s in stats:
             for k in total:
                 total[k] += float(s.get(k, 0))
             for k, (v, n) in dict(s.get("reward/extra") or {}).items():
@@ -84,7 +91,7 @@ class Evaluator:
         else:
             replies = await asyncio.gather(*(evaluate(inst, part) for inst, part in busy))
         r = merge_evaluations([part for _, part in busy], replies, t.eval_samples, t.eval_k)
-        failures, extra = await reward_totals(self.roles)
+        failures, extra = await reward_totals(self.roles, lost_ok=self.cfg.fault.rollout_restarts)
         # a dict-returning reward's other keys: over the training rows scored since the last evaluation,
         # and over this evaluation's rows
         extras = {**{f"reward/extra/{k}": v for k, v in extra_means(extra, self._extra_seen).items()},
