@@ -95,14 +95,12 @@ def _lost_and_back(out: Path, err: Path, kill, *extra: str) -> dict:
     return summary
 
 
-def test_a_killed_rollout_instance_is_replaced_and_every_prompt_trains_once(tmp_path):
-    _lost_and_back(tmp_path / "run", tmp_path / "stderr.log", lambda pid: os.kill(pid, signal.SIGKILL))
-
-
 def test_a_killed_instance_with_the_reward_beside_it_is_replaced_and_every_row_is_scored_once(tmp_path):
-    """placement.reward_with=rollout (GRPO's own placement): one reward worker per rollout rank;
-    the killed process took its reward worker with it, the rows of a reward share it had not
-    written are scored on the other rank, and the new process serves both roles again."""
+    """SIGKILL mid-run, with placement.reward_with=rollout (GRPO's own placement): one reward
+    worker per rollout rank; the killed process took its reward worker with it, its rows in
+    flight are generated again, the rows of a reward share it had not written are scored on the
+    other rank, and the new process serves both roles again. (The reward on the actor, the
+    other placement, is what the hung and the mid-sync losses below run with.)"""
     out = tmp_path / "run"
     summary = _lost_and_back(out, tmp_path / "stderr.log", lambda pid: os.kill(pid, signal.SIGKILL),
                              "placement.reward_with=rollout")
