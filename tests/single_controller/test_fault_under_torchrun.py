@@ -19,11 +19,10 @@ def test_no_refusal_off_torchrun_or_with_faults_off():
 
 def test_asyncflow_train_under_torchrun_stops_before_any_rank_starts(tmp_path, monkeypatch, capsys):
     from asyncflow import launcher
-    from asyncflow.trainer import CONFIG_ENV
 
     started = []
     monkeypatch.setattr("asyncflow.single_controller.launch.run_from_env", lambda run: started.append(run) or 0)
-    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", CONFIG_ENV: "", "OMP_NUM_THREADS": "1"}.items():
+    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}.items():
         monkeypatch.setenv(k, v)
     code = launcher.train_main(["grpo", "placement.mode=disaggregated", "placement.actor_ranks=[0]",
                                 "placement.rollout_ranks=[1,2]", "placement.reward_with=actor",
