@@ -188,9 +188,11 @@ def train_main(argv: Sequence[str]) -> int:
                        driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units,
                        tq_imports=list(cfg.imports))
     if "RANK" in os.environ:
-        if cfg.fault.rollout_restarts:
-            log.warning("fault.rollout_restarts under torchrun: its agent stops every rank when one dies, so a "
-                        "lost rollout instance still stops the run; `asyncflow train` without torchrun replaces it")
+        from .single_controller.supervise import under_elastic_agent_problem
+        problem = under_elastic_agent_problem(cfg.fault.rollout_restarts, os.environ)
+        if problem:
+            print(f"asyncflow train: {problem}", file=sys.stderr)
+            return 2
         return run_from_env(run)
 
     def describe(rank: int) -> str:

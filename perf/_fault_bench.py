@@ -5,7 +5,10 @@ Both runs are the same command (1 training rank, 2 rollout instances, reward bes
 actor, fault.rollout_restarts=true: the same launcher), so the kills are the only
 difference. A thread of this process watches the faulty run's metrics.jsonl and, every N
 trained steps, SIGKILLs the current process of instance ``rollout1`` (ranks.json, which the
-trainer writes again once a replacement has joined; a kill waits for the replacement).
+trainer writes again once a replacement has joined; a kill waits for the replacement, and for
+half of N steps after it joined, so that a kill does not fall while the weight-sync groups
+are made around the new process: that case is survived too, but the rendezvous may then wait
+for the dead member up to weight_sync.timeout_s, a stall the steady state does not have).
 Figures per run: samples/s over the RL phase, RL seconds to each held-out accuracy threshold
 (evaluations every --fault-eval-every steps), the run's fault counters (summary.json). The
 runs alternate which goes first, rep by rep.
@@ -40,9 +43,11 @@ def victim_pid(ranks_json: str, role: str = VICTIM) -> int | None:
     return None
 
 
-def kills_due(steps: int, every: int, done: int) -> bool:
-    """Whether another kill is due after ``steps`` trained steps, ``done`` kills so far."""
-    return every > 0 and steps >= (done + 1) * every
+def kills_due(steps: int, every: int, done: int, joined_at: int | None = None) -> bool:
+    """Whether another kill is due after ``steps`` trained steps, ``done`` kills so far, the
+    last victim's replacement seen joined at step ``joined_at`` (None: no kill yet)."""
+    settled = joined_at is None or steps >= joined_at + max(1, every // 2)
+    return every > 0 and steps >= (done + 1) * every and settled
 
 
 def seconds_to(metrics: Sequence[dict], thresholds: Sequence[float]) -> dict[str, float | None]:
@@ -75,19 +80,24 @@ class Killer:
 
     def _run(self) -> None:
         last_pid = None
+        joined_at: int | None = None  # the step at which the last victim's replacement was seen
         while not self._stop.wait(self.poll_s):
             try:
                 steps = trained_steps((self.run_dir / "metrics.jsonl").read_text())
                 pid = victim_pid((self.run_dir / "ranks.json").read_text())
             except (OSError, ValueError):
                 continue
-            if pid is None or pid == last_pid or not kills_due(steps, self.every, len(self.killed)):
-                continue  # not due, or the last victim's replacement has not joined yet
+            if pid is None or pid == last_pid:
+                continue  # the last victim's replacement has not joined yet
+            if last_pid is not None and joined_at is None:
+                joined_at = steps
+            if not kills_due(steps, self.every, len(self.killed), joined_at):
+                continue
             try:
                 self.kill(pid)
             except ProcessLookupError:
                 continue
-            last_pid = pid
+            last_pid, joined_at = pid, None
             self.killed.append({"step": steps, "pid": pid, "t": time.time()})
 
 

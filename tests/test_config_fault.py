@@ -23,7 +23,7 @@ APART = ["trainer.nproc=3", "placement.mode=disaggregated", "placement.actor_ran
     (["fault.rollout_restarts=true", "placement.mode=colocated"], ("fault.rollout_restarts: needs placement.mode="
                                                                    "disaggregated")),
     (["fault.rollout_restarts=true", *APART, "placement.rollout_ranks=[0,1]"], "fault.rollout_restarts: needs"),
-    (["fault.rollout_restarts=true", *APART, "placement.reward_with=rollout"], "fault.rollout_restarts: the reward"),
+    (["fault.rollout_restarts=true", *APART, "placement.ref_with=rollout"], "fault.rollout_restarts: the reference"),
 ])
 def test_bad_fault_settings_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -35,3 +35,9 @@ def test_off_by_default_and_on_with_instances_apart():
     assert not f.rollout_restarts and f.max_restarts_per_instance == 3 and f.max_restarts_per_run == 10
     on = load_config(GRPO, ["fault.rollout_restarts=true", *APART, "fault.backoff_s=0.5"]).fault
     assert on.rollout_restarts and on.backoff_s == 0.5
+
+
+def test_the_reward_may_share_the_rollout_ranks_its_lost_share_scored_again():
+    """GRPO's own placement (reward_with=rollout): one reward worker per rollout rank (training/replicas.py)."""
+    cfg = load_config(GRPO, ["fault.rollout_restarts=true", *APART, "placement.reward_with=rollout"])
+    assert cfg.fault.rollout_restarts and cfg.placement.reward_with == "rollout"

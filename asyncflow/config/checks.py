@@ -94,10 +94,11 @@ def _restart_problems(cfg: RunConfig) -> list[str]:
         out.append(f"fault.rollout_restarts: needs placement.mode=disaggregated with rollout ranks apart from "
                    f"rank 0 and the training ranks (got mode {p.mode}, rollout ranks {list(p.rollout_ranks)} "
                    f"sharing {shared}): an instance is replaced by restarting its rank's process")
-    if p.reward_with == "rollout" or p.ref_with == "rollout":
-        out.append("fault.rollout_restarts: the reward and the reference must not share the rollout ranks "
-                   "(placement.reward_with and ref_with: actor, or reward_with=inline): a group over several "
-                   "rollout ranks cannot lose one")
+    if p.ref_with == "rollout":
+        # the reward may (one worker per rollout rank, its lost share scored again: training/replicas.py);
+        # the reference model is not made per rank
+        out.append("fault.rollout_restarts: the reference model must not share the rollout ranks "
+                   "(placement.ref_with=actor): a group over several rollout ranks cannot lose one")
     return out
 
 

@@ -22,7 +22,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,21 @@ RESTART_ENV = "ASYNCFLOW_RESTART"  # in a rank's process: which new process of i
 REPLACEABLE_KEY = KEY_PREFIX + "fault/replaceable/"
 RESTART_KEY = KEY_PREFIX + "fault/restart/"
 EXIT_KEY = KEY_PREFIX + "fault/exit/"  # how a replaceable rank's last process ended, for the driver's report
+
+
+def under_elastic_agent_problem(rollout_restarts: bool, environ: Mapping[str, str]) -> str | None:
+    """Why a run that replaces lost rollout instances cannot start under torchrun (or any
+    torch elastic agent: RANK is set in the environment), or None. The agent owns the rank
+    processes and stops every rank, then restarts the whole group or ends the job, as soon
+    as one exits; a lost instance's process is killed (a hung one too, so that no late row
+    comes from it), so no new process could ever join the run beside the others."""
+    if not rollout_restarts or "RANK" not in environ:
+        return None
+    return ("fault.rollout_restarts=true cannot run under torchrun: torch's elastic agent stops every rank as "
+            "soon as one rank's process exits, so a lost rollout instance cannot be replaced while the others "
+            "go on. Start the run with `asyncflow train ...` itself (its own launcher starts the ranks and "
+            "replaces a lost instance; one node), or leave fault.rollout_restarts=false under torchrun "
+            "(a rank's death then stops the run; trainer.resume=auto goes on from the last checkpoint)")
 
 
 def mark_replaceable(store: Any, rank: int) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..single_controller.errors import WorkerDiedError
 from ..single_controller.supervise import last_exit, mark_replaceable, request_restart, wait_restarted
+from .replicas import ReplicatedRole
 from .roles import init_weight_sync
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class InstanceFaults:
         self._by_rank = {inst.ranks[0]: k for k, inst in enumerate(instances)}
         self.restarts = 0
         self.executor: Any = None
+        self.replicated: list[ReplicatedRole] = []  # roles beside the instances (placement.reward_with=rollout)
         self.on_back: Callable[[], None] | None = None  # e.g. ranks.json written again (the new pid)
         hb = driver.config
         # how long after a failed call the driver has declared its rank lost, at the latest
@@ -66,6 +68,10 @@ class InstanceFaults:
         self.executor = executor
         ranks = list(self._by_rank)
         self.driver.tolerate_loss(ranks, self._lost)
+        for g in executor.groups.values():  # a role beside the instances: a lost rank's share is computed again
+            if isinstance(g, ReplicatedRole):
+                g.attach(executor.tq, self.settle_rank)
+                self.replicated.append(g)
         if self.driver.store is None:
             log.warning("fault.rollout_restarts: no launcher store (started under torchrun?): a lost rollout "
                         "instance is taken out of service but cannot be restarted")
@@ -113,6 +119,10 @@ class InstanceFaults:
             while _alive(pid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)  # writes it sent before it died reach the TransferQueue first
+
+    async def settle_rank(self, rank: int) -> None:
+        """``confirm_dead`` of the instance on ``rank`` (a replicated role's lost member)."""
+        await self.confirm_dead(self._by_rank[rank])
 
     def reissued(self, k: int, rows: int) -> None:
         self.records[k].rows_reissued += rows
@@ -193,6 +203,8 @@ class InstanceFaults:
         recs = self.records
         return {"failures": sum(r.failures for r in recs), "restarts": self.restarts,
                 "rows_reissued": sum(r.rows_reissued for r in recs),
+                # rows a role beside a lost instance (its reward) had not written, computed again elsewhere
+                "rows_recomputed": sum(g.recomputed_rows for g in self.replicated),
                 "seconds_lost": sum(r.seconds_lost + (now - r.lost_at if r.lost_at is not None else 0.0)
                                     for r in recs)}
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from .. import column_names as col
 from ..config import RunConfig
@@ -12,6 +14,7 @@ from ..data.run_data import RunData
 from ..metrics.logger import MetricsLogger
 from ..rewards.custom import reward_ref
 from ..rewards.runner import extra_means
+from ..single_controller.errors import WorkerDiedError
 from ..weight_sync.publish import publish_and_swap
 from .eval_merge import merge_evaluations, split_prompts
 from .roles import RunRoles
@@ -25,13 +28,20 @@ async def sync_weights(roles: RunRoles, version: int) -> None:
     await publish_and_swap(roles.policy, roles.instances, version, wave=1)
 
 
-async def reward_totals(roles: RunRoles) -> tuple[dict[str, float], dict[str, list[float]]]:
+async def reward_totals(roles: RunRoles, lost_ok: bool = False) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Reward calls that raised or timed out so far, and the sums of the reward's extras so far
-    ({key: [sum, rows]}), over every role that counts them."""
+    ({key: [sum, rows]}), over every role that counts them. ``lost_ok`` (fault.rollout_restarts):
+    a lost rollout instance is left out (its counts went with its process)."""
     total = {"reward/errors": 0.0, "reward/timeouts": 0.0}
     extra: dict[str, list[float]] = {}
     for g in roles.with_method("reward_stats", instances=True):
-        for s in await g.reward_stats():
+        try:
+            stats = await g.reward_stats()
+        except WorkerDiedError:
+            if not (lost_ok and g in roles.instances):
+                raise
+            continue
+        for s in stats:
             for k in total:
                 total[k] += float(s.get(k, 0))
             for k, (v, n) in dict(s.get("reward/extra") or {}).items():
@@ -71,14 +81,19 @@ class Evaluator:
         rc, t = self.cfg.reward, self.cfg.trainer
         parts = split_prompts(len(self.prompts), len(self.roles.instances))
         busy = [(inst, part) for inst, part in zip(self.roles.instances, parts) if part]
-        replies = await asyncio.gather(*(
-            inst.evaluate([self.prompts[i] for i in part], [self.answers[i] for i in part], reward=reward_ref(rc),
-                          max_new_tokens=self.cfg.rollout.max_new_tokens, timeout_s=rc.timeout_s,
-                          on_error=rc.on_error, extra=[self.extra[i] for i in part], episode=self.episode,
-                          n_samples=t.eval_samples, temperature=t.eval_temperature, seeds=self._seeds(part))
-            for inst, part in busy))
+
+        def evaluate(inst: Any, part: list[int]) -> Any:
+            return inst.evaluate([self.prompts[i] for i in part], [self.answers[i] for i in part],
+                                 reward=reward_ref(rc), max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                 timeout_s=rc.timeout_s, on_error=rc.on_error, extra=[self.extra[i] for i in part],
+                                 episode=self.episode, n_samples=t.eval_samples, temperature=t.eval_temperature,
+                                 seeds=self._seeds(part))
+        if self.cfg.fault.rollout_restarts:
+            replies = await evaluate_surviving_loss(busy, evaluate)
+        else:
+            replies = await asyncio.gather(*(evaluate(inst, part) for inst, part in busy))
         r = merge_evaluations([part for _, part in busy], replies, t.eval_samples, t.eval_k)
-        failures, extra = await reward_totals(self.roles)
+        failures, extra = await reward_totals(self.roles, lost_ok=self.cfg.fault.rollout_restarts)
         # a dict-returning reward's other keys: over the training rows scored since the last evaluation,
         # and over this evaluation's rows
         extras = {**{f"reward/extra/{k}": v for k, v in extra_means(extra, self._extra_seen).items()},
@@ -101,6 +116,36 @@ class Evaluator:
         (``eval_pass@1_before_rl``, ``eval_mean@4_after_rl``, ...)."""
         return {f"eval_{k[5:]}_{phase}": v for phase in ("before_rl", "after_rl")
                 for k, v in self.sampled.get(phase, {}).items()}
+
+
+async def evaluate_surviving_loss(busy: list[tuple[Any, list[int]]],
+                                  evaluate: Callable[[Any, list[int]], Awaitable[Any]]) -> list[Any]:
+    """Each (instance, prompt share) of ``busy`` evaluated; a share whose instance is lost
+    meanwhile (fault.rollout_restarts: WorkerDiedError) is evaluated again on an instance that
+    answered, so that an evaluation covers every held-out prompt whichever instance dies.
+    Raises the first loss when no instance answered, and any other error as it is."""
+    replies: list[Any] = list(await asyncio.gather(*(evaluate(inst, part) for inst, part in busy),
+                                                   return_exceptions=True))
+    gone = {id(busy[j][0]) for j, r in enumerate(replies) if isinstance(r, WorkerDiedError)}
+    while True:
+        for r in replies:
+            if isinstance(r, BaseException) and not isinstance(r, WorkerDiedError):
+                raise r
+        lost = [j for j, r in enumerate(replies) if isinstance(r, WorkerDiedError)]
+        if not lost:
+            return replies
+        answered = [inst for inst, _ in busy if id(inst) not in gone]
+        if not answered:
+            raise replies[lost[0]]
+        log.warning("evaluation: %d share(s) of the held-out prompts were on a lost rollout instance; evaluating "
+                    "them again on the %d that answered", len(lost), len(answered))
+        on = [answered[n % len(answered)] for n in range(len(lost))]
+        again = await asyncio.gather(*(evaluate(inst, busy[j][1]) for inst, j in zip(on, lost)),
+                                     return_exceptions=True)
+        for j, inst, r in zip(lost, on, again):
+            replies[j] = r
+            if isinstance(r, WorkerDiedError):
+                gone.add(id(inst))
 
 
 async def warmup(cfg: RunConfig, roles: RunRoles, data: RunData, logger: MetricsLogger, evaluate: Evaluator) -> int:

@@ -14,6 +14,7 @@ from ..resolved import ResolvedRun
 from ..single_controller.driver import Driver, GroupSpec
 from ..single_controller.protocol import Group
 from ..workflow.stages import RecipeSpec
+from .replicas import ReplicatedRole
 
 
 @dataclass
@@ -81,11 +82,26 @@ async def start_roles(driver: Driver, run: ResolvedRun, spec: RecipeSpec, out: P
             roles.instances.extend(await driver.create_groups([
                 GroupSpec(cls, f"{name}{k}", [r], None, {"cfg": wire_cfg, **role.options})
                 for k, r in enumerate(ranks)]))
+        elif replicated_beside_instances(cfg, role.on):
+            # a rollout rank may be lost and replaced: one group per rank, called as one (replicas.py)
+            members = await driver.create_groups([
+                GroupSpec(cls, f"{name}{k}", [r], None, {"cfg": wire_cfg, **role.options})
+                for k, r in enumerate(ranks)])
+            f = cfg.fault
+            roles.groups[name] = ReplicatedRole(driver, name, members,
+                                                wait_s=f.max_backoff_s + 2 * f.rejoin_timeout_s)
         else:
             roles.groups[name] = await driver.create_group(cls, name, ranks=ranks, cfg=wire_cfg, **role.options)
     write_ranks(driver, roles, out)
     await init_weight_sync(roles.policy, roles.instances)
     return roles
+
+
+def replicated_beside_instances(cfg: RunConfig, on: str | list[int]) -> bool:
+    """A role on the rollout side of a run whose rollout instances are replaced when lost
+    (fault.rollout_restarts): it is made per rank, so that a lost rank takes only its own
+    worker with it (the config admits only a stateless role there: the reward)."""
+    return bool(cfg.fault.rollout_restarts) and on == "rollout"
 
 
 async def init_weight_sync(policy: Group, instances: Sequence[Group]) -> None:

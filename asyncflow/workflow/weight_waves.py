@@ -58,24 +58,27 @@ class WeightWaves(Scheduling):
 
             while True:
                 members = [k for k in range(len(self.instances)) if k not in self.out_of_service]
-                if self.faults is not None and (self._sync_stale or members != self._sync_members):
-                    # an instance was lost or has joined again: new groups of the ones serving
-                    self._sync_stale = False
-                    await self.faults.rebuild_sync([self.instances[k] for k in members])
-                    self._sync_members = members
 
                 async def swapped_members(idx: list[int], members: list[int] = members) -> None:
                     await swapped([members[i] for i in idx])
-                sync = publish_and_swap(actor, [self.instances[k] for k in members], v,
-                                        wave=self.cfg.swap_wave(len(members)),
-                                        timed=timed, on_published=published, on_swapped=swapped_members)
                 try:
+                    if self.faults is not None and (self._sync_stale or members != self._sync_members):
+                        # an instance was lost or has joined again: new groups of the ones serving (a
+                        # member lost while they are made: made again without it, as in the sync below)
+                        self._sync_stale = False
+                        await self._unless_member_lost(
+                            self.faults.rebuild_sync([self.instances[k] for k in members]), members)
+                        self._sync_members = members
+                    sync = publish_and_swap(actor, [self.instances[k] for k in members], v,
+                                            wave=self.cfg.swap_wave(len(members)),
+                                            timed=timed, on_published=published, on_swapped=swapped_members)
                     await (sync if self.faults is None else self._unless_member_lost(sync, members))
                     break
                 except Exception:
                     # a member lost during the sync: make the groups without it and send v again
                     if self.faults is None or not await self.faults.lost_meanwhile(members, self.out_of_service):
                         raise
+                    self._sync_stale = True
                     log.warning("weight sync of version %d: a rollout instance was lost meanwhile; sending it "
                                 "again to the others", v)
             for _ in range(taken):

@@ -2,7 +2,9 @@
 rollout instance of rank 2 dies in the middle of receiving a version (from version 3 on) in
 its first process (ASYNCFLOW_TEST_INSTANCE_DIES=in_sync); with =always, every new process of
 rank 2 also dies as it starts (while its worker is built: an instance that keeps dying); with
-=every_sync, every process of rank 2 dies in its first version from 3 on."""
+=every_sync, every process of rank 2 dies in its first version from 3 on; with =in_reward,
+the first process of rank 2 dies inside its third reward call (placement.reward_with=rollout),
+before it writes a score."""
 from __future__ import annotations
 
 import os
@@ -13,6 +15,22 @@ if MODE and os.environ.get("RANK") == "2":
     if os.environ.get("ASYNCFLOW_RESTART", "0") != "0" and MODE != "every_sync":
         if MODE == "always":
             os._exit(9)
+    elif MODE == "in_reward":
+        import functools
+
+        from asyncflow.workers import reward
+
+        _compute = reward.RewardWorker.compute
+        _calls = [0]
+
+        @functools.wraps(_compute)  # keeps its @register mark
+        def _dies_scoring(self, *args, **kwargs):
+            _calls[0] += 1
+            if _calls[0] >= 3:
+                os._exit(9)
+            return _compute(self, *args, **kwargs)
+
+        reward.RewardWorker.compute = _dies_scoring
     else:
         from asyncflow.weight_sync import intake
 

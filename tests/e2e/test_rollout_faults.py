@@ -95,8 +95,32 @@ def _lost_and_back(out: Path, err: Path, kill, *extra: str) -> dict:
     return summary
 
 
-def test_a_killed_rollout_instance_is_replaced_and_every_prompt_trains_once(tmp_path):
-    _lost_and_back(tmp_path / "run", tmp_path / "stderr.log", lambda pid: os.kill(pid, signal.SIGKILL))
+def test_a_killed_instance_with_the_reward_beside_it_is_replaced_and_every_row_is_scored_once(tmp_path):
+    """SIGKILL mid-run, with placement.reward_with=rollout (GRPO's own placement): one reward
+    worker per rollout rank; the killed process took its reward worker with it, its rows in
+    flight are generated again, the rows of a reward share it had not written are scored on the
+    other rank, and the new process serves both roles again. (The reward on the actor, the
+    other placement, is what the hung and the mid-sync losses below run with.)"""
+    out = tmp_path / "run"
+    summary = _lost_and_back(out, tmp_path / "stderr.log", lambda pid: os.kill(pid, signal.SIGKILL),
+                             "placement.reward_with=rollout")
+    roles = {w["rank"]: set(w["roles"]) for w in json.loads((out / "ranks.json").read_text())}
+    assert {"rollout1", "reward"} <= roles[2] and {"rollout0", "reward"} <= roles[1], roles
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert all(isinstance(r.get("score"), float) for r in rows), [r for r in rows if "score" not in r][:3]
+    assert "rows_recomputed" in summary["faults"], summary["faults"]  # a share in flight when killed, or none
+
+
+def test_an_instance_dying_while_it_scores_has_its_reward_share_scored_on_the_other(tmp_path, monkeypatch):
+    """Rank 2 dies inside a reward call: none of that share's scores were written, so all of
+    them are computed on rank 1 (faults.rows_recomputed), and every row trains once, scored."""
+    monkeypatch.setenv("ASYNCFLOW_TEST_INSTANCE_DIES", "in_reward")
+    out = tmp_path / "run"
+    summary = _lost_and_back(out, tmp_path / "stderr.log", None, "placement.reward_with=rollout")
+    assert "exited with code 9" in summary["faults"]["instances"][1]["last_error"], summary["faults"]
+    assert summary["faults"]["rows_recomputed"] > 0, summary["faults"]
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert all(isinstance(r.get("score"), float) for r in rows), [r for r in rows if "score" not in r][:3]
 
 
 def test_a_hung_rollout_instance_is_replaced_and_every_prompt_trains_once(tmp_path):

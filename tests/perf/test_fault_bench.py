@@ -14,6 +14,8 @@ from _fault_bench import Killer, kills_due, seconds_to, trained_steps, victim_pi
 def test_kills_fall_every_n_steps_and_never_twice_for_one():
     assert [kills_due(s, 3, 0) for s in range(5)] == [False, False, False, True, True]
     assert not kills_due(5, 3, 1) and kills_due(6, 3, 1) and not kills_due(100, 0, 0)
+    # the replacement seen joined at step 6: the next kill waits half of N steps after it
+    assert not kills_due(6, 4, 1, joined_at=6) and not kills_due(7, 4, 1, joined_at=6) and kills_due(8, 4, 1, 6)
 
 
 def test_the_victim_and_the_trained_steps_are_read_from_the_run_files():
@@ -51,7 +53,10 @@ def test_the_killer_waits_for_the_replacement_before_the_next_kill(tmp_path):
     settle(1)
     write(5, 100)  # the replacement has not joined: the same pid is not killed again
     time.sleep(0.1)
-    write(5, 200)
+    write(5, 200)  # the replacement joined at step 5: not killed before step 6 (half of N after)
+    time.sleep(0.1)
+    assert killed == [100]
+    write(6, 200)
     settle(2)
     result = k.stop()
-    assert killed == [100, 200] and [r["step"] for r in result] == [2, 5]
+    assert killed == [100, 200] and [r["step"] for r in result] == [2, 6]

@@ -597,3 +597,19 @@ def test_an_agent_in_the_agent_process_records_the_same_episode(tok):
     assert a.error is None and b.error is None, (a.error, b.error)
     assert b.reward == a.reward == 1.0 and b.response_ids.tolist() == a.response_ids.tolist()
     assert b.loss_mask.tolist() == a.loss_mask.tolist() and b.metrics == a.metrics
+
+
+def test_the_agent_process_imports_only_what_its_agents_import(tok):
+    """No torch in the child (the instance's process has it): every object an import leaves
+    behind is walked again by each full garbage collection there."""
+    svc = RolloutService(ScriptedEngine(tok, _calc_reply), name="scripted-imports")
+    runner = EpisodeRunner(svc, tok, EpisodeLimits(3, 40, 60.0), name="scripted-imports",
+                           endpoint=EndpointSpec(agent_process=True))
+    try:
+        row = _row(tok, "347+58+906=", seed=3, answer="1311")
+        t = runner.start("_agents:torch_in_its_process", row, SamplingParams(max_new_tokens=16), 0, "i").result(120)
+    finally:
+        runner.close()
+        svc.close()
+    assert t.error is None, t.error
+    assert t.reward == 0.0 and t.metrics["requests"] == 1

@@ -295,3 +295,44 @@ def test_request_fields_follow_one_rule_each():
         with pytest.raises(ApiError) as e:
             parse_completion({"prompt": "1", **fields}, run)
         assert e.value.param == param
+
+
+def test_token_text_whole_is_feed_then_finish():
+    pytest.importorskip("aiohttp")
+    from asyncflow.agents.serving.streaming import TokenText
+    for ids in ([3, 1, 2, 4], [3, 1], [1], [9, 5, 3], [5], []):
+        fed = TokenText(SplitCharTok(), hidden={5})
+        assert TokenText(SplitCharTok(), hidden={5}).whole(ids) == fed.feed(ids) + fed.finish(), ids
+
+
+class CountingTok:
+    """One token per character (its code point); counts the encodes."""
+    def __init__(self):
+        self.encodes = 0
+
+    def encode(self, text, add_special_tokens=False):
+        self.encodes += 1
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+def test_stop_strings_are_encoded_once_per_tokenizer_and_a_long_one_is_refused_every_time():
+    pytest.importorskip("aiohttp")
+    from asyncflow.agents.serving.session import AgentSession
+    from asyncflow.engines.rollout.base import SamplingParams
+
+    def session(tok):
+        return AgentSession({"prompt_ids": [ord("1")], "seed": 0}, service=None, tokenizer=tok,
+                            chat_format=PlainFormat(), params=SamplingParams(max_new_tokens=8),
+                            limits=EpisodeLimits(3, 40, 60.0), min_version=0, request_id="r")
+    tok, other = CountingTok(), CountingTok()
+    first = session(tok)
+    assert first.stop_ids([">", "#"]) == [ord(">"), ord("#")] and tok.encodes == 2
+    assert session(tok).stop_ids(["#", ">"]) == [ord("#"), ord(">")] and tok.encodes == 2  # another episode
+    assert session(other).stop_ids([">"]) == [ord(">")] and other.encodes == 1  # another tokenizer: its own
+    for _ in range(2):
+        with pytest.raises(ValueError, match="one token"):
+            first.stop_ids(["ab"])
+    assert tok.encodes == 4

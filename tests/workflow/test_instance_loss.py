@@ -182,6 +182,51 @@ def test_a_dying_instance_loses_no_row_and_trains_none_twice(die_after):
     assert ex.out_of_service == set() and not any(ms for per in ex.rows_out.held.values() for ms in per.values())
 
 
+class FaultsLosingInRebuild(FakeFaults):
+    """The restarted instance is lost again while the weight-sync groups are made with it (its
+    peers then wait in the group's rendezvous: this rebuild never returns)."""
+
+    lost_in_rebuild = False
+
+    async def rebuild_sync(self, instances):
+        await super().rebuild_sync(instances)
+        if len(instances) == 2 and self.instances[0].restarted and not self.lost_in_rebuild:
+            self.lost_in_rebuild = True
+            self.instances[0].dead = True
+            self.executor.instance_lost(0)
+            await asyncio.sleep(3600)
+
+
+def test_an_instance_lost_while_the_groups_are_made_again_is_left_out_of_them():
+    async def main():
+        svc = await TransferQueueService(TransferQueueConfig()).start()
+        tq = AsyncTransferQueueClient(svc.controller_address, ctx=zmq.asyncio.Context(), wait_timeout=60.0)
+        log: list = []
+        dying = DyingRollout(tq, 0, 0.04, log, 1)
+        insts = [dying, ServiceRollout(tq, 1, 0.04, log)]
+        actor = Actor(tq, 0.01, log)
+        faults = FaultsLosingInRebuild(insts)
+        cfg = ExecutorConfig(mode="async", max_staleness=1, group_size=G, prompts_per_step=4, wait_timeout_s=60.0,
+                             rollout_service=True)
+        ex = Executor(cfg, stages(False), {"actor": actor, "reward": Reward(tq, lambda s, g: 1.0)}, insts, tq,
+                      PromptSource(records(), G, seed=0), faults=faults)
+        dying.executor = faults.executor = ex
+        try:
+            await asyncio.wait_for(ex.run(8), 120)
+        finally:
+            await tq.close()
+            await svc.stop()
+        return ex, actor, faults
+    ex, actor, faults = asyncio.run(main())
+    assert faults.lost_in_rebuild
+    assert sorted(actor.trained) == sorted(i for i in range(32) for _ in range(G))  # every prompt once, whole
+    groups = [e[1] for e in faults.events if e[0] == "groups"]
+    both = ["rollout0", "rollout1"]
+    first_both = groups.index(both)  # the rebuild it was lost in; then groups without it, and with it at last
+    assert groups[first_both + 1] == ["rollout1"] and groups[-1] == both, groups
+    assert [e for e in faults.events if e[0] == "back"] == [("back", 0), ("back", 0)]
+
+
 class _Store:
     def __init__(self):
         self.keys = {}
@@ -240,6 +285,8 @@ def _faults(**policy):
 
     class _Exec:
         lost = []
+        groups: dict = {}  # no role beside the instances (training/replicas.py)
+        tq = None
 
         def instance_lost(self, k):
             self.lost.append(k)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import numbers
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from .chat_format import ChatFormat
 from .recorder import build_trajectory
 from .server import EndpointServer
 from .session import AgentSession
+from .threads import on_own_thread
 
 __all__ = ["run_agent"]
 
@@ -37,7 +37,7 @@ async def run_agent(fn: Callable[..., Any], row: dict[str, Any], *, server: Endp
         elif asyncio.iscoroutinefunction(fn):
             call = fn(row, server.base_url, key)
         else:
-            call = _on_own_thread(fn, row, server.base_url, key)
+            call = on_own_thread(fn, row, server.base_url, key)
         try:
             reward = await asyncio.wait_for(call, limits.max_time_s)
         except TimeoutError:
@@ -49,26 +49,3 @@ async def run_agent(fn: Callable[..., Any], row: dict[str, Any], *, server: Endp
         raise TypeError(f"an agent returns its reward as a number, got {type(reward).__name__}")
     return build_trajectory(session.record, float(reward), limits, finish)
 
-
-def _on_own_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-    """``fn(*args)`` on a thread of its own: many agents block in their HTTP calls at once, more
-    than a shared executor has threads (an agent queued there would spend its time limit waiting)."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def settle(value: Any, error: BaseException | None) -> None:
-        if fut.done():  # the episode ended without it (time limit)
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
-
-    def target() -> None:
-        try:
-            value, error = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 - handed to the episode
-            value, error = None, e
-        loop.call_soon_threadsafe(settle, value, error)
-    threading.Thread(target=target, name=f"agent-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
-    return fut

@@ -12,6 +12,7 @@ instance (its time limit) is cancelled in the child.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import itertools
 import os
@@ -76,7 +77,7 @@ class AgentHost:
             except (EOFError, OSError):
                 break
             loop, fut = self._pending.pop(cid, (None, None))
-            if fut is not None:
+            if loop is not None and fut is not None:
                 loop.call_soon_threadsafe(_settle, fut, ok, value)
         code = self._proc.poll()
         for loop, fut in list(self._pending.values()):
@@ -116,11 +117,13 @@ def _load(path: str) -> Any:
 
 
 def _host_main(conn: Connection) -> None:
-    from asyncflow.agents.serving.agent import _on_own_thread
+    # threads.py, not agent.py: this process imports no torch (only what the agents import)
+    from asyncflow.agents.serving.threads import on_own_thread
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     tasks: dict[int, asyncio.Task] = {}
     fns: dict[str, Any] = {}
+    settled: set[str] = set()  # agents that finished an episode: their imports and clients are made
 
     async def run_one(cid: int, fn_path: str, row: dict, base_url: str, key: str) -> None:
         try:
@@ -128,8 +131,13 @@ def _host_main(conn: Connection) -> None:
             if asyncio.iscoroutinefunction(fn):
                 reward = await fn(row, base_url, key)
             else:
-                reward = await _on_own_thread(fn, row, base_url, key)
+                reward = await on_own_thread(fn, row, base_url, key)
             reply = (cid, True, reward)
+            if fn_path not in settled:
+                # what an agent's first episode left alive (modules, its HTTP client) lives as long as
+                # this process: frozen, the collector stops walking it in every full collection
+                settled.add(fn_path)
+                gc.freeze()
         except asyncio.CancelledError:
             reply = (cid, False, "cancelled")
         except Exception as e:  # noqa: BLE001 - the episode reports it

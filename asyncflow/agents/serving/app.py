@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -140,6 +141,24 @@ def _calls(calls: list[ToolCall], first: int) -> list[dict]:
     return [{"index": first + i, **c.to_openai()} for i, c in enumerate(calls)]
 
 
+async def _streamed(session: AgentSession, args: tuple, words: TokenText, events: EventStream,
+                    send_piece: Callable[[str, list[int], list[float]], Awaitable[None]]) -> Turn | None:
+    """The turn streamed: ``send_piece(text, ids, log_probs)`` for each batch of tokens the engine
+    samples (``text``: what the batch adds to the completion's text), then the finished Turn; None
+    when it failed mid-stream (the error event is sent, the response ended)."""
+    try:
+        async with contextlib.aclosing(turn_tokens(session, *args)) as tokens:
+            async for item in tokens:
+                if isinstance(item, Turn):
+                    return item
+                ids, lps = item
+                await send_piece(words.feed(ids), ids, lps)
+    except ApiError as e:
+        await events.fail(e.body())
+        return None
+    raise RuntimeError("the turn's token stream ended without the turn")
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     session: AgentSession = request["session"]
     req = parse_chat(await _body(request), session.sampling)
@@ -158,12 +177,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     words = TokenText(session.tokenizer, hidden)
     if not req.stream:
         turn = await _generate(session, *args)
-        reader.feed(words.feed(turn.completion_ids) + words.finish())
+        reader.feed(words.whole(turn.completion_ids))
         reply = reader.finish()[2]
         logprobs = {"content": _token_logprobs(session, turn.completion_ids, turn.log_probs)} if req.logprobs else None
-        calls = [c.to_openai() for c in reply.tool_calls]
-        turn.tool_calls = len(calls)
-        message = {"role": "assistant", "content": reply.content, **({"tool_calls": calls} if calls else {})}
+        openai_calls = [c.to_openai() for c in reply.tool_calls]
+        turn.tool_calls = len(openai_calls)
+        message = {"role": "assistant", "content": reply.content,
+                   **({"tool_calls": openai_calls} if openai_calls else {})}
         return web.json_response({**base, "object": "chat.completion", "system_fingerprint": _fingerprint(turn),
                                   "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                                "finish_reason": _finish(turn, reply)}],
@@ -183,16 +203,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if delta or logprobs:
             await events.send({**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": None,
                                                      "logprobs": {"content": logprobs} if logprobs else None}]})
-    try:
-        async with contextlib.aclosing(turn_tokens(session, *args)) as tokens:
-            async for item in tokens:
-                if isinstance(item, Turn):
-                    turn = item
-                    break
-                ids, lps = item
-                await piece(*reader.feed(words.feed(ids)), _token_logprobs(session, ids, lps) if req.logprobs else None)
-    except ApiError as e:
-        return await events.fail(e.body())
+
+    async def tokens(text: str, ids: list[int], lps: list[float]) -> None:
+        await piece(*reader.feed(text), _token_logprobs(session, ids, lps) if req.logprobs else None)
+    streamed = await _streamed(session, args, words, events, tokens)
+    if streamed is None:
+        return events.resp
+    turn = streamed
     content, calls = reader.feed(words.finish())
     await piece(content, calls, None)
     content, calls, reply = reader.finish()
@@ -222,27 +239,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
     words = TokenText(session.tokenizer, hidden)
     if not req.stream:
         turn = await _generate(session, *args)
-        out = words.feed(turn.completion_ids) + words.finish()
+        out = words.whole(turn.completion_ids)
         logprobs = _completion_logprobs(session, turn.completion_ids, turn.log_probs) if req.logprobs else None
         return web.json_response({**base, "system_fingerprint": _fingerprint(turn), "usage": _usage(turn),
                                   "choices": [{"index": 0, "text": out, "logprobs": logprobs,
                                                "finish_reason": _finish(turn)}]})
     events = EventStream(request, req.include_usage)
     await events.open()
-    try:
-        async with contextlib.aclosing(turn_tokens(session, *args)) as tokens:
-            async for item in tokens:
-                if isinstance(item, Turn):
-                    turn = item
-                    break
-                ids, lps = item
-                piece = words.feed(ids)
-                if piece or req.logprobs:
-                    await events.send({**base, "choices": [{"index": 0, "text": piece, "finish_reason": None,
-                                                            "logprobs": _completion_logprobs(session, ids, lps)
-                                                            if req.logprobs else None}]})
-    except ApiError as e:
-        return await events.fail(e.body())
+
+    async def piece(text: str, ids: list[int], lps: list[float]) -> None:
+        if text or req.logprobs:
+            logprobs = _completion_logprobs(session, ids, lps) if req.logprobs else None
+            await events.send({**base, "choices": [{"index": 0, "text": text, "finish_reason": None,
+                                                    "logprobs": logprobs}]})
+    streamed = await _streamed(session, args, words, events, piece)
+    if streamed is None:
+        return events.resp
+    turn = streamed
     await events.send({**base, "system_fingerprint": _fingerprint(turn), "choices": [
         {"index": 0, "text": words.finish(), "logprobs": None, "finish_reason": _finish(turn)}]})
     if req.include_usage:

@@ -63,7 +63,8 @@ def accepted_sampling(temperature: float, top_p: float, top_k: int,
                       run: tuple[float, float, int] | None = None) -> RunSampling:
     """The values a request may name: the episode's (``temperature``, ...) and the run's."""
     both = [(temperature, top_p, top_k)] + ([run] if run is not None else [])
-    return RunSampling(*(tuple(sorted({float(v[i]) if i < 2 else int(v[i]) for v in both})) for i in range(3)))
+    return RunSampling(tuple(sorted({float(v[0]) for v in both})), tuple(sorted({float(v[1]) for v in both})),
+                       tuple(sorted({int(v[2]) for v in both})))
 
 
 @dataclass

@@ -167,6 +167,7 @@ class PlainFormat(ChatFormat):
         return str(names[0])
 
     def _parse_call(self, inner: str, functions: list[dict]) -> ToolCall | None:
+        fn: dict | None
         if len(functions) == 1:
             fn, args = functions[0], inner
         else:

@@ -9,6 +9,7 @@ each turn's prompt extends the previous one token for token (recorder.py's chain
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 from ...engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
@@ -20,6 +21,9 @@ from .limits import LimitExceeded, completion_budget
 from .recorder import EpisodeRecord, Turn
 
 __all__ = ["AgentSession"]
+
+# tokenizer -> stop string -> its one token id (a stop string of several tokens is not kept: it raises)
+_STOP_IDS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
 class AgentSession:
@@ -65,11 +69,19 @@ class AgentSession:
 
     # ---- generation ------------------------------------------------------------------------
     def stop_ids(self, stop: list[str]) -> list[int]:
-        """Stop strings as token ids (ValueError for one that is not a single token)."""
-        return self.ctx.stop_ids(stop)
+        """Stop strings as token ids (ValueError for one that is not a single token). Every
+        request names its stop strings again (the format's, the request's): each is encoded once
+        per tokenizer."""
+        known = _STOP_IDS.setdefault(self.tokenizer, {})
+        out = []
+        for s in stop:
+            if s not in known:
+                known[s] = self.ctx.stop_ids([s])[0]
+            out.append(known[s])
+        return out
 
     async def generate(self, prompt_ids: list[int], budget: int, stop_ids: list[int], prompt_text: str,
-                       message_starts: list[int], on_tokens: TokenListener | None = None) -> Turn:
+                       message_starts: list[int], *, on_tokens: TokenListener | None = None) -> Turn:
         """One turn; returns it (recorded unless it was aborted). ``on_tokens`` (called on the
         service's thread) gets its tokens as the engine samples them. Cancelled (the client went
         away), the request is aborted on the service and nothing is recorded."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from aiohttp import web
@@ -25,7 +26,7 @@ class TokenText:
     strings: the OpenAI API leaves them out of the text) are not shown. A piece that ends in
     the middle of a character (a token holding part of its bytes) is held until the rest comes."""
 
-    def __init__(self, tokenizer: Any, hidden: set[int] = frozenset()) -> None:
+    def __init__(self, tokenizer: Any, hidden: AbstractSet[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.hidden = hidden
         self.ids: list[int] = []
@@ -47,8 +48,12 @@ class TokenText:
     def finish(self) -> str:
         return self.feed([], final=True)
 
+    def whole(self, ids: list[int]) -> str:
+        """The text of a whole completion: what ``feed(ids)`` then ``finish()`` give, in one decode."""
+        return self._decode([t for t in ids if t not in self.hidden])
 
-async def turn_tokens(session: AgentSession, *args: Any) -> AsyncIterator[tuple[list[int], list[float]] | Turn]:
+
+async def turn_tokens(session: AgentSession, *args: Any) -> AsyncGenerator[tuple[list[int], list[float]] | Turn, None]:
     """``session.generate(*args)`` streamed: (token ids, log-probs) batches, then the Turn.
     Use it under ``contextlib.aclosing``: closing it early aborts the turn."""
     loop = asyncio.get_running_loop()

@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-ROLLOUT_OUTPUTS = ["response_ids", "behav_log_probs", "token_versions", "gen_version"]
+from ... import column_names as col
+
+ROLLOUT_OUTPUTS = [col.RESPONSE_IDS, col.BEHAV_LOG_PROBS, col.TOKEN_VERSIONS, col.GEN_VERSION]
 
 
 def positional_columns(names: Sequence[str], makers: Sequence[Callable[[], Any]], what: str) -> dict:
