@@ -10,6 +10,7 @@ launcher; under ``torchrun`` (RANK is set) each rank joins the run directly:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shlex
@@ -17,8 +18,24 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from .config import ConfigError, RunConfig, load_config
+from .data.dataset import DataError
+from .data.run_data import prompt_room
+from .engines.rollout.vllm_args import probe, problems
+from .engines.rollout.vllm_lora import vllm_lora_problems
+from .engines.train.lora import LoraOptions, model_dir_problems
+from .models.loading import ModelLoadError, check_model_dir
+from .platform import get_platform
 from .resolved import ResolvedRun, resolve_run
+from .rewards.custom import CustomRewardError, check_file_reward
+from .single_controller.driver import DriverConfig
+from .single_controller.launch import LaunchConfig, launch_local, ranks_sharing_devices, run_from_env
+from .single_controller.supervise import launch_supervised, under_elastic_agent_problem
+from .training.trainer import resolve_model, source_columns
+from .workflow.checkpoints import complete
+from .workflow.recipe import find_recipe
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +56,7 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
     """Load and check the config, build the recipe (a wrong one fails here), build the tiny model
     once (``model.path``), write the config the run will use (``run_config.yaml``, for people:
     the driver receives the resolved run itself, see ``train_main``)."""
-    from omegaconf import OmegaConf
 
-    from .training.trainer import resolve_model, source_columns
-    from .workflow.recipe import find_recipe
 
     name, overrides = parse_train_args(argv)
     if "WORLD_SIZE" in os.environ:  # under torchrun the world is torchrun's
@@ -92,9 +106,6 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
     function looked up) are checked where every role runs on this node (a local launch), since
     under torchrun their node depends on the placement. A
     generation budget that fills the model's context is refused here too."""
-    from .data.dataset import DataError
-    from .data.run_data import prompt_room
-    from .models.loading import ModelLoadError, check_model_dir
 
     checks = [("model.path", cfg.model.path, False)]
     if cfg.reward.model_path and every_role_here:
@@ -105,7 +116,6 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
         except ModelLoadError as e:
             raise ConfigError(f"{key}={path}: {e}") from e
     if cfg.reward.custom_path and every_role_here:  # like the reward model: its node depends on the placement
-        from .rewards.custom import CustomRewardError, check_file_reward
         try:
             check_file_reward(cfg.reward.custom_path, cfg.reward.custom_name)
         except CustomRewardError as e:
@@ -115,7 +125,6 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
     except DataError as e:
         raise ConfigError(str(e)) from e
     if cfg.model.lora.rank is not None:  # the targets and the rank against the model's layers
-        from .engines.train.lora import LoraOptions, model_dir_problems
         lora = LoraOptions.from_model_config(cfg.model)  # None only when the rank is
         found = model_dir_problems(cfg.model.path, lora) if lora is not None else []
         if found:
@@ -134,9 +143,7 @@ def check_vllm(run: ResolvedRun) -> None:
     model's architecture, runs on the run's platform and, where the placement must free the
     instance's memory (``offload_idle``), can sleep. Imports vLLM (seconds), once, before any
     rank starts."""
-    import json
 
-    from .engines.rollout.vllm_args import probe, problems
 
     cfg, platform, offload_idle = run.config, run.derived.platform, run.derived.offload_idle
     facts = probe()
@@ -146,7 +153,6 @@ def check_vllm(run: ResolvedRun) -> None:
                      want_sleep=offload_idle,
                      forced_sleep=str(cfg.placement.offload_idle).lower() in ("on", "true"))
     if cfg.model.lora.rank is not None and cfg.model.lora.vllm == "adapters" and not found:
-        from .engines.rollout.vllm_lora import vllm_lora_problems
         found = vllm_lora_problems(archs, int(cfg.model.lora.rank))
     if found:
         raise ConfigError("rollout.engine=vllm:\n  " + "\n  ".join(found))
@@ -156,9 +162,6 @@ def check_vllm(run: ResolvedRun) -> None:
 
 
 def train_main(argv: Sequence[str]) -> int:
-    from .platform import get_platform
-    from .single_controller.driver import DriverConfig
-    from .single_controller.launch import LaunchConfig, launch_local, ranks_sharing_devices, run_from_env
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -188,7 +191,6 @@ def train_main(argv: Sequence[str]) -> int:
                        driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units,
                        tq_imports=list(cfg.imports))
     if "RANK" in os.environ:
-        from .single_controller.supervise import under_elastic_agent_problem
         problem = under_elastic_agent_problem(cfg.fault.rollout_restarts, os.environ)
         if problem:
             print(f"asyncflow train: {problem}", file=sys.stderr)
@@ -198,7 +200,6 @@ def train_main(argv: Sequence[str]) -> int:
     def describe(rank: int) -> str:
         return rank_roles(Path(cfg.trainer.out_dir), rank)
     if cfg.fault.rollout_restarts:  # torch's launcher would stop every rank when an instance dies
-        from .single_controller.supervise import launch_supervised
         code = launch_supervised(run, cfg.trainer.nproc, describe_rank=describe)
     else:
         code = launch_local(run, cfg.trainer.nproc, describe_rank=describe)
@@ -210,7 +211,6 @@ def train_main(argv: Sequence[str]) -> int:
 def resume_hint(out_dir: Path, argv: Sequence[str]) -> str:
     """What to run after a failed or interrupted run: the same command resumes from its newest
     complete checkpoint, if it wrote one."""
-    from .workflow.checkpoints import complete
 
     found = complete(out_dir)
     if not found:
@@ -222,7 +222,6 @@ def resume_hint(out_dir: Path, argv: Sequence[str]) -> str:
 
 def rank_roles(out_dir: Path, rank: int) -> str:
     """'roles actor, reward' of a rank, from the ranks.json the trainer writes ("" if unknown)."""
-    import json
     try:
         for w in json.loads((out_dir / "ranks.json").read_text()):
             if w.get("rank") == rank:

@@ -11,6 +11,7 @@ turn is admitted under the row's staleness bound, so one episode's turns may spa
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 
 from .. import column_names as col
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
+from .tools import call_tool
 
 __all__ = ["Conversation", "EpisodeContext", "EpisodeLimits", "Trajectory"]
 
@@ -82,7 +84,6 @@ class EpisodeContext:
     def next_request(self, ids: list[int], max_new_tokens: int, stop: list[int], **sampling: Any) -> GenerationRequest:
         """The generation request of the next model turn: the episode's params, and the seed
         turn k of the row always gets (so a turn samples the same tokens however it is asked)."""
-        import dataclasses
         stop = [*stop, *sampling.pop("stop_token_ids", ())]
         params = dataclasses.replace(self.params, stop_token_ids=tuple(self.params.stop_token_ids) + tuple(stop),
                                      **sampling)
@@ -180,7 +181,6 @@ class Conversation:
     async def tool(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Call a registered tool and append its output (its policy decides what an error or a
         timeout becomes); return the tool's result (``.text``, ``.ok``, ``.status``)."""
-        from .tools import call_tool
         result = await call_tool(name, *args, **kwargs)
         self.metrics["tool_calls"] += 1
         if not result.ok:

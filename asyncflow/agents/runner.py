@@ -116,6 +116,7 @@ class EpisodeRunner:
 
     async def _run_agent(self, fn: Callable[..., Any], path: str, row: dict[str, Any], params: SamplingParams,
                          min_version: int, request_id: Any) -> Trajectory:
+        # the endpoint's package imports aiohttp (an optional extra): loaded only by runs that serve agents
         from .serving.agent import run_agent
         from .serving.chat_format import make_format
         server = await self.start_endpoint()
@@ -133,7 +134,7 @@ class EpisodeRunner:
             self._server_lock = asyncio.Lock()
         async with self._server_lock:
             if self.server is None:
-                from .serving.server import EndpointServer
+                from .serving.server import EndpointServer  # aiohttp, as above
                 if self.endpoint.agent_process and self.agent_host is None:
                     from .serving.agent_host import AgentHost
                     self.agent_host = await asyncio.to_thread(AgentHost, self.name)

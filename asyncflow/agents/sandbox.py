@@ -27,11 +27,17 @@ program, so it imports nothing of asyncflow at module level.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
+import io
 import json
+import math
 import os
 import pickle
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -61,9 +67,6 @@ def run_python(code: str) -> str:
     ``sys.exit(0)`` (or ``sys.exit()``) ends the program normally; an uncaught exception, a
     non-zero exit included, is the call's error.
     """
-    import contextlib
-    import io
-
     if not isinstance(code, str):
         raise TypeError(f"python: code must be a string, got {type(code).__name__}")
     out = io.StringIO()
@@ -87,7 +90,6 @@ def check_sandboxable(fn: Callable[..., Any]) -> None:
             f"sandbox: {module}.{qualname} cannot be imported by name in a fresh process; define a "
             f"sandboxed function at the top level of an importable module (not __main__, not a lambda "
             f"or a nested function)")
-    import inspect
     if inspect.iscoroutinefunction(fn):
         raise ValueError(f"sandbox: {module}.{qualname} is an async function; sandboxed tools must be plain functions")
 
@@ -105,8 +107,7 @@ async def run_in_sandbox(
     """Call ``fn(*args, **kwargs)`` in a fresh limited process; never raises for what the call
     does (a TypeError for arguments that cannot be pickled, a ValueError for a function that
     cannot be imported by name). ``cpu_s`` defaults to ``timeout_s``."""
-    import asyncio  # here, not at the top: the child (this file) has no use for it
-    import tempfile
+    import asyncio  # here, not at the top: the child (this file run as a program) has no use for it
 
     check_sandboxable(fn)
     cwd = os.getcwd()
@@ -217,7 +218,6 @@ def _resolve(module: str, qualname: str) -> Callable[..., Any]:
     if module == _THIS_MODULE:  # ourselves, running as __main__
         obj: Any = sys.modules[__name__]
     else:
-        import importlib
         obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
@@ -225,8 +225,7 @@ def _resolve(module: str, qualname: str) -> Callable[..., Any]:
 
 
 def _set_limits(cpu_s: float, memory_mb: int) -> None:
-    import math
-    import resource
+    import resource  # POSIX only, as the limits it sets
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would otherwise dump core
     usage = resource.getrusage(resource.RUSAGE_SELF)

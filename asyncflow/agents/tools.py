@@ -32,6 +32,7 @@ seconds); ``TOOL_STATS.snapshot()`` reads them.
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 import math
 import threading
@@ -289,7 +290,6 @@ async def _call_in_thread(spec: ToolSpec, args: tuple, kwargs: dict) -> _Outcome
 
 
 async def _call_async(spec: ToolSpec, args: tuple, kwargs: dict) -> _Outcome:
-    import asyncio
     task = asyncio.ensure_future(spec.fn(*args, **kwargs))
     try:
         finished, _ = await asyncio.wait({task}, timeout=spec.timeout_s)

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch.distributed as dist
+
 from ..transfer_queue.meta import BatchMeta
 from .layout import GroupLayout
 
@@ -147,7 +149,6 @@ def _dp_gather(layout: GroupLayout, results: list[Any]) -> Any:
 
 def _dp_execute(worker: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Leader fetches, shard receives by broadcast, method computes, leader writes back."""
-    import torch.distributed as dist
 
     meta: BatchMeta = args[0]
     if not len(meta):  # every rank of the shard got the same empty share: nothing to compute

@@ -29,7 +29,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
+from torch.distributed.launcher.api import elastic_launch
+
+from ..platform import get_platform
 from ..rpc.alloc import freeze_gc_heap
+from ..transfer_queue import TransferQueueConfig, TransferQueueService
 from .driver import Driver, DriverConfig
 from .errors import LaunchError
 from .placement import RolePlacement
@@ -97,9 +105,7 @@ def run_rank(cfg: LaunchConfig, rank: int, world_size: int, local_rank: int, mas
     instance: it joins no world process group (the world's other members made theirs with the
     old process; its groups are its own, and its weight-sync groups are made outside the world)
     and publishes its address under a key of its own, for the driver's ``replace_rank``."""
-    import torch.distributed as dist
 
-    from ..platform import get_platform
 
     _die_of_sigint()
     _thread_lock_for_progress_bars()
@@ -173,7 +179,7 @@ def _thread_lock_for_progress_bars() -> None:
     tracker then warns of "leaked semaphore objects". A rank's bars (its own, transformers')
     are drawn by threads of this one process: a thread lock serves them."""
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # optional: a progress bar only where installed
     except ImportError:
         return
     tqdm.set_lock(threading.RLock())
@@ -233,7 +239,6 @@ async def run_driver(cfg: LaunchConfig, addresses: list[str], host: str, tq: Any
     ``main``; 0 on success, else 1. ``report_sigterm``: this process is a launched rank 0,
     whose launcher stops it with SIGTERM when another rank dies (:func:`sigterm_report`)."""
     if tq is None and cfg.transfer_queue:
-        from ..transfer_queue import TransferQueueConfig, TransferQueueService
         tq = TransferQueueService(TransferQueueConfig(host=host)).start_in_thread()
     driver = Driver(addresses, placement=cfg.placement, config=cfg.driver,
                     transfer_queue_address=tq.controller_address if tq else None)
@@ -299,10 +304,6 @@ def launch_local(cfg: LaunchConfig, nproc: int, *, monitor_interval_s: float = 0
 
     The launcher stops every rank as soon as one dies, often before the driver can say
     which role was lost: ``describe_rank(rank)`` (e.g. its roles) goes into that message."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
-    from torch.distributed.launcher.api import elastic_launch
 
     lc = ElasticLaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"asyncflow-{uuid.uuid4().hex[:8]}",
                       rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,

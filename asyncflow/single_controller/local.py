@@ -4,9 +4,11 @@ hosts the TCPStore); only who starts the processes differs.
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
+import time
 from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
@@ -18,7 +20,6 @@ from .rendezvous import wait_addresses
 
 
 def _child(cfg: LaunchConfig, rank: int, world_size: int, port: int, env: dict[str, str]) -> None:
-    import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is a stuck rank?
     os.environ.update(env)
     code = run_rank(cfg, rank, world_size, rank, "127.0.0.1", port, use_agent_store=True, with_driver=False)
@@ -67,7 +68,6 @@ class LocalWorkers:
 
     def join(self, timeout: float) -> list[int | None]:
         """Exit codes after waiting up to ``timeout`` seconds in all (None: still running)."""
-        import time
         deadline = time.monotonic() + timeout
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))

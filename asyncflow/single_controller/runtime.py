@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
 import zmq
 import zmq.asyncio
 
@@ -35,6 +36,7 @@ from ..platform import Platform
 from ..rpc.async_server import RpcServer
 from ..rpc.blocking_server import BlockingRpcServer
 from ..rpc.loop_thread import EventLoopThread
+from ..transfer_queue.client import TransferQueueClient
 from .dispatch import Execute, get_dispatch_mode, method_spec
 from .layout import GroupLayout
 from .wire import from_wire, to_wire
@@ -42,8 +44,6 @@ from .worker import Worker, WorkerContext
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-
-    from ..transfer_queue.client import TransferQueueClient
 
 _Target = tuple[Worker, Callable[..., Any], Execute]  # a registered method: worker, bound method, execute
 
@@ -308,7 +308,6 @@ class WorkerRuntime:
     def _create(self, layout: GroupLayout, cls_path: str, init_kwargs: dict[str, Any], member: bool) -> dict[str, Any]:
         """Every rank of the world runs this (new_group is collective over the world), in
         the same order; only members build the worker."""
-        import torch.distributed as dist
 
         timeout = timedelta(seconds=self.config.collective_timeout_s)
 
@@ -344,7 +343,6 @@ class WorkerRuntime:
         """Every rank runs this, in the same order (new_group is collective over the world, and
         torch names a group by what each process made before it: a group made by its members alone
         gets a different name on a rank that made another one first)."""
-        import torch.distributed as dist
 
         key = tuple(sorted(ranks))
         if len(key) < 2 or key in self._made_groups:
@@ -370,7 +368,6 @@ class WorkerRuntime:
             if self._tq_address is None:
                 raise RuntimeError(f"rank {self.rank}: no TransferQueue address was given to this worker "
                                    "(Driver(transfer_queue_address=...))")
-            from ..transfer_queue.client import TransferQueueClient
             self._tq = TransferQueueClient(self._tq_address)
         return self._tq
 

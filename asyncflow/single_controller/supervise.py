@@ -15,6 +15,8 @@ here, as ``LocalWorkers`` does) and watches them:
 """
 from __future__ import annotations
 
+import faulthandler
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -27,7 +29,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from .errors import LaunchError
+from .launch import FAILURE_FILE_ENV, run_rank
 from .rendezvous import KEY_PREFIX, SUPERVISED_ENV, address_key
 
 RESTART_ENV = "ASYNCFLOW_RESTART"  # in a rank's process: which new process of its rank it is (0: the first)
@@ -81,12 +86,9 @@ def wait_restarted(store: Any, rank: int, restart: int, timeout_s: float) -> str
 
 
 def _rank_main(cfg: Any, rank: int, world_size: int, port: int, env: dict[str, str], restart: int) -> None:
-    import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is a stuck rank?
     os.environ.update(env)
-    import logging
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    from .launch import run_rank
     code = run_rank(cfg, rank, world_size, rank, "127.0.0.1", port, use_agent_store=True, with_driver=rank == 0,
                     restart=restart)
     sys.stdout.flush()
@@ -104,7 +106,6 @@ class _Ranks:
     """The rank processes of one run, each replaceable by a new one."""
 
     def __init__(self, cfg: Any, nproc: int, env: dict[str, str]):
-        import torch.distributed as dist
 
         # every rank exits when this launcher is gone (the worker runtime's watchdog), rank 0 too
         self.cfg = replace(cfg, runtime=replace(cfg.runtime, parent_pid=os.getpid()))
@@ -154,7 +155,6 @@ def launch_supervised(cfg: Any, nproc: int, *, describe_rank: Callable[[int], st
                       poll_s: float = 0.2, stop_grace_s: float = 30.0, env: dict[str, str] | None = None) -> int:
     """Run ``nproc`` local ranks (rank 0 the driver) until rank 0 exits; returns its exit code
     (non-zero, with the dead rank named, when a rank that is not replaceable died first)."""
-    from .launch import FAILURE_FILE_ENV
 
     failure = Path(tempfile.mkdtemp(prefix="asyncflow-launch-")) / "driver_failure.txt"
     ranks = _Ranks(cfg, nproc, {**(env or {}), FAILURE_FILE_ENV: str(failure)})

@@ -28,9 +28,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import zmq.asyncio
+
+from ..rpc.async_client import RpcClient
 from ..rpc.loop_thread import EventLoopThread
 from ..rpc.store_wait import wait_for_value
-from ..transfer_queue import locality
+from ..transfer_queue import (
+    AsyncTransferQueueClient,
+    TransferQueueConfig,
+    TransferQueueError,
+    TransferQueueService,
+    locality,
+)
+from ..transfer_queue.service import serve_storage_unit
+from ..transfer_queue.service_process import ServiceProcess
 from .errors import LaunchError
 from .rendezvous import KEY_PREFIX
 
@@ -89,7 +100,6 @@ class NodeUnit:
     """One storage unit served on an event-loop thread of its own inside a worker process."""
 
     def __init__(self, controller_address: str, index: int, host: str, cfg: TransferQueueLayout):
-        from ..transfer_queue.service import serve_storage_unit
 
         self.index = index
         self._loop = EventLoopThread(f"tq-unit-{index}")
@@ -159,7 +169,6 @@ def start_for_rank(cfg: TransferQueueLayout, store: Any, rank: int, local_rank: 
     (and node 0's unit; in a process of its own, ``imports`` imported there first,
     ``on_service_death`` called if it dies) and puts the controller's address in the store; with ``per_node``,
     local rank 0 of every other node starts its node's unit and waits until it registered."""
-    from ..transfer_queue import TransferQueueConfig, TransferQueueError, TransferQueueService
 
     check_units(cfg)
     out = RankTransferQueue()
@@ -172,7 +181,6 @@ def start_for_rank(cfg: TransferQueueLayout, store: Any, rank: int, local_rank: 
         service_cfg = TransferQueueConfig(host=host, max_rows_per_unit=_bound(cfg.max_rows_per_unit),
                                           max_bytes_per_unit=_bound(cfg.max_bytes_per_unit))
         if cfg.service == "own_process":
-            from ..transfer_queue.service_process import ServiceProcess
             try:
                 out.service = ServiceProcess(service_cfg, start_timeout_s=cfg.register_timeout_s, imports=imports,
                                              on_death=on_service_death)
@@ -202,9 +210,7 @@ def nodes_of_ranks(store: Any, world_size: int) -> list[int]:
 
 async def wait_for_node_units(controller_address: str, nodes: list[int], timeout_s: float) -> None:
     """Until every node's unit is registered with the controller; names the missing ones."""
-    import zmq.asyncio
 
-    from ..rpc.async_client import RpcClient
 
     want = sorted(set(nodes))
     ctx = zmq.asyncio.Context()
@@ -231,9 +237,7 @@ async def write_unit_stats(controller_address: str, path: str) -> list[dict[str,
     Best effort: the run's outcome does not depend on it."""
     if not path:
         return None
-    import zmq.asyncio
 
-    from ..transfer_queue import AsyncTransferQueueClient
 
     ctx = zmq.asyncio.Context()
     client = AsyncTransferQueueClient(controller_address, timeout=10.0, ctx=ctx)

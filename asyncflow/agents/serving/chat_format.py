@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...data.calc import CALL_CLOSE, CALL_OPEN, RESULT_END
+from ...data.chat import default_chat_text
 
 __all__ = ["ChatFormat", "FormatError", "PlainFormat", "Reply", "ReplyReader", "TemplateFormat", "ToolCall",
            "make_format", "message_text"]
@@ -197,7 +198,6 @@ class TemplateFormat(ChatFormat):
         self.tokenizer = tokenizer
 
     def _apply(self, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
-        from ...data.chat import default_chat_text
         if not getattr(self.tokenizer, "chat_template", None):  # the data's fallback template
             text = default_chat_text(messages)
             return text if generation else text[:-len("assistant:")]
