@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import shlex
 import sys
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ from .single_controller.supervise import launch_supervised, under_elastic_agent_
 from .training.trainer import resolve_model, source_columns
 from .workflow.checkpoints import complete
 from .workflow.recipe import find_recipe
+from .workflow.stages import RecipeSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,22 +54,21 @@ def parse_train_args(argv: Sequence[str]) -> tuple[str, list[str]]:
     return recipe, overrides
 
 
-def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
-    """Load and check the config, build the recipe (a wrong one fails here), build the tiny model
-    once (``model.path``), write the config the run will use (``run_config.yaml``, for people:
-    the driver receives the resolved run itself, see ``train_main``)."""
-
-
+def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path, RecipeSpec]:
+    """Load and check the config, build the tiny model once (``model.path``), build the recipe
+    from that config (a wrong one fails here, before any process starts), write the config the
+    run will use (``run_config.yaml``, for people: the driver receives the resolved run and the
+    built recipe themselves, see ``train_main``)."""
     name, overrides = parse_train_args(argv)
     if "WORLD_SIZE" in os.environ:  # under torchrun the world is torchrun's
         overrides = [*overrides, f"trainer.nproc={int(os.environ['WORLD_SIZE'])}"]
     recipe = find_recipe(name)
     cfg = load_config(recipe.config, [*overrides, f"recipe={recipe.directory}"])
+    cfg.model.path = resolve_model(cfg)
     try:  # a wrong recipe fails here, before any process starts
-        recipe.build(cfg, source_columns(cfg))
+        spec = recipe.build(cfg, source_columns(cfg))
     except (ValueError, TypeError, ImportError, AttributeError) as e:
         raise ConfigError(str(e)) from e
-    cfg.model.path = resolve_model(cfg)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # this process starts the ranks, or is rank 0 under torchrun
     check_paths(cfg, driver_node=rank0, every_role_here="RANK" not in os.environ)
     idle = idle_ranks(cfg)
@@ -86,7 +87,20 @@ def prepare(argv: Sequence[str]) -> tuple[RunConfig, Path]:
     except OSError as e:
         raise ConfigError(f"trainer.out_dir={out}: the run cannot write there ({e.strerror or e}: "
                           f"{e.filename or out}); give a directory this user can create and write") from e
-    return cfg, path
+    return cfg, path, spec
+
+
+def spec_to_hand_on(spec: RecipeSpec, recipe: str) -> RecipeSpec | None:
+    """The built recipe as the driver will take it, or None where it does not pickle (a driver
+    stage of a closure or a lambda: rank 0 is a spawned process): the driver then builds the
+    recipe again from the same resolved config, and the log says so."""
+    try:
+        pickle.dumps(spec)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        log.info("recipe %s: its built stages do not pickle (%s); the driver builds the recipe again from the "
+                 "same config (module-level functions or functools.partial make it pickle)", recipe, e)
+        return None
+    return spec
 
 
 def idle_ranks(cfg: RunConfig) -> list[int]:
@@ -165,7 +179,7 @@ def train_main(argv: Sequence[str]) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        cfg, _ = prepare(argv)
+        cfg, _, spec = prepare(argv)
     except (ConfigError, FileNotFoundError, ImportError, AttributeError, ValueError) as e:
         print(f"asyncflow train: {e}", file=sys.stderr)
         return 2
@@ -187,7 +201,8 @@ def train_main(argv: Sequence[str]) -> int:
         except (ConfigError, ImportError) as e:
             print(f"asyncflow train: {e}", file=sys.stderr)
             return 2
-    run = LaunchConfig(main="asyncflow.training.trainer:driver_main", main_args=(resolved,), platform=platform,
+    run = LaunchConfig(main="asyncflow.training.trainer:driver_main",
+                       main_args=(resolved, spec_to_hand_on(spec, cfg.recipe)), platform=platform,
                        driver=DriverConfig(call_timeout_s=cfg.workflow.call_timeout_s), tq_units=units,
                        tq_imports=list(cfg.imports))
     if "RANK" in os.environ:

@@ -253,7 +253,7 @@ def test_train_refuses_more_ranks_than_devices_before_any_rank_starts(one_gpu, t
     for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     started = []
-    monkeypatch.setattr("asyncflow.single_controller.launch.launch_local", lambda *a, **k: started.append(a) or 0)
+    monkeypatch.setattr("asyncflow.launcher.launch_local", lambda *a, **k: started.append(a) or 0)
     assert train_main(["grpo", "trainer.platform=cuda", "trainer.nproc=2", f"trainer.out_dir={tmp_path}"]) == 2
     assert not started
     err = capsys.readouterr().err

@@ -11,6 +11,7 @@ import asyncflow.config.loading as loading
 from asyncflow.config import load_config
 from asyncflow.resolved import DerivedValues, ResolvedRun, resolve_run
 from asyncflow.workers.common import config_of, resolved_of, setup_rank
+from asyncflow.workflow.stages import RecipeSpec
 
 
 def test_resolve_run_derives_every_value_once():
@@ -58,17 +59,20 @@ def test_a_worker_built_by_hand_with_a_plain_config_derives_its_values():
 def test_the_launcher_hands_the_driver_the_resolved_run(tmp_path, monkeypatch):
     """train_main resolves once and passes the object to the driver's main (pickled into the
     spawned rank with the launch config); no environment variable, no reload."""
-    import asyncflow.single_controller.launch as launch
+    from asyncflow import launcher
     from asyncflow.launcher import train_main
     seen = []
-    monkeypatch.setattr(launch, "launch_local", lambda cfg, nproc, **kw: seen.append(cfg) or 0)
+    monkeypatch.setattr(launcher, "launch_local", lambda cfg, nproc, **kw: seen.append(cfg) or 0)
     assert train_main(["grpo", f"trainer.out_dir={tmp_path}", "trainer.platform=cpu", "workflow.mode=sync"]) == 0
     (lc,) = seen
     assert lc.main == "asyncflow.training.trainer:driver_main"
-    (run,) = lc.main_args
+    run, spec = lc.main_args
     assert isinstance(run, ResolvedRun) and run.derived.platform == "cpu" and run.derived.policy_loss == "ppo_clip"
     assert run.config.model.path  # the tiny model, resolved by the launcher
-    assert pickle.loads(pickle.dumps(lc)).main_args == (run,)
+    # the built recipe goes too, as it is: the driver builds nothing again
+    assert isinstance(spec, RecipeSpec) and [s.name for s in spec.stages][-1] == "update"
+    back = pickle.loads(pickle.dumps(lc)).main_args
+    assert back[0] == run and [s.name for s in back[1].stages] == [s.name for s in spec.stages]
     assert (tmp_path / "run_config.yaml").is_file()  # still written, for people
 
 
@@ -78,3 +82,14 @@ def test_the_driver_refuses_to_start_without_a_resolved_run():
     from asyncflow.training.trainer import driver_main
     with pytest.raises(RuntimeError, match="asyncflow train"):
         asyncio.run(driver_main(object()))
+
+
+def test_a_built_recipe_that_does_not_pickle_is_built_again_by_the_driver(caplog):
+    """A driver stage of a lambda cannot cross to the spawned rank 0: the launcher hands on
+    None, says why, and the driver builds the recipe from the same resolved config."""
+    from asyncflow.launcher import spec_to_hand_on
+    from asyncflow.workflow.stages import DRIVER, Stage
+    spec = RecipeSpec(roles={}, stages=[Stage("shape", DRIVER, "", ["scores"], ["x"], fn=lambda b: b)])
+    with caplog.at_level("INFO", logger="asyncflow.launcher"):
+        assert spec_to_hand_on(spec, "mine") is None
+    assert "recipe mine: its built stages do not pickle" in caplog.text

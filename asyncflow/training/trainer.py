@@ -30,6 +30,7 @@ from ..workflow.checkpoints import RunState
 from ..workflow.executor import Executor, ExecutorConfig
 from ..workflow.recipe import find_recipe
 from ..workflow.source import PromptSource, Record, longtail_budgets, resume_source
+from ..workflow.stages import RecipeSpec
 from . import phases
 from .instance_faults import InstanceFaults
 from .observers import CheckpointPolicy, EvalSchedule, SampleAudit, StepMetrics, TimeBudget
@@ -69,9 +70,10 @@ def episode_summary(instances: list[dict]) -> dict[str, Any]:
 
 
 class Training:
-    def __init__(self, driver: Driver, run: ResolvedRun):
+    def __init__(self, driver: Driver, run: ResolvedRun, spec: RecipeSpec | None = None):
         self.driver = driver
         self.run_spec = run  # as the launcher resolved it: model.path and the derived values included
+        self.built = spec  # the launcher's built recipe, None where it did not pickle
         self.cfg = cfg = run.config
         self.out = Path(cfg.trainer.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -260,10 +262,10 @@ class Training:
     # ---- the whole run -------------------------------------------------------------------------
     async def run(self) -> dict:
         cfg = self.cfg
+        # The launcher's build, handed on as it is; a recipe whose built stages do not pickle
+        # (closures) is built again here from the same resolved config.
         recipe = find_recipe(cfg.recipe)
-        # The launcher built it once to refuse a wrong recipe before any process started; its
-        # driver stages hold functions that need not pickle, so this process builds its own.
-        self.spec = recipe.build(cfg, source_columns(cfg))
+        self.spec = self.built if self.built is not None else recipe.build(cfg, source_columns(cfg))
         resume = ckpts.find_resume(self.out, cfg.trainer.resume)
         checkpoint = (resume, ckpts.load_state(resume)) if resume is not None else None
         state = checkpoint[1] if checkpoint is not None else None
@@ -331,11 +333,12 @@ class Training:
         return self.summary
 
 
-async def driver_main(driver: Driver, run: ResolvedRun | None = None) -> None:
-    """The launch entry of rank 0 (``LaunchConfig.main``); ``run`` is the launcher's resolved run
-    (``LaunchConfig.main_args``), taken as it is: nothing is checked or resolved again."""
+async def driver_main(driver: Driver, run: ResolvedRun | None = None, spec: RecipeSpec | None = None) -> None:
+    """The launch entry of rank 0 (``LaunchConfig.main``); ``run`` and ``spec`` are the launcher's
+    resolved run and built recipe (``LaunchConfig.main_args``), taken as they are: nothing is
+    checked, resolved or built again (but a recipe that did not pickle: ``spec`` None)."""
     if not isinstance(run, ResolvedRun):
         raise RuntimeError("asyncflow.training.trainer:driver_main needs the run the launcher resolved "
                            "(its main_args): start runs with `asyncflow train`")
     logging.getLogger("asyncflow").setLevel(logging.INFO)
-    await Training(driver, run).run()
+    await Training(driver, run, spec).run()

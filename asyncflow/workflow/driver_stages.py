@@ -7,6 +7,7 @@ one line in a recipe; the function itself is pure tensor math over the batch.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, overload
 
@@ -81,30 +82,33 @@ def advantages(algo: Any, score: str = col.SCORES, response: str = col.RESPONSE_
     as if they were cut out), whitening counts model tokens only, and the advantages and
     returns written are 0 on tool tokens. Rows keep their response length. A row without any
     model token gets no reward (the group estimators then take its score as 0)."""
-    estimator = ADVANTAGES.get(algo.advantage)
+    ADVANTAGES.get(algo.advantage)  # an unknown estimator fails here, when the recipe is built
+    # a partial of a module-level function: the built recipe pickles (the launcher hands it on)
+    return functools.partial(_advantages, algo, score, response, loss_mask)
 
-    def compute(batch: DriverBatch) -> dict[str, Any]:
-        lengths = [len(r) for r in batch[response]]
-        width = max(lengths, default=1) or 1
-        rows_mask = torch.arange(width)[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
-        mask = (_model_tokens(batch[loss_mask], lengths, rows_mask.shape[1], loss_mask)
-                if loss_mask in batch.columns else rows_mask)
-        token_rewards = outcome_to_token_rewards(batch[score].float(), mask)
-        if algo.kl_in_reward and algo.kl_coef > 0:
-            proximal = batch.columns.get(col.OLD_LOG_PROBS, batch.columns.get(col.BEHAV_LOG_PROBS))
-            if proximal is None or col.REF_LOG_PROBS not in batch.columns:
-                raise ValueError("algorithm.kl_in_reward: the advantage stage must read ref_log_probs and "
-                                 "old_log_probs (or behav_log_probs)")
-            token_rewards = kl_penalty_to_reward(token_rewards, _fit(pad_rows(proximal)[0], mask),
-                                                 _fit(pad_rows(batch[col.REF_LOG_PROBS])[0], mask), mask,
-                                                 algo.kl_coef, algo.kl_estimator)
-        values = _fit(pad_rows(batch[col.VALUES])[0], mask) if col.VALUES in batch.columns else None
-        groups = torch.tensor(batch.groups, dtype=torch.long)
-        adv, ret = estimator(token_rewards, mask, group_ids=groups, values=values, cfg=algo)
-        # 0 on tool tokens whatever the estimator (a recipe's own may not promise it); full-length rows
-        adv, ret = adv.masked_fill(~mask, 0.0), ret.masked_fill(~mask, 0.0)
-        return {col.ADVANTAGES: jagged_rows(adv, rows_mask), col.RETURNS: jagged_rows(ret, rows_mask)}
-    return compute
+
+def _advantages(algo: Any, score: str, response: str, loss_mask: str, batch: DriverBatch) -> dict[str, Any]:
+    estimator = ADVANTAGES.get(algo.advantage)
+    lengths = [len(r) for r in batch[response]]
+    width = max(lengths, default=1) or 1
+    rows_mask = torch.arange(width)[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
+    mask = (_model_tokens(batch[loss_mask], lengths, rows_mask.shape[1], loss_mask)
+            if loss_mask in batch.columns else rows_mask)
+    token_rewards = outcome_to_token_rewards(batch[score].float(), mask)
+    if algo.kl_in_reward and algo.kl_coef > 0:
+        proximal = batch.columns.get(col.OLD_LOG_PROBS, batch.columns.get(col.BEHAV_LOG_PROBS))
+        if proximal is None or col.REF_LOG_PROBS not in batch.columns:
+            raise ValueError("algorithm.kl_in_reward: the advantage stage must read ref_log_probs and "
+                             "old_log_probs (or behav_log_probs)")
+        token_rewards = kl_penalty_to_reward(token_rewards, _fit(pad_rows(proximal)[0], mask),
+                                             _fit(pad_rows(batch[col.REF_LOG_PROBS])[0], mask), mask,
+                                             algo.kl_coef, algo.kl_estimator)
+    values = _fit(pad_rows(batch[col.VALUES])[0], mask) if col.VALUES in batch.columns else None
+    groups = torch.tensor(batch.groups, dtype=torch.long)
+    adv, ret = estimator(token_rewards, mask, group_ids=groups, values=values, cfg=algo)
+    # 0 on tool tokens whatever the estimator (a recipe's own may not promise it); full-length rows
+    adv, ret = adv.masked_fill(~mask, 0.0), ret.masked_fill(~mask, 0.0)
+    return {col.ADVANTAGES: jagged_rows(adv, rows_mask), col.RETURNS: jagged_rows(ret, rows_mask)}
 
 
 def _model_tokens(column: Any, lengths: list[int], width: int, name: str) -> torch.Tensor:
@@ -137,14 +141,16 @@ def _fit(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def equal_score_filter(score: str = col.SCORES) -> Callable[[DriverBatch], torch.Tensor]:
     """Dynamic sampling (DAPO): keep the groups whose scores are not all equal (a group of
     equal rewards has zero advantage everywhere: no learning signal)."""
-    def keep(batch: DriverBatch) -> torch.Tensor:
-        scores = batch[score].tolist()
-        spread: dict[int, tuple[float, float]] = {}
-        for g, s in zip(batch.groups, scores):
-            lo, hi = spread.get(g, (s, s))
-            spread[g] = (min(lo, s), max(hi, s))
-        return torch.tensor([spread[g][1] > spread[g][0] for g in batch.groups], dtype=torch.bool)
-    return keep
+    return functools.partial(_unequal_groups, score)
+
+
+def _unequal_groups(score: str, batch: DriverBatch) -> torch.Tensor:
+    scores = batch[score].tolist()
+    spread: dict[int, tuple[float, float]] = {}
+    for g, s in zip(batch.groups, scores):
+        lo, hi = spread.get(g, (s, s))
+        spread[g] = (min(lo, s), max(hi, s))
+    return torch.tensor([spread[g][1] > spread[g][0] for g in batch.groups], dtype=torch.bool)
 
 
 def overlong_shaping(max_new_tokens: int, buffer: int, penalty: float, score: str = col.SCORES,
@@ -154,11 +160,12 @@ def overlong_shaping(max_new_tokens: int, buffer: int, penalty: float, score: st
     if buffer < 1 or buffer > max_new_tokens:
         raise ValueError(f"overlong shaping: the buffer must be within 1..max_new_tokens ({max_new_tokens}), "
                          f"got {buffer} (reward.overlong_buffer)")
-    start = max_new_tokens - buffer
+    return functools.partial(_overlong_shaped, max_new_tokens - buffer, buffer, penalty, score, response)
 
-    def shape(batch: DriverBatch) -> torch.Tensor:
-        lengths = torch.tensor([len(r) for r in batch[response]], dtype=torch.float32)
-        excess = (lengths - start).clamp(min=0)
-        scores: torch.Tensor = batch[score].float()
-        return scores - penalty * (excess / buffer).clamp(max=1.0)
-    return shape
+
+def _overlong_shaped(start: int, buffer: int, penalty: float, score: str, response: str,
+                     batch: DriverBatch) -> torch.Tensor:
+    lengths = torch.tensor([len(r) for r in batch[response]], dtype=torch.float32)
+    excess = (lengths - start).clamp(min=0)
+    scores: torch.Tensor = batch[score].float()
+    return scores - penalty * (excess / buffer).clamp(max=1.0)

@@ -21,7 +21,7 @@ def test_asyncflow_train_under_torchrun_stops_before_any_rank_starts(tmp_path, m
     from asyncflow import launcher
 
     started = []
-    monkeypatch.setattr("asyncflow.single_controller.launch.run_from_env", lambda run: started.append(run) or 0)
+    monkeypatch.setattr("asyncflow.launcher.run_from_env", lambda run: started.append(run) or 0)
     for k, v in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}.items():
         monkeypatch.setenv(k, v)
     code = launcher.train_main(["grpo", "placement.mode=disaggregated", "placement.actor_ranks=[0]",
