@@ -151,8 +151,8 @@ class FakeFaults:
         return {"faults/rows_reissued": float(self.reissued_rows)}
 
 
-@pytest.mark.parametrize("die_after", [1, 6])
-def test_a_dying_instance_loses_no_row_and_trains_none_twice(die_after):
+def _run_losing_instance_0(faults_class: type, die_after: int, steps: int):
+    """Async executor over a dying instance 0 and a steady instance 1: (executor, actor, faults, dying)."""
     async def main():
         svc = await TransferQueueService(TransferQueueConfig()).start()
         tq = AsyncTransferQueueClient(svc.controller_address, ctx=zmq.asyncio.Context(), wait_timeout=60.0)
@@ -160,19 +160,24 @@ def test_a_dying_instance_loses_no_row_and_trains_none_twice(die_after):
         dying = DyingRollout(tq, 0, 0.04, log, die_after)
         insts = [dying, ServiceRollout(tq, 1, 0.04, log)]
         actor = Actor(tq, 0.01, log)
-        faults = FakeFaults(insts)
+        faults = faults_class(insts)
         cfg = ExecutorConfig(mode="async", max_staleness=1, group_size=G, prompts_per_step=4, wait_timeout_s=60.0,
                              rollout_service=True)
         ex = Executor(cfg, stages(False), {"actor": actor, "reward": Reward(tq, lambda s, g: 1.0)}, insts, tq,
                       PromptSource(records(), G, seed=0), faults=faults)
         dying.executor = faults.executor = ex
         try:
-            await asyncio.wait_for(ex.run(6), 120)
+            await asyncio.wait_for(ex.run(steps), 120)
         finally:
             await tq.close()
             await svc.stop()
         return ex, actor, faults, dying
-    ex, actor, faults, dying = asyncio.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("die_after", [1, 6])
+def test_a_dying_instance_loses_no_row_and_trains_none_twice(die_after):
+    ex, actor, faults, dying = _run_losing_instance_0(FakeFaults, die_after, 6)
     assert sorted(actor.trained) == sorted(i for i in range(24) for _ in range(G))  # every prompt once, whole
     assert faults.reissued_rows > 0 and ex.rows_out.reissued_rows == faults.reissued_rows
     assert ("dead", 0) in faults.events and ("back", 0) in faults.events
@@ -198,26 +203,7 @@ class FaultsLosingInRebuild(FakeFaults):
 
 
 def test_an_instance_lost_while_the_groups_are_made_again_is_left_out_of_them():
-    async def main():
-        svc = await TransferQueueService(TransferQueueConfig()).start()
-        tq = AsyncTransferQueueClient(svc.controller_address, ctx=zmq.asyncio.Context(), wait_timeout=60.0)
-        log: list = []
-        dying = DyingRollout(tq, 0, 0.04, log, 1)
-        insts = [dying, ServiceRollout(tq, 1, 0.04, log)]
-        actor = Actor(tq, 0.01, log)
-        faults = FaultsLosingInRebuild(insts)
-        cfg = ExecutorConfig(mode="async", max_staleness=1, group_size=G, prompts_per_step=4, wait_timeout_s=60.0,
-                             rollout_service=True)
-        ex = Executor(cfg, stages(False), {"actor": actor, "reward": Reward(tq, lambda s, g: 1.0)}, insts, tq,
-                      PromptSource(records(), G, seed=0), faults=faults)
-        dying.executor = faults.executor = ex
-        try:
-            await asyncio.wait_for(ex.run(8), 120)
-        finally:
-            await tq.close()
-            await svc.stop()
-        return ex, actor, faults
-    ex, actor, faults = asyncio.run(main())
+    ex, actor, faults, _ = _run_losing_instance_0(FaultsLosingInRebuild, 1, 8)
     assert faults.lost_in_rebuild
     assert sorted(actor.trained) == sorted(i for i in range(32) for _ in range(G))  # every prompt once, whole
     groups = [e[1] for e in faults.events if e[0] == "groups"]
