@@ -14,9 +14,10 @@ subprocesses, one after another, for these settings (``--settings``; the first t
 Method. For every seed of ``--seeds`` (default 0,1,2; ``--quick`` 0,1):
   1. one warm-up run (``trainer.steps=0``, the seed's supervised warm-up) exports ``hf_model``;
   2. every setting of that seed starts RL from those weights (``model.path=... warmup.enabled=false``)
-     with the same seed, RL step count (``trainer.steps``, ``trainer.time_budget_s=0``, so the same
-     prompt budget) and evaluation cadence (``--eval-every`` steps); the script checks they all
-     start from the same held-out accuracy;
+     with the same seed, the same stop (``--steps`` RL steps, the same prompt budget; or with
+     ``--time-budget S`` the same S RL seconds, ``trainer.time_budget_s``, the fair stop for time
+     to accuracy: equal steps give the faster setting less time) and evaluation cadence
+     (``--eval-every`` steps); the script checks they all start from the same held-out accuracy;
   3. the settings run in a rotating order: the seed at position i of ``--seeds`` starts with the
      i-th setting and wraps around (A B C, B C A, C A B, ...); with as many seeds as settings (or
      a multiple) each setting runs in each position equally often, otherwise the printed orders
@@ -612,6 +613,14 @@ def train(run_dir: Path, overrides: Sequence[str], timeout_s: float) -> tuple[in
     return rc, time.monotonic() - t0, log_path
 
 
+def run_limits(steps: int, time_budget_s: float) -> list[str]:
+    """What stops every RL run: the same step count (time budget off), or the same RL seconds.
+
+    Equal steps give the faster setting less time; equal seconds are the fair stop for time to
+    accuracy (a setting that learns less per step but steps faster gets the same clock)."""
+    return [f"trainer.steps={steps}", f"trainer.time_budget_s={time_budget_s:g}"]
+
+
 def log_tail(path: Path, chars: int = 2000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.is_file() else f"(no log at {path})"
 
@@ -743,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "perf" / "out" / "convergence"))
     ap.add_argument("--seeds", default="", help="comma-separated seeds (default 0,1,2; --quick 0,1)")
     ap.add_argument("--steps", type=int, default=0, help="RL steps per run (default 1500, --quick 30)")
+    ap.add_argument("--time-budget", type=float, default=0,
+                    help="RL seconds per run, the same for every setting (trainer.time_budget_s); --steps then "
+                         "caps the steps (default 100000). 0: stop at --steps, the same prompt budget")
     ap.add_argument("--eval-every", type=int, default=0, help="RL steps between evaluations (default 20, --quick 10)")
     ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                     help="comma-separated, run in this order for the first seed; known: " + ",".join(SETTINGS))
@@ -763,12 +775,14 @@ def main(argv: list[str] | None = None) -> int:
         thresholds = parse_thresholds(args.thresholds)
     except ValueError as e:
         ap.error(str(e))
-    steps = args.steps or (30 if args.quick else 1500)
+    if args.time_budget < 0:
+        ap.error(f"--time-budget {args.time_budget:g}: must be >= 0 seconds (0: stop at --steps)")
+    steps = args.steps or (100000 if args.time_budget else 30 if args.quick else 1500)
     every = args.eval_every or (10 if args.quick else 20)
     timeout_s = args.run_timeout or (900.0 if args.quick else 3600.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = [f"trainer.steps={steps}", "trainer.time_budget_s=0", f"trainer.eval_every={every}",
+    base = [*run_limits(steps, args.time_budget), f"trainer.eval_every={every}",
             "trainer.progress=false", "trainer.log_samples=true"]
     if args.quick:  # a short warm-up, half-size steps, a smaller held-out set: a smoke-scale comparison
         base += ["warmup.target_accuracy=0.1", "warmup.check_every=50", "warmup.max_steps=100",
@@ -840,7 +854,8 @@ def main(argv: list[str] | None = None) -> int:
     if not all(starts.values()):
         print(f"WARNING: the settings of seeds {[s for s, ok in starts.items() if not ok]} did not start from "
               "the same warmed-up policy (before_rl accuracies differ)", flush=True)
-    title = (f"GRPO on the addition task, seeds {','.join(map(str, seeds))}, {steps} RL steps per run "
+    per_run = f"{args.time_budget:g} RL s" if args.time_budget else f"{steps} RL steps"
+    title = (f"GRPO on the addition task, seeds {','.join(map(str, seeds))}, {per_run} per run "
              f"(per-seed shared warm-up){' --quick' if args.quick else ''}")
     if any(curves.values()):
         png = out / "convergence.png"
@@ -849,7 +864,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, names)
     head = {
         **headline(summary),
-        "seeds": seeds, "orders": orders, "steps": steps, "eval_every": every, "quick": args.quick,
+        "seeds": seeds, "orders": orders, "steps": steps, "time_budget_s": args.time_budget, "eval_every": every,
+        "quick": args.quick,
         "thresholds": list(thresholds),
         "overrides": list(args.overrides), "same_start": bool(starts) and all(starts.values()),
         "warmups": {str(s): w for s, w in warmups.items()}, "failed": failed,

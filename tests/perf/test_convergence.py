@@ -55,6 +55,17 @@ def test_overrides_may_not_take_the_seed_or_the_output_directory():
         conv.check_overrides(["trainer.steps"])
 
 
+def test_run_limits_stop_every_run_at_the_same_steps_or_the_same_rl_seconds():
+    assert conv.run_limits(1500, 0) == ["trainer.steps=1500", "trainer.time_budget_s=0"]
+    assert conv.run_limits(100000, 780) == ["trainer.steps=100000", "trainer.time_budget_s=780"]
+
+
+def test_a_negative_time_budget_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        conv.main(["--time-budget", "-5"])
+    assert "--time-budget -5: must be >= 0" in capsys.readouterr().err
+
+
 # ---- rotation ---------------------------------------------------------------------------------
 
 def test_rotation_starts_each_seed_one_setting_later():
