@@ -119,7 +119,8 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
     layers; the reward model and a reward file (imported, its
     function looked up) are checked where every role runs on this node (a local launch), since
     under torchrun their node depends on the placement. A
-    generation budget that fills the model's context is refused here too."""
+    generation budget that fills the model's context is refused here too, and a stop file
+    (``trainer.stop_file``) that exists already."""
 
     checks = [("model.path", cfg.model.path, False)]
     if cfg.reward.model_path and every_role_here:
@@ -143,6 +144,10 @@ def check_paths(cfg: RunConfig, *, driver_node: bool = True, every_role_here: bo
         found = model_dir_problems(cfg.model.path, lora) if lora is not None else []
         if found:
             raise ConfigError(f"model.lora (model.path={cfg.model.path}):\n  " + "\n  ".join(found))
+    stop = cfg.trainer.stop_path()
+    if stop is not None and driver_node and stop.exists():  # it would end RL at its first step
+        raise ConfigError(f"trainer.stop_file={cfg.trainer.stop_file}: {stop} exists already (left by an earlier "
+                          "stop?); remove it to run, or name another file")
     if cfg.data.task == "file" and driver_node:
         for key in ("data.path", "data.eval_path"):
             path = getattr(cfg.data, key.split(".")[1])

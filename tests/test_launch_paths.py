@@ -93,3 +93,13 @@ def test_ranks_without_a_role_are_named_rank_0_aside():
     assert idle_ranks(load_config(None, ["trainer.nproc=3", "placement.actor_ranks=[1]",
                                          "placement.rollout_ranks=[2]"])) == []  # rank 0: the driver's
     assert idle_ranks(load_config(None, ["trainer.nproc=4", "placement.mode=colocated"])) == []
+
+
+def test_a_stop_file_that_exists_already_exits_2_and_leaves_it(tmp_path, capsys):
+    """It would end RL at its first step: refused at start, naming the key; the file stays."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "STOP").write_text("")
+    assert _train(tmp_path, "trainer.stop_file=STOP") == 2
+    err = capsys.readouterr().err
+    assert "trainer.stop_file=STOP" in err and "exists already" in err and "remove it" in err
+    assert (tmp_path / "out" / "STOP").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .fields import one_of, rule_problems
@@ -358,6 +359,9 @@ class TrainerConfig:
     seed: int = 0
     steps: int = 2000  # RL steps at most
     time_budget_s: float = 420.0  # stop RL after this much time (0: no limit)
+    # A file whose appearance ends RL after the current step, as the budget does (final evaluation,
+    # checkpoint, export): a relative path lies under out_dir; "" turns it off.
+    stop_file: str = ""
     prompts_per_step: int = 32
     eval_every: int = 25
     # Sampled evaluation beside the greedy one: eval_samples responses per held-out prompt at
@@ -382,6 +386,13 @@ class TrainerConfig:
     # out_dir/wandb unless trainer.wandb says otherwise). None: TensorBoard when it is installed.
     loggers: list[str] | None = None
     wandb: dict[str, Any] = field(default_factory=dict)  # wandb.init arguments: project, name, mode, tags...
+
+    def stop_path(self) -> Path | None:
+        """``stop_file`` as a path (a relative one under out_dir), or None when it is off."""
+        if not self.stop_file:
+            return None
+        path = Path(self.stop_file).expanduser()
+        return path if path.is_absolute() else Path(self.out_dir) / path
 
     def validate(self) -> list[str]:
         problems = rule_problems([

@@ -1,10 +1,11 @@
 """Step observers: what happens after each RL step besides training, one idea each. The
 executor calls them in order (``StepObserver``): the step's metrics and progress bar, the
-sample audit, the checkpoint policy, the evaluation schedule and the time budget."""
+sample audit, the checkpoint policy, the evaluation schedule, the time budget and the stop file."""
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -17,6 +18,8 @@ from ..metrics.progress import Progress
 from ..transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn
 from ..transfer_queue.protocol import AsyncTransferQueue
 from ..workflow.executor import StepObserver, StepReport
+
+log = logging.getLogger(__name__)
 
 
 class StepMetrics(StepObserver):
@@ -157,4 +160,23 @@ class TimeBudget(StepObserver):
 
     async def step_done(self, rep: StepReport) -> None:
         if self.budget_s and time.monotonic() - self.start >= self.budget_s:
+            self.stop()
+
+
+class StopFile(StepObserver):
+    """Stop issuing steps once ``path`` exists (``trainer.stop_file``): a run ended from outside
+    finishes as a time budget ends it, with its evaluation, checkpoint and export. The launcher
+    refuses a file that exists before the run starts."""
+
+    def holds_training(self, step: int) -> bool:
+        return False  # it may report while the next update trains
+
+    def __init__(self, path: Path, stop: Callable[[], None]):
+        self.path, self.stop = path, stop
+        self.seen = False
+
+    async def step_done(self, rep: StepReport) -> None:
+        if not self.seen and self.path.exists():
+            self.seen = True
+            log.info("RL stops after step %d: %s appeared (trainer.stop_file)", rep.step, self.path)
             self.stop()

@@ -33,7 +33,7 @@ from ..workflow.source import PromptSource, Record, longtail_budgets, resume_sou
 from ..workflow.stages import RecipeSpec
 from . import phases
 from .instance_faults import InstanceFaults
-from .observers import CheckpointPolicy, EvalSchedule, SampleAudit, StepMetrics, TimeBudget
+from .observers import CheckpointPolicy, EvalSchedule, SampleAudit, StepMetrics, StopFile, TimeBudget
 from .roles import RunRoles, init_weight_sync, start_roles, write_ranks
 
 log = logging.getLogger("asyncflow.trainer")
@@ -191,10 +191,14 @@ class Training:
 
         def stop() -> None:  # called by an observer, so from inside the executor's run
             if executor is None:
-                raise RuntimeError("trainer.time_budget_s: the budget ran out before the executor was built")
+                raise RuntimeError("trainer.time_budget_s / trainer.stop_file: RL was stopped before the executor "
+                                   "was built")
             executor.stop()
         observers = [metrics, CheckpointPolicy(cfg.trainer.save_every, self.save_checkpoint), evals,
                      TimeBudget(budget, stop)]
+        stop_path = cfg.trainer.stop_path()
+        if stop_path is not None:
+            observers.append(StopFile(stop_path, stop))
         audit = None
         if cfg.trainer.log_samples:
             if state is not None:  # rows trained after the checkpoint are trained again: drop their lines
