@@ -18,12 +18,15 @@ from _run import start_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPTS, N = 4, 4  # TINY's prompts_per_step and rollout.n
-# RL for a time budget long enough that the new process (tens of seconds to start on a loaded
-# machine) serves rows before the end.
+# RL until the test writes the stop file, some steps after the new process is back (it takes
+# tens of seconds to start on a loaded machine); the budget only bounds a run that never gets there.
+AFTER_BACK_STEPS = 10
 FAULT_RUN = ["grpo", "trainer.nproc=3", "placement.mode=disaggregated", "placement.actor_ranks=[0]",
              "placement.rollout_ranks=[1,2]", "placement.reward_with=actor", "fault.rollout_restarts=true",
              "fault.backoff_s=0.5", "trainer.eval_every=0", "warmup.max_steps=5", "algorithm.dynamic_sampling=false",
-             "trainer.steps=100000", "trainer.time_budget_s=90", "imports=[tests.e2e._instance_dies]"]
+             "trainer.steps=100000", "trainer.time_budget_s=300", "trainer.stop_file=STOP",
+             "imports=[tests.e2e._instance_dies]"]
+BACK = "rollout instance 1 (rank 2) is back (restart 1)"
 
 
 def _trained_steps(out: Path) -> int:
@@ -80,12 +83,17 @@ def _lost_and_back(out: Path, err: Path, kill, *extra: str) -> dict:
         _wait_for(p, err, "a trained step", lambda: _trained_steps(out) >= 1)
         if kill is not None:
             kill(_instance_pid(out, "rollout1"))
+        _wait_for(p, err, "the new process", lambda: BACK in err.read_text(errors="replace"))
+        back_at = _trained_steps(out)
+        _wait_for(p, err, f"{AFTER_BACK_STEPS} steps after the new process was back",
+                  lambda: _trained_steps(out) >= back_at + AFTER_BACK_STEPS)
+        (out / "STOP").write_text("")
     except BaseException:
         p.kill()
         p.wait(30)
         raise
     text = _finish(p, err)
-    assert "rollout instance 1 (rank 2) is back (restart 1)" in text, text[-4000:]
+    assert BACK in text, text[-4000:]
     summary = _check_audit(out)
     faults = summary["faults"]
     assert faults["failures"] >= 1 and faults["restarts"] >= 1, faults
