@@ -152,18 +152,20 @@ def test_requirements_are_pinned_and_hold_torch_at_the_cpu_version():
 # lowest versions setup.py admits (Python 3.12, torch 2.10), then asyncflow installed beside verl.
 _CI_LOWEST = "# --- Python 3.12, torch 2.10 run"
 _CI_VERL = "# --- Beside verl"
+_CI_VLLM = "# --- vLLM stage"
 # The second run's tests (pytest.ini names the mark), so that CI runs every stack in its time.
 _SECOND_STACK = "not slow or both_stacks"
 
 
-def _ci_blocks() -> dict[str, list[str]]:
-    """.ci/run's commands (comments and blank lines left out) per run: "main" (the torch 2.13 run
-    before the first marker), then each "# --- " block under its marker line (later blocks, such
-    as a vLLM stage, come under their own titles)."""
-    text = (ROOT / ".ci" / "run").read_text()
+def _ci_blocks(name: str = "run") -> dict[str, list[str]]:
+    """.ci/<name>'s commands (comments and blank lines left out) per run: "main" (the torch 2.13
+    run before the first marker), then each "# --- " block under its marker line (later blocks,
+    such as a vLLM stage, come under their own titles). .ci/venvs, which makes the later stages'
+    venvs, marks each of them with its stage's title."""
+    text = (ROOT / ".ci" / name).read_text()
     for marker in (_CI_LOWEST, _CI_VERL):
         assert sum(ln.startswith(marker) for ln in text.splitlines()) == 1, \
-            f".ci/run marks a run with one {marker!r} line"
+            f".ci/{name} marks a run with one {marker!r} line"
     blocks, title = {"main": []}, "main"
     for ln in text.splitlines():
         if ln.startswith("# --- "):
@@ -175,7 +177,28 @@ def _ci_blocks() -> dict[str, list[str]]:
 
 
 def _ci_block(marker: str) -> list[str]:
-    return next(cmds for title, cmds in _ci_blocks().items() if title.startswith(marker))
+    """A stage's commands in the order they run: its venv's install (.ci/venvs, in the background
+    while the first stage's tests run), then what .ci/run does in it."""
+    made = [cmds for title, cmds in _ci_blocks("venvs").items() if title.startswith(marker)]
+    runs = next(cmds for title, cmds in _ci_blocks().items() if title.startswith(marker))
+    return [*(made[0] if made else []), *runs]
+
+
+def test_ci_makes_each_later_stages_venv_in_the_background_and_waits_for_it():
+    """.ci/run starts .ci/venvs for the three later stages before the first stage's tests, and
+    each stage waits for its own venv before it installs asyncflow there."""
+    main = _ci_blocks()["main"]
+    start = next(i for i, c in enumerate(main) if c.startswith('.ci/venvs "$stage"'))
+    assert start < main.index("python -m pytest -q tests")
+    assert "for stage in lowest verl vllm; do" in main and ") &" in main
+    for marker, stage in ((_CI_LOWEST, "lowest"), (_CI_VERL, "verl"), (_CI_VLLM, "vllm")):
+        runs = next(cmds for title, cmds in _ci_blocks().items() if title.startswith(marker))
+        waits = runs.index(f"venv_ready {stage}")
+        assert waits < next(i for i, c in enumerate(runs) if c.startswith("pip install")), stage
+        assert any(t.startswith(marker) for t in _ci_blocks("venvs")), f".ci/venvs makes no {stage} venv"
+    run = subprocess.run(["bash", str(ROOT / ".ci" / "venvs"), "nothing"], capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 2 and "usage: .ci/venvs lowest|verl|vllm" in run.stderr
 
 
 def test_ci_runs_readme_install_and_exactly_its_test_command():
@@ -289,9 +312,6 @@ def test_core_imports_no_optional_or_heavy_package():
 def test_requirement_files_have_no_duplicate_names(name):
     names = [r.split("==")[0].lower() for r in _requirements(name) if not r.startswith("-r")]
     assert len(names) == len(set(names))
-
-
-_CI_VLLM = "# --- vLLM stage"
 
 
 def test_ci_vllm_stage_installs_readmes_vllm_command_and_runs_every_vllm_test():
