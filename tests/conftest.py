@@ -1,4 +1,5 @@
-"""Session-wide: with ASYNCFLOW_REQUIRE_VLLM=1 (CI's vLLM stage) a skipped ``vllm`` test fails the run."""
+"""Session-wide: the multi-process tests share one xdist worker; with ASYNCFLOW_REQUIRE_VLLM=1
+(CI's vLLM stage) a skipped ``vllm`` test fails the run."""
 from __future__ import annotations
 
 import os
@@ -6,6 +7,17 @@ import os
 import pytest
 
 _skipped_vllm: list[str] = []
+# pytest.ini runs two xdist workers (--dist loadgroup): every test marked slow (a few processes
+# each) goes to the worker of this group, one after another, as on a 2-core machine they are
+# timed for; the single-process tests run on the other worker beside them.
+MULTI_PROCESS_GROUP = "multi_process"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group(MULTI_PROCESS_GROUP))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
