@@ -1,23 +1,26 @@
-"""Session-wide: the multi-process tests share one xdist worker; with ASYNCFLOW_REQUIRE_VLLM=1
-(CI's vLLM stage) a skipped ``vllm`` test fails the run."""
+"""Session-wide: the end-to-end runs share one xdist worker; with ASYNCFLOW_REQUIRE_VLLM=1 (CI's
+vLLM stage) a skipped ``vllm`` test fails the run."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 _skipped_vllm: list[str] = []
-# pytest.ini runs two xdist workers (--dist loadgroup): every test marked slow (a few processes
-# each) goes to the worker of this group, one after another, as on a 2-core machine they are
-# timed for; the single-process tests run on the other worker beside them.
-MULTI_PROCESS_GROUP = "multi_process"
+# pytest.ini runs two xdist workers (--dist loadgroup): the tests of tests/e2e (each a whole
+# `asyncflow train` job, two or three ranks on a 2-core machine) go to the worker of this group,
+# one after another, so that no two jobs share the cores; every other test goes to whichever
+# worker is free.
+E2E_GROUP = "e2e_runs"
+E2E_DIR = Path(__file__).resolve().parent / "e2e"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.xdist_group(MULTI_PROCESS_GROUP))
+        if E2E_DIR in Path(item.path).parents:
+            item.add_marker(pytest.mark.xdist_group(E2E_GROUP))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
