@@ -4,6 +4,7 @@ whichever is free."""
 from __future__ import annotations
 
 import configparser
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,10 @@ class _Item:
 
 
 def test_the_hook_groups_a_test_by_its_folder_or_its_vllm_mark():
-    import conftest  # tests/conftest.py: pytest puts tests/ on the path for it
+    # tests/conftest.py by its path: `import conftest` may find tests/e2e/conftest.py first
+    spec = importlib.util.spec_from_file_location("suite_conftest", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
     e2e, unit = _Item(ROOT / "tests" / "e2e" / "test_x.py"), _Item(ROOT / "tests" / "workflow" / "test_x.py")
     engine = _Item(ROOT / "tests" / "engines" / "test_x.py", marker="vllm")
     conftest.pytest_collection_modifyitems(None, [e2e, unit, engine])
