@@ -49,8 +49,8 @@ setup(
         # the OpenAI-compatible endpoint of agent episodes (asyncflow/agents/serving); 3.9: handler_cancellation
         "serve": ["aiohttp>=3.9"],
         # openai 1.55.3: the first that runs beside httpx 0.28 (its client no longer passes `proxies`)
-        "dev": ["pytest>=8", "pytest-timeout>=2.1", "pytest-xdist>=3.6.1", "tensorboard>=2.14", "pyarrow>=14", "aiohttp>=3.9",
-                "openai>=1.55.3"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.1", "pytest-xdist>=3.6.1", "tensorboard>=2.14", "pyarrow>=14",
+                "aiohttp>=3.9", "openai>=1.55.3"],
         "wandb": ["wandb>=0.19"],
         # LoRA (model.lora): PEFT's adapters, imported only when model.lora.rank is set. Tested: 0.21.2
         "lora": ["peft>=0.21.2"],
