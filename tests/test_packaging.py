@@ -176,12 +176,16 @@ def _ci_blocks(name: str = "run") -> dict[str, list[str]]:
     return blocks
 
 
+def _ci_run_block(marker: str) -> list[str]:
+    """What .ci/run does in a stage's venv."""
+    return next(cmds for title, cmds in _ci_blocks().items() if title.startswith(marker))
+
+
 def _ci_block(marker: str) -> list[str]:
     """A stage's commands in the order they run: its venv's install (.ci/venvs, in the background
     while the first stage's tests run), then what .ci/run does in it."""
     made = [cmds for title, cmds in _ci_blocks("venvs").items() if title.startswith(marker)]
-    runs = next(cmds for title, cmds in _ci_blocks().items() if title.startswith(marker))
-    return [*(made[0] if made else []), *runs]
+    return [*(made[0] if made else []), *_ci_run_block(marker)]
 
 
 def test_ci_makes_each_later_stages_venv_in_the_background_and_waits_for_it():
@@ -192,7 +196,7 @@ def test_ci_makes_each_later_stages_venv_in_the_background_and_waits_for_it():
     assert start < main.index("python -m pytest -q tests")
     assert "for stage in lowest verl vllm; do" in main and ") &" in main
     for marker, stage in ((_CI_LOWEST, "lowest"), (_CI_VERL, "verl"), (_CI_VLLM, "vllm")):
-        runs = next(cmds for title, cmds in _ci_blocks().items() if title.startswith(marker))
+        runs = _ci_run_block(marker)
         waits = runs.index(f"venv_ready {stage}")
         assert waits < next(i for i, c in enumerate(runs) if c.startswith("pip install")), stage
         assert any(t.startswith(marker) for t in _ci_blocks("venvs")), f".ci/venvs makes no {stage} venv"

@@ -3,7 +3,6 @@ ends it; a relative path lies under out_dir; "" turns it off."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from asyncflow.config import load_config
 from asyncflow.training.observers import StopFile
@@ -31,7 +30,7 @@ def test_steps_go_on_until_the_file_appears_then_the_run_is_stopped(tmp_path):
         await obs.step_done(_report(0))
         await obs.step_done(_report(1))
         assert stops == []
-        Path(tmp_path / "STOP").write_text("")
+        (tmp_path / "STOP").write_text("")
         await obs.step_done(_report(2))
         await obs.step_done(_report(3))  # a step already issued reports after the stop
     asyncio.run(go())
