@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from .. import column_names as col
 from ..agents.runner import render_turns
 from ..metrics.logger import MetricsLogger
 from ..metrics.progress import Progress
-from ..transfer_queue.columns import FixedColumn, JaggedColumn, ObjectColumn
+from ..transfer_queue.columns import Column, FixedColumn, JaggedColumn, ObjectColumn
 from ..transfer_queue.protocol import AsyncTransferQueue
 from ..workflow.executor import StepObserver, StepReport
 
@@ -54,7 +54,8 @@ class StepMetrics(StepObserver):
         for role, busy in rep.role_busy.items():
             m[f"perf/idle_ratio/{role}"] = max(0.0, 1.0 - busy / max(wall, 1e-9))
         m["step_time_s"] = rep.finished - rep.started
-        held = await self.tq.unit_stats()  # the step's partition is cleared: this must not grow
+        # the step's partition is cleared: this must not grow
+        held = rep.tq_units if rep.tq_units is not None else await self.tq.unit_stats()
         m["tq/rows_held"] = float(sum(u["rows"] for u in held))
         m["tq/bytes_held"] = float(sum(u["bytes"] for u in held))
         self.logger.log(rep.step + 1, m)
@@ -77,15 +78,14 @@ class SampleAudit(StepObserver):
     def holds_training(self, step: int) -> bool:
         return False  # it may report while the next update trains
 
-    def __init__(self, path: Path, tq: AsyncTransferQueue, append: bool, columns: list[str], decode: Any = None):
-        self.tq = tq
+    def __init__(self, path: Path, append: bool, columns: list[str], decode: Any = None):
         self.decode = decode  # a tokenizer: episodes (rows with a loss mask) get their text too
         audit = [*AUDIT_COLUMNS, col.PROMPT] if decode is not None else AUDIT_COLUMNS  # episodes: with their prompt
-        self.columns = [c for c in audit if c in set(columns)]
+        self.reads = tuple(c for c in audit if c in set(columns))
         self.file = open(path, "a" if append else "w")
 
-    async def trained(self, step: int, meta: Any) -> None:
-        cols = await self.tq.get_columns(meta, self.columns)
+    async def trained(self, step: int, meta: Any, columns: Mapping[str, Column]) -> None:
+        cols = {c: columns[c] for c in self.reads}
         lines: list[dict[str, Any]] = [{"step": step, "uid": int(meta.groups[i]) if meta.groups else -1}
                                        for i in range(len(meta))]
         for name, column in cols.items():

@@ -207,8 +207,7 @@ class Training:
             decode = None
             if "loss_mask" in written:  # episodes: the audit shows their turns as text
                 decode = load_tokenizer(self.model_path)
-            audit = SampleAudit(self.out / "samples.jsonl", self.tq, append=state is not None, columns=written,
-                                decode=decode)
+            audit = SampleAudit(self.out / "samples.jsonl", append=state is not None, columns=written, decode=decode)
             observers.insert(0, audit)
         faults = None
         if cfg.fault.rollout_restarts:  # a lost rollout instance is replaced, the run goes on

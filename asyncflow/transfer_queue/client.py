@@ -258,8 +258,11 @@ class AsyncTransferQueueClient:
                                          columns=ask)
         return replace(meta, locations={**meta.locations, **{c: ids_from_wire(u) for c, u in got.items()}})
 
-    async def create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
-        await self.controller.call("create_partition", partition=partition, tasks=_task_list(partition, tasks))
+    async def create_partition(self, partition: str, tasks: Sequence[str] = (), *,
+                               close_at: int | None = None) -> None:
+        """``close_at``: the partition closes itself once it holds that many rows."""
+        await self.controller.call("create_partition", partition=partition, tasks=_task_list(partition, tasks),
+                                   close_at=close_at)
 
     async def close_partition(self, partition: str) -> None:
         """End of stream: consumers drain what is left, then get an empty meta with end_of_stream."""
@@ -267,6 +270,11 @@ class AsyncTransferQueueClient:
 
     async def clear(self, partition: str) -> int:
         return int(await self.controller.call("clear", partition=partition))
+
+    async def clear_then_stats(self, partition: str) -> tuple[int, list[dict[str, Any]]]:
+        """``clear``, then what ``unit_stats`` returns, in one request: (rows freed, stats)."""
+        reply = await self.controller.call("clear_then_stats", partition=partition)
+        return int(reply["rows"]), list(reply["units"])
 
     async def clear_rows(self, meta: BatchMeta) -> int:
         return int(await self.controller.call("clear_rows", partition=meta.partition, rows=ids_to_wire(meta.rows)))
@@ -435,8 +443,9 @@ class TransferQueueClient:
         return replace(meta, locations={**meta.locations, **{c: ids_from_wire(u) for c, u in got.items()}})
 
     @charged("tq_client")
-    def create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
-        self.controller.call("create_partition", partition=partition, tasks=_task_list(partition, tasks))
+    def create_partition(self, partition: str, tasks: Sequence[str] = (), *, close_at: int | None = None) -> None:
+        self.controller.call("create_partition", partition=partition, tasks=_task_list(partition, tasks),
+                             close_at=close_at)
 
     @charged("tq_client")
     def close_partition(self, partition: str) -> None:

@@ -74,6 +74,9 @@ class _Partition:
         # column -> {row: unit} for cells stored off the row's home unit (a producer on another node)
         self.where: dict[str, dict[int, int]] = {}
         self.closed = False
+        # create_partition(close_at=n): the partition closes itself once it holds n rows (a
+        # producer that knows its row count saves the close_partition round trip)
+        self.close_at: int | None = None
         self.cleared = False
         self.changed = asyncio.Event()
         self.created = time.time()
@@ -168,16 +171,28 @@ class Controller:
 
     # ---- partitions -------------------------------------------------------------------
 
-    async def rpc_create_partition(self, partition: str, tasks: Sequence[str] = ()) -> None:
+    async def rpc_create_partition(self, partition: str, tasks: Sequence[str] = (),
+                                   close_at: int | None = None) -> None:
+        """A new partition (or more tasks for an existing one). ``close_at``: it closes itself
+        once it holds that many rows, as if close_partition were called then."""
         if not isinstance(partition, str) or not partition:
             raise ValueError(f"partition name must be a non-empty string, got {partition!r}")
         if isinstance(tasks, str) or not all(isinstance(t, str) and t for t in tasks):
             raise ValueError(f"create_partition {partition!r}: tasks must be a list of non-empty strings, "
                              f"got {tasks!r}")
-        if partition not in self.partitions:
-            self.partitions[partition] = _Partition(partition)
+        if close_at is not None and (isinstance(close_at, bool) or not isinstance(close_at, int) or close_at < 1):
+            raise ValueError(f"create_partition {partition!r}: close_at must be a row count >= 1 (or None: "
+                             f"close it with close_partition), got {close_at!r}")
+        p = self.partitions.get(partition)
+        if p is not None and close_at is not None and len(p.rows) >= close_at:
+            raise ValueError(f"create_partition {partition!r}: close_at={close_at}, but it already holds "
+                             f"{len(p.rows)} rows; give a larger count or call close_partition")
+        if p is None:
+            p = self.partitions[partition] = _Partition(partition)
             self.cleared.discard(partition)
-        self.partitions[partition].tasks.update(tasks)  # calling again declares more tasks
+        p.tasks.update(tasks)  # calling again declares more tasks
+        if close_at is not None:
+            p.close_at = close_at
         self.tasks.update(tasks)
 
     @staticmethod
@@ -205,6 +220,12 @@ class Controller:
         p.wake()
         await asyncio.gather(*(self._unit_call(u, "drop_partition", partition=partition) for u in self.units))
         return n
+
+    async def rpc_clear_then_stats(self, partition: str) -> dict[str, Any]:
+        """``clear``, then every unit's stats: a driver that checks after each step that nothing
+        is left behind asks once, not twice."""
+        rows = await self.rpc_clear(partition)
+        return {"rows": rows, "units": await self.rpc_unit_stats()}
 
     async def rpc_clear_rows(self, partition: str, rows: Any) -> int:
         p = self._partition(partition)
@@ -280,6 +301,10 @@ class Controller:
         if new_rows:
             if p.closed:
                 raise BadPutError(f"partition {p.name!r} is closed (end of stream): no new rows can be added")
+            if p.close_at is not None and len(p.rows) + len(rows) > p.close_at:
+                raise BadPutError(f"partition {p.name!r} was created for {p.close_at} rows (close_at) and holds "
+                                  f"{len(p.rows)}: {len(rows)} new rows would exceed it; create it with the "
+                                  "right count, or without close_at and call close_partition")
             if any(map(p.rows.__contains__, rows)):
                 dup = [r for r in rows if r in p.rows]
                 raise BadPutError(f"partition {p.name!r}: rows {dup[:5]} already exist")
@@ -361,6 +386,8 @@ class Controller:
                                if old & m != m and (old | add) & m == m and r not in consumed])
         if not new_rows and unit is not None:
             self._record_where(p, rows, schemas, int(unit))
+        if new_rows and p.close_at is not None and len(rows_map) >= p.close_at:
+            p.closed = True  # the row count given at creation is reached: the end of the stream
         self.stats["notify"] += 1
         p.wake()
 

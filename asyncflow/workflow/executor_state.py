@@ -62,7 +62,8 @@ class ExecutorState:
         self._closers: set[asyncio.Task[Any]] = set()
         self._closer_errors: list[BaseException] = []
         self._closer_failed = asyncio.Event()
-        self._reports: asyncio.Queue[tuple[int, Any, StepReport]] = asyncio.Queue()  # trained steps, in order
+        # trained steps, in order: (step, its meta, the observers' columns read with it, report)
+        self._reports: asyncio.Queue[tuple[int, Any, dict[str, Any], StepReport]] = asyncio.Queue()
         # Lost rollout instances (training.instance_faults.InstanceFaults; None: a loss ends the run)
         self.faults = faults
         self.rows_out = RowsInFlight()  # the rows each instance holds, and those a lost one gave back

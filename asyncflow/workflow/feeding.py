@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+from .. import column_names as col
 from .executor_config import partition_name
 from .scheduling import Scheduling
 from .staleness import min_version
@@ -31,7 +32,10 @@ class Feeding(Scheduling):
                                        f"policy version {min_version(t, cfg.lag)} to issue step {t}")
             if self._stop:
                 continue
-            await self.tq.create_partition(partition_name(t))
+            # Without refills the step's row count is known now: the partition closes itself once
+            # it holds them (no close_partition request a step).
+            close_at = None if cfg.dynamic_sampling else cfg.prompts_per_step * cfg.group_size
+            await self.tq.create_partition(partition_name(t), close_at=close_at)
             self.step_started[t] = time.monotonic()
             await self._issue(t, cfg.prompts_per_step)
             # Refilling and closing step t runs on its own, so step t+1 may start meanwhile.
@@ -54,13 +58,18 @@ class Feeding(Scheduling):
         if self.cfg.dynamic_sampling:
             await self._refill(t)
         self.ledger.step(t).closed = True
-        await self.tq.close_partition(partition_name(t))
+        if self.cfg.dynamic_sampling:  # else it closed itself with its last row (close_at)
+            await self.tq.close_partition(partition_name(t))
         await self.ledger.notify()
 
     async def _issue(self, t: int, n_prompts: int) -> None:
         cols = await self.source(t, n_prompts)
         n_rows = n_prompts * self.cfg.group_size
         groups = cols.pop("__groups__", None)
+        got = len(cols[col.PROMPT_IDS])
+        if got != n_rows:  # the partition was created for exactly the rows asked for
+            raise ValueError(f"step {t}: the prompt source gave {got} rows for {n_prompts} prompts x "
+                             f"{self.cfg.group_size}; a source returns group_size rows for every prompt asked")
         s = self.ledger.step(t)
         if groups is not None:  # before any await: a checkpoint may look at the ledger meanwhile
             s.uids.extend(dict.fromkeys(groups))

@@ -154,6 +154,22 @@ class DriverBatch:
         return len(self.groups)
 
 
+def upstream_columns(stages: Sequence[Stage], stage: Stage) -> set[str]:
+    """The columns ``stage``'s inputs depend on, its inputs included: the inputs of every stage
+    that writes one of them, and so on back to the source. A row ready for ``stage`` has them
+    all written."""
+    writer = {c: s for s in stages for c in s.outputs}
+    seen: set[str] = set()
+    todo = list(stage.inputs)
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.add(c)
+            if c in writer:
+                todo.extend(writer[c].inputs)
+    return seen
+
+
 def check_graph(stages: list[Stage], source_columns: list[str], where: str = "recipe") -> None:
     """Every input is written by the source or by an earlier stage, one writer per column,
     one update stage, last. ``where`` names the recipe file in the errors."""

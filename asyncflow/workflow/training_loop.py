@@ -6,9 +6,11 @@ import asyncio
 import logging
 import time
 
+from ..transfer_queue.columns import Column
+from ..transfer_queue.meta import BatchMeta
 from .executor_config import partition_name
 from .scheduling import Scheduling
-from .stages import Stage
+from .stages import Stage, upstream_columns
 from .step_report import StepReport
 from .update_request import UpdateRequest
 
@@ -35,8 +37,8 @@ class TrainingLoop(Scheduling):
                 # Wait here until the step's rows are ready (under a task of its own, consuming
                 # nothing of the update's): the update then holds its ranks only to train. Its
                 # ranks fetch their own shares of the rows (token-balanced, sampled once for all).
-                meta = await self.tq.get_meta(stage.inputs, n, f"{stage.name}.ready", partition_name(t),
-                                              timeout=self.cfg.wait_timeout_s)
+                # The observers' columns that the update's rows depend on come with the same request.
+                meta, read = await self._ready_rows(stage, t, n)
                 request = UpdateRequest(partition_name(t), stage.name, n, self.cfg.wait_timeout_s)
                 # The actor's ranks take one call at a time: version t's publish goes before
                 # update t, else the rollout waits a whole update for the weights it needs.
@@ -52,7 +54,7 @@ class TrainingLoop(Scheduling):
                 if self.faults is not None:  # the run's lost instances so far
                     metrics.update(self.faults.metrics())
             else:
-                meta = None
+                meta, read = None, {}
                 log.warning("step %d: no rows left to train on; the policy is unchanged", t)
             # A worker stage beside the update (PPO's critic update) may still read step t:
             # its rows are cleared only once every such stage is done with them.
@@ -72,23 +74,43 @@ class TrainingLoop(Scheduling):
             self._sync_queue.put_nowait(t + 1)
             # The step's audit, clearing and reports follow in the reporter, while the next
             # update trains, unless an observer holds training for this step (a checkpoint).
-            self._reports.put_nowait((t, meta, report))
+            self._reports.put_nowait((t, meta, read, report))
             # Waited for: a step an observer holds, or a reporter two steps behind (uncleared
             # rows must not pile up in the TransferQueue).
             if self._reports.qsize() > 1 or any(o.holds_training(t) for o in self.observers):
                 await self._reported()
             t += 1
 
+    async def _ready_rows(self, stage: Stage, t: int, n: int) -> tuple[BatchMeta, dict[str, Column]]:
+        """Wait until the ``n`` rows of step ``t`` are ready for the update (under a task of their
+        own, consuming nothing of the update's); with them, in one request, the columns the
+        observers read that are written by then: those the update's rows depend on, and the
+        prompt source's (no stage writes them: they come with the rows)."""
+        task, partition = f"{stage.name}.ready", partition_name(t)
+        upstream = upstream_columns(self.stages, stage)
+        by_stages = {c for s in self.stages for c in s.outputs}
+        fused = [c for c in dict.fromkeys(c for o in self.observers for c in o.reads)
+                 if c in upstream or c not in by_stages]
+        if not fused:
+            return await self.tq.get_meta(stage.inputs, n, task, partition, timeout=self.cfg.wait_timeout_s), {}
+        meta, data = await self.tq.get_batch_columns(stage.inputs, n, task, partition, data_columns=fused,
+                                                     timeout=self.cfg.wait_timeout_s)
+        return meta, dict(data or {})
+
     async def _reporter(self) -> None:
         """Each trained step in order: ``trained`` observers (its rows still stored), its rows
         cleared, then ``step_done`` observers."""
         while True:
-            t, meta, report = await self._reports.get()
+            t, meta, read, report = await self._reports.get()
             try:
                 if meta is not None:
+                    rest = [c for c in dict.fromkeys(c for o in self.observers for c in o.reads) if c not in read]
+                    if rest:  # columns of stages the update does not depend on: read now, once for all
+                        read = {**read, **await self.tq.get_columns(meta, rest)}
                     for o in self.observers:
-                        await o.trained(t, meta)
-                await self.tq.clear(partition_name(t))
+                        await o.trained(t, meta, {c: read[c] for c in o.reads})
+                # the units' stats come with the clear: the metrics check that nothing is left behind
+                _, report.tq_units = await self.tq.clear_then_stats(partition_name(t))
                 for o in self.observers:
                     await o.step_done(report)
             finally:

@@ -188,7 +188,7 @@ def stages(dynamic: bool):
 
 def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, instances=1, dynamic=False,
         score_fn=lambda seed, g: float(seed % 2), service=False, delays=None, critic_delay=None, swaps_at_once=0,
-        observers=lambda tq, log: [], wait_timeout_s=20.0, reward_delay=0.0):
+        observers=lambda tq, log: [], wait_timeout_s=20.0, reward_delay=0.0, side_stage=None):
     async def main():
         svc = await TransferQueueService(TransferQueueConfig()).start()
         tq = AsyncTransferQueueClient(svc.controller_address, ctx=zmq.asyncio.Context(), wait_timeout=wait_timeout_s)
@@ -198,6 +198,8 @@ def run(mode, *, steps=5, staleness=1, rollout_delay=0.01, train_delay=0.01, ins
         actor = Actor(tq, train_delay, log)
         groups = {"actor": actor, "reward": Reward(tq, score_fn, reward_delay)}
         plan = stages(dynamic)
+        if side_stage is not None:  # a stage the update does not depend on
+            plan.insert(-1, side_stage)
         if critic_delay is not None:
             groups["critic"] = Critic(tq, critic_delay)
             plan.insert(-1, Stage("critic_update", "critic", "update", ["scores"], batch_rows=4 * G))
@@ -358,7 +360,7 @@ class Slow(StepObserver):
     def __init__(self, tq, log, delay, hold=(), fail=None):
         self.tq, self.log, self.delay, self.hold, self.fail = tq, log, delay, set(hold), fail
 
-    async def trained(self, step, meta):
+    async def trained(self, step, meta, columns):
         data = await self.tq.get_data(meta, ["scores"])  # raises if the rows were cleared
         assert len(data["scores"]) == len(meta)
         self.log.append(("trained", step, asyncio.get_running_loop().time()))
@@ -403,3 +405,45 @@ def test_a_failing_observer_ends_the_run_with_its_error_at_once(hold):
     with pytest.raises(RuntimeError, match="observer failed at step 1"):
         run("async", steps=6, observers=lambda tq, log: [Slow(tq, log, delay=0.0, fail=1, hold=hold)],
             wait_timeout_s=600.0)
+
+
+class Reads(StepObserver):
+    """Takes columns of the trained rows through ``reads``; counts the reads of them made
+    after the update (the executor's get_columns calls)."""
+    reads = ("scores", "prompt_index", "answer", "note")
+
+    def __init__(self, tq):
+        self.got, self.after = [], []
+        get_columns = tq.get_columns
+
+        async def counted(meta, columns=None):
+            if columns and set(columns) <= set(self.reads):  # the fake workers' own reads share the client
+                self.after.append(list(columns))
+            return await get_columns(meta, columns)
+        tq.get_columns = counted
+
+    async def trained(self, step, meta, columns):
+        self.got.append((step, len(meta), {c: len(v) for c, v in columns.items()},
+                         columns["prompt_index"].data.tolist(), list(columns["answer"].items),
+                         columns["note"].data.tolist()))
+
+    def holds_training(self, step):
+        return False
+
+
+def test_observers_get_their_columns_those_written_by_then_with_the_ready_rows():
+    """scores (the update depends on it) and prompt_index and answer (the prompt source's) come
+    with the request that finds the step's rows ready; note, written by a stage the update does
+    not wait for, is read after the update, alone."""
+    seen = []
+    note = Stage("note", "driver", "", ["scores"], ["note"], batch_rows=2 * G,
+                 fn=lambda batch: {"note": torch.full((len(batch),), 7.0)})
+    _, actor, _, _ = run("async", steps=3, observers=lambda tq, log: seen.append(Reads(tq)) or seen,
+                         side_stage=note)
+    obs = seen[0]
+    rows = 4 * G
+    assert [got[:3] for got in obs.got] == [
+        (t, rows, {"scores": rows, "prompt_index": rows, "answer": rows, "note": rows}) for t in range(3)]
+    assert sorted(i for got in obs.got for i in got[3]) == sorted(actor.trained)
+    assert all(got[4] == ["x"] * rows and got[5] == [7.0] * rows for got in obs.got)
+    assert obs.after == [["note"]] * 3
