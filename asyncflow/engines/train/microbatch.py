@@ -83,12 +83,21 @@ def pad_right(rows: list[Tensor], length: int, value: float | int | bool = 0) ->
     """Stack 1-D tensors into [len(rows), length], right-padded with `value`."""
     if not rows:
         raise ValueError("pad_right needs at least one row")
+    lens = [row.numel() for row in rows]
+    over = next((i for i, n in enumerate(lens) if n > length), None)
+    if over is not None:
+        raise ValueError(f"row {over} has {lens[over]} elements, more than the padded length {length}")
     out = torch.full((len(rows), length), value, dtype=rows[0].dtype, device=rows[0].device)
-    for i, row in enumerate(rows):
-        if row.numel() > length:
-            raise ValueError(f"row {i} has {row.numel()} elements, more than the padded length {length}")
-        out[i, : row.numel()] = row
+    lens_t = torch.tensor(lens, device=out.device)
+    _write_rows(out, torch.cat(rows), torch.zeros_like(lens_t), lens_t)
     return out
+
+
+def _write_rows(out: Tensor, values: Tensor, starts: Tensor, lens: Tensor) -> None:
+    """Row i of ``out`` gets its ``lens[i]`` values from column ``starts[i]`` (``values``: every
+    row's, end to end): one masked write for all rows, not one a row."""
+    cols = torch.arange(out.shape[1], device=out.device)[None, :]
+    out[(cols >= starts[:, None]) & (cols < (starts + lens)[:, None])] = values
 
 
 @dataclass
@@ -140,19 +149,27 @@ def build_micro_batch(prompts: list[Tensor], responses: list[Tensor], indices: l
     loss_masks: one bool tensor per sequence (all of them, like ``prompts``), True on the
     response tokens to train on; ``mask`` is then the real response tokens AND it. The
     layout (input_ids, logit_pos, targets) does not depend on it."""
-    seqs, plens, rlens = joined_sequences(prompts, responses, indices)
-    width = max(s.numel() for s in seqs)
+    if not indices:
+        raise ValueError("a micro-batch needs at least one sequence")
+    ps = [prompts[i].to("cpu", torch.long) for i in indices]
+    rs = [responses[i].to("cpu", torch.long) for i in indices]
+    plens, rlens = [p.numel() for p in ps], [r.numel() for r in rs]
+    plen_t, rlen_t = torch.tensor(plens), torch.tensor(rlens)
+    lens = plen_t + rlen_t
+    width = int(lens.max())
     rwidth = max(max(rlens), 1)
-    input_ids = pad_right(seqs, width, pad_id)
-    lens = torch.tensor([s.numel() for s in seqs])
+    # prompts from column 0, each response right after its prompt: two writes for all rows
+    input_ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
+    _write_rows(input_ids, torch.cat(ps), torch.zeros_like(plen_t), plen_t)
+    _write_rows(input_ids, torch.cat(rs), plen_t, rlen_t)
     cols = torch.arange(width)
     attention_mask = (cols[None, :] < lens[:, None]).long()
-    position_ids = cols[None, :].expand(len(seqs), width) * attention_mask
+    position_ids = cols[None, :].expand(len(indices), width) * attention_mask
     rcols = torch.arange(rwidth)
-    mask = rcols[None, :] < torch.tensor(rlens)[:, None]
+    mask = rcols[None, :] < rlen_t[:, None]
     # Padded response slots point at the prompt's last position: a valid index whose
     # value is masked out afterwards.
-    logit_pos = torch.tensor(plens)[:, None] - 1 + rcols[None, :] * mask
+    logit_pos = plen_t[:, None] - 1 + rcols[None, :] * mask
     targets = torch.gather(input_ids, 1, (logit_pos + 1).clamp(max=width - 1)) * mask
     if loss_masks is not None:
         mask = mask & pad_right([loss_masks[i].to("cpu", torch.bool) for i in indices], rwidth, False)
