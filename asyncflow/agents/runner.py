@@ -23,6 +23,7 @@ from .. import column_names as col
 from ..engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ..engines.rollout.columns import ROLLOUT_OUTPUTS, result_columns
 from ..rpc.loop_thread import EventLoopThread
+from ..transfer_queue.columns import JaggedColumn
 from ..transfer_queue.row_lists import rows, values
 from .episode import EpisodeContext, EpisodeLimits, Trajectory
 from .serving.spec import is_agent
@@ -177,13 +178,14 @@ def _failed(error: str) -> Trajectory:
 
 
 def episode_rows(data: Any, n: int) -> list[dict[str, Any]]:
-    """One dict per row from a stage's input data (prompt ids as a list of ints)."""
+    """One dict per row from a stage's input data, a TensorDict or a dict of TransferQueue
+    columns (prompt ids as a list of ints)."""
     out: list[dict[str, Any]] = [{} for _ in range(n)]
     for key in data.keys():
         column = data[key]
         if key == col.PROMPT_IDS:
             vals = [[int(x) for x in r.tolist()] for r in rows(column)]
-        elif getattr(column, "is_nested", False):
+        elif isinstance(column, JaggedColumn) or getattr(column, "is_nested", False):
             vals = [r.tolist() for r in rows(column)]
         elif isinstance(column, torch.Tensor):
             vals = column.tolist()

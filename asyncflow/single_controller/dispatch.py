@@ -77,10 +77,11 @@ class MethodSpec:
     mode: str
     timeout_s: float | None = None  # None: the driver's default call timeout
     concurrent: bool = False  # served beside the running call (see ``register``)
+    columns: bool = False  # DP_COMPUTE: the rows as a dict of TransferQueue columns (see ``register``)
 
 
 def register(mode: str = Dispatch.ONE_TO_ALL, *, timeout_s: float | None = None,
-             concurrent: bool = False) -> Callable[[_F], _F]:
+             concurrent: bool = False, columns: bool = False) -> Callable[[_F], _F]:
     """Mark a Worker method as callable from the driver with dispatch ``mode``.
 
     concurrent: the method is served while another call runs on the rank (on a thread of
@@ -88,13 +89,20 @@ def register(mode: str = Dispatch.ONE_TO_ALL, *, timeout_s: float | None = None,
     (new weights, abort, stats, submit) that must never wait behind generation. Such a
     method must be thread-safe against the worker's other methods, runs no collective
     (its order against other calls is not kept) and does not switch colocated roles.
+
+    columns (DP_COMPUTE only): the method gets its rows as a dict of the TransferQueue's
+    columns (``transfer_queue.row_lists.rows``/``values`` read them) instead of a TensorDict.
+    A TensorDict holds a non-tensor column (answers, metadata) as one tensorclass object per
+    row; a method that only reads the values skips building them.
     """
     get_dispatch_mode(mode)  # fail at class definition, not at the first call
     if concurrent and mode == Dispatch.DP_COMPUTE:
         raise ValueError("a concurrent method cannot use DP_COMPUTE (it broadcasts over the shard's group)")
+    if columns and mode != Dispatch.DP_COMPUTE:
+        raise ValueError(f"columns=True is for DP_COMPUTE methods (the rows they read); mode {mode!r} reads none")
 
     def mark(fn: _F) -> _F:
-        setattr(fn, _ATTR, MethodSpec(mode, timeout_s, concurrent))
+        setattr(fn, _ATTR, MethodSpec(mode, timeout_s, concurrent, columns))
         return fn
     return mark
 
@@ -153,7 +161,9 @@ def _dp_execute(worker: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwar
     meta: BatchMeta = args[0]
     if not len(meta):  # every rank of the shard got the same empty share: nothing to compute
         return meta
-    box = [worker.tq.get_data(meta) if worker.is_shard_leader else None]
+    spec = method_spec(fn)
+    read = worker.tq.get_columns if spec is not None and spec.columns else worker.tq.get_data
+    box = [read(meta) if worker.is_shard_leader else None]
     if worker.shard_group is not None:
         dist.broadcast_object_list(box, src=worker.shard_ranks[0], group=worker.shard_group,
                                    device=worker.collective_device)

@@ -97,7 +97,7 @@ class RewardWorker(Worker):
         tokenizer = load_tokenizer(c.model.path)
         self.scorer = RowScorer(c.reward, tokenizer, set(eos_token_ids(c.model.path, tokenizer)))
 
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.DP_COMPUTE, columns=True)  # reads values only: no TensorDict built
     @charged("reward")
     def compute(self, data: Any, io: StageIO | dict[str, Any] | None = None) -> dict:
         """[response, answer, and optionally prompt, metadata] -> one score per row."""

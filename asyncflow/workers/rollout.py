@@ -247,7 +247,7 @@ class RolloutWorker(EngineOffload, Worker):
         self.stream.drain(timeout_s)
         return self.stream.rows_written
 
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.DP_COMPUTE, columns=True)  # reads rows and values only: no TensorDict built
     def generate(self, data: Any, min_version: int, io: StageIO | dict[str, Any] | None = None) -> dict:
         """All rows of one call, through the service (the colocated path: the call holds the rank)."""
         stage = StageIO.of(io, ROLLOUT_INPUTS, ROLLOUT_OUTPUTS)

@@ -171,3 +171,18 @@ def test_an_episode_must_be_an_async_function():
         load_episode(_register("plain", lambda row, ctx: None))
     with pytest.raises(ValueError, match="cannot load"):
         load_episode("no_such_module_xyz:fn")
+
+
+def test_episode_rows_read_a_tensordict_and_the_queues_columns_alike():
+    """An episode's row dicts are the same whether the stage's data came as a TensorDict or as
+    the TransferQueue's columns (DP_COMPUTE with columns=True)."""
+    from asyncflow.agents.runner import episode_rows
+    from asyncflow.transfer_queue.columns import to_column, to_tensordict
+
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8])]
+    cols = {"prompt_ids": to_column("prompt_ids", prompts), "seed": to_column("seed", torch.tensor([3, 4])),
+            "answer": to_column("answer", ["12", "x"]), "metadata": to_column("metadata", [{"k": 1}, {}])}
+    want = [{"prompt_ids": [5, 6, 7], "seed": 3, "answer": "12", "metadata": {"k": 1}},
+            {"prompt_ids": [8], "seed": 4, "answer": "x", "metadata": {}}]
+    assert episode_rows(cols, 2) == want
+    assert episode_rows(to_tensordict(cols, 2), 2) == want

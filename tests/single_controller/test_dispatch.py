@@ -81,3 +81,54 @@ def test_wire_round_trip():
     assert x["m"] == m and x["l"][0] == m and x["t"][0] == 1 and torch.equal(x["t"][1], torch.ones(2))
     with pytest.raises(TypeError, match="cannot be sent"):
         to_wire({"o": object()})
+
+
+class _FakeTQ:
+    """What DP_COMPUTE's leader reads through: records which read it used."""
+
+    def __init__(self):
+        self.reads: list[str] = []
+        self.put_args = None
+
+    def get_data(self, meta):
+        self.reads.append("get_data")
+        return {"td": len(meta)}
+
+    def get_columns(self, meta):
+        self.reads.append("get_columns")
+        return {"cols": len(meta)}
+
+    def put(self, out, partition, meta):
+        self.put_args = (out, partition)
+        return meta.with_columns(list(out))
+
+
+class _FakeWorker:
+    is_shard_leader, shard_group = True, None
+
+    def __init__(self):
+        self.tq = _FakeTQ()
+        self.seen = []
+
+    @register(Dispatch.DP_COMPUTE)
+    def as_tensordict(self, data):
+        self.seen.append(data)
+        return {"y": [1]}
+
+    @register(Dispatch.DP_COMPUTE, columns=True)
+    def as_columns(self, data):
+        self.seen.append(data)
+        return {"y": [1]}
+
+
+def test_dp_compute_reads_columns_only_for_methods_that_ask():
+    """columns=True: the leader reads the rows' columns (no TensorDict built); the default still
+    hands the method get_data's TensorDict. Both write the method's columns back."""
+    execute = get_dispatch_mode(Dispatch.DP_COMPUTE).execute
+    w = _FakeWorker()
+    assert execute(w, w.as_tensordict, (meta(3),), {}).columns == ["y"]
+    assert execute(w, w.as_columns, (meta(2),), {}).columns == ["y"]
+    assert w.tq.reads == ["get_data", "get_columns"] and w.seen == [{"td": 3}, {"cols": 2}]
+    assert method_spec(w.as_columns).columns and not method_spec(w.as_tensordict).columns
+    with pytest.raises(ValueError, match="columns=True is for DP_COMPUTE"):
+        register(Dispatch.ONE_TO_ALL, columns=True)
