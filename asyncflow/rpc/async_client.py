@@ -17,7 +17,7 @@ from ..cpu_account import charged
 from . import auth, codec
 from .client_replies import check_reply, decode_reply, no_reply_hint, raise_remote
 from .errors import RpcTimeout
-from .sockets import EVENTS, POLLIN, POLLOUT, connect_dealer, drain, send_nowait, unwatch
+from .sockets import EVENTS, POLLIN, POLLOUT, drain, send_nowait, unwatch
 from .spin import poll_ready
 
 
@@ -52,7 +52,10 @@ class RpcClient:
         self.timeout = timeout
         self.timeout_error = timeout_error  # raised for a call with no reply in time
         self._key = key if key is not None else auth.run_key()
-        self._sock = connect_dealer(ctx, address)  # a plain socket: the loop watches its fd itself
+        # A plain socket even from a zmq.asyncio context: the loop watches its fd itself.
+        self._sock = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
         self._fd = self._sock.getsockopt(zmq.FD)
         # The request id is also the MAC nonce's counter; the sender id is this socket's.
         self._sender = auth.new_sender_id()

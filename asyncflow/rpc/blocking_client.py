@@ -13,7 +13,6 @@ from ..cpu_account import charged
 from . import auth, codec
 from .client_replies import check_reply, decode_reply, no_reply_hint, raise_remote
 from .errors import RpcTimeout
-from .sockets import connect_dealer
 
 
 class BlockingRpcClient:
@@ -48,7 +47,9 @@ class BlockingRpcClient:
         """This thread's socket and its bookkeeping (a threading.local), made on first use."""
         st = self._local
         if not hasattr(st, "sock"):
-            st.sock = connect_dealer(self._ctx, self.address)
+            st.sock = self._ctx.socket(zmq.DEALER)
+            st.sock.setsockopt(zmq.LINGER, 0)
+            st.sock.connect(self.address)
             st.sender = auth.new_sender_id()  # one MAC sender per socket
             st.outstanding = set()
             st.early = {}  # replies that arrived while this thread waited for another id

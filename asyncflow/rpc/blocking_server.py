@@ -55,7 +55,7 @@ class BlockingRpcServer(ServerBase):
         try:
             self._sock.bind(address)
             return address
-        except (zmq.ZMQError, ValueError) as e:  # ValueError: a unix transport server listens at one address
+        except zmq.ZMQError as e:
             log.warning("%s: cannot listen on %s too (%s); TCP only", self.name, address, e)
             return None
 

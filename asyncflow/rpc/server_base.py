@@ -10,13 +10,12 @@ import zmq
 
 from ..cpu_account import count
 from . import auth, codec
-from .unix_transport import UnixRouter, is_unix
 
 log = logging.getLogger(__name__)
 
 
 def _bind(sock: Any, address: str) -> str:
-    """Bind a ZMQ ROUTER socket; ``tcp://HOST:0`` picks a free port on that interface only."""
+    """Bind a ROUTER socket; ``tcp://HOST:0`` picks a free port on that interface only."""
     sock.setsockopt(zmq.LINGER, 0)
     if address.endswith(":0"):
         host = address.rsplit(":", 1)[0]
@@ -88,13 +87,9 @@ class ServerBase:
         self.service = service
         self.name = name
         self._key = key if key is not None else auth.run_key()
-        if is_unix(address):  # the same-host transport
-            self._sock: Any = UnixRouter()
-            self.address = self._sock.bind(address)
-        else:
-            # A plain socket even from a zmq.asyncio context: RpcServer's loop watches its fd itself.
-            self._sock = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
-            self.address = _bind(self._sock, address)
+        # A plain socket even from a zmq.asyncio context: RpcServer's loop watches its fd itself.
+        self._sock = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
+        self.address = _bind(self._sock, address)
         self.bad_messages = 0  # authentic but undecodable
         self.auth = auth.FailureLog(name)
         self._replays = auth.ReplayWindow()

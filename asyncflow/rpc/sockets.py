@@ -1,5 +1,4 @@
-"""Socket steps that both servers and clients take: a client's socket for an address (ZMQ,
-or the same-host ``unix_transport`` for ``unix://`` addresses), send without blocking, hand every
+"""ZMQ socket steps that both servers and clients take: send without blocking, hand every
 message that has arrived to a handler, stop an event loop watching a socket."""
 from __future__ import annotations
 
@@ -10,26 +9,12 @@ from typing import Any
 
 import zmq
 
-from .unix_transport import UnixDealer, is_unix
-
 log = logging.getLogger(__name__)
 
 
 # Plain ints on the hot path: flag arithmetic on zmq's enum members goes through the enum's
 # Python-level operators on every use.
 EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
-
-
-def connect_dealer(ctx: zmq.Context[Any], address: str) -> Any:
-    """A client's socket connected to the server at ``address``."""
-    if is_unix(address):
-        dealer = UnixDealer()
-        dealer.connect(address)
-        return dealer
-    sock = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    return sock
 
 
 def send_nowait(sock: Any, frames: list[Any]) -> bool:

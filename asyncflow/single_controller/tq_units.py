@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 STORAGE_UNITS = ("driver", "per_node")
 SERVICE_PLACES = ("own_process", "driver")
-TRANSPORTS = ("tcp", "unix")
 CONTROLLER_KEY = f"{KEY_PREFIX}tq/controller"
 
 
@@ -65,9 +64,6 @@ class TransferQueueLayout:
     # driver's rank, so that serving requests never takes the GIL from the rank's compute;
     # driver: threads inside the driver's rank (one process fewer, for the smallest runs).
     service: str = field(default="own_process", metadata={"choices": SERVICE_PLACES})
-    # How clients reach the service: tcp (ZMQ over TCP; any node) or unix (Unix sockets with
-    # no I/O thread, one wake-up a message: single-node runs, storage_units=driver).
-    transport: str = field(default="tcp", metadata={"choices": TRANSPORTS})
     max_rows_per_unit: int = 0  # backpressure: a put of new rows waits for room (0: unbounded)
     max_bytes_per_unit: int = 0
     stats_path: str = ""  # rank 0 writes every unit's stats there as JSON at the end ("": out_dir/tq_units.json)
@@ -83,9 +79,6 @@ class TransferQueueLayout:
         if self.max_rows_per_unit < 0 or self.max_bytes_per_unit < 0:
             return [(f"transfer_queue.max_rows_per_unit and max_bytes_per_unit must be >= 0 (0: unbounded), "
                      f"got {self.max_rows_per_unit} and {self.max_bytes_per_unit}")]
-        if self.transport == "unix" and self.per_node:
-            return [("transfer_queue.transport=unix reaches processes of one host only; storage_units=per_node "
-                     "serves several nodes: use transport=tcp")]
         return []
 
 
@@ -167,9 +160,6 @@ def check_units(cfg: TransferQueueLayout) -> None:
                           f"got {cfg.storage_units!r}")
     if cfg.service not in SERVICE_PLACES:
         raise LaunchError(f"transfer_queue.service: expected one of {SERVICE_PLACES}, got {cfg.service!r}")
-    problems = cfg.validate()
-    if problems:
-        raise LaunchError("; ".join(problems))
 
 
 def start_for_rank(cfg: TransferQueueLayout, store: Any, rank: int, local_rank: int, node: int, host: str,
@@ -188,8 +178,7 @@ def start_for_rank(cfg: TransferQueueLayout, store: Any, rank: int, local_rank: 
             raise LaunchError(f"the driver's rank {rank} is on node {node}: with transfer_queue.storage_units="
                               "per_node it must be on node 0 (torchrun puts rank 0 on node rank 0)")
         locality.set_locality(node, 0 if cfg.per_node else None)
-        service_cfg = TransferQueueConfig(host=host, transport=cfg.transport,
-                                          max_rows_per_unit=_bound(cfg.max_rows_per_unit),
+        service_cfg = TransferQueueConfig(host=host, max_rows_per_unit=_bound(cfg.max_rows_per_unit),
                                           max_bytes_per_unit=_bound(cfg.max_bytes_per_unit))
         if cfg.service == "own_process":
             try:
@@ -202,9 +191,6 @@ def start_for_rank(cfg: TransferQueueLayout, store: Any, rank: int, local_rank: 
         store.set(CONTROLLER_KEY, out.service.controller_address)
         return out
     locality.set_locality(node, node if cfg.per_node else None)
-    if cfg.transport == "unix" and node != 0:
-        raise LaunchError(f"rank {rank} is on node {node}, and transfer_queue.transport=unix reaches the "
-                          "TransferQueue from node 0 only: use transport=tcp for a run over several nodes")
     if not (cfg.per_node and local_rank == 0 and node != 0):
         return out
     try:

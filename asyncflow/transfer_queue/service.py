@@ -20,7 +20,6 @@ from ..rpc.async_client import RpcClient
 from ..rpc.async_server import RpcServer
 from ..rpc.local_endpoint import LocalEndpoint
 from ..rpc.loop_thread import EventLoopThread
-from ..rpc.unix_transport import new_address
 from .controller import Controller
 from .errors import TransferQueueTimeout
 from .storage import StorageUnit
@@ -31,9 +30,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class TransferQueueConfig:
     host: str = "127.0.0.1"  # interface to bind; the rendezvous interface in multi-node runs
-    # tcp (ZMQ, any host); unix: Unix sockets with no I/O thread (rpc.unix_transport), for
-    # clients on this host only
-    transport: str = "tcp"
     num_local_units: int = 1  # storage units inside the controller's process
     max_rows_per_unit: int | None = None  # backpressure bounds (None: unbounded)
     max_bytes_per_unit: int | None = None
@@ -58,7 +54,7 @@ class TransferQueueService:
             keep_freed_memory()
         ctx = zmq.asyncio.Context.instance()
         self.controller = Controller(default_timeout=cfg.wait_timeout_s)
-        server = RpcServer(self.controller, self._address("controller"), ctx, "tq-controller")
+        server = RpcServer(self.controller, f"tcp://{cfg.host}:0", ctx, "tq-controller")
         server.start()
         self._servers.append(server)
         self.controller_address = server.address
@@ -66,20 +62,13 @@ class TransferQueueService:
         for i in range(cfg.num_local_units):
             unit = StorageUnit(i, local_controller, cfg.max_rows_per_unit, cfg.max_bytes_per_unit,
                                cfg.wait_timeout_s)
-            userver = RpcServer(unit, self._address(f"unit{i}"), ctx, f"tq-unit-{i}")
+            userver = RpcServer(unit, f"tcp://{cfg.host}:0", ctx, f"tq-unit-{i}")
             userver.start()
             self._servers.append(userver)
             self.units.append(unit)
             self.controller.attach_unit(i, LocalEndpoint(unit, f"unit-{i}", timeout_error=TransferQueueTimeout),
                                         userver.address)
         return self
-
-    def _address(self, label: str) -> str:
-        if self.config.transport == "unix":
-            return new_address(f"tq-{label}")
-        if self.config.transport != "tcp":
-            raise ValueError(f"TransferQueue transport {self.config.transport!r}: expected tcp or unix")
-        return f"tcp://{self.config.host}:0"
 
     def start_in_thread(self) -> TransferQueueService:
         self._thread = EventLoopThread("tq-service")

@@ -69,8 +69,7 @@ class ServiceProcess:
 
     def __init__(self, config: TransferQueueConfig, start_timeout_s: float = 60.0,
                  imports: Sequence[str] = (), on_death: Callable[[str], None] | None = None):
-        cmd = [sys.executable, "-m", MODULE, "--host", config.host, "--transport", config.transport,
-               "--units", str(config.num_local_units),
+        cmd = [sys.executable, "-m", MODULE, "--host", config.host, "--units", str(config.num_local_units),
                "--wait-timeout", str(config.wait_timeout_s)]
         if config.max_rows_per_unit is not None:
             cmd += ["--max-rows", str(config.max_rows_per_unit)]
@@ -117,7 +116,7 @@ class ServiceProcess:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 text = line.decode(errors="replace").strip()
-                if text.startswith(("tcp://", "unix://")):
+                if text.startswith("tcp://"):
                     return text
                 if text:  # something else printed first (a library): not ours to parse
                     log.warning("TransferQueue service process %d printed %r before its address",
@@ -173,8 +172,6 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Run the TransferQueue controller and its local storage units "
                                             "until stdin closes (started by a launched job's driver rank).")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind")
-    p.add_argument("--transport", choices=("tcp", "unix"), default="tcp",
-                   help="tcp (ZMQ, any host) or unix (this host's clients only, no I/O thread)")
     p.add_argument("--units", type=int, default=1, help="storage units inside this process")
     p.add_argument("--max-rows", type=int, default=None)
     p.add_argument("--max-bytes", type=int, default=None)
@@ -195,9 +192,8 @@ def main(argv: list[str] | None = None) -> None:
         except ImportError as e:
             raise SystemExit(f"the TransferQueue service cannot import {module!r} (the run's imports): {e}") from None
     prepare_unit_process()
-    asyncio.run(_serve(TransferQueueConfig(host=a.host, transport=a.transport, num_local_units=a.units,
-                                           max_rows_per_unit=a.max_rows, max_bytes_per_unit=a.max_bytes,
-                                           wait_timeout_s=a.wait_timeout)))
+    asyncio.run(_serve(TransferQueueConfig(host=a.host, num_local_units=a.units, max_rows_per_unit=a.max_rows,
+                                           max_bytes_per_unit=a.max_bytes, wait_timeout_s=a.wait_timeout)))
 
 
 if __name__ == "__main__":
