@@ -1,12 +1,14 @@
 """The CPU of one RL step by component, AsyncFlow's and TRL's, at 1x, 4x and 16x the rows per step.
 
-    python perf/cpu_account.py [--scales 1,4,16] [--steps-before 8] [--steps 24] [--no-trl]
+    python perf/cpu_account.py [--scales 1,4,16] [--steps-before 8] [--steps 24] [--no-trl] [KEY=VALUE ...]
 
 The workload is perf/bench_e2e.py's (GRPO on addition from its shared warm-up, ``--prompts``
 x ``--group`` rows per step at 1x, the reference and reward stages), AsyncFlow in the main
-job's mode and placement (async, disaggregated, its default threads and reward placement),
-TRL's GRPOTrainer (perf/_trl_peer.py through perf/_trl_account.py, one process, ``--trl-threads``
-torch threads) on the same prompts. Each scale multiplies the prompts per step.
+job's mode and placement (async, disaggregated, its default threads and reward placement;
+KEY=VALUE overrides go to AsyncFlow's runs only, a variant to account, e.g.
+``transfer_queue.service=driver``), TRL's GRPOTrainer (perf/_trl_peer.py through
+perf/_trl_account.py, one process, ``--trl-threads`` torch threads) on the same prompts. Each
+scale multiplies the prompts per step.
 
 How CPU is attributed: every thread of every process of the run is read from /proc (its CPU
 over a window of ``--steps`` RL steps after ``--steps-before``); inside a thread, code under
@@ -284,10 +286,14 @@ def main() -> int:
     ap.add_argument("--trl-venv", default=str(TRL_VENV_DEFAULT),
                     help="a venv with trl (bench_e2e's pins); default /work/trl-venv, else perf/.venv-trl")
     ap.add_argument("--no-trl", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides for AsyncFlow's runs")
     ap.add_argument("--only-scale-steps", default="", help="per-scale window steps, e.g. 24,12,4")
     ap.add_argument("--out", default=str(PERF / "out" / "cpu_account"))
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     a = ap.parse_args()
+    bad = [o for o in a.overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        ap.error(f"overrides must be KEY=VALUE (config keys of AsyncFlow's runs), got {bad}")
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -308,7 +314,8 @@ def main() -> int:
     for scale, steps in zip(scales, window_steps):
         ns.prompts, ns.steps = a.prompts * scale, a.steps_before + steps + 4
         n_rows = ns.prompts * a.group
-        overrides = [*bench_e2e.workload_overrides(ns), *bench_e2e.start_from(model), *bench_e2e.MODES["async"]]
+        overrides = [*bench_e2e.workload_overrides(ns), *bench_e2e.start_from(model), *bench_e2e.MODES["async"],
+                     *a.overrides]
         ours = account_asyncflow(overrides, out / f"ours_x{scale}", a.steps_before, steps, a.timeout_s)
         name = f"ours x{scale}"
         accounts[name], rows[name] = per_step(ours["ns"], ours["steps"]), n_rows
@@ -347,7 +354,7 @@ def main() -> int:
             print(f"| {c} | " + " | ".join(cells) + " |")
     print(json.dumps({"accounts": {n: {c: round(v, 2) for c, v in acc.items()} for n, acc in accounts.items()},
                       "rows_per_step": rows, "fixed_ms_and_us_per_row": fits, "requests_per_step": calls,
-                      "code": bench_e2e.code_version()}))
+                      "overrides": list(a.overrides), "code": bench_e2e.code_version()}))
     return 0
 
 
