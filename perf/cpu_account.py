@@ -47,7 +47,6 @@ import soak  # noqa: E402
 from thread_cpu import cpu_by_thread  # noqa: E402
 
 FILE_PREFIX = "cpu_account-"  # asyncflow.cpu_account's snapshot files
-TRL_VENV_DEFAULT = Path("/work/trl-venv")
 
 # A thread's CPU outside any span goes to the component its name says; the first rule whose
 # process label starts with its first field ("*": any) and whose thread name contains its
@@ -272,6 +271,21 @@ def account_trl(spec: dict, python: Path, run_dir: Path, before: int, steps: int
 
 # ---- main -----------------------------------------------------------------------------------
 
+def trl_interpreter(venv: str, out: Path) -> Path:
+    """TRL's python: ``venv``'s, or bench_e2e's venv, made here if it is missing or broken."""
+    if venv:
+        python = Path(venv) / "bin" / "python"
+        if not python.is_file():
+            raise SystemExit(f"cpu_account: --trl-venv {venv} has no bin/python; leave it out to use (and make) "
+                             f"{bench_e2e.TRL_VENV}, or pass --no-trl")
+        return python
+    failed = bench_e2e.ensure_trl_venv(out / "trl_install.log")
+    if failed:
+        raise SystemExit(f"cpu_account: the TRL venv {bench_e2e.TRL_VENV} could not be made: {failed} "
+                         f"(log: {out / 'trl_install.log'}); pass --no-trl to account ours alone")
+    return bench_e2e.trl_python()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scales", default="1,4,16", help="multiples of --prompts per step")
@@ -283,8 +297,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24, help="RL steps in the window")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-threads", type=int, default=1, help="torch threads of TRL's process")
-    ap.add_argument("--trl-venv", default=str(TRL_VENV_DEFAULT),
-                    help="a venv with trl (bench_e2e's pins); default /work/trl-venv, else perf/.venv-trl")
+    ap.add_argument("--trl-venv", default="",
+                    help="a venv with trl (bench_e2e's pins); default bench_e2e's perf/.venv-trl, made on first use")
     ap.add_argument("--no-trl", action="store_true")
     ap.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides for AsyncFlow's runs")
     ap.add_argument("--only-scale-steps", default="", help="per-scale window steps, e.g. 24,12,4")
@@ -304,9 +318,7 @@ def main() -> int:
                             prompts=a.prompts, group=a.group, batch_prompts=a.batch_prompts,
                             max_new_tokens=a.max_new_tokens, lengths="natural", steps=0)
     model = Path(bench_e2e.warm_up(ns, out)["model"])
-    trl_python = Path(a.trl_venv) / "bin" / "python"
-    if not trl_python.is_file():
-        trl_python = bench_e2e.trl_python()
+    trl_python = trl_interpreter(a.trl_venv, out) if not a.no_trl else Path()
     accounts: dict[str, dict[str, float]] = {}
     rows: dict[str, int] = {}
     calls: dict[str, dict[str, float]] = {}

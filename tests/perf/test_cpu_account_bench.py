@@ -68,3 +68,20 @@ def test_the_table_has_a_row_per_component_and_both_sides():
     assert "| update | 6.4 | 100 | 0.0 | 0 |" in lines
     assert "| generation | 0.0 | 0 | 3.2 | 50 |" in lines
     assert lines[-1] == "| **total** | 6.4 | 100 | 3.2 | 50 |"
+
+
+def test_trl_interpreter_makes_bench_e2e_venv_or_says_what_to_do(tmp_path, monkeypatch):
+    """No --trl-venv: bench_e2e's venv, made when missing; a failure names the log and --no-trl.
+    A --trl-venv without a python is refused by name."""
+    made = []
+    monkeypatch.setattr(bench.bench_e2e, "ensure_trl_venv", lambda log: made.append(log))
+    assert bench.trl_interpreter("", tmp_path) == bench.bench_e2e.trl_python()
+    assert made == [tmp_path / "trl_install.log"]
+    monkeypatch.setattr(bench.bench_e2e, "ensure_trl_venv", lambda log: "pip failed")
+    with pytest.raises(SystemExit, match="could not be made: pip failed .*pass --no-trl"):
+        bench.trl_interpreter("", tmp_path)
+    with pytest.raises(SystemExit, match="--trl-venv .* has no bin/python"):
+        bench.trl_interpreter(str(tmp_path / "nowhere"), tmp_path)
+    (tmp_path / "v" / "bin").mkdir(parents=True)
+    (tmp_path / "v" / "bin" / "python").write_text("")
+    assert bench.trl_interpreter(str(tmp_path / "v"), tmp_path) == tmp_path / "v" / "bin" / "python"
