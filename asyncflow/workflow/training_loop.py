@@ -3,6 +3,7 @@ step reports that follow each update (observers, then the step's rows cleared)."
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -87,23 +88,21 @@ class TrainingLoop(Scheduling):
         observers read that are written by then: those the update's rows depend on, and the
         prompt source's (no stage writes them: they come with the rows)."""
         task, partition = f"{stage.name}.ready", partition_name(t)
-        fused = self._observer_reads()[0]
+        fused = self._observer_reads[0]
         if not fused:
             return await self.tq.get_meta(stage.inputs, n, task, partition, timeout=self.cfg.wait_timeout_s), {}
         meta, data = await self.tq.get_batch_columns(stage.inputs, n, task, partition, data_columns=fused,
                                                      timeout=self.cfg.wait_timeout_s)
         return meta, dict(data or {})
 
+    @functools.cached_property
     def _observer_reads(self) -> tuple[list[str], list[str]]:
         """(the observers' columns read with the update's ready rows, all their columns): fixed
         for the run (the stages and observers are), so worked out once."""
-        cached = getattr(self, "_reads_cache", None)
-        if cached is None:
-            upstream = upstream_columns(self.stages, next(s for s in self.stages if s.kind == "update"))
-            by_stages = {c for s in self.stages for c in s.outputs}
-            wanted = list(dict.fromkeys(c for o in self.observers for c in o.reads))
-            cached = self._reads_cache = ([c for c in wanted if c in upstream or c not in by_stages], wanted)
-        return cached
+        upstream = upstream_columns(self.stages, next(s for s in self.stages if s.kind == "update"))
+        by_stages = {c for s in self.stages for c in s.outputs}
+        wanted = list(dict.fromkeys(c for o in self.observers for c in o.reads))
+        return [c for c in wanted if c in upstream or c not in by_stages], wanted
 
     async def _reporter(self) -> None:
         """Each trained step in order: ``trained`` observers (its rows still stored), its rows
@@ -112,7 +111,7 @@ class TrainingLoop(Scheduling):
             t, meta, read, report = await self._reports.get()
             try:
                 if meta is not None:
-                    rest = [c for c in self._observer_reads()[1] if c not in read]
+                    rest = [c for c in self._observer_reads[1] if c not in read]
                     if rest:  # columns of stages the update does not depend on: read now, once for all
                         read = {**read, **await self.tq.get_columns(meta, rest)}
                     for o in self.observers:

@@ -88,7 +88,6 @@ class _FakeTQ:
 
     def __init__(self):
         self.reads: list[str] = []
-        self.put_args = None
 
     def get_data(self, meta):
         self.reads.append("get_data")
@@ -99,7 +98,6 @@ class _FakeTQ:
         return {"cols": len(meta)}
 
     def put(self, out, partition, meta):
-        self.put_args = (out, partition)
         return meta.with_columns(list(out))
 
 
