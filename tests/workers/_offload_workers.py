@@ -29,8 +29,9 @@ class ProbingActor(ActorWorker):
         """What each rollout worker of this process holds while this training role runs."""
         seen = []
         for worker in ROLLOUTS:
-            try:
-                worker.engine.generate([torch.tensor([3, 4, 5])], SamplingParams(max_new_tokens=1), seeds=[0])
+            try:  # on the service thread: it steps the engine whenever the engine has work
+                worker.service.call(lambda e: e.generate([torch.tensor([3, 4, 5])], SamplingParams(max_new_tokens=1),
+                                                         seeds=[0]), 30.0, "probe")
                 refused = False
             except RuntimeError:  # released: generate asks for resume_memory() first
                 refused = True
