@@ -53,6 +53,8 @@ FILE_PREFIX = "cpu_account-"  # asyncflow.cpu_account's snapshot files
 # second wins.
 THREAD_RULES: tuple[tuple[str, str, str], ...] = (
     ("tq_service", "", "tq_process"),  # the TransferQueue's own process: controller + storage unit
+    ("*", "tq-service", "tq_process"),  # the same in a rank's thread (transfer_queue.service=driver)
+    ("*", "tq-unit-", "tq_process"),  # a node's storage unit in its local rank 0 (storage_units=per_node)
     ("*", "ZMQbg/", "zmq_io"),  # libzmq's I/O threads (every socket's bytes, RPC and TransferQueue)
     ("*", "GarbageCollectorThread", "zmq_io"),  # pyzmq's: frees buffers sent without a copy
     ("*", "gloo", "weight_sync"),  # torch.distributed's gloo threads: the weight broadcasts

@@ -14,6 +14,8 @@ import cpu_account as bench
 @pytest.mark.parametrize("process, thread, component", [
     ("tq_service", "MainThread", "tq_process"),
     ("tq_service", "ZMQbg/IO/0", "tq_process"),  # the TransferQueue's process is one component, its I/O too
+    ("rank0", "tq-service", "tq_process"),  # transfer_queue.service=driver: a thread of rank 0
+    ("rank2", "tq-unit-1", "tq_process"),  # a node's storage unit (storage_units=per_node)
     ("rank0", "ZMQbg/IO/0", "zmq_io"),
     ("rank0", "MainThread", "driver_loop"),
     ("rank1", "MainThread", "rpc"),  # a worker's call loop: its calls' work is in spans
