@@ -14,6 +14,8 @@ that fails is dropped and counted (``auth_failures``).
 - ``blocking_client``: ``BlockingRpcClient``, the same calls without an event loop.
 - ``local_endpoint``: ``LocalEndpoint``, a service in this event loop called directly, with
   the client's signature (the in-process default).
+- ``thread_endpoint``: ``ThreadEndpoint``, a service on another event loop of this process
+  called directly, with the client's signature and the wire's copies, refusals and errors.
 - ``loop_thread``: ``EventLoopThread``, an event loop on a thread for synchronous code.
 - ``spin``: bounded busy-waiting for a reply, and the policy that decides when to spin.
 - ``server_base``, ``client_replies``, ``sockets``: the steps the servers, the clients, and

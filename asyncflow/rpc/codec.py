@@ -109,6 +109,39 @@ def encode(obj: Any) -> list[Any]:
 
 
 @charged("serialization")
+def copy_message(obj: Any) -> Any:
+    """What ``decode(encode(obj))`` gives, without the frames: the same JSON values (tuples as
+    lists, the same refusals) and a copy of every tensor (contiguous, on the CPU). For a
+    service called in-process: caller and service share no tensor or container, as over the wire."""
+    tensors: list[torch.Tensor] = []
+
+    def tensor_ref(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            dtype_name(x.dtype)  # the codec's refusal of a dtype that cannot travel
+            tensors.append(x)
+            return {_TENSOR_KEY: len(tensors) - 1}
+        if isinstance(x, tuple):
+            return list(x)
+        raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
+
+    try:
+        text = json.dumps(obj, separators=(",", ":"), default=tensor_ref)
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"cannot encode message: {e}; only JSON values and tensors travel") from e
+    if text.count(_TENSOR_MARK.decode()) != len(tensors):
+        raise CodecError(f"dict key {_TENSOR_KEY!r} is reserved by the wire codec; rename that key")
+    if not tensors:
+        return json.loads(text)
+
+    def hook(d: dict[str, Any]) -> Any:
+        if _TENSOR_KEY not in d:
+            return d
+        return tensors[d[_TENSOR_KEY]].detach().cpu().clone(memory_format=torch.contiguous_format)
+
+    return json.loads(text, object_hook=hook)
+
+
+@charged("serialization")
 def decode(frames: Sequence[Any]) -> Any:
     """Inverse of :func:`encode`. Frames may be ``bytes`` or ``zmq.Frame`` objects.
 

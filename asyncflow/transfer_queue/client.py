@@ -24,6 +24,7 @@ import zmq.asyncio
 from ..cpu_account import charged
 from ..rpc.async_client import RpcClient
 from ..rpc.blocking_client import BlockingRpcClient
+from ..rpc.thread_endpoint import ThreadEndpoint, in_process
 from .columns import Column, column_from_wire, column_to_wire, concat, to_columns, to_tensordict
 from .errors import BadPutError, TransferQueueError, TransferQueueTimeout
 from .locality import local_node, local_unit
@@ -212,25 +213,33 @@ class _Units:
 class AsyncTransferQueueClient:
     """``preferred_unit``: where this client writes (default: its node's unit, else new rows
     spread over all units); ``node``: the writer's node, reported in unit stats (default:
-    this process's node)."""
+    this process's node); ``direct``: call the controller and units that run in this process
+    (a service on a thread of it, ``transfer_queue.service=driver``) without a socket or the
+    codec's frames, as ``rpc.thread_endpoint`` does (the same copies, refusals and errors as
+    over the wire); False: every call over a socket."""
 
     def __init__(self, controller_address: str, *, timeout: float = 60.0, wait_timeout: float = 300.0,
                  preferred_unit: int | None = None, node: int | None = None,
-                 ctx: zmq.asyncio.Context | None = None):
+                 ctx: zmq.asyncio.Context | None = None, direct: bool = True):
         self._ctx = ctx or zmq.asyncio.Context.instance()
+        self.direct = direct
         self.timeout = timeout
         self.wait_timeout = wait_timeout
-        self.controller = RpcClient(controller_address, self._ctx, timeout, timeout_error=TransferQueueTimeout)
+        self.controller = self._endpoint(controller_address)
         self._units = _Units(preferred_unit)
         self.node = node if node is not None else local_node()
-        self._endpoints: dict[int, RpcClient] = {}
+        self._endpoints: dict[int, RpcClient | ThreadEndpoint] = {}
+
+    def _endpoint(self, address: str) -> RpcClient | ThreadEndpoint:
+        """A service of this process is called directly (thread_endpoint), any other over a socket."""
+        here = in_process(address, timeout_error=TransferQueueTimeout) if self.direct else None
+        return here or RpcClient(address, self._ctx, self.timeout, timeout_error=TransferQueueTimeout)
 
     async def _refresh_units(self) -> None:
         for i in self._units.update(await self.controller.call("info")):
-            self._endpoints[i] = RpcClient(self._units.addresses[i], self._ctx, self.timeout,
-                                           timeout_error=TransferQueueTimeout)
+            self._endpoints[i] = self._endpoint(self._units.addresses[i])
 
-    async def _unit(self, index: int | None) -> RpcClient:
+    async def _unit(self, index: int | None) -> RpcClient | ThreadEndpoint:
         if index is None:
             if not self._endpoints:
                 await self._refresh_units()
@@ -242,7 +251,7 @@ class AsyncTransferQueueClient:
                                          f"(known: {sorted(self._endpoints)})")
         return self._endpoints[index]
 
-    async def _call_unit(self, index: int, ep: RpcClient, method: str, /, **args: Any) -> Any:
+    async def _call_unit(self, index: int, ep: RpcClient | ThreadEndpoint, method: str, /, **args: Any) -> Any:
         try:
             return await ep.call(method, **args)
         except TransferQueueTimeout as e:

@@ -20,6 +20,7 @@ from ..rpc.async_client import RpcClient
 from ..rpc.async_server import RpcServer
 from ..rpc.local_endpoint import LocalEndpoint
 from ..rpc.loop_thread import EventLoopThread
+from ..rpc.thread_endpoint import serve_in_process, withdraw
 from .controller import Controller
 from .errors import TransferQueueTimeout
 from .storage import StorageUnit
@@ -68,6 +69,11 @@ class TransferQueueService:
             self.units.append(unit)
             self.controller.attach_unit(i, LocalEndpoint(unit, f"unit-{i}", timeout_error=TransferQueueTimeout),
                                         userver.address)
+        # Clients of this process (the driver's, beside a service run by its rank) call in directly.
+        loop = asyncio.get_running_loop()
+        serve_in_process(self.controller_address, self.controller, loop)
+        for unit, s in zip(self.units, self._servers[1:]):
+            serve_in_process(s.address, unit, loop)
         return self
 
     def start_in_thread(self) -> TransferQueueService:
@@ -77,6 +83,7 @@ class TransferQueueService:
 
     async def stop(self) -> None:
         for s in self._servers:
+            withdraw(s.address)
             await s.close()
         self._servers.clear()
         if self.controller is not None:  # connections to units in other processes

@@ -154,3 +154,24 @@ def test_tensors_decoded_from_zmq_frames_stay_picklable_and_resend_their_frame()
         a.close(0)
         b.close(0)
         ctx.term()
+
+
+def test_copy_message_gives_what_encode_then_decode_gives_and_shares_no_tensor():
+    from asyncflow.rpc.codec import copy_message
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    msg = {"a": (t[:, ::2], 3), 1: {"bf": torch.ones(2, dtype=torch.bfloat16)}, "s": 'a"__t":b', "n": None}
+    out = copy_message(msg)
+    assert _same(out, decode(encode(msg)))
+    assert out["a"][0].is_contiguous() and out["a"][0].untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    t.zero_()  # the caller writes its tensor: the copy keeps what was sent
+    assert out["a"][0][0].tolist() == [0.0, 2.0, 4.0] and out["a"][0][1].tolist() == [6.0, 8.0, 10.0]
+
+
+@pytest.mark.parametrize("msg", [{"x": {1, 2}}, {"__t": 1}, {"x": torch.zeros(2, dtype=torch.uint32)}])
+def test_copy_message_refuses_what_encode_refuses(msg):
+    from asyncflow.rpc.codec import copy_message
+    with pytest.raises(CodecError) as wire:
+        encode(msg)
+    with pytest.raises(CodecError) as copied:
+        copy_message(msg)
+    assert str(copied.value) == str(wire.value)
