@@ -40,22 +40,25 @@ def withdraw(address: str) -> None:
         _SERVICES.pop(address, None)
 
 
-def in_process(address: str, *, timeout_error: type[RpcTimeout] = RpcTimeout) -> ThreadEndpoint | None:
-    """An endpoint calling the service at ``address`` directly, or None when it is not in this process."""
+def in_process(address: str, timeout: float = 60.0, *,
+               timeout_error: type[RpcTimeout] = RpcTimeout) -> ThreadEndpoint | None:
+    """An endpoint calling the service at ``address`` directly (calls without a ``_timeout``
+    wait ``timeout`` s), or None when it is not in this process."""
     with _LOCK:
         found = _SERVICES.get(address)
-    return None if found is None else ThreadEndpoint(found[0], found[1], address, timeout_error=timeout_error)
+    return None if found is None else ThreadEndpoint(found[0], found[1], address, timeout, timeout_error=timeout_error)
 
 
 class ThreadEndpoint:
     """Same call signature as RpcClient, for a service running on ``loop`` (another thread's,
     or this one's)."""
 
-    def __init__(self, service: Any, loop: asyncio.AbstractEventLoop, address: str, *,
+    def __init__(self, service: Any, loop: asyncio.AbstractEventLoop, address: str, timeout: float = 60.0, *,
                  timeout_error: type[RpcTimeout] = RpcTimeout):
         self.service = service
         self.loop = loop
         self.address = address
+        self.timeout = timeout  # of a call without its own _timeout, as RpcClient's
         self.timeout_error = timeout_error  # raised for a call that runs past its _timeout
 
     async def call(self, method: str, /, _timeout: float | None = None, **args: Any) -> Any:
@@ -74,11 +77,12 @@ class ThreadEndpoint:
             except codec.CodecError as e:  # as encode_reply: a result that cannot travel
                 return {"e": {"type": "RemoteError", "msg": str(e), "tb": ""}}
 
+        wait = self.timeout if _timeout is None else _timeout
         fut = asyncio.run_coroutine_threadsafe(serve(), self.loop)
         try:
-            reply = await asyncio.wait_for(asyncio.wrap_future(fut), _timeout)
-        except TimeoutError:
-            raise self.timeout_error(f"{method} on {self.address} got no reply within {_timeout:.1f}s") from None
+            reply = await asyncio.wait_for(asyncio.wrap_future(fut), wait)
+        except TimeoutError:  # (a stopped loop never runs the call: this ends the wait)
+            raise self.timeout_error(f"{method} on {self.address} got no reply within {wait:.1f}s") from None
         if "e" in reply:
             raise_remote(self.address, method, reply["e"])
         return reply["r"]

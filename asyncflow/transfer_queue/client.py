@@ -232,7 +232,7 @@ class AsyncTransferQueueClient:
 
     def _endpoint(self, address: str) -> RpcClient | ThreadEndpoint:
         """A service of this process is called directly (thread_endpoint), any other over a socket."""
-        here = in_process(address, timeout_error=TransferQueueTimeout) if self.direct else None
+        here = in_process(address, self.timeout, timeout_error=TransferQueueTimeout) if self.direct else None
         return here or RpcClient(address, self._ctx, self.timeout, timeout_error=TransferQueueTimeout)
 
     async def _refresh_units(self) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zmq.asyncio
 from _tq_helpers import run_async
 from conftest import RPC_TIMEOUT, WAIT_TIMEOUT
 
@@ -17,8 +16,7 @@ from asyncflow.transfer_queue import AsyncTransferQueueClient, TransferQueueTime
 
 
 def _client(tq, direct: bool) -> AsyncTransferQueueClient:
-    return AsyncTransferQueueClient(tq.address, timeout=RPC_TIMEOUT, wait_timeout=WAIT_TIMEOUT,
-                                    ctx=zmq.asyncio.Context(), direct=direct)
+    return AsyncTransferQueueClient(tq.address, timeout=RPC_TIMEOUT, wait_timeout=WAIT_TIMEOUT, direct=direct)
 
 
 def test_a_service_of_this_process_is_called_directly_unless_the_client_says_not_to(tq):
@@ -86,3 +84,20 @@ def test_a_stopped_service_is_withdrawn(tq_factory):
     assert in_process(address) is not None
     t.service.stop_in_thread()
     assert in_process(address) is None
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")  # the idle loop's call
+def test_a_call_to_a_loop_that_no_longer_runs_ends_at_the_client_s_timeout():
+    import asyncio
+
+    class Service:
+        async def rpc_echo(self, x):
+            return x
+
+    idle = asyncio.new_event_loop()  # never run: as a service's loop after it stopped
+    try:
+        ep = ThreadEndpoint(Service(), idle, "nowhere", timeout=0.2, timeout_error=TransferQueueTimeout)
+        with pytest.raises(TransferQueueTimeout, match="echo on nowhere got no reply within 0.2s"):
+            run_async(ep.call("echo", x=1), timeout=10)
+    finally:
+        idle.close()
