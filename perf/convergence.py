@@ -81,6 +81,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_e2e import group_costs, rank_groups, rotation  # the e2e bench's order and bound
+from run_overrides import check_overrides
 from time_to_accuracy import (
     THRESHOLDS,
     Reach,
@@ -155,14 +156,8 @@ def parse_settings(text: str) -> list[str]:
     return names
 
 
-def check_overrides(overrides: Sequence[str]) -> None:
-    """The script owns the seed and the output directory of every run."""
-    for item in overrides:
-        key = item.split("=", 1)[0].strip()
-        if "=" not in item:
-            raise ValueError(f"override {item!r}: expected key=value (e.g. trainer.prompts_per_step=16)")
-        if key in ("trainer.seed", "trainer.out_dir"):
-            raise ValueError(f"override {item!r}: {key} is set by the script per run (use --seeds / --out)")
+# the keys this script sets for each run, and how to set them
+OWNED_KEYS = {"trainer.seed": "--seeds", "trainer.out_dir": "--out"}
 
 
 @dataclass(frozen=True)
@@ -771,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         seeds = parse_seeds(args.seeds or ("0,1" if args.quick else "0,1,2"))
         names = parse_settings(args.settings)
-        check_overrides(args.overrides)
+        check_overrides(args.overrides, OWNED_KEYS)
         thresholds = parse_thresholds(args.thresholds)
     except ValueError as e:
         ap.error(str(e))

@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import bench_e2e  # noqa: E402
 import soak  # noqa: E402
+from run_overrides import check_overrides  # noqa: E402
 from thread_cpu import cpu_by_thread  # noqa: E402
 
 FILE_PREFIX = "cpu_account-"  # asyncflow.cpu_account's snapshot files
@@ -73,6 +74,9 @@ THREAD_RULES: tuple[tuple[str, str, str], ...] = (
     ("launcher", "", "launcher"),
     ("resource_tracker", "", "launcher"),
 )
+# the keys this script sets for each run (a window of steps after a warm-up of steps), and how to set them
+OWNED_KEYS = {"trainer.seed": "--seed", "trainer.out_dir": "--out", "trainer.steps": "--steps, --steps-before",
+              "trainer.time_budget_s": "--steps"}
 WRITER_SUFFIX = "-writer"  # a rollout's TransferQueue writer thread
 COMPONENT_ORDER = ("update", "generation", "rollout_submit", "reward", "ref_log_prob", "old_log_prob",
                    "weight_sync", "driver_loop", "rpc", "zmq_io", "tq_client", "tq_process", "serialization",
@@ -307,9 +311,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(PERF / "out" / "cpu_account"))
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     a = ap.parse_args()
-    bad = [o for o in a.overrides if "=" not in o or o.startswith("=")]
-    if bad:
-        ap.error(f"overrides must be KEY=VALUE (config keys of AsyncFlow's runs), got {bad}")
+    try:
+        check_overrides(a.overrides, OWNED_KEYS)
+    except ValueError as e:
+        ap.error(str(e))
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

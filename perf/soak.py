@@ -77,6 +77,9 @@ from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_overrides import check_overrides  # perf/'s own module, beside this file
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_MD = ROOT / "perf" / "RESULTS.md"
 TARGET_MB_PER_H = 20.0  # every process under this over a 30-minute soak
@@ -86,6 +89,8 @@ KB_PER_MB = 1024.0
 MIN_COVER = 0.5
 MIN_SAMPLES = 3
 PASS, FAIL, NOT_JUDGED = "pass", "FAIL", "not judged"
+# the keys this script sets for the run, and how to set them
+OWNED_KEYS = {"trainer.out_dir": "--out", "trainer.time_budget_s": "--minutes", "trainer.steps": "--minutes"}
 
 # ---- reading /proc (pure parsers, then the thin readers) -------------------------------------
 
@@ -795,9 +800,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.settle = 0.2 if a.settle is None else a.settle
     if a.minutes <= 0 or interval <= 0 or not 0 <= a.settle < 1:
         p.error("--minutes and --interval must be > 0, --settle in [0, 1)")
-    bad = [o for o in a.overrides if "=" not in o]
-    if bad:
-        p.error(f"overrides must be key=value: {bad}")
+    try:
+        check_overrides(a.overrides, OWNED_KEYS)
+    except ValueError as e:
+        p.error(str(e))
     if not Path("/proc/self/status").is_file():
         raise SystemExit("perf/soak.py reads /proc: it runs on Linux only")
     out = (a.out or Path(tempfile.mkdtemp(prefix="asyncflow-soak-"))).resolve()

@@ -48,11 +48,11 @@ def test_default_settings_are_sync_and_the_main_jobs_async():
 
 
 def test_overrides_may_not_take_the_seed_or_the_output_directory():
-    conv.check_overrides(["trainer.prompts_per_step=16", "rollout.n=4"])
+    conv.check_overrides(["trainer.prompts_per_step=16", "rollout.n=4"], conv.OWNED_KEYS)
     with pytest.raises(ValueError, match="--seeds"):
-        conv.check_overrides(["trainer.seed=3"])
+        conv.check_overrides(["trainer.seed=3"], conv.OWNED_KEYS)
     with pytest.raises(ValueError, match="key=value"):
-        conv.check_overrides(["trainer.steps"])
+        conv.check_overrides(["trainer.steps"], conv.OWNED_KEYS)
 
 
 def test_run_limits_stop_every_run_at_the_same_steps_or_the_same_rl_seconds():
