@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,33 +79,47 @@ def _tensor_frame(t: torch.Tensor) -> memoryview:
     return t.numpy().data.cast("B")  # the array's own buffer (ndarray.data), as bytes
 
 
-@charged("serialization")
-def encode(obj: Any) -> list[Any]:
-    """Encode ``obj`` into frames: ``[header_bytes, *tensor_buffers]``."""
-    buffers: list[Any] = []
+def _header(obj: Any, tensor_ref: Callable[[torch.Tensor], dict[str, Any]]) -> bytes:
+    """The JSON header of ``obj``, each tensor written as ``tensor_ref(tensor)`` (a dict under
+    _TENSOR_KEY); tuples as lists; CodecError for anything else JSON cannot write, and for a dict
+    of the message's own that uses the reserved key."""
+    refs = 0
 
-    def tensor_ref(x: Any) -> Any:  # json calls this for what it cannot encode itself
+    def default(x: Any) -> Any:  # json calls this for what it cannot encode itself
+        nonlocal refs
         if isinstance(x, torch.Tensor):
-            ref = {_TENSOR_KEY: len(buffers), "d": dtype_name(x.dtype), "s": list(x.shape)}
-            # A tensor decoded from a whole frame goes back out as that frame: ZMQ shares the
-            # message by reference count, with no new zero-copy bookkeeping.
-            frame = _frame_of(x)
-            buffers.append(frame if frame is not None else _tensor_frame(x))
-            return ref
+            refs += 1
+            return tensor_ref(x)
         if isinstance(x, tuple):
             return list(x)
         raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
 
     try:
-        # The C encoder walks lists of row ids at native speed; tensors come back through tensor_ref.
-        header = json.dumps(obj, separators=(",", ":"), default=tensor_ref).encode()
+        # The C encoder walks lists of row ids at native speed; tensors come back through default.
+        header = json.dumps(obj, separators=(",", ":"), default=default).encode()
     except (TypeError, ValueError) as e:
         raise CodecError(f"cannot encode message: {e}; only JSON values and tensors travel") from e
     # Each tensor reference writes the key once; any other use would be misread on receipt.
     # (A string containing it is escaped by JSON and cannot match.)
-    if header.count(_TENSOR_MARK) != len(buffers):
+    if header.count(_TENSOR_MARK) != refs:
         raise CodecError(f"dict key {_TENSOR_KEY!r} is reserved by the wire codec; rename that key")
-    return [header, *buffers]
+    return header
+
+
+@charged("serialization")
+def encode(obj: Any) -> list[Any]:
+    """Encode ``obj`` into frames: ``[header_bytes, *tensor_buffers]``."""
+    buffers: list[Any] = []
+
+    def tensor_ref(x: torch.Tensor) -> dict[str, Any]:
+        ref = {_TENSOR_KEY: len(buffers), "d": dtype_name(x.dtype), "s": list(x.shape)}
+        # A tensor decoded from a whole frame goes back out as that frame: ZMQ shares the
+        # message by reference count, with no new zero-copy bookkeeping.
+        frame = _frame_of(x)
+        buffers.append(frame if frame is not None else _tensor_frame(x))
+        return ref
+
+    return [_header(obj, tensor_ref), *buffers]
 
 
 @charged("serialization")
@@ -115,30 +129,21 @@ def copy_message(obj: Any) -> Any:
     service called in-process: caller and service share no tensor or container, as over the wire."""
     tensors: list[torch.Tensor] = []
 
-    def tensor_ref(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            dtype_name(x.dtype)  # the codec's refusal of a dtype that cannot travel
-            tensors.append(x)
-            return {_TENSOR_KEY: len(tensors) - 1}
-        if isinstance(x, tuple):
-            return list(x)
-        raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
+    def tensor_ref(x: torch.Tensor) -> dict[str, Any]:
+        dtype_name(x.dtype)  # the codec's refusal of a dtype that cannot travel
+        tensors.append(x)
+        return {_TENSOR_KEY: len(tensors) - 1}
 
-    try:
-        text = json.dumps(obj, separators=(",", ":"), default=tensor_ref)
-    except (TypeError, ValueError) as e:
-        raise CodecError(f"cannot encode message: {e}; only JSON values and tensors travel") from e
-    if text.count(_TENSOR_MARK.decode()) != len(tensors):
-        raise CodecError(f"dict key {_TENSOR_KEY!r} is reserved by the wire codec; rename that key")
+    header = _header(obj, tensor_ref)
     if not tensors:
-        return json.loads(text)
+        return json.loads(header)
 
     def hook(d: dict[str, Any]) -> Any:
         if _TENSOR_KEY not in d:
             return d
         return tensors[d[_TENSOR_KEY]].detach().cpu().clone(memory_format=torch.contiguous_format)
 
-    return json.loads(text, object_hook=hook)
+    return json.loads(header, object_hook=hook)
 
 
 @charged("serialization")

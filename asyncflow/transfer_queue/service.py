@@ -54,11 +54,14 @@ class TransferQueueService:
         if cfg.keep_freed_memory:
             keep_freed_memory()
         ctx = zmq.asyncio.Context.instance()
+        # Clients of this process (the driver's, beside a service run by its rank) call in directly.
+        loop = asyncio.get_running_loop()
         self.controller = Controller(default_timeout=cfg.wait_timeout_s)
         server = RpcServer(self.controller, f"tcp://{cfg.host}:0", ctx, "tq-controller")
         server.start()
         self._servers.append(server)
         self.controller_address = server.address
+        serve_in_process(server.address, self.controller, loop)
         local_controller = LocalEndpoint(self.controller, "controller", timeout_error=TransferQueueTimeout)
         for i in range(cfg.num_local_units):
             unit = StorageUnit(i, local_controller, cfg.max_rows_per_unit, cfg.max_bytes_per_unit,
@@ -66,14 +69,10 @@ class TransferQueueService:
             userver = RpcServer(unit, f"tcp://{cfg.host}:0", ctx, f"tq-unit-{i}")
             userver.start()
             self._servers.append(userver)
+            serve_in_process(userver.address, unit, loop)
             self.units.append(unit)
             self.controller.attach_unit(i, LocalEndpoint(unit, f"unit-{i}", timeout_error=TransferQueueTimeout),
                                         userver.address)
-        # Clients of this process (the driver's, beside a service run by its rank) call in directly.
-        loop = asyncio.get_running_loop()
-        serve_in_process(self.controller_address, self.controller, loop)
-        for unit, s in zip(self.units, self._servers[1:]):
-            serve_in_process(s.address, unit, loop)
         return self
 
     def start_in_thread(self) -> TransferQueueService:
