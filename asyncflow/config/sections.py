@@ -156,6 +156,10 @@ class RolloutConfig:
     max_running_rows: int = 256  # rows one instance decodes together (continuous batching)
     max_kv_tokens: int = 0  # cache positions the running rows may reserve (prompt + budget each); 0: no limit
     prefill_chunk: int = 2048  # prompt tokens prefilled per decode step (longer prompts take several)
+    # A finished row waits at most this long for the other rows of its rollout call, so that
+    # rows finishing a few decode steps apart go into the TransferQueue in one put (each put is
+    # a request and a wake-up of the stages waiting on its rows). 0: each row as it finishes.
+    write_linger_s: float = 0.03
     # Benchmark workload. "": each row stops at EOS or max_new_tokens. "longtail": each row gets its own
     # token budget (a seeded lognormal draw capped at max_new_tokens: most short, a few at the cap).
     length_profile: str = one_of("", "longtail", default="")
@@ -189,6 +193,9 @@ class RolloutConfig:
         if self.max_running_rows < self.n:
             problems.append(f"rollout.max_running_rows: must hold at least one group (rollout.n={self.n}), "
                             f"got {self.max_running_rows}")
+        if self.write_linger_s < 0:
+            problems.append(f"rollout.write_linger_s: must be >= 0 (0: write each row as it finishes), "
+                            f"got {self.write_linger_s}")
         if self.max_kv_tokens < 0 or self.prefill_chunk < 1:
             problems.append(f"rollout.max_kv_tokens must be >= 0 and rollout.prefill_chunk >= 1, got "
                             f"{self.max_kv_tokens} and {self.prefill_chunk}")

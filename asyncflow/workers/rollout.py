@@ -87,7 +87,8 @@ class RolloutWorker(EngineOffload, Worker):
                                       swap_mode=r.swap_mode)
         self.stream = RowStream(self.service, lambda: self.tq, self.params,
                                 capacity=r.max_running_rows + max(1, r.max_running_rows // 4),
-                                version=lambda: int(self.engine.version), name=f"rollout-rank{self.rank}")
+                                version=lambda: int(self.engine.version), name=f"rollout-rank{self.rank}",
+                                linger_s=r.write_linger_s)
         # multi-turn episodes (a stage option "episode"): run on their own loop, turns through the service
         self.episodes = EpisodeRunner(self.service, self.tokenizer,
                                       EpisodeLimits(c.agent.max_turns, c.agent.max_tokens, c.agent.max_time_s),

@@ -3,9 +3,12 @@
 ``submit`` turns a BatchMeta's rows into requests on the service; each row's result is
 queued as soon as the engine finishes it, and a writer thread puts what finished into the
 TransferQueue in one put per batch of finished rows (so downstream stages see rows as they
-finish, not when the slowest row of a call does). The stream counts rows in flight so
-that the executor can keep the engine's running batch full: ``wait_capacity`` returns
-once enough rows have been written out.
+finish, not when the slowest row of a call does). A finished row waits at most ``linger_s``
+for the other rows of its call, so that rows finishing a few decode steps apart share one
+put: every put costs the TransferQueue a request, a wake-up of the requests waiting on its
+rows and, read back in group order, a gather where one put would leave one run. The stream
+counts rows in flight so that the executor can keep the engine's running batch full:
+``wait_capacity`` returns once enough rows have been written out.
 
 A stage with the option ``score_into`` (``placement.reward_with=inline``) also scores each
 row with the run's rule reward before writing it and writes the score into that column with
@@ -145,11 +148,15 @@ class _Batch:
     episodes: bool = False
     score_into: str | None = None
     context: ScoreContext | None = None
+    unfinished: int = 0  # rows not yet handed to the writer (only the writer counts them down)
 
 
 class RowStream:
     def __init__(self, service: RolloutService, tq: Callable[[], TransferQueue], params: SamplingParams,
-                 capacity: int, version: Callable[[], int], name: str = "rollout", timeout_s: float = 600.0) -> None:
+                 capacity: int, version: Callable[[], int], name: str = "rollout", timeout_s: float = 600.0,
+                 linger_s: float = 0.0) -> None:
+        if linger_s < 0:
+            raise ValueError(f"{name}: linger_s must be >= 0 (0: write whatever finished at once), got {linger_s}")
         self.service = service
         self._tq = tq
         self.params = params
@@ -157,6 +164,7 @@ class RowStream:
         self._version = version
         self.name = name
         self.timeout_s = timeout_s
+        self.linger_s = linger_s
         self._ids = itertools.count()
         self._done: queue.SimpleQueue[tuple[_Batch, int, RequestResult] | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
@@ -190,7 +198,8 @@ class RowStream:
         if score_into and self.scorer is None:
             raise RuntimeError(f"{self.name}: a stage asks for scores ({score_into!r}) but this instance has no scorer")
         batch = _Batch(meta, None if io is None else io.outputs, score_into=score_into,
-                       context=ScoreContext.of(data, len(prompts), self.name) if score_into else None)
+                       context=ScoreContext.of(data, len(prompts), self.name) if score_into else None,
+                       unfinished=len(prompts))
         fan = (group_leaders(meta.groups, len(prompts)) if options.get("one_per_group")
                else {i: [i] for i in range(len(prompts))})
         with self._cond:
@@ -211,8 +220,8 @@ class RowStream:
         if self.episodes is None:
             raise RuntimeError(f"{self.name}: this instance runs no episodes (no EpisodeRunner)")
         params = stage_params(self.params, {k: v for k, v in io.options.items() if k != "episode"})
-        batch = _Batch(meta, io.outputs, episodes=True)
         rows = episode_rows(data, len(meta))
+        batch = _Batch(meta, io.outputs, episodes=True, unfinished=len(rows))
         with self._cond:
             self.in_flight += len(rows)
         for i, row in enumerate(rows):
@@ -269,16 +278,7 @@ class RowStream:
             item = self._done.get()
             if item is None:
                 return
-            finished = [item]
-            while True:  # everything that finished meanwhile goes out in the same puts
-                try:
-                    more = self._done.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._done.put(None)
-                    break
-                finished.append(more)
+            finished = self._collect(item)
             try:
                 self._write(finished)
             except BaseException as e:  # noqa: BLE001 - reported to the executor by check()
@@ -286,6 +286,33 @@ class RowStream:
                     self._error = e
                     self._cond.notify_all()
                 return
+
+    def _collect(self, first: tuple[_Batch, int, RequestResult]) -> list[tuple[_Batch, int, RequestResult]]:
+        """The finished rows to write together: ``first``, every row finished meanwhile and, while
+        a call of theirs still has rows generating, those that finish within ``linger_s`` of it."""
+        finished = [first]
+        first[0].unfinished -= 1
+        open_calls = {id(first[0]): first[0]}  # the calls of the rows collected, until each is complete
+        deadline = time.monotonic() + self.linger_s
+        while True:
+            try:
+                more = self._done.get_nowait()
+            except queue.Empty:
+                open_calls = {k: b for k, b in open_calls.items() if b.unfinished > 0}
+                left = deadline - time.monotonic()
+                if not open_calls or left <= 0:
+                    break
+                try:
+                    more = self._done.get(timeout=left)
+                except queue.Empty:
+                    break
+            if more is None:  # closing: what is collected goes out, then the loop ends
+                self._done.put(None)
+                break
+            more[0].unfinished -= 1
+            open_calls.setdefault(id(more[0]), more[0])
+            finished.append(more)
+        return finished
 
     def _write(self, finished: list[tuple[_Batch, int, RequestResult]]) -> None:
         """One put per partition for everything that finished since the last write (rows of
