@@ -4,6 +4,7 @@ sound). Rules that tie sections together live in checks.py."""
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,7 +159,8 @@ class RolloutConfig:
     prefill_chunk: int = 2048  # prompt tokens prefilled per decode step (longer prompts take several)
     # A finished row waits at most this long for the other rows of its rollout call, so that
     # rows finishing a few decode steps apart go into the TransferQueue in one put (each put is
-    # a request and a wake-up of the stages waiting on its rows). 0: each row as it finishes.
+    # a request and a wake-up of the stages waiting on its rows). 0: whatever finished meanwhile
+    # goes out together.
     write_linger_s: float = 0.03
     # Benchmark workload. "": each row stops at EOS or max_new_tokens. "longtail": each row gets its own
     # token budget (a seeded lognormal draw capped at max_new_tokens: most short, a few at the cap).
@@ -193,8 +195,8 @@ class RolloutConfig:
         if self.max_running_rows < self.n:
             problems.append(f"rollout.max_running_rows: must hold at least one group (rollout.n={self.n}), "
                             f"got {self.max_running_rows}")
-        if self.write_linger_s < 0:
-            problems.append(f"rollout.write_linger_s: must be >= 0 (0: write each row as it finishes), "
+        if not (math.isfinite(self.write_linger_s) and self.write_linger_s >= 0):
+            problems.append(f"rollout.write_linger_s: must be a finite number >= 0 (0: no waiting), "
                             f"got {self.write_linger_s}")
         if self.max_kv_tokens < 0 or self.prefill_chunk < 1:
             problems.append(f"rollout.max_kv_tokens must be >= 0 and rollout.prefill_chunk >= 1, got "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import queue
 import threading
 import time
@@ -155,8 +156,9 @@ class RowStream:
     def __init__(self, service: RolloutService, tq: Callable[[], TransferQueue], params: SamplingParams,
                  capacity: int, version: Callable[[], int], name: str = "rollout", timeout_s: float = 600.0,
                  linger_s: float = 0.0) -> None:
-        if linger_s < 0:
-            raise ValueError(f"{name}: linger_s must be >= 0 (0: write whatever finished at once), got {linger_s}")
+        if not (math.isfinite(linger_s) and linger_s >= 0):  # a queue wait takes no infinite timeout
+            raise ValueError(f"{name}: linger_s must be a finite number >= 0 (0: whatever finished meanwhile "
+                             f"goes out together), got {linger_s}")
         self.service = service
         self._tq = tq
         self.params = params
@@ -278,9 +280,8 @@ class RowStream:
             item = self._done.get()
             if item is None:
                 return
-            finished = self._collect(item)
             try:
-                self._write(finished)
+                self._write(self._collect(item))
             except BaseException as e:  # noqa: BLE001 - reported to the executor by check()
                 with self._cond:
                     self._error = e
