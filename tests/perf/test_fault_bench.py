@@ -3,6 +3,7 @@ seconds to each accuracy, and the killer against a run directory written step by
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,9 +40,12 @@ def test_the_killer_waits_for_the_replacement_before_the_next_kill(tmp_path):
     k = Killer(tmp_path, every=2, poll_s=0.01, kill=killed.append).start()
 
     def write(steps, pid):
-        (tmp_path / "ranks.json").write_text(json.dumps([{"rank": 2, "pid": pid, "roles": ["rollout1"]}]))
-        (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({"step": i, "actor/loss": 0})
-                                                          for i in range(steps)))
+        # Each file replaced whole, as a run grows them: a killer polling meanwhile never reads one
+        # truncated (an empty metrics file read beside the new pid would count it joined at step 0).
+        for name, text in (("metrics.jsonl", "\n".join(json.dumps({"step": i, "actor/loss": 0}) for i in range(steps))),
+                           ("ranks.json", json.dumps([{"rank": 2, "pid": pid, "roles": ["rollout1"]}]))):
+            (tmp_path / f"{name}.tmp").write_text(text)
+            os.replace(tmp_path / f"{name}.tmp", tmp_path / name)
 
     def settle(n):
         deadline = time.monotonic() + 10
