@@ -16,6 +16,11 @@ import torch
 
 FEAT_SCALE = torch.tensor([0.5, -0.25, 2.0, 1.0])  # exact in float32 for the integers used
 
+# Client-side limits used throughout: a reply must come within RPC_TIMEOUT; a get_meta or a
+# put waiting for room waits WAIT_TIMEOUT unless the test says otherwise.
+RPC_TIMEOUT = 20.0
+WAIT_TIMEOUT = 5.0
+
 
 def run_async(coro, timeout: float = 30.0):
     """Run a coroutine to completion in a fresh loop, failing (not hanging) after ``timeout``."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import zmq.asyncio
+from _tq_helpers import RPC_TIMEOUT, WAIT_TIMEOUT
 
 from asyncflow.transfer_queue import (
     AsyncTransferQueueClient,
@@ -24,11 +25,6 @@ from asyncflow.transfer_queue import (
     TransferQueueConfig,
     TransferQueueService,
 )
-
-# Client-side limits used throughout: a reply must come within RPC_TIMEOUT; a get_meta or a
-# put waiting for room waits WAIT_TIMEOUT unless the test says otherwise.
-RPC_TIMEOUT = 20.0
-WAIT_TIMEOUT = 5.0
 
 
 @dataclass

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tq_helpers import run_async
+from _tq_helpers import RPC_TIMEOUT, WAIT_TIMEOUT, run_async
 
 from asyncflow.rpc.async_client import RpcClient
 from asyncflow.rpc.codec import CodecError
 from asyncflow.rpc.thread_endpoint import ThreadEndpoint, in_process
 from asyncflow.transfer_queue import AsyncTransferQueueClient, TransferQueueTimeout, UnknownPartitionError
-
-# as conftest's clients (its names are not importable: every test folder has a conftest module)
-RPC_TIMEOUT, WAIT_TIMEOUT = 20.0, 5.0
 
 
 def _client(tq, direct: bool) -> AsyncTransferQueueClient:
