@@ -32,6 +32,7 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's bound on 64-bit (half its 64 MiB heap): larger sizes are refused
 DEFAULT_TRIM_BYTES = 256 << 20
 ENV_VAR = "ASYNCFLOW_TQ_KEEP_FREED_MB"  # overrides trim_bytes; 0 turns the tuning off
+_frozen_here = False  # this process froze its heap at start (freeze_gc_heap): it is one of ours
 
 
 def keep_freed_memory(trim_bytes: int = DEFAULT_TRIM_BYTES) -> bool:
@@ -65,5 +66,22 @@ def freeze_gc_heap() -> None:
     (perf/bench_transfer_queue.py shows it in the storage process's CPU per batch). Call it once,
     after the imports and before the serving loop: objects frozen are never collected, so
     garbage made before the call and freed only by the collector stays (a one-off)."""
+    global _frozen_here
     gc.collect()
     gc.freeze()
+    _frozen_here = True
+
+
+def refreeze_gc_heap() -> int:
+    """Freeze again what a process that froze its heap at start (``freeze_gc_heap``) has made
+    since: a rank builds its models after its start (transformers' modules, the model's
+    modules and parameters, the run's data), and without this
+    every full collection of the RL loop walks them all again, on the step's critical path.
+    A no-op in a process that never froze (a test's, a user's): freezing keeps garbage made
+    before the call, which only a process of ours can afford. Returns the objects now frozen."""
+    if not _frozen_here:
+        return 0
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+

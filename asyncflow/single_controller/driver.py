@@ -233,6 +233,17 @@ class Driver:
                            ranks=sorted(int(r) for r in ranks), backend=backend, timeout_s=timeout_s)
                 for ep in self.ranks))
 
+    async def freeze_heaps(self) -> list[int]:
+        """Every live rank keeps what it has built so far (models, data, the run's state) out of
+        later garbage collections: a full collection then walks only what the loop makes, not
+        the whole heap (``alloc.refreeze_gc_heap``; a no-op in a process the launcher did not
+        start). Before a long loop. Returns each live rank's count of frozen objects."""
+        self.check()
+        live = [ep for ep in self.ranks if not ep.dead.done()]
+        replies = await asyncio.gather(*(ep.request("freeze_heap", "freeze_heap", None, self.config.create_timeout_s)
+                                         for ep in live))
+        return [int(r["frozen"]) for r in replies]
+
     # ---- replaceable ranks ------------------------------------------------------------------
     def tolerate_loss(self, ranks: Sequence[int],
                       on_lost: Callable[[int, WorkerDiedError, int | None], None]) -> None:

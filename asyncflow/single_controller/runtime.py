@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from ..platform import Platform
+from ..rpc.alloc import refreeze_gc_heap
 from ..rpc.async_server import RpcServer
 from ..rpc.blocking_server import BlockingRpcServer
 from ..rpc.loop_thread import EventLoopThread
@@ -152,6 +153,11 @@ class _CallService:
     def rpc_call(self, role: str, fn: str, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
         # "fn", not "method": RpcClient.call's own first parameter is called method
         return self.rt._guarded(f"{role}.{fn}", self.rt._call, role, fn, from_wire(args), from_wire(kwargs))
+
+    def rpc_freeze_heap(self) -> dict[str, Any]:
+        """Keep what this rank has built so far (models, data) out of later garbage collections
+        (alloc.refreeze_gc_heap): on the call queue, so no method is running."""
+        return self.rt._guarded("freeze_heap", lambda: {"frozen": refreeze_gc_heap()})
 
     def rpc_shutdown(self) -> dict[str, Any]:
         self.rt._closing = True
@@ -303,6 +309,7 @@ class WorkerRuntime:
                 except Exception:  # noqa: BLE001 - any constructor that does not take one message
                     wrapped = RuntimeError(msg)
                 raise wrapped from e
+        refreeze_gc_heap()  # the models just built stay out of the collections to come
         return out
 
     def _create(self, layout: GroupLayout, cls_path: str, init_kwargs: dict[str, Any], member: bool) -> dict[str, Any]:

@@ -218,6 +218,9 @@ class Training:
                             policy=self.spec.policy, faults=faults)
         if faults is not None:
             faults.arm(executor)
+        # The models, the data and the executor are built: a full collection in the loop
+        # walks only what the loop makes from here.
+        await self.driver.freeze_heaps()
         start = time.monotonic()
         try:
             await executor.run(max(0, cfg.trainer.steps - first))

@@ -2,6 +2,7 @@
 module of their own so that worker processes (spawned) import them by name."""
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -107,6 +108,24 @@ class EchoWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def seen(self) -> list[int]:
         return self.last_seen
+
+
+class HeapWorker(Worker):
+    """Builds objects and reports what the cyclic collector of its process still walks."""
+
+    def __init__(self, n: int = 0):
+        self.kept = [[i] for i in range(n)]  # objects made while the group is created
+
+    @register(Dispatch.ONE_TO_ALL)
+    def build(self, n: int) -> None:
+        self.kept += [[i] for i in range(n)]
+
+    @register(Dispatch.ONE_TO_ALL)
+    def heap(self) -> dict:
+        """The process's frozen count and how many of the kept objects a collection would walk."""
+        kept = {id(x) for x in self.kept}
+        return {"frozen": gc.get_freeze_count(), "kept": len(kept),
+                "walked": sum(id(o) in kept for o in gc.get_objects())}
 
 
 def _deep_failure(msg: str) -> None:
