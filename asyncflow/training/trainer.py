@@ -75,6 +75,9 @@ class Training:
         self.run_spec = run  # as the launcher resolved it: model.path and the derived values included
         self.built = spec  # the launcher's built recipe, None where it did not pickle
         self.cfg = cfg = run.config
+        # The config as plain values, made once: OmegaConf's conversion is slow, and each checkpoint
+        # written in the loop would stall the driver's event loop for it.
+        self.cfg_dict: dict[str, Any] = to_dict(cfg)  # read-only, like cfg
         self.out = Path(cfg.trainer.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.model_path = cfg.model.path
@@ -104,7 +107,7 @@ class Training:
             extra = {"steps_done": steps_done, "next_uid": next_uid}
             for role in roles:  # one at a time: they share ranks, and a failure stops at the first
                 await self.roles.groups[role].save_checkpoint(str(tmp / role), extra)
-            ckpts.write_config(tmp, to_dict(self.cfg))
+            ckpts.write_config(tmp, self.cfg_dict)
             ckpts.commit(tmp, target, state)
         except Exception as e:
             if tmp is not None:
@@ -134,7 +137,7 @@ class Training:
                 await g.load_reference(self.reference)
         log.warning("resuming from %s: %d RL steps done; %d prompts that were in flight at the checkpoint are "
                     "issued again", path, state.steps_done, len(state.in_flight))
-        changes = ckpts.config_changes(path, to_dict(self.cfg))
+        changes = ckpts.config_changes(path, self.cfg_dict)
         if changes:  # allowed (a new learning rate, say), but never silent
             log.warning("resuming with %d settings other than those of the run that wrote %s (its %s): %s",
                         len(changes), path.name, ckpts.CONFIG_FILE, "; ".join(changes))
@@ -280,7 +283,7 @@ class Training:
             log.warning("starting afresh in %s: removing the checkpoints of an earlier run there (%s); pass "
                         "trainer.resume=auto to continue it instead", self.out, ", ".join(p.name for p in earlier))
             ckpts.remove_all(self.out)
-        (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        (self.out / "config.json").write_text(json.dumps(self.cfg_dict, indent=2))
         self.timeline = Timeline(self.out)
         resumed_at = 0.0
         if state is not None:  # metrics of the steps after the checkpoint are logged again
@@ -289,7 +292,7 @@ class Training:
         # With the progress bar on, per-step lines stay in the files; evaluations still print.
         self.logger = MetricsLogger(self.out, t0=self.timeline.t0 - resumed_at, console=not cfg.trainer.progress,
                                     append=state is not None, backends=cfg.trainer.loggers,
-                                    wandb_init={"config": to_dict(cfg), **cfg.trainer.wandb})
+                                    wandb_init={"config": dict(self.cfg_dict), **cfg.trainer.wandb})
         if self.driver.transfer_queue_address is None:
             raise RuntimeError("the driver has no TransferQueue (the launch config turned it off): the trainer "
                                "needs one")
