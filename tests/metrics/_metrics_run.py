@@ -8,9 +8,22 @@ from __future__ import annotations
 
 import math
 import random
+import struct
 from pathlib import Path
 
 from asyncflow.metrics import MetricsLogger, Timeline
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) of a PNG file; fails unless it starts like a real PNG."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    w, h = struct.unpack(">II", data[16:24])
+    return w, h
+
 
 LANES = ("rank0 rollout", "rank0 actor", "driver reward")
 

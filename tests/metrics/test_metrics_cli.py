@@ -1,8 +1,7 @@
 """`asyncflow report <output_dir>`, run in-process."""
 from __future__ import annotations
 
-from _metrics_run import write_run
-from conftest import png_size
+from _metrics_run import png_size, write_run
 
 from asyncflow.cli import main
 

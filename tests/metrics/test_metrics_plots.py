@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from conftest import png_size
+from _metrics_run import png_size
 
 from asyncflow.metrics import Span
 from asyncflow.metrics.plots import (

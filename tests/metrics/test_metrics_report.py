@@ -5,7 +5,7 @@ import json
 import logging
 
 import pytest
-from conftest import png_size
+from _metrics_run import png_size
 
 from asyncflow.metrics import JsonlError, build_report, read_jsonl
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 
 import pytest
@@ -267,3 +268,21 @@ def test_a_handler_may_use_asyncio_timeouts_in_its_first_step():
             return await asyncio.wait_for(asyncio.sleep(0, x + 1), WAIT_S)
 
     assert _call_once(Timed(), "timed", x=41) == 42
+
+
+def test_an_event_loop_thread_stops_and_closes_its_loop():
+    t = EventLoopThread("test-close")
+    assert t.run(asyncio.sleep(0, result=7), timeout=5) == 7
+    t.stop()
+    assert t.loop.is_closed() and not t._thread.is_alive()
+    t.stop()  # twice: nothing left to do
+
+    busy = EventLoopThread("test-busy")
+    release = threading.Event()
+    busy.loop.call_soon_threadsafe(release.wait, 5)  # a callback that blocks the loop
+    time.sleep(0.05)
+    busy.stop(timeout_s=0.1)
+    assert not busy.loop.is_closed()  # still running its callback: left open, not closed under it
+    release.set()
+    busy.stop()
+    assert busy.loop.is_closed()
