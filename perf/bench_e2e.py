@@ -42,8 +42,8 @@ Fairness, what is done about each source of bias:
   every value of placement.reward_with: actor, rollout, inline; colocated runs actor and
   rollout once, the same ranks); TRL's is its process's torch threads (--trl-threads,
   default 2,1). Phase 1, the sweep: every configuration of each entry that has more than
-  one runs --sweep-passes times (default once) for --sweep-steps steps (default --steps),
-  the entries taking turns (out/sweep/); each entry's configuration with the highest median
+  one runs --sweep-passes times (default twice, in opposite orders) for --sweep-steps steps
+  (default --steps), the entries taking turns (out/sweep/); each entry's configuration with the highest median
   (modes: samples/s; TRL: useful tokens/s) is chosen. Phase 2, the repetitions: each entry
   runs in its chosen configuration only. The sweep's runs choose, the repetitions' runs
   judge: no run does both. --no-sweep runs every entry at the first value of each list.
@@ -1097,9 +1097,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     "the overlapped modes' pipeline fill and drain weigh on their samples/s as about one step "
                     "in 'steps', and the first step's one-time costs as a fixed sum in every mode")
     ap.add_argument("--sweep-steps", type=int, default=None, help="RL steps of each sweep run (default: --steps)")
-    ap.add_argument("--sweep-passes", type=int, default=1,
+    ap.add_argument("--sweep-passes", type=int, default=2,
                     help="runs of each configuration in the sweep (each pass in the opposite order); a mode's "
-                         "best is the highest median over them")
+                         "best is the highest median over them (default 2: one slow run on a shared machine "
+                         "no longer decides an entry's configuration alone)")
     ap.add_argument("--no-sweep", action="store_true",
                     help="no sweep: every entry runs at the first value of --threads / --reward-with / "
                          "--trl-threads (the stand-alone runs that bound stream and async still run)")

@@ -644,10 +644,11 @@ def test_the_sweep_chooses_and_the_repetitions_judge_with_other_runs(tmp_path, m
     s = res["summary"]
     assert {e: c["label"] for e, c in s["settings"].items()} == {
         "sync": "auto_reward_actor", "async": "auto_reward_rollout", "trl": "1t"}
-    assert s["sweep"]["sync"]["configs"]["auto_reward_rollout"]["samples_per_s"] == [250.0]
+    assert s["sweep"]["sync"]["configs"]["auto_reward_rollout"]["samples_per_s"] == [250.0, 250.0]  # two passes
     assert s["sweep"]["trl"]["chosen"] == "1t"
-    sweep = [c for c in calls if c[0] == "pass0"]
-    assert len(sweep) == 6 and len(set(sweep)) == 6
+    for p in ("pass0", "pass1"):  # by default every configuration runs twice, once in each pass
+        sweep = [c for c in calls if c[0] == p]
+        assert len(sweep) == 6 and len(set(sweep)) == 6
     # async runs at 1 thread per rank with its reward beside the rollout: the sweep's sync ran at 2
     # threads, so its bound comes from a stand-alone sync run of that configuration
     assert [c for c in calls if c[0] == "standalone"] == [("standalone", "sync", "1t_reward_rollout")]
