@@ -58,30 +58,28 @@ def keep_freed_memory(trim_bytes: int = DEFAULT_TRIM_BYTES) -> bool:
     return ok
 
 
-def freeze_gc_heap() -> None:
+def freeze_gc_heap() -> int:
     """Move every object alive now (modules, classes, torch's operator tables: hundreds of
     thousands after ``import torch``) out of the cyclic collector's reach. A full collection
     walks every tracked object, and a storage process, which makes many short-lived objects
     per batch, runs one every few batches: without the freeze each walks that whole heap again
-    (perf/bench_transfer_queue.py shows it in the storage process's CPU per batch). Call it once,
-    after the imports and before the serving loop: objects frozen are never collected, so
-    garbage made before the call and freed only by the collector stays (a one-off)."""
+    (perf/bench_transfer_queue.py shows it in the storage process's CPU per batch). Call it after
+    the imports and before the serving loop (``refreeze_gc_heap`` calls it again once more is
+    built): objects frozen are never collected, so
+    garbage made before the call and freed only by the collector stays (a one-off). Returns
+    the objects now frozen."""
     global _frozen_here
     gc.collect()
     gc.freeze()
     _frozen_here = True
+    return gc.get_freeze_count()
 
 
 def refreeze_gc_heap() -> int:
     """Freeze again what a process that froze its heap at start (``freeze_gc_heap``) has made
     since: a rank builds its models after its start (transformers' modules, the model's
-    modules and parameters, the run's data), and without this
-    every full collection of the RL loop walks them all again, on the step's critical path.
+    modules and parameters, the run's data), and without this every full collection of the RL
+    loop walks them all again, on the step's critical path.
     A no-op in a process that never froze (a test's, a user's): freezing keeps garbage made
     before the call, which only a process of ours can afford. Returns the objects now frozen."""
-    if not _frozen_here:
-        return 0
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
+    return freeze_gc_heap() if _frozen_here else 0
