@@ -19,13 +19,14 @@ from .errors import (
     UnknownTaskError,
 )
 from .meta import BatchMeta
+from .new_partition import NewPartition
 from .protocol import AsyncTransferQueue, TransferQueue
 from .samplers import register_sampler
 from .service import TransferQueueConfig, TransferQueueService, serve_storage_unit
 
 __all__ = [
     "AsyncTransferQueue", "TransferQueue", "AsyncTransferQueueClient", "TransferQueueClient",
-    "TransferQueueService", "TransferQueueConfig", "serve_storage_unit", "BatchMeta", "FieldSchema",
+    "TransferQueueService", "TransferQueueConfig", "serve_storage_unit", "BatchMeta", "NewPartition", "FieldSchema",
     "FixedColumn", "JaggedColumn", "ObjectColumn",
     "register_sampler", "TransferQueueError", "UnknownPartitionError", "UnknownTaskError",
     "SchemaMismatchError", "BadPutError", "RowsClearedError", "MissingColumnError", "CapacityError",

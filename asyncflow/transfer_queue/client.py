@@ -32,6 +32,7 @@ from .meta import BatchMeta, ids_from_wire, ids_to_wire
 from .meta import ReadRequest as _Request
 from .meta import plan_reads as _plan_get
 from .meta import positions_by_unit as _positions_by_unit
+from .new_partition import NewPartition
 from .samplers import SamplerSpec
 
 if TYPE_CHECKING:  # tensordict is imported where a TensorDict is built (columns.to_tensordict)
@@ -49,10 +50,13 @@ _UnitCall = tuple[int | None, dict[str, Any]]
 
 @charged("tq_client")
 def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequence[int] | None,
-              target: int | None = None) -> tuple[list[str], list[_UnitCall]]:
+              target: int | None = None, create: NewPartition | None = None) -> tuple[list[str], list[_UnitCall]]:
     """Validate a put and split it into unit requests: ``(unit or None for new rows, args)``.
     Columns added to existing rows go to ``target`` when given (the writer's own unit),
     else to each row's home unit."""
+    if create is not None and meta is not None:
+        raise BadPutError(f"put into {partition!r}: create= is for a put of new rows (no meta); these rows "
+                          "exist already, so their partition does too")
     cols, n = to_columns(data)
     names = list(cols)
     if meta is None:
@@ -61,8 +65,10 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequenc
             if len(groups) != n:
                 raise BadPutError(f"put into {partition!r}: {len(groups)} group ids for {n} rows")
         wire = {k: column_to_wire(c) for k, c in cols.items()}
-        return names, [(None, {"partition": partition, "columns": wire,
-                               "groups": ids_to_wire(groups) if groups is not None else None})]
+        args = {"partition": partition, "columns": wire, "groups": ids_to_wire(groups) if groups is not None else None}
+        if create is not None:
+            args["create"] = create.to_wire(partition)
+        return names, [(None, args)]
     if groups is not None:
         raise BadPutError("groups are set when rows are created; this put adds columns to existing rows")
     if meta.partition != partition:
@@ -301,13 +307,15 @@ class AsyncTransferQueueClient:
         return reply
 
     async def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
-                  groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta:
+                  groups: Sequence[int] | None = None, timeout: float | None = None,
+                  create: NewPartition | None = None) -> BatchMeta:
         """Write ``data`` (a TensorDict or a dict of columns). Without ``meta`` the rows are new;
-        with ``meta`` the columns are added to the rows it names, in its row order."""
+        with ``meta`` the columns are added to the rows it names, in its row order. ``create``
+        (new rows only): the partition is created with them, in the same request."""
         target = None
         if meta is not None and self._units.preferred is not None:
             target = self._units.preferred
-        names, calls = _plan_put(data, partition, meta, groups, target)
+        names, calls = _plan_put(data, partition, meta, groups, target, create)
         wait = self.wait_timeout if timeout is None else timeout
         check = _put_check(meta, calls)
         if check is not None:
@@ -484,9 +492,10 @@ class TransferQueueClient:
 
     @charged("tq_client")
     def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
-            groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta:
+            groups: Sequence[int] | None = None, timeout: float | None = None,
+            create: NewPartition | None = None) -> BatchMeta:
         target = self._units.preferred if meta is not None else None
-        names, calls = _plan_put(data, partition, meta, groups, target)
+        names, calls = _plan_put(data, partition, meta, groups, target, create)
         wait = self.wait_timeout if timeout is None else timeout
         check = _put_check(meta, calls)
         if check is not None:

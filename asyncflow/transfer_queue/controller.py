@@ -339,10 +339,35 @@ class Controller:
         self._check_write(p, rows, {c: FieldSchema.from_wire(w) for c, w in columns.items()}, False, None)
 
     async def rpc_notify(self, partition: str, rows: Any, columns: dict[str, Any], new_rows: bool,
-                         tokens: Any = None, groups: Any = None, unit: int | None = None) -> None:
+                         tokens: Any = None, groups: Any = None, unit: int | None = None,
+                         create: dict[str, Any] | None = None) -> None:
         """Record that ``rows`` now have ``columns`` ({name: schema}), stored in ``unit``
         (None: the rows' home units). Validates everything before changing anything, so a
-        rejected write leaves no trace."""
+        rejected write leaves no trace. ``create`` (new rows only: a put that creates its
+        partition, ``{"tasks": [...], "close_at": n}``): create_partition first, undone if the
+        write is refused and the partition did not exist before."""
+        existed, was_cleared = partition in self.partitions, partition in self.cleared
+        if create is not None:
+            await self._create_for_put(partition, create, new_rows)
+        try:
+            self._record(partition, rows, columns, new_rows, tokens, groups, unit)
+        except BaseException:
+            if create is not None and not existed:
+                self.partitions.pop(partition, None)
+                if was_cleared:  # reads keep saying it was cleared
+                    self.cleared.add(partition)
+            raise
+
+    async def _create_for_put(self, partition: str, create: Any, new_rows: bool) -> None:
+        if not new_rows:
+            raise BadPutError(f"put into {partition!r}: only a put of new rows may create its partition")
+        if not isinstance(create, dict) or set(create) - {"tasks", "close_at"}:
+            raise ValueError(f"put into {partition!r}: create must be a dict of create_partition's tasks and "
+                             f"close_at, got {create!r}")
+        await self.rpc_create_partition(partition, create.get("tasks", ()), create.get("close_at"))
+
+    def _record(self, partition: str, rows: Any, columns: dict[str, Any], new_rows: bool, tokens: Any,
+                groups: Any, unit: int | None) -> None:
         p = self._partition(partition)
         rows = ids_from_wire(rows)
         tokens = ids_from_wire(tokens) if tokens is not None else None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .columns import Column
 from .meta import BatchMeta
+from .new_partition import NewPartition
 from .samplers import SamplerSpec
 
 if TYPE_CHECKING:
@@ -37,7 +38,8 @@ class AsyncTransferQueue(Protocol):
     async def unit_stats(self) -> list[dict[str, Any]]: ...
 
     async def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
-                  groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta: ...
+                  groups: Sequence[int] | None = None, timeout: float | None = None,
+                  create: NewPartition | None = None) -> BatchMeta: ...
 
     async def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                        sampler: SamplerSpec = "sequential", *, allow_partial: bool = False,
@@ -60,7 +62,8 @@ class TransferQueue(Protocol):
     consumption by task for workers that pull their own batches, puts of the columns it adds."""
 
     def put(self, data: Any, partition: str, meta: BatchMeta | None = None, *,
-            groups: Sequence[int] | None = None, timeout: float | None = None) -> BatchMeta: ...
+            groups: Sequence[int] | None = None, timeout: float | None = None,
+            create: NewPartition | None = None) -> BatchMeta: ...
 
     def get_meta(self, columns: Sequence[str], batch_size: int, task: str, partition: str,
                  sampler: SamplerSpec = "sequential", *, allow_partial: bool = False, timeout: float | None = None,

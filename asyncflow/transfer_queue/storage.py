@@ -224,11 +224,12 @@ class StorageUnit:
 
     async def rpc_put(self, partition: str, columns: dict[str, Any], rows: Any = None,
                       groups: Sequence[int] | None = None, timeout: float | None = None,
-                      node: int | None = None) -> dict[str, Any]:
+                      node: int | None = None, create: dict[str, Any] | None = None) -> dict[str, Any]:
         """Store columns for new rows (``rows`` None: this unit assigns ids) or add columns
         to existing rows, this unit's own or another unit's. ``node``: the writer's node
-        (counted in stats). Returns, for new rows, the first row id (the ids are consecutive),
-        their count and per-row token counts."""
+        (counted in stats); ``create``: the controller creates the partition with these rows
+        (``{"tasks", "close_at"}``, new rows only). Returns, for new rows, the first row id
+        (the ids are consecutive), their count and per-row token counts."""
         cols = {name: _put_column(partition, name, w) for name, w in columns.items()}
         if not cols:
             raise BadPutError(f"put into {partition!r} carries no columns")
@@ -262,7 +263,7 @@ class StorageUnit:
             await self.controller.call(
                 "notify", partition=partition, rows=row_t, new_rows=new_rows,
                 columns={k: c.schema.to_wire() for k, c in cols.items()}, tokens=tokens,
-                groups=groups, unit=self.index)
+                groups=groups, unit=self.index, create=create)
         except BaseException:
             if bid in self.batches:  # the controller refused: leave no trace
                 self._unstore(partition, bid, row_t, new_rows)  # (a clear meanwhile already freed it)

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from .. import column_names as col
+from ..transfer_queue.new_partition import NewPartition
 from .executor_config import partition_name
 from .scheduling import Scheduling
 from .staleness import min_version
@@ -33,11 +34,11 @@ class Feeding(Scheduling):
             if self._stop:
                 continue
             # Without refills the step's row count is known now: the partition closes itself once
-            # it holds them (no close_partition request a step).
+            # it holds them (no close_partition request a step). It is created by the put of the
+            # step's prompts (no create_partition request a step).
             close_at = None if cfg.dynamic_sampling else cfg.prompts_per_step * cfg.group_size
-            await self.tq.create_partition(partition_name(t), close_at=close_at)
             self.step_started[t] = time.monotonic()
-            await self._issue(t, cfg.prompts_per_step)
+            await self._issue(t, cfg.prompts_per_step, NewPartition(close_at=close_at))
             # Refilling and closing step t runs on its own, so step t+1 may start meanwhile.
             closing = asyncio.create_task(self._close_step(t), name=f"close-step{t}")
             self._closers.add(closing)
@@ -62,7 +63,9 @@ class Feeding(Scheduling):
             await self.tq.close_partition(partition_name(t))
         await self.ledger.notify()
 
-    async def _issue(self, t: int, n_prompts: int) -> None:
+    async def _issue(self, t: int, n_prompts: int, create: NewPartition | None = None) -> None:
+        """Step ``t``'s next ``n_prompts`` prompts into its partition (``create``: the step's first
+        put, which creates the partition)."""
         cols = await self.source(t, n_prompts)
         n_rows = n_prompts * self.cfg.group_size
         groups = cols.pop("__groups__", None)
@@ -73,7 +76,7 @@ class Feeding(Scheduling):
         s = self.ledger.step(t)
         if groups is not None:  # before any await: a checkpoint may look at the ledger meanwhile
             s.uids.extend(dict.fromkeys(groups))
-        await self.tq.put(cols, partition_name(t), groups=groups)
+        await self.tq.put(cols, partition_name(t), groups=groups, create=create)
         s.issued += n_rows
         s.prompts += n_prompts
         self.prompts_issued += n_prompts
