@@ -111,7 +111,8 @@ class _PartitionStore:
     def index_of(self, rows: torch.Tensor) -> torch.Tensor | None:
         """Positions of ``rows`` in the index, or None if any lies outside it."""
         idx = (rows & LOCAL_MASK) - self.base
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.size):
+        i = idx.numpy()  # min/max of a step's rows: numpy's cost per call is a fraction of torch's
+        if i.size and (i.min() < 0 or i.max() >= self.size):
             return None
         return idx
 
@@ -187,10 +188,10 @@ class StorageUnit:
 
     def _groups(self, rows: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
         """``rows`` split by home unit: ``(home, positions)``; positions None means all rows."""
-        homes = rows >> UNIT_SHIFT
-        if not rows.numel() or bool((homes == homes[0]).all()):
-            return [(int(homes[0]) if rows.numel() else self.index, None)]
-        return [(int(h), torch.nonzero(homes == h).flatten()) for h in torch.unique(homes).tolist()]
+        homes = rows.numpy() >> UNIT_SHIFT
+        if not homes.size or homes.min() == homes.max():  # one home: the common case
+            return [(int(homes[0]) if homes.size else self.index, None)]
+        return [(int(h), torch.from_numpy(np.flatnonzero(homes == h))) for h in np.unique(homes).tolist()]
 
     def _store_of(self, partition: str, home: int) -> _PartitionStore | None:
         if home == self.index:
@@ -204,23 +205,26 @@ class StorageUnit:
         """A put of columns to existing rows: own rows must exist here and lack those columns.
         Foreign rows are checked by the controller (only it knows they exist); here only that
         this unit does not already hold those columns for them."""
-        if int(torch.unique(row_t).numel()) != row_t.numel():
+        r = row_t.numpy()
+        # rows in increasing order (a meta's usually are) are distinct without sorting them
+        if r.size > 1 and not (r[1:] > r[:-1]).all() and np.unique(r).size != r.size:
             raise BadPutError(f"put into {partition!r} names a row twice")
         for home, pos in self._groups(row_t):
             sub = row_t if pos is None else row_t[pos]
             ps = self._store_of(partition, home)
             idx = ps.index_of(sub) if ps is not None else None
-            if home == self.index and (ps is None or idx is None or not bool(ps.exists[idx].all())):
+            if home == self.index and (ps is None or idx is None or not ps.exists.numpy()[idx.numpy()].all()):
                 raise self._missing_error(partition, ps, sub, idx)
             if ps is None or idx is None:
                 continue
+            i = idx.numpy()
             for name in cols:
                 c = ps.codes.get(name)
                 if c is not None:
-                    again = sub[c[idx] >= 0]
-                    if again.numel():
-                        raise BadPutError(f"partition {partition!r}: rows {again[:5].tolist()} already have "
-                                          f"column {name!r}; columns are written once per row")
+                    held = c.numpy()[i] >= 0
+                    if held.any():
+                        raise BadPutError(f"partition {partition!r}: rows {sub.numpy()[held][:5].tolist()} already "
+                                          f"have column {name!r}; columns are written once per row")
 
     async def rpc_put(self, partition: str, columns: dict[str, Any], rows: Any = None,
                       groups: Sequence[int] | None = None, timeout: float | None = None,
@@ -299,7 +303,9 @@ class StorageUnit:
         bid = next(self._batch_ids)
         self.batches[bid] = _StoredBatch(cols, nbytes, n * len(cols))
         self.dropped.discard(partition)
-        codes = torch.arange(bid << _POS_BITS, (bid << _POS_BITS) + n)
+        # The index is written through numpy views of its tensors: a step's few rows cost a
+        # fraction of a torch indexing op's fixed cost.
+        codes = np.arange(bid << _POS_BITS, (bid << _POS_BITS) + n, dtype=np.int64)
         if new_rows:
             ps = self.parts.get(partition)
             if ps is None:
@@ -307,10 +313,10 @@ class StorageUnit:
             ps.batches.add(bid)
             a = (int(rows[0]) & LOCAL_MASK) - ps.base if n else 0
             ps.grow(a + n)
-            ps.exists[a:a + n] = True
-            ps.ever[a:a + n] = True
+            ps.exists.numpy()[a:a + n] = True
+            ps.ever.numpy()[a:a + n] = True
             for name in cols:
-                ps.column(name)[a:a + n] = codes
+                ps.column(name).numpy()[a:a + n] = codes
             ps.nrows += n
             self.used_rows += n
         else:
@@ -323,12 +329,17 @@ class StorageUnit:
                     local = sub & LOCAL_MASK
                     ps.cover(int(local.min()), int(local.max()) + 1)
                 idx = ps.index_of(sub)
+                if idx is None:  # covered above, or checked by _check_column_put
+                    raise RuntimeError(f"unit {self.index}: rows of {partition!r} outside the index of home "
+                                       f"{home} after their put was checked")
+                i = idx.numpy()
                 ps.batches.add(bid)
+                mine = codes if pos is None else codes[pos.numpy()]
                 for name in cols:
-                    ps.column(name)[idx] = codes if pos is None else codes[pos]
+                    ps.column(name).numpy()[i] = mine
                 if ps.foreign:
-                    ps.exists[idx] = True
-                    ps.ever[idx] = True
+                    ps.exists.numpy()[i] = True
+                    ps.ever.numpy()[i] = True
         self.used_bytes += nbytes
         return bid
 
