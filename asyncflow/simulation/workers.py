@@ -183,6 +183,12 @@ class SimRolloutWorker(SimWorker):
         return self.service.update_weights({}, int(version)).result(600.0)
 
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    def take_weights(self, version: int) -> dict:
+        """receive_weights then swap_weights, in one call (the first swap wave's)."""
+        self.receive_weights(version)
+        return self.swap_weights(version)
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def version(self) -> int:
         return int(self.engine.version)
 

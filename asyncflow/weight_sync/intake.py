@@ -59,6 +59,10 @@ class WeightIntake(Protocol):
     def swap(self, version: int, held: int) -> Swapped | None:
         """Wait for the version received and swap it in; None: nothing newer than ``held``."""
 
+    def take(self, version: int, held: int) -> Swapped | None:
+        """``receive`` and ``swap`` in one call, made while the policy publishes (not before it):
+        waits for the version to arrive, then swaps it in; None as ``swap``."""
+
 
 class _WorkerReceives:
     """The instance's own process receives: in process from a training rank that shares it
@@ -79,6 +83,19 @@ class _WorkerReceives:
     def receive(self, version: int) -> None:
         if self.receiver is not None:  # else the sender hands the tensors over during the publish
             self.receiver.start(version, self._load, self._dest())
+
+    def swap(self, version: int, held: int) -> Swapped | None:
+        raise NotImplementedError
+
+    def take(self, version: int, held: int) -> Swapped | None:
+        self.receive(version)
+        # In process the publish feeds the sink, and this call may come before it: wait for it.
+        # (Over the wire, swap joins the receiver, which waits for the sender.)
+        if self.receiver is None and not self.sink.wait_newer(held, self.ctx.wire_timeout_s):
+            raise TimeoutError(f"weight sync: {self.ctx.role} rank {self.ctx.rank} got no version newer than "
+                               f"publish {held} in process within {self.ctx.wire_timeout_s:.0f} s "
+                               f"(weight_sync.timeout_s)")
+        return self.swap(version, held)
 
     def _load(self, header: WeightHeader, tensors: Iterator[tuple[TensorSpec, torch.Tensor]]) -> None:
         raise NotImplementedError
@@ -144,6 +161,17 @@ class _EngineReceives:
         c = self.ctx
         c.service.call(lambda e: e.join_weight_groups(addrs, index, c.wire_timeout_s), c.wire_timeout_s,
                        "join_weight_groups")
+
+    def receive(self, version: int) -> None:
+        raise NotImplementedError
+
+    def swap(self, version: int, held: int) -> Swapped | None:
+        raise NotImplementedError
+
+    def take(self, version: int, held: int) -> Swapped | None:
+        # the engine's processes receive on their own: start it, then load as a swap does
+        self.receive(version)
+        return self.swap(version, held)
 
     def _swapped(self, held: int) -> Swapped | None:
         report = self._pending.result(self.ctx.call_timeout_s) if self._pending is not None else None

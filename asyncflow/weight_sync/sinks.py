@@ -67,6 +67,7 @@ class StagingSink:
         self._ready: WeightHeader | None = None
         self._filling: WeightHeader | None = None
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)  # end(): a whole version is ready
 
     def begin(self, header: WeightHeader) -> None:
         self.check({s.name: s.meta() for s in header.specs}, header.version)
@@ -94,10 +95,17 @@ class StagingSink:
     def end(self, header: WeightHeader) -> None:
         with self._lock:
             self._ready, self._filling = header, None
+            self._landed.notify_all()
 
     def fail(self, err: BaseException) -> None:
         with self._lock:
             self._filling = None
+
+    def wait_newer(self, held: int, timeout_s: float) -> bool:
+        """Wait until a whole version newer than publish counter ``held`` is staged (the sender
+        in this process is feeding it); False after ``timeout_s``."""
+        with self._landed:
+            return self._landed.wait_for(lambda: self._ready is not None and self._ready.seq > held, timeout_s)
 
     def take(self) -> tuple[WeightHeader, dict[str, torch.Tensor]] | None:
         with self._lock:
@@ -117,6 +125,7 @@ class InPlaceSink:
         self._fut: Any = None
         self.loaded: WeightHeader | None = None  # the last version loaded whole
         self.result: dict[str, Any] | None = None  # the service's report of that load (version, pause_s)
+        self._landed = threading.Condition()  # end(): a version is loaded whole
 
     def begin(self, header: WeightHeader) -> None:
         self._q = q = queue.Queue[Any](self.depth)
@@ -149,8 +158,16 @@ class InPlaceSink:
 
     def end(self, header: WeightHeader) -> None:
         self._put(None)
-        self.result = self._fut.result(self.timeout_s)
-        self.loaded = header
+        result = self._fut.result(self.timeout_s)
+        with self._landed:
+            self.result, self.loaded = result, header
+            self._landed.notify_all()
+
+    def wait_newer(self, held: int, timeout_s: float) -> bool:
+        """Wait until a version newer than publish counter ``held`` is loaded whole; False after
+        ``timeout_s``."""
+        with self._landed:
+            return self._landed.wait_for(lambda: self.loaded is not None and self.loaded.seq > held, timeout_s)
 
     def fail(self, err: BaseException) -> None:
         if self._q is not None and self._fut is not None and not self._fut.done():

@@ -197,6 +197,17 @@ class RolloutWorker(EngineOffload, Worker):
         self.seq = got.seq
         return got.report
 
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    def take_weights(self, version: int) -> dict:
+        """``receive_weights`` and ``swap_weights`` in one call, made while the actor publishes
+        ``version`` (an instance of the first swap wave: one request a version instead of two).
+        Returns what swap_weights returns."""
+        got = self._intake("take_weights").take(version, self.seq)
+        if got is None:
+            return self._no_newer(version)
+        self.seq = got.seq
+        return got.report
+
     def _intake(self, what: str) -> Any:
         if self.intake is None:
             raise RuntimeError(f"rollout rank {self.rank}: {what} before init_weight_sync")

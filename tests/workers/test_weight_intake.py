@@ -174,3 +174,75 @@ def test_the_rollout_worker_keeps_the_publish_counter_and_refuses_a_version_that
     assert w.swap_weights(1) == {"version": 1, "pause_s": 0.0}  # held already: nothing to swap
     with pytest.raises(RuntimeError, match="no newer weights arrived"):
         w.swap_weights(2)
+
+
+def _feed_later(sink, version, seq, delay_s=0.05):
+    """The sender's publish, on a thread of its own, a moment after the take began."""
+    import threading
+    import time
+
+    def feed():
+        time.sleep(delay_s)
+        _feed(sink, version, seq)
+    th = threading.Thread(target=feed)
+    th.start()
+    return th
+
+
+@pytest.mark.parametrize("load", ["staged", "in_place"])
+def test_take_in_process_waits_for_the_publish_then_swaps_it_in(load):
+    service = FakeService()
+
+    def update_weights_stream(specs, tensors, version):  # the service's loop reads the stream meanwhile
+        import threading
+        fut = Future()
+        threading.Thread(target=lambda: fut.set_result({"version": version, "pause_s": 0.1,
+                                                        "n": len(list(tensors))})).start()
+        return fut
+    service.update_weights_stream = update_weights_stream
+    intake = I.choose_intake(load, False, _ctx(service, rank=0))
+    intake.connect([0, 1], [], 0)
+    feeder = _feed_later(intake.sink, version=2, seq=5)
+    got = intake.take(2, held=4)  # called before the publish has fed anything
+    feeder.join()
+    assert got is not None and got.seq == 5 and got.report["version"] == 2
+    assert intake.swap(2, held=5) is None  # taken once
+
+
+@pytest.mark.parametrize("load", ["staged", "in_place"])
+def test_take_in_process_gives_up_after_the_wire_timeout_naming_it(load):
+    service = FakeService()
+    ctx = I.IntakeContext(service, service.engine, 0, "rollout0", torch.device("cpu"), wire_timeout_s=0.05,
+                          call_timeout_s=9.0)
+    intake = I.choose_intake(load, False, ctx)
+    intake.connect([0, 1], [], 0)
+    with pytest.raises(TimeoutError, match=r"rollout0 rank 0 got no version newer than publish 3 in process "
+                                            r"within 0 s \(weight_sync.timeout_s\)"):
+        intake.take(1, held=3)
+
+
+def test_take_with_the_engine_receiving_starts_the_receive_then_loads():
+    service = FakeService()
+    intake = I.choose_intake("staged", True, _ctx(service))
+    assert intake.take(1, held=0) == I.Swapped(1, {"version": 1, "seq": 1, "buckets": 1})
+    assert service.log == [("call", "stage_weights", 9.0), "stage", ("update_weights_with", 1),
+                           ("swap_staged", "keep")]
+
+
+def test_the_rollout_workers_take_weights_keeps_the_publish_counter():
+    from asyncflow.workers.rollout import RolloutWorker
+
+    class Bare(RolloutWorker):
+        rank = 0
+
+    w = Bare.__new__(Bare)
+    w.intake, w.seq = None, 0
+    with pytest.raises(RuntimeError, match="take_weights before init_weight_sync"):
+        w.take_weights(1)
+    service = FakeService()
+    w.engine, w.intake = service.engine, I.choose_intake("staged", False, _ctx(service))
+    w.intake.connect([0], [], 0)
+    feeder = _feed_later(w.intake.sink, version=1, seq=1)
+    w.engine.version = 0
+    assert w.take_weights(1) == {"version": 1, "pause_s": 0.0} and w.seq == 1
+    feeder.join()
