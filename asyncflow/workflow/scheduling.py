@@ -9,7 +9,7 @@ from ..transfer_queue.meta import BatchMeta
 from .accounting import StepAccounting
 from .executor_config import partition_name
 from .executor_state import StageState
-from .stages import DRIVER, Stage
+from .stages import Stage
 
 # _next_work's answer to a caller whose ``wake`` came true: compared by identity, never a step's work
 WOKEN: tuple[int, int] = (-1, 0)
@@ -17,9 +17,10 @@ WOKEN: tuple[int, int] = (-1, 0)
 
 class Scheduling(StepAccounting):
     def _maps_done(self, t: int) -> bool:
-        """Every worker map stage has had all of step ``t``'s rows back from its calls."""
+        """Every map stage, the workers' and the driver's, has had all of step ``t``'s rows back
+        from its calls (a stage the update does not wait for may still be writing them)."""
         for i, s in enumerate(self.stages):
-            if s.kind not in ("rollout", "update", "filter") and s.role != DRIVER:
+            if s.kind not in ("rollout", "update", "filter"):
                 if self.state[s.name].done.get(t, 0) < self.ledger.expected(t, self._after_filter(i)):
                     return False
         return True

@@ -66,6 +66,9 @@ class StageDispatch(Scheduling):
                 await self.tq.put(out, partition_name(t), meta)
             timing = self.step_timing.setdefault(t, {})
             timing[stage.name] = timing.get(stage.name, 0.0) + time.monotonic() - start
+            done = self.state[stage.name].done
+            done[t] = done.get(t, 0) + len(meta)
+            await self.ledger.notify()
 
     async def _filter_loop(self, stage: Stage) -> None:
         """Driver-side: the stage's function keeps or drops whole groups (dynamic sampling);

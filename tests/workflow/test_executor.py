@@ -8,6 +8,7 @@ overlaps rollout of the next step with the update; dynamic sampling refills drop
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -447,3 +448,16 @@ def test_observers_get_their_columns_those_written_by_then_with_the_ready_rows()
     assert sorted(i for got in obs.got for i in got[3]) == sorted(actor.trained)
     assert all(got[4] == ["x"] * rows and got[5] == [7.0] * rows for got in obs.got)
     assert obs.after == [["note"]] * 3
+
+
+def _slow_note(batch):
+    time.sleep(0.2)  # a driver stage the update does not wait for, still computing as the update ends
+    return {"note": torch.full((len(batch),), 7.0)}
+
+
+def test_a_driver_stage_beside_the_update_writes_its_rows_before_the_step_is_reported_and_cleared():
+    seen = []
+    note = Stage("note", "driver", "", ["scores"], ["note"], batch_rows=4 * G, fn=_slow_note)
+    run("async", steps=3, observers=lambda tq, log: seen.append(Reads(tq)) or seen, side_stage=note)
+    assert [got[0] for got in seen[0].got] == [0, 1, 2]
+    assert all(got[5] == [7.0] * 4 * G for got in seen[0].got)  # read once written, never missing
