@@ -2,10 +2,10 @@
 (the in-process default)."""
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from .errors import RpcTimeout
+from .waits import wait_within
 
 
 class LocalEndpoint:
@@ -21,9 +21,10 @@ class LocalEndpoint:
         if _timeout is None:
             return await fn(**args)
         try:
-            # wait_for, not asyncio.timeout: a caller may be an RpcServer handler still in its
-            # eager first step, outside any Task, where asyncio.timeout cannot work.
-            return await asyncio.wait_for(fn(**args), _timeout)
+            # not asyncio.timeout: a caller may be an RpcServer handler still in its eager first
+            # step, outside any Task, where asyncio.timeout cannot work; not wait_for, which can
+            # drop the caller's cancellation (rpc/waits.py)
+            return await wait_within(fn(**args), _timeout)
         except TimeoutError:
             raise self.timeout_error(f"{method} on {self.address} took longer than {_timeout:.1f}s") from None
 

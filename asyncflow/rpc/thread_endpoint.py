@@ -22,6 +22,7 @@ from . import codec
 from .client_replies import raise_remote
 from .errors import RpcTimeout
 from .server_base import error_reply
+from .waits import wait_within
 
 _SERVICES: dict[str, tuple[Any, asyncio.AbstractEventLoop]] = {}  # address -> (service, its loop)
 _LOCK = threading.Lock()
@@ -80,7 +81,7 @@ class ThreadEndpoint:
         wait = self.timeout if _timeout is None else _timeout
         fut = asyncio.run_coroutine_threadsafe(serve(), self.loop)
         try:
-            reply = await asyncio.wait_for(asyncio.wrap_future(fut), wait)
+            reply = await wait_within(asyncio.wrap_future(fut), wait)
         except TimeoutError:  # (a stopped loop never runs the call: this ends the wait)
             raise self.timeout_error(f"{method} on {self.address} got no reply within {wait:.1f}s") from None
         if "e" in reply:
