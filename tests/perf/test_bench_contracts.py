@@ -71,3 +71,18 @@ def test_weight_sync_bench_lora_sends_the_adapters_alone():
     assert lora["adapters"]["first_version_bytes"] == full["full"]["bytes_per_version"] + lora["adapter_bytes"]
     assert out["ratio_bytes_full_vs_lora"] > 10
     _positive(out, ["trainer_peak_mb_full", "trainer_peak_mb_lora", "ratio_sync_s_full_vs_lora"])
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_the_tq_step_bench_replays_a_step_and_reports_its_cpu(separate):
+    args = ["perf/bench_tq_step.py", "--steps", "20", "--warmup", "3", "--rows", "16"]
+    out = _last_json(args + (["--separate-create"] if separate else []), timeout=120)
+    assert out["requests_per_step"] == (12 if separate else 11)  # the create rides on the put unless separate
+    assert out["rows"] == 16 and out["steps"] == 20 and out["separate_create"] is separate
+    _positive(out, ["client_cpu_ms_per_step", "service_cpu_ms_per_step", "wall_ms_per_step"])
+
+
+def test_the_tq_step_bench_refuses_rows_that_are_not_whole_groups():
+    r = subprocess.run([sys.executable, "perf/bench_tq_step.py", "--rows", "10"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and "--rows must be a positive multiple of 4" in r.stderr
