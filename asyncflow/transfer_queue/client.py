@@ -67,7 +67,7 @@ def _plan_put(data: Any, partition: str, meta: BatchMeta | None, groups: Sequenc
         wire = {k: column_to_wire(c) for k, c in cols.items()}
         args = {"partition": partition, "columns": wire, "groups": ids_to_wire(groups) if groups is not None else None}
         if create is not None:
-            args["create"] = create.to_wire(partition)
+            args["create"] = {"tasks": _task_list(partition, create.tasks), "close_at": create.close_at}
         return names, [(None, args)]
     if groups is not None:
         raise BadPutError("groups are set when rows are created; this put adds columns to existing rows")

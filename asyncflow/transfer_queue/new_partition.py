@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["NewPartition"]
 
@@ -18,9 +17,3 @@ __all__ = ["NewPartition"]
 class NewPartition:
     tasks: Sequence[str] = ()  # as create_partition's tasks
     close_at: int | None = None  # as create_partition's: it closes itself once it holds that many rows
-
-    def to_wire(self, partition: str) -> dict[str, Any]:
-        if isinstance(self.tasks, str):  # list("train") would declare the tasks 't', 'r', 'a', ...
-            raise ValueError(f"put into {partition!r}: NewPartition.tasks must be a list of names, got the "
-                             f"string {self.tasks!r}; write tasks=[{self.tasks!r}]")
-        return {"tasks": list(self.tasks), "close_at": self.close_at}

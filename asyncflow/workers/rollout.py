@@ -191,22 +191,23 @@ class RolloutWorker(EngineOffload, Worker):
     def swap_weights(self, version: int) -> dict:
         """Wait for ``version`` to arrive; staged, have the service swap it in at the next step
         boundary. Returns when it is in, with the pause it cost generation."""
-        got = self._intake("swap_weights").swap(version, self.seq)
-        if got is None:
-            return self._no_newer(version)
-        self.seq = got.seq
-        return got.report
+        return self._held(self._intake("swap_weights").swap(version, self.seq), version)
 
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     def take_weights(self, version: int) -> dict:
         """``receive_weights`` and ``swap_weights`` in one call, made while the actor publishes
         ``version`` (an instance of the first swap wave: one request a version instead of two).
         Returns what swap_weights returns."""
-        got = self._intake("take_weights").take(version, self.seq)
+        return self._held(self._intake("take_weights").take(version, self.seq), version)
+
+    def _held(self, got: Any, version: int) -> dict:
+        """The report of a swap (``got``: the intake's Swapped), its publish counter now held; or,
+        with nothing newer swapped in, what _no_newer says."""
         if got is None:
             return self._no_newer(version)
         self.seq = got.seq
-        return got.report
+        report: dict = got.report
+        return report
 
     def _intake(self, what: str) -> Any:
         if self.intake is None:

@@ -29,9 +29,13 @@ class StageDispatch(Scheduling):
             out = await self._timed(stage, group.role, group.ranks, t, n,
                                     getattr(group, stage.method)(meta, stage.io.to_wire()))
             self._keep_metrics(t, out)
-            done = self.state[stage.name].done
-            done[t] = done.get(t, 0) + n
-            await self.ledger.notify()
+            await self._rows_done(stage, t, n)
+
+    async def _rows_done(self, stage: Stage, t: int, n: int) -> None:
+        """``n`` more rows of step ``t`` are back from ``stage`` (``_maps_done`` counts them)."""
+        done = self.state[stage.name].done
+        done[t] = done.get(t, 0) + n
+        await self.ledger.notify()
 
     async def _driver_batch(self, stage: Stage, t: int, asked: int) -> tuple[Any, DriverBatch]:
         """The stage's next rows of step ``t`` (``asked`` booked) and their columns: one TransferQueue
@@ -66,9 +70,7 @@ class StageDispatch(Scheduling):
                 await self.tq.put(out, partition_name(t), meta)
             timing = self.step_timing.setdefault(t, {})
             timing[stage.name] = timing.get(stage.name, 0.0) + time.monotonic() - start
-            done = self.state[stage.name].done
-            done[t] = done.get(t, 0) + len(meta)
-            await self.ledger.notify()
+            await self._rows_done(stage, t, len(meta))
 
     async def _filter_loop(self, stage: Stage) -> None:
         """Driver-side: the stage's function keeps or drops whole groups (dynamic sampling);
