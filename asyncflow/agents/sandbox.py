@@ -133,7 +133,9 @@ async def run_in_sandbox(
         timed_out = too_large = False
         data = b""
         try:
-            data = await asyncio.wait_for(_exchange(proc, payload), timeout_s)
+            # (imported here: this file is also the child's program, which imports nothing of asyncflow)
+            from asyncflow.rpc.waits import wait_within
+            data = await wait_within(_exchange(proc, payload), timeout_s)
         except TimeoutError:
             timed_out = True
         except _TooLarge:

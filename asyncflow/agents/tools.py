@@ -43,6 +43,7 @@ from decimal import Decimal, localcontext
 from fractions import Fraction
 from typing import Any, Literal
 
+from ..rpc.waits import wait_within
 from .sandbox import DEFAULT_MEMORY_MB, check_sandboxable, run_in_sandbox, run_python
 
 __all__ = [
@@ -282,7 +283,7 @@ async def _call_in_thread(spec: ToolSpec, args: tuple, kwargs: dict) -> _Outcome
     thread = threading.Thread(target=target, name=f"tool-{spec.name}", daemon=True)
     thread.start()
     try:
-        return await asyncio.wait_for(done, spec.timeout_s)
+        return await wait_within(done, spec.timeout_s)
     except TimeoutError:
         with _hung_lock:
             _hung.append(thread)

@@ -33,6 +33,7 @@ import zmq.asyncio
 from ..rpc.async_client import RpcClient
 from ..rpc.loop_thread import EventLoopThread
 from ..rpc.store_wait import wait_for_value
+from ..rpc.waits import wait_within
 from ..transfer_queue import (
     AsyncTransferQueueClient,
     TransferQueueConfig,
@@ -242,7 +243,7 @@ async def write_unit_stats(controller_address: str, path: str) -> list[dict[str,
     ctx = zmq.asyncio.Context()
     client = AsyncTransferQueueClient(controller_address, timeout=10.0, ctx=ctx)
     try:
-        stats = sorted(await asyncio.wait_for(client.unit_stats(), 15.0), key=lambda s: s["unit"])
+        stats = sorted(await wait_within(client.unit_stats(), 15.0), key=lambda s: s["unit"])
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(stats, indent=2))
         return stats

@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from ..rpc.async_client import RpcClient
 from ..rpc.local_endpoint import LocalEndpoint
+from ..rpc.waits import wait_within
 from .columns import FieldSchema
 from .errors import (
     BadPutError,
@@ -647,6 +648,8 @@ class Controller:
                     f"consumed; missing columns: {self._missing_report(p, task, cols)}"
                     f"{'' if p.closed else '; the partition is still open (close_partition ends the stream)'}")
             try:
-                await asyncio.wait_for(p.changed.wait(), left)
+                # wait_within, not wait_for: a cancelled get_meta (its caller gave up) must end here,
+                # never go on to consume rows for nobody (3.11's wait_for can drop the cancellation)
+                await wait_within(p.changed.wait(), left)
             except TimeoutError:
                 pass

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..rpc.codec import CodecError
+from ..rpc.waits import wait_within
 from .columns import Column, JaggedColumn, column_from_wire, column_to_wire, concat
 from .errors import BadPutError, CapacityError, MissingColumnError, RowsClearedError, UnknownPartitionError
 from .meta import LOCAL_MASK, MAX_UNITS, UNIT_SHIFT, ids_from_wire, make_row_id
@@ -165,7 +166,7 @@ class StorageUnit:
                     f"{partition!r} waited for room: clear consumed partitions or rows, or raise the capacity")
             freed = self._freed
             try:
-                await asyncio.wait_for(freed.wait(), left)
+                await wait_within(freed.wait(), left)  # a cancelled put stores nothing (rpc/waits.py)
             except TimeoutError:
                 pass
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...engines.rollout.base import SamplingParams
+from ...rpc.waits import wait_within
 from ..episode import EpisodeLimits, Trajectory
 from .chat_format import ChatFormat
 from .recorder import build_trajectory
@@ -39,7 +40,7 @@ async def run_agent(fn: Callable[..., Any], row: dict[str, Any], *, server: Endp
         else:
             call = on_own_thread(fn, row, server.base_url, key)
         try:
-            reward = await asyncio.wait_for(call, limits.max_time_s)
+            reward = await wait_within(call, limits.max_time_s)
         except TimeoutError:
             reward, finish = 0.0, "time_limit"
     finally:

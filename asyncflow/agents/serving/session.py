@@ -14,6 +14,7 @@ from typing import Any
 
 from ...engines.rollout.base import GenerationRequest, RequestResult, SamplingParams
 from ...engines.rollout.service import TokenListener
+from ...rpc.waits import wait_within
 from ..episode import EpisodeContext, EpisodeLimits
 from .bodies import accepted_sampling
 from .chat_format import ChatFormat
@@ -110,4 +111,4 @@ class AgentSession:
     async def close(self, timeout_s: float = 30.0) -> None:
         """Abort what is still running (an agent that left requests behind)."""
         for rid in list(self.running):
-            await asyncio.wait_for(asyncio.to_thread(self.service.abort, rid), timeout_s)
+            await wait_within(asyncio.to_thread(self.service.abort, rid), timeout_s)
