@@ -323,7 +323,7 @@ def main() -> int:
                     else [a.steps] * len(scales))
     ns = argparse.Namespace(seed=a.seed, num_eval=256, fresh_warmup=False, run_timeout_s=a.timeout_s,
                             prompts=a.prompts, group=a.group, batch_prompts=a.batch_prompts,
-                            max_new_tokens=a.max_new_tokens, lengths="natural", steps=0)
+                            max_new_tokens=a.max_new_tokens, lengths="natural", steps=0, lr=bench_e2e.DEFAULT_LR)
     model = Path(bench_e2e.warm_up(ns, out)["model"])
     trl_python = trl_interpreter(a.trl_venv, out) if not a.no_trl else Path()
     accounts: dict[str, dict[str, float]] = {}

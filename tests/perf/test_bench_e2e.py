@@ -298,7 +298,8 @@ def _run_dir(tmp: Path, ref_with: str, mode: str = "async") -> Path:
 
 
 def _args(**kw) -> argparse.Namespace:
-    return argparse.Namespace(**{"prompts": 16, "group": 4, "max_new_tokens": 16, "lengths": "natural", **kw})
+    return argparse.Namespace(**{"prompts": 16, "group": 4, "max_new_tokens": 16, "lengths": "natural", "lr": 5e-5,
+                                 **kw})
 
 
 @pytest.mark.parametrize("ref_with, actor_s, rollout_s", [("actor", 0.3, 0.1), ("rollout", 0.2, 0.2)])
@@ -362,6 +363,17 @@ def test_every_run_starts_from_the_warm_up_and_lengths_reach_asyncflow(tmp_path)
     longtail = bench_e2e.workload_overrides(_args(**{**vars(a), "lengths": "longtail", "max_new_tokens": 112}))
     assert {"rollout.ignore_eos=true", "rollout.length_profile=longtail", "rollout.max_new_tokens=112"} <= set(longtail)
     assert "trainer.steps=0" in bench_e2e.warmup_overrides(a)
+
+
+def test_the_learning_rate_is_the_workload_s_on_both_sides():
+    """Every AsyncFlow run gets --lr, and the config that TRL's spec reads its rate from has it."""
+    from asyncflow.config import load_config
+
+    assert bench_e2e.parse_args([]).lr == bench_e2e.DEFAULT_LR
+    a = _args(steps=16, batch_prompts=16, seed=0, num_eval=256, lr=2e-5)
+    overrides = bench_e2e.workload_overrides(a)
+    assert "optim.lr=2e-05" in overrides
+    assert load_config(bench_e2e.RECIPE, overrides).optim.lr == 2e-5  # trl_spec's "lr"
 
 
 def test_a_hung_run_is_killed_with_the_processes_it_started(tmp_path):
