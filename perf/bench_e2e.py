@@ -2,7 +2,7 @@
 
 One GRPO job (reference and reward stages: ``algorithm.kl_coef=0.01``; the addition task;
 prompts x group size rows per step; no dynamic sampling, so every run trains the same rows;
-the same seed and number of steps) runs as its own ``python -m asyncflow.cli train grpo``
+the same seed, number of steps and learning rate, ``--lr``) runs as its own ``python -m asyncflow.cli train grpo``
 subprocess on the 2 local CPU ranks, in four modes:
 
   sync_colocated  workflow.mode=sync, placement.mode=colocated (the verl-style baseline:
