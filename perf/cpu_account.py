@@ -20,9 +20,10 @@ window is scaled to the window (``scale_to_window``), so a Python thread's total
 come from the same moments (other threads, libzmq's and torch's, from /proc). TRL's window is
 read in its process at the steps' ends.
 
-Prints a table per scale (CPU ms per step and per row, by component, both sides), then the
-fixed and per-row parts of each component (least squares over the scales: ms per step =
-fixed + per_row x rows); the last line is one JSON object.
+Prints, for each of our runs, the cores it kept busy (CPU a step over wall a step: near the
+machine's cores the step is bound by its CPU), a table per scale (CPU ms per step and per row,
+by component, both sides), then the fixed and per-row parts of each component (least squares
+over the scales: ms per step = fixed + per_row x rows); the last line is one JSON object.
 """
 from __future__ import annotations
 
@@ -130,6 +131,15 @@ def per_step(ns_by_component: Mapping[str, float], steps: int) -> dict[str, floa
     ms["total"] = sum(ms.values())
     ms["control_plane"] = sum(ms.get(c, 0.0) for c in CONTROL_PLANE)
     return ms
+
+
+def cores_busy(cpu_ms_per_step: float, window_s: float, steps: int) -> float:
+    """Cores the run kept busy over its window: CPU a step over wall time a step. Near the
+    machine's cores, the step is bound by its CPU (only less CPU a step makes it faster); well
+    under, by waits between stages (overlap could)."""
+    if steps <= 0 or window_s <= 0:
+        raise ValueError(f"cores_busy needs a window of steps: {steps} steps in {window_s} s")
+    return cpu_ms_per_step / (window_s * 1e3 / steps)
 
 
 def _ordered(keys: Sequence[str] | Mapping[str, object]) -> list[str]:
@@ -329,6 +339,7 @@ def main() -> int:
     accounts: dict[str, dict[str, float]] = {}
     rows: dict[str, int] = {}
     calls: dict[str, dict[str, float]] = {}
+    busy: dict[str, float] = {}  # ours: CPU a step over wall a step, over the window
     by_side: dict[str, list[tuple[int, dict[str, float]]]] = {"ours": [], "trl": []}
     for scale, steps in zip(scales, window_steps):
         ns.prompts, ns.steps = a.prompts * scale, a.steps_before + steps + 4
@@ -340,7 +351,9 @@ def main() -> int:
         accounts[name], rows[name] = per_step(ours["ns"], ours["steps"]), n_rows
         by_side["ours"].append((n_rows, accounts[name]))
         calls[name] = {k: round(v, 2) for k, v in sorted(ours["calls_per_step"].items(), key=lambda kv: -kv[1])}
-        print(f"{name}: {ours['steps']} steps in {ours['window_s']:.1f} s, processes {ours['processes']}; "
+        busy[name] = round(cores_busy(accounts[name]["total"], ours["window_s"], ours["steps"]), 2)
+        print(f"{name}: {ours['steps']} steps in {ours['window_s']:.1f} s ({busy[name]:.2f} cores busy), "
+              f"processes {ours['processes']}; "
               f"requests served per step: {sum(calls[name].values()):.1f} ({calls[name]})", flush=True)
         if not a.no_trl:
             ns.steps = a.steps_before + steps
@@ -373,6 +386,7 @@ def main() -> int:
             print(f"| {c} | " + " | ".join(cells) + " |")
     print(json.dumps({"accounts": {n: {c: round(v, 2) for c, v in acc.items()} for n, acc in accounts.items()},
                       "rows_per_step": rows, "fixed_ms_and_us_per_row": fits, "requests_per_step": calls,
+                      "cores_busy": busy,
                       "overrides": list(a.overrides), "code": bench_e2e.code_version()}))
     return 0
 

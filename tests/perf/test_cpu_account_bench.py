@@ -54,6 +54,13 @@ def test_per_step_orders_components_and_sums_the_control_plane():
     assert ms["total"] == 9.0 and ms["control_plane"] == 3.0
 
 
+def test_cores_busy_is_cpu_a_step_over_wall_a_step():
+    assert bench.cores_busy(120.0, window_s=2.4, steps=40) == pytest.approx(2.0)  # 120 ms of CPU in 60 ms steps
+    assert bench.cores_busy(30.0, window_s=2.4, steps=40) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="window of steps"):
+        bench.cores_busy(30.0, window_s=0.0, steps=40)
+
+
 def test_fixed_and_per_row_recovers_a_line():
     fixed, per_row = bench.fixed_and_per_row([(64, 10 + 0.5 * 64), (256, 10 + 0.5 * 256), (1024, 10 + 0.5 * 1024)])
     assert fixed == pytest.approx(10.0) and per_row == pytest.approx(0.5)
