@@ -298,8 +298,8 @@ def _run_dir(tmp: Path, ref_with: str, mode: str = "async") -> Path:
 
 
 def _args(**kw) -> argparse.Namespace:
-    return argparse.Namespace(**{"prompts": 16, "group": 4, "max_new_tokens": 16, "lengths": "natural", "lr": 5e-5,
-                                 **kw})
+    return argparse.Namespace(**{"prompts": 16, "group": 4, "max_new_tokens": 16, "lengths": "natural",
+                                 "lr": bench_e2e.DEFAULT_LR, **kw})
 
 
 @pytest.mark.parametrize("ref_with, actor_s, rollout_s", [("actor", 0.3, 0.1), ("rollout", 0.2, 0.2)])

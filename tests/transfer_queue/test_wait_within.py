@@ -70,7 +70,10 @@ def test_a_local_endpoint_call_with_a_timeout_keeps_its_caller_s_cancellation():
     assert _cancel_as_it_finishes(wait) == []
 
 
-def _cancelled_as_woken(start_wait, wake, timeout_s=2.0):
+WAIT_S = 2.0  # the waits' own timeout below; a lost cancellation shows as their timeout error
+
+
+def _cancelled_as_woken(start_wait, wake):
     """Start a TransferQueue wait (``start_wait()``: a coroutine that waits for a change),
     then, in one synchronous block, wake it (``wake()``) and cancel it: what awaiting it gives
     ("cancelled", or what it raised or returned instead: its cancellation was lost)."""
@@ -82,7 +85,7 @@ def _cancelled_as_woken(start_wait, wake, timeout_s=2.0):
         wake()
         task.cancel()
         try:
-            got = await asyncio.wait_for(task, timeout_s * 5)
+            got = await asyncio.wait_for(task, WAIT_S * 5)
         except asyncio.CancelledError:
             return "cancelled"
         except Exception as e:  # noqa: BLE001 - the test reports which
@@ -98,7 +101,7 @@ def test_a_controller_get_meta_cancelled_as_its_partition_changes_ends():
 
     async def start():
         await ctrl.rpc_create_partition("p")
-        return await ctrl.rpc_get_meta(partition="p", task="t", columns=["x"], batch_size=1, timeout=2.0)
+        return await ctrl.rpc_get_meta(partition="p", task="t", columns=["x"], batch_size=1, timeout=WAIT_S)
 
     assert _cancelled_as_woken(start, lambda: ctrl.partitions["p"].wake()) == "cancelled"
 
@@ -111,7 +114,7 @@ def test_a_storage_put_cancelled_as_room_is_freed_ends():
     async def start():
         await ctrl.rpc_create_partition("p")
         await unit.rpc_put("p", {"x": column_to_wire(to_column("x", torch.arange(1)))})
-        return await unit.rpc_put("p", {"x": column_to_wire(to_column("x", torch.arange(1)))}, timeout=2.0)
+        return await unit.rpc_put("p", {"x": column_to_wire(to_column("x", torch.arange(1)))}, timeout=WAIT_S)
 
     assert _cancelled_as_woken(start, unit._signal_freed) == "cancelled"
     assert unit.used_rows == 1  # the cancelled put stored nothing
