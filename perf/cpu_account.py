@@ -1,6 +1,6 @@
 """The CPU of one RL step by component, AsyncFlow's and TRL's, at 1x, 4x and 16x the rows per step.
 
-    python perf/cpu_account.py [--scales 1,4,16] [--steps-before 8] [--steps 24] [--no-trl] [KEY=VALUE ...]
+    python perf/cpu_account.py [--scales 1,4,16] [--steps-before 8] [--steps N] [--no-trl] [KEY=VALUE ...]
 
 The workload is perf/bench_e2e.py's (GRPO on addition from its shared warm-up, ``--prompts``
 x ``--group`` rows per step at 1x, the reference and reward stages), AsyncFlow in the main
@@ -11,7 +11,8 @@ perf/_trl_account.py, one process, ``--trl-threads`` torch threads) on the same 
 scale multiplies the prompts per step.
 
 How CPU is attributed: every thread of every process of the run is read from /proc (its CPU
-over a window of ``--steps`` RL steps after ``--steps-before``); inside a thread, code under
+over a window of RL steps after ``--steps-before``: ``--steps``, or by default about as many
+rows at every scale, ``window_steps``); inside a thread, code under
 an ``asyncflow.cpu_account`` span (enabled by ``ASYNCFLOW_CPU_ACCOUNT``) is charged to the
 span's component, and the rest of the thread to the component its name says
 (``thread_component``). AsyncFlow's processes write their spans, open ones counted up to the
@@ -49,6 +50,11 @@ from run_overrides import check_overrides  # noqa: E402
 from thread_cpu import cpu_by_thread  # noqa: E402
 
 FILE_PREFIX = "cpu_account-"  # asyncflow.cpu_account's snapshot files
+# The default window: this many RL steps at 1x, proportionally fewer at larger scales (about
+# the same rows, so about the same seconds, at every scale). A window of a few seconds lets
+# one slow moment of a shared machine move a run's whole account.
+WINDOW_STEPS_1X = 144
+MIN_WINDOW_STEPS = 6
 
 # A thread's CPU outside any span goes to the component its name says; the first rule whose
 # process label starts with its first field ("*": any) and whose thread name contains its
@@ -302,6 +308,20 @@ def trl_interpreter(venv: str, out: Path) -> Path:
     return bench_e2e.trl_python()
 
 
+def window_steps(scales: Sequence[int], steps: int | None, only_scale_steps: str = "") -> list[int]:
+    """RL steps in each scale's window: ``only_scale_steps`` (one per scale), else ``steps`` at
+    every scale, else ``WINDOW_STEPS_1X / scale`` (at least ``MIN_WINDOW_STEPS``)."""
+    if only_scale_steps:
+        per = [int(x) for x in only_scale_steps.split(",")]
+        if len(per) != len(scales):
+            raise ValueError(f"--only-scale-steps gives {len(per)} windows for {len(scales)} scales {list(scales)}: "
+                             "give one per scale")
+        return per
+    if steps is not None:
+        return [steps] * len(scales)
+    return [max(MIN_WINDOW_STEPS, round(WINDOW_STEPS_1X / s)) for s in scales]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scales", default="1,4,16", help="multiples of --prompts per step")
@@ -310,7 +330,9 @@ def main() -> int:
     ap.add_argument("--batch-prompts", type=int, default=16, help="rollout.batch_prompts (bench_e2e's default)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--steps-before", type=int, default=8, help="RL steps before the window")
-    ap.add_argument("--steps", type=int, default=24, help="RL steps in the window")
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"RL steps in the window at every scale (default: {WINDOW_STEPS_1X} / scale, at least "
+                         f"{MIN_WINDOW_STEPS})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-threads", type=int, default=1, help="torch threads of TRL's process")
     ap.add_argument("--trl-venv", default="",
@@ -329,8 +351,10 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     scales = [int(s) for s in a.scales.split(",")]
-    window_steps = ([int(s) for s in a.only_scale_steps.split(",")] if a.only_scale_steps
-                    else [a.steps] * len(scales))
+    try:
+        windows = window_steps(scales, a.steps, a.only_scale_steps)
+    except ValueError as e:
+        ap.error(str(e))
     ns = argparse.Namespace(seed=a.seed, num_eval=256, fresh_warmup=False, run_timeout_s=a.timeout_s,
                             prompts=a.prompts, group=a.group, batch_prompts=a.batch_prompts,
                             max_new_tokens=a.max_new_tokens, lengths="natural", steps=0, lr=bench_e2e.DEFAULT_LR)
@@ -341,7 +365,7 @@ def main() -> int:
     calls: dict[str, dict[str, float]] = {}
     busy: dict[str, float] = {}  # ours: CPU a step over wall a step, over the window
     by_side: dict[str, list[tuple[int, dict[str, float]]]] = {"ours": [], "trl": []}
-    for scale, steps in zip(scales, window_steps):
+    for scale, steps in zip(scales, windows):
         ns.prompts, ns.steps = a.prompts * scale, a.steps_before + steps + 4
         n_rows = ns.prompts * a.group
         overrides = [*bench_e2e.workload_overrides(ns), *bench_e2e.start_from(model), *bench_e2e.MODES["async"],

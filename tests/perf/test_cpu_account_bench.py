@@ -94,3 +94,19 @@ def test_trl_interpreter_makes_bench_e2e_venv_or_says_what_to_do(tmp_path, monke
     (tmp_path / "v" / "bin").mkdir(parents=True)
     (tmp_path / "v" / "bin" / "python").write_text("")
     assert bench.trl_interpreter(str(tmp_path / "v"), tmp_path) == tmp_path / "v" / "bin" / "python"
+
+
+def test_the_default_window_holds_about_the_same_rows_at_every_scale():
+    assert bench.window_steps([1, 4, 16], None) == [bench.WINDOW_STEPS_1X, bench.WINDOW_STEPS_1X // 4,
+                                                    bench.WINDOW_STEPS_1X // 16]
+    assert bench.window_steps([1000], None) == [bench.MIN_WINDOW_STEPS]
+
+
+def test_a_window_given_is_taken_at_every_scale_or_per_scale():
+    assert bench.window_steps([1, 4], 24) == [24, 24]
+    assert bench.window_steps([1, 4], 24, "30,10") == [30, 10]
+
+
+def test_per_scale_windows_must_name_one_per_scale():
+    with pytest.raises(ValueError, match="2 windows for 3 scales"):
+        bench.window_steps([1, 4, 16], None, "24,12")
