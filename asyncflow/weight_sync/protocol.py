@@ -53,8 +53,10 @@ class TensorSpec:
 
 # A run of at least this many bytes travels as a message of its own: sent from the tensor's own
 # memory and received where it belongs, with no copy on either side. Smaller runs are packed
-# together, so a model's many small tensors (norms, biases) do not each pay a message.
-DIRECT_BYTES = 1 << 18
+# together: a message costs its sender and each receiver a fixed share of CPU (the backend's
+# threads woken, its bookkeeping), more than copying a run this small does, so a model's small
+# tensors (norms, biases; every tensor of a small model) share one message.
+DIRECT_BYTES = 1 << 19
 
 
 @dataclass(frozen=True)

@@ -57,12 +57,13 @@ def _setup(rank: int, port: int) -> tuple:
 
 
 class BigNet(Net):
-    """Net with a last tensor larger than the sockets' buffers take (4 MB): a sender cannot have
-    handed its whole version to the kernel before a receiver reads it."""
+    """Net with a last tensor larger than the sockets' buffers take (8 MB): a sender cannot have
+    handed its whole version to the kernel before a receiver reads it, and each training rank's
+    rows of it (4 MB) are at least DIRECT_BYTES, so they travel from the shard's own memory."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.big = nn.Linear(1024, 1024, bias=False)
+        self.big = nn.Linear(1024, 2048, bias=False)
 
 
 def _sharded(train, net_class: type = Net) -> nn.Module:

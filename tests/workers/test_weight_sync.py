@@ -50,8 +50,10 @@ def test_a_non_tensor_or_an_empty_model_is_refused_by_name():
 
 
 def _split_header(n_sources: int, bucket_bytes: int) -> tuple[ws.WeightHeader, dict[str, torch.Tensor]]:
+    # "big": every source's rows of it (a third at most) are DIRECT_BYTES or more
+    big_rows = 3 * ws.DIRECT_BYTES // (512 * 4) + 3
     t = {"embed": torch.randn(5, 3), "ids": torch.arange(7), "w": torch.randn(4, 2).to(torch.bfloat16),
-         "big": torch.randn(600, 512), "one_row": torch.randn(1, 4), "bias": torch.randn(3)}
+         "big": torch.randn(big_rows, 512), "one_row": torch.randn(1, 4), "bias": torch.randn(3)}
     split = {"embed", "w", "big", "one_row", "bias"}  # as FSDP2 shards parameters (not buffers) by rows
     specs = tuple(ws.TensorSpec(k, tuple(v.shape), ws.dtype_name(v.dtype), k in split) for k, v in t.items())
     return ws.WeightHeader(1, 1, specs, ws.plan_buckets(specs, bucket_bytes), n_sources), t
@@ -95,7 +97,23 @@ def test_pieces_cover_every_byte_of_a_bucket_once_with_each_rank_sending_its_own
             assert bool((written[off:off + spec.nbytes] == 1).all()), spec.name
         for spec, v in ws.views(header, b, full):
             assert torch.equal(v, t[spec.name]), spec.name
-    assert directs == n_sources  # "big" (1.2 MB): every rank's rows of it alone
+    assert directs == n_sources  # "big": every rank's rows of it alone
+
+
+def test_a_model_of_small_tensors_goes_as_one_message_and_a_tensor_of_direct_bytes_alone():
+    """Every message costs both ends a fixed share of CPU: a small model's tensors (a hidden-128
+    decoder's largest, its 128 x 512 MLP projections, are 256 KiB) and any other tensor under
+    DIRECT_BYTES share one packed message; a tensor of DIRECT_BYTES travels alone."""
+    under = ws.DIRECT_BYTES // 4 - 1  # fp32 elements of a tensor just under the threshold
+    named = [(f"mlp{i}", torch.zeros(512, 128)) for i in range(6)] + [("w", torch.zeros(under)),
+                                                                       ("norm", torch.zeros(7))]
+    header = ws.make_header(named, 1, 1, 64 << 20, 1, None)
+    assert len(header.buckets) == 1
+    (msgs,) = header.pieces(0)
+    assert len(msgs) == 1 and not msgs[0].direct and len(msgs[0].segments) == 8
+    header = ws.make_header([*named, ("big", torch.zeros(ws.DIRECT_BYTES // 4))], 1, 1, 64 << 20, 1, None)
+    (msgs,) = header.pieces(0)
+    assert [m.direct for m in msgs] == [True, False]
 
 
 def test_a_split_tensor_with_no_rows_sends_nothing_and_breaks_nothing():
